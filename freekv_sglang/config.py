@@ -1,0 +1,69 @@
+"""The one configuration object of FreeKV: every knob of the method, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FreeKVConfig:
+    """FreeKV knobs. All sizes are in tokens and must be whole pages.
+
+    budget: tokens of *selected* pages per KV head and request, in addition to the sink and the
+        window (so a decoding request attends to at most sink + budget + window + one partial page).
+    sink: the first tokens of every request, always attended.
+    window: the most recent full pages, always attended, plus the page being filled.
+    page_size: tokens per KV page; the unit of selection, offload and recall.
+    tau: correction threshold on the group-mean cosine similarity of adjacent queries.
+        0 disables correction (pure speculation), 1 corrects every head every step (no speculation);
+        in between a KV head is reselected and recalled before attention when its similarity < tau.
+    dense_layers: the first layers attend densely over the whole context.
+    """
+
+    budget: int = 2048
+    sink: int = 128
+    window: int = 512
+    page_size: int = 32
+    tau: float = 0.9
+    dense_layers: int = 1
+
+    def __post_init__(self) -> None:
+        p = self.page_size
+        if not isinstance(p, int) or p < 1 or p & (p - 1):
+            raise ValueError(f"page_size must be a positive power of two, got {p!r}")
+        for name in ("budget", "sink", "window"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0 or v % p:
+                raise ValueError(f"{name} must be a non-negative multiple of page_size={p}, got {v!r}")
+        if self.budget == 0:
+            raise ValueError("budget must be at least one page; use plain dense attention instead of budget=0")
+        if self.window == 0:
+            raise ValueError(f"window must be at least one page ({p} tokens): the newest full page is always attended")
+        if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not 0.0 <= self.tau <= 1.0:
+            raise ValueError(f"tau must be a number in [0, 1], got {self.tau!r}")
+        if not isinstance(self.dense_layers, int) or self.dense_layers < 0:
+            raise ValueError(f"dense_layers must be a non-negative integer, got {self.dense_layers!r}")
+
+    @property
+    def sink_pages(self) -> int:
+        return self.sink // self.page_size
+
+    @property
+    def window_pages(self) -> int:
+        return self.window // self.page_size
+
+    @property
+    def select_pages(self) -> int:
+        return self.budget // self.page_size
+
+    @property
+    def resident_pages(self) -> int:
+        """GPU pages a decoding request holds per sparse layer: sink, slots, window ring (window + partial)."""
+        return self.sink_pages + self.select_pages + self.window_pages + 1
+
+    def check_model(self, num_layers: int, num_q_heads: int, num_kv_heads: int) -> None:
+        """Refuse model shapes FreeKV cannot serve, naming the knob to change."""
+        if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+            raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+        if self.dense_layers > num_layers:
+            raise ValueError(f"dense_layers={self.dense_layers} exceeds the model's {num_layers} layers")
