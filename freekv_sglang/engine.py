@@ -1,0 +1,330 @@
+"""The batched FreeKV decode engine, independent of any serving framework.
+
+State is indexed by request slot, never by batch position, so requests of different lengths share a
+batch and join or leave between steps. A decode step is `begin_step` (host bookkeeping and small
+uploads, outside any CUDA graph), then `attend` once per layer (device work only, capturable), then
+`end_step` (joins the side streams).
+
+Per sparse layer l of a step, in stream order (see streams.py):
+  compute: wait done[l] of the previous step; write the new K/V; cosine similarity of q_i and q_{i-1}
+           per KV head -> correction flags; record E_q
+  select:  wait E_q; score + select with q_i; delta against the resident slots; recall *now* the
+           changed slots of flagged heads and the empty slots that selection fills; record E_now
+  compute: wait E_now; attention over sink | slots | window; record E_attn
+  recall:  wait E_attn; recall the remaining changed slots (speculative, used by step i+1);
+           summarise and offload the page leaving the window; record done[l]
+Recall never writes a slot this step's attention reads: the speculative recall waits for E_attn
+(ordering, not double buffering), and the next step's correction waits for it through done[l].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from .config import FreeKVConfig
+from .host_pool import HostPool, LocalHostPool
+from .layout import Layout, StepPlan, plan_step
+from .ops import load_ops
+from .streams import Streams
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+# Selection variants: FreeKV (group-mean softmax, speculative with correction), the Quest-style
+# baseline (max over the group of raw scores, always the current query) and StreamingLLM-style
+# dropping (sink + window only, nothing selected).
+METHODS = ("freekv", "quest", "streaming")
+
+
+class FreeKVEngine:
+    def __init__(self, cfg: FreeKVConfig, shape: ModelShape, *, max_requests: int, max_context: int,
+                 dtype: torch.dtype, device: torch.device | str, host_pool: HostPool | None = None,
+                 host_pages: int | None = None, backend: str | None = None, method: str = "freekv",
+                 collect_stats: bool = True):
+        cfg.check_model(shape.num_layers, shape.num_q_heads, shape.num_kv_heads)
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if max_requests < 1 or max_context < 1:
+            raise ValueError("max_requests and max_context must be positive")
+        self.cfg, self.shape, self.method = cfg, shape, method
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.ops = load_ops(backend or ("triton" if self.device.type == "cuda" else "torch"))
+        p = cfg.page_size
+        L, H, Hq, D = shape.num_layers, shape.num_kv_heads, shape.num_q_heads, shape.head_dim
+        self.max_pages = -(-max_context // p)
+        self.layout = Layout(cfg, self.max_pages)
+        self.num_slots = max_requests
+        self.pad_slot = max_requests  # one extra slot absorbs padded rows of a captured batch
+        R = max_requests + 1
+        self.scale = 1.0 / math.sqrt(D)
+        self.tau = 1.0 if method == "quest" else cfg.tau
+        self.retrieval = method != "streaming"
+        self.pooling = "max" if method == "quest" else "mean_softmax"
+
+        if host_pool is None:
+            host_pool = LocalHostPool(host_pages or max_requests * self.max_pages, L, H, p, D, dtype)
+        want = (host_pool.arena.shape[1:], host_pool.arena.dtype)
+        if want != (torch.Size([L, H, 2, p, D]), dtype):
+            raise ValueError(f"host pool arena {tuple(host_pool.arena.shape)} {host_pool.arena.dtype} does not "
+                             f"match the model: [P, {L}, {H}, 2, {p}, {D}] {dtype}")
+        self.host = host_pool
+        num_host = host_pool.arena.shape[0]
+
+        kw = dict(dtype=dtype, device=self.device)
+        self.dense = [layer < cfg.dense_layers for layer in range(L)]
+        pages = [self.layout.dense_pool_pages(R) if d else self.layout.sparse_pool_pages(R) for d in self.dense]
+        self.k_cache = [torch.zeros(n * p, H, D, **kw) for n in pages]
+        self.v_cache = [torch.zeros(n * p, H, D, **kw) for n in pages]
+        # Summaries are indexed by host page, so they follow a page wherever a request goes.
+        self.summaries = [None if d else torch.zeros(num_host, H, 2, D, **kw) for d in self.dense]
+        self.page_table = torch.full((R, self.max_pages), -1, dtype=torch.int32, device=self.device)
+        k = cfg.select_pages
+        self.slot_table = torch.full((L, R, H, k), -1, dtype=torch.int32, device=self.device)
+        self.prev_q = torch.zeros(L, R, Hq, D, **kw)
+        self.has_prev = torch.zeros(L, R, dtype=torch.bool, device=self.device)
+
+        self.streams = Streams(self.device, L)
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+        self._len = [0] * R
+        self._host_pages: list[list[int]] = [[] for _ in range(R)]
+        self._owner = [0] * R  # host-pool owner id of the request in each slot
+        self._next_owner = 1
+
+        self.collect_stats = collect_stats
+        z = dict(dtype=torch.float64, device=self.device)
+        self._stat_flags = torch.zeros(L, **z)  # flagged (row, KV head) checks
+        self._stat_cos = torch.zeros(L, **z)  # sum of group-mean cosine similarities
+        self._stat_cos_n = torch.zeros(L, **z)
+        self._stat_recall_now = torch.zeros(L, **z)  # (page, head) chunks recalled before attention
+        self._stat_recall_later = torch.zeros(L, **z)
+        self._stat_checks = 0  # (row, KV head) checks per sparse layer
+        self._stat_steps = 0
+
+    # ---- request lifecycle -------------------------------------------------------------------
+
+    def add_request(self) -> int:
+        if not self._free_slots:
+            raise RuntimeError(f"all {self.num_slots} request slots are in use")
+        slot = self._free_slots.pop()
+        self._owner[slot] = self._next_owner
+        self._next_owner += 1
+        return slot
+
+    def remove_request(self, slot: int) -> None:
+        self._check_slot(slot)
+        self.host.free(self._owner[slot])
+        self._host_pages[slot] = []
+        self._len[slot] = 0
+        self.page_table[slot] = -1
+        self.slot_table[:, slot] = -1
+        self.has_prev[:, slot] = False
+        self._free_slots.append(slot)
+
+    def seq_len(self, slot: int) -> int:
+        return self._len[slot]
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots or slot in self._free_slots:
+            raise ValueError(f"request slot {slot} is not in use")
+
+    def _ensure_host_pages(self, slot: int, num_pages: int, updates: list[tuple[int, int, int]]) -> None:
+        """Host pages for logical pages [sink_pages, num_pages) of a slot (sink pages stay on the GPU)."""
+        have = self.cfg.sink_pages + len(self._host_pages[slot])
+        if num_pages > have:
+            new = self.host.alloc(self._owner[slot], num_pages - have)
+            updates.extend((slot, have + i, hp) for i, hp in enumerate(new))
+            self._host_pages[slot].extend(new)
+
+    def _upload_page_table(self, updates: list[tuple[int, int, int]]) -> None:
+        if updates:
+            idx = torch.tensor(updates, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.page_table[idx[:, 0], idx[:, 1]] = idx[:, 2].int()
+
+    # ---- prefill -----------------------------------------------------------------------------
+
+    def begin_prefill(self, slot: int, num_tokens: int) -> None:
+        """Reserve host pages for a prompt of num_tokens; then call prefill_layer for every layer."""
+        self._check_slot(slot)
+        if self._len[slot]:
+            raise ValueError(f"slot {slot} already holds {self._len[slot]} tokens")
+        if not 0 < num_tokens < self.max_pages * self.cfg.page_size:
+            raise ValueError(f"prompt of {num_tokens} tokens does not fit max_context "
+                             f"{self.max_pages * self.cfg.page_size} (one token must remain to decode)")
+        updates: list[tuple[int, int, int]] = []
+        self._ensure_host_pages(slot, -(-num_tokens // self.cfg.page_size), updates)
+        self._upload_page_table(updates)
+        self._len[slot] = num_tokens
+
+    def prefill_layer(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor, q_last: torch.Tensor) -> None:
+        """Store the prompt's post-RoPE K/V [n, H, D] of one layer (its attention ran densely elsewhere).
+
+        Sink and window pages go to their GPU pages; pages no longer in the window when the next token
+        arrives are summarised and offloaded. q_last [Hq, D] is the last prompt token's query.
+        """
+        cfg, p = self.cfg, self.cfg.page_size
+        n = self._len[slot]
+        if k.shape[0] != n or v.shape[0] != n:
+            raise ValueError(f"prefill of slot {slot} expects {n} tokens, got {k.shape[0]}")
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        c = (n - 1) // p
+        if self.dense[layer]:
+            first = self.layout.dense_base(slot) * p
+            kc[first:first + n] = k
+            vc[first:first + n] = v
+            return
+        resident = [j for j in range(c + 1) if j < cfg.sink_pages or j >= c - cfg.window_pages]
+        for j in resident:
+            row = self.layout.resident_page(slot, j) * p
+            t = min(p, n - j * p)
+            kc[row:row + t] = k[j * p:j * p + t]
+            vc[row:row + t] = v[j * p:j * p + t]
+        offload = list(range(cfg.sink_pages, n // p - cfg.window_pages))
+        if offload:
+            src = torch.tensor(offload, dtype=torch.int32, device=self.device)
+            dst = self.page_table[slot, src.long()]
+            valid = torch.ones(len(offload), dtype=torch.bool, device=self.device)
+            kv = k[:n // p * p].contiguous(), v[:n // p * p].contiguous()
+            self.ops.page_summary(kv[0], src, dst, valid, self.summaries[layer], p)
+            self.ops.offload_pages(kv[0], kv[1], self.host.arena[:, layer], src, dst, valid, p)
+        self.prev_q[layer, slot] = q_last
+        self.has_prev[layer, slot] = True
+        self.slot_table[layer, slot] = -1
+
+    # ---- decode ------------------------------------------------------------------------------
+
+    def begin_step(self, slots: list[int], pad_to: int | None = None) -> StepPlan:
+        """Append one token to each slot's sequence and plan the step (host work; run outside graphs)."""
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"a request slot appears twice in the batch: {slots}")
+        updates: list[tuple[int, int, int]] = []
+        lens = []
+        for s in slots:
+            self._check_slot(s)
+            if not self._len[s]:
+                raise ValueError(f"slot {s} has no prompt: call begin_prefill first")
+            n = self._len[s] + 1
+            if n > self.max_pages * self.cfg.page_size:
+                raise ValueError(f"slot {s} reached max_context={self.max_pages * self.cfg.page_size}")
+            self._ensure_host_pages(s, -(-n // self.cfg.page_size), updates)
+            self._len[s] = n
+            lens.append(n)
+        self._upload_page_table(updates)
+        pad = (pad_to or len(slots)) - len(slots)
+        if pad < 0:
+            raise ValueError(f"pad_to={pad_to} is smaller than the batch ({len(slots)})")
+        host = torch.tensor([slots + [self.pad_slot] * pad, lens + [1] * pad], dtype=torch.int32)
+        host = host.to(self.device, non_blocking=True)
+        self._stat_checks += len(slots) * self.shape.num_kv_heads
+        self._stat_steps += 1
+        return plan_step(self.layout, host[0], host[1], self.page_table, self.pad_slot, self.retrieval)
+
+    def attend(self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this step's K/V [B, H, D] and return the attention output [B, Hq, D] for q [B, Hq, D]."""
+        p, ops = self.cfg.page_size, self.ops
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        if self.dense[layer]:
+            kc[plan.dense_loc] = k
+            vc[plan.dense_loc] = v
+            return ops.sparse_decode_attention(q, kc, vc, plan.dense_table, plan.dense_pages, plan.last_page_len,
+                                               self.scale, p)
+        st = self.streams
+        st.wait_done(layer)
+        kc[plan.sparse_loc] = k
+        vc[plan.sparse_loc] = v
+        if self.collect_stats:
+            self._record_cosine(plan, layer, q)
+        flags = ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
+                                     self.shape.group)
+        later = None
+        if self.retrieval:
+            e_q = st.record()
+            with st.on("select"):
+                st.wait(e_q)
+                st.hand_over("select", q, flags)
+                later = self._select_and_recall_now(plan, layer, q, flags)
+                e_now = st.record()
+            st.wait(e_now)
+        out = ops.sparse_decode_attention(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, self.scale, p)
+        e_attn = st.record()
+        with st.on("recall"):
+            st.wait(e_attn)
+            if later is not None:
+                st.hand_over("recall", *later)
+                src, head, dst, valid = later
+                ops.recall_pages(self.host.arena[:, layer], kc, vc, src, head, dst, valid, p)
+            ops.page_summary(kc, plan.offload_src, plan.offload_dst, plan.offload_valid, self.summaries[layer], p)
+            ops.offload_pages(kc, vc, self.host.arena[:, layer], plan.offload_src, plan.offload_dst,
+                              plan.offload_valid, p)
+            st.record_done(layer)
+        return out
+
+    def _select_and_recall_now(self, plan: StepPlan, layer: int, q: torch.Tensor, flags: torch.Tensor):
+        ops, p = self.ops, self.cfg.page_size
+        B = q.shape[0]
+        H, k = self.shape.num_kv_heads, self.cfg.select_pages
+        r = plan.req_slots.long()
+        scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, self.cfg.sink_pages,
+                                 plan.cand_end, self.scale, self.pooling)
+        sel = ops.select_pages(scores, k)
+        old = self.slot_table[layer, r]
+        new, changed = ops.slot_delta(old, sel)
+        self.slot_table[layer, r] = new
+        # Flagged heads attend with q_i's selection now; so does every head whose selection grew into
+        # an empty slot (the context is still shorter than the budget): attention must not miss pages.
+        now = changed & (flags[:, :, None] | (old < 0))
+        later = changed & ~now
+        src = self.page_table[r[:, None, None], new.long().clamp(min=0)]
+        head = torch.arange(H, device=self.device, dtype=torch.int32)[None, :, None].expand(B, H, k)
+        dst = plan.slot_pages[:, None, :].expand(B, H, k)
+        src, head, dst = src.reshape(-1), head.reshape(-1), dst.reshape(-1)
+        ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], src, head, dst,
+                         now.reshape(-1), p)
+        if self.collect_stats:
+            valid = plan.row_valid[:, None, None]
+            self._stat_flags[layer] += (flags & plan.row_valid[:, None]).sum()
+            self._stat_recall_now[layer] += (now & valid).sum()
+            self._stat_recall_later[layer] += (later & valid).sum()
+        return src, head, dst, later.reshape(-1)
+
+    def _record_cosine(self, plan: StepPlan, layer: int, q: torch.Tensor) -> None:
+        r = plan.req_slots.long()
+        cos = torch.nn.functional.cosine_similarity(q.float(), self.prev_q[layer, r].float(), dim=-1, eps=1e-12)
+        cos = cos.view(q.shape[0], -1, self.shape.group).mean(-1)
+        counted = (plan.row_valid & self.has_prev[layer, r])[:, None]
+        self._stat_cos[layer] += (cos * counted).sum()
+        self._stat_cos_n[layer] += counted.sum() * cos.shape[1]
+
+    def end_step(self) -> None:
+        self.streams.join()
+
+    # ---- statistics --------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Per sparse layer: correction rate (flagged KV-head checks), mean adjacent-query cosine, and
+        recalled bytes (before attention / speculative). Synchronises: call between steps."""
+        layers = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
+        checks = max(self._stat_checks, 1)
+        chunk = 2 * self.cfg.page_size * self.shape.head_dim * self.k_cache[0].element_size()
+        flags, cos, cos_n = self._stat_flags.tolist(), self._stat_cos.tolist(), self._stat_cos_n.tolist()
+        now, later = self._stat_recall_now.tolist(), self._stat_recall_later.tolist()
+        return {
+            "steps": self._stat_steps,
+            "correction_rate": {layer: flags[layer] / checks for layer in layers},
+            "mean_cosine": {layer: cos[layer] / max(cos_n[layer], 1) for layer in layers},
+            "recall_bytes_now": sum(now[layer] for layer in layers) * chunk,
+            "recall_bytes_speculative": sum(later[layer] for layer in layers) * chunk,
+        }

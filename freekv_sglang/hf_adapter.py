@@ -1,0 +1,191 @@
+"""Run a Hugging Face Llama/Qwen2-style causal LM with the FreeKV engine doing decode attention.
+
+The adapter owns the forward pass (embedding, RoPE, projections, MLP come from the HF modules) so
+the engine sees post-RoPE queries and keys. Prefill is dense (SDPA, causal, GQA) and hands each
+layer's K/V to the engine; decode is batched over requests of different lengths, which join and
+leave between steps (a small continuous-batching loop, greedy sampling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections import deque
+
+import torch
+import torch.nn.functional as F
+
+from .config import FreeKVConfig
+from .engine import FreeKVEngine, ModelShape
+
+SUPPORTED = ("llama", "qwen2")
+
+
+def model_shape(model) -> ModelShape:
+    c = model.config
+    if c.model_type not in SUPPORTED:
+        raise ValueError(f"model type {c.model_type!r} is not supported; FreeKV's adapter runs {SUPPORTED}")
+    if getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", False):
+        raise ValueError("sliding-window attention models are not supported")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return ModelShape(c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, head_dim)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [n, heads, D]; cos/sin [n, D]
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+
+
+@dataclasses.dataclass
+class PrefillCache:
+    """A prompt's dense prefill, reusable by several engines (methods/budgets) on the same prompt."""
+
+    ids: list[int]
+    k: list[torch.Tensor]  # per layer [n, H, D], post-RoPE
+    v: list[torch.Tensor]
+    q_last: list[torch.Tensor]  # per layer [Hq, D]
+    first_token: int
+
+
+class FreeKVModel:
+    def __init__(self, model, engine: FreeKVEngine):
+        self.model, self.engine = model, engine
+        self.shape = engine.shape
+        self.device = engine.device
+        inner = model.model
+        self.layers, self.embed, self.norm, self.rotary = inner.layers, inner.embed_tokens, inner.norm, inner.rotary_emb
+
+    @classmethod
+    def build(cls, model, cfg: FreeKVConfig, *, max_requests: int, max_context: int, method: str = "freekv",
+              backend: str | None = None, host_pool=None) -> "FreeKVModel":
+        p = next(model.parameters())
+        engine = FreeKVEngine(cfg, model_shape(model), max_requests=max_requests, max_context=max_context,
+                              dtype=p.dtype, device=p.device, backend=backend, method=method, host_pool=host_pool)
+        return cls(model, engine)
+
+    def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        attn, s = layer.self_attn, self.shape
+        n = x.shape[0]
+        q = attn.q_proj(x).view(n, s.num_q_heads, s.head_dim)
+        k = attn.k_proj(x).view(n, s.num_kv_heads, s.head_dim)
+        v = attn.v_proj(x).view(n, s.num_kv_heads, s.head_dim)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def _rotary(self, h: torch.Tensor, positions: torch.Tensor):
+        cos, sin = self.rotary(h[None], positions[None])
+        return cos[0].to(h.dtype), sin[0].to(h.dtype)
+
+    def _finish_layer(self, layer, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        h = residual + layer.self_attn.o_proj(attn_out.flatten(1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.norm(h)).float()
+
+    @torch.no_grad()
+    def prefill(self, ids: list[int]) -> PrefillCache:
+        """Dense causal prefill of one prompt; returns its per-layer K/V and the greedy first token."""
+        t = torch.tensor(ids, device=self.device)
+        h = self.embed(t)
+        cos, sin = self._rotary(h, torch.arange(len(ids), device=self.device))
+        ks, vs, qs = [], [], []
+        for layer in self.layers:
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(layer, x, cos, sin)
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
+            h = self._finish_layer(layer, h, o[0].transpose(0, 1))
+            ks.append(k)
+            vs.append(v)
+            qs.append(q[-1])
+        return PrefillCache(list(ids), ks, vs, qs, int(self._logits(h[-1:]).argmax(-1)))
+
+    def load_prefill(self, cache: PrefillCache) -> int:
+        """Put a prefilled prompt into a fresh engine slot; returns the slot."""
+        eng = self.engine
+        slot = eng.add_request()
+        eng.begin_prefill(slot, len(cache.ids))
+        for layer in range(self.shape.num_layers):
+            eng.prefill_layer(slot, layer, cache.k[layer], cache.v[layer], cache.q_last[layer])
+        return slot
+
+    @torch.no_grad()
+    def decode_step(self, slots: list[int], tokens: list[int]) -> list[int]:
+        """One batched greedy step: feed each slot its last token, return the next tokens."""
+        eng = self.engine
+        positions = torch.tensor([eng.seq_len(s) for s in slots], device=self.device)
+        plan = eng.begin_step(slots)
+        h = self.embed(torch.tensor(tokens, device=self.device))
+        cos, sin = self._rotary(h, positions)
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(layer, x, cos, sin)
+            h = self._finish_layer(layer, h, eng.attend(plan, i, q, k, v))
+        eng.end_step()
+        return self._logits(h).argmax(-1).tolist()
+
+    def generate(self, prompts: list[list[int]] | list[PrefillCache], max_new_tokens: int,
+                 eos_token_id: int | None = None, max_batch: int | None = None) -> list[list[int]]:
+        """Greedy generation. At most max_batch requests decode together; a finished request leaves at
+        once and the next waiting prompt joins the running batch."""
+        max_batch = max_batch or self.engine.num_slots
+        waiting = deque(enumerate(prompts))
+        outs: list[list[int]] = [[] for _ in prompts]
+        running: dict[int, int] = {}  # slot -> prompt index
+
+        def done(i: int) -> bool:
+            return len(outs[i]) >= max_new_tokens or (eos_token_id is not None and outs[i][-1] == eos_token_id)
+
+        while waiting or running:
+            while waiting and len(running) < max_batch:
+                i, prompt = waiting.popleft()
+                cache = prompt if isinstance(prompt, PrefillCache) else self.prefill(prompt)
+                outs[i].append(cache.first_token)
+                if done(i):
+                    continue
+                running[self.load_prefill(cache)] = i
+            if not running:
+                continue
+            slots = list(running)
+            for s, tok in zip(slots, self.decode_step(slots, [outs[running[s]][-1] for s in slots])):
+                i = running[s]
+                outs[i].append(tok)
+                if done(i):
+                    self.engine.remove_request(s)
+                    del running[s]
+        return outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Greedy generation with SmolLM2-135M through the FreeKV engine.")
+    ap.add_argument("--prompt", default="The pass key is 71432. Remember it. " + "The grass is green. " * 200
+                    + "What is the pass key? The pass key is")
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--budget", type=int, default=256)
+    ap.add_argument("--sink", type=int, default=32)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--tau", type=float, default=0.9)
+    ap.add_argument("--dense-layers", type=int, default=1)
+    ap.add_argument("--method", default="freekv", choices=("freekv", "quest", "streaming"))
+    args = ap.parse_args()
+    from .hf_models import load_smollm2
+
+    model, tok = load_smollm2()
+    cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
+                       tau=args.tau, dense_layers=args.dense_layers)
+    ids = tok(args.prompt)["input_ids"]
+    fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + args.max_new_tokens + 1,
+                           method=args.method)
+    out = fm.generate([ids], args.max_new_tokens, eos_token_id=tok.eos_token_id)[0]
+    print(f"prompt: {len(ids)} tokens; output: {tok.decode(out)!r}")
+    print(fm.engine.stats())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Host memory that holds every offloaded KV page: HND pages [P, L, H, 2, p, D] the GPU reads directly."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class HostPoolFull(RuntimeError):
+    pass
+
+
+class HostPool(Protocol):
+    """Owner of host pages. `arena` is addressable by GPU kernels (pinned or CUDA-registered) on CUDA machines."""
+
+    arena: torch.Tensor
+
+    def alloc(self, owner: int, n: int) -> list[int]: ...
+
+    def free(self, owner: int) -> int: ...
+
+
+class LocalHostPool:
+    """An in-process pinned arena with a free list: the engine's default when no kvstore daemon is given."""
+
+    def __init__(self, num_pages: int, num_layers: int, num_kv_heads: int, page_size: int, head_dim: int,
+                 dtype: torch.dtype, pin: bool | None = None):
+        if num_pages < 1:
+            raise ValueError(f"host pool needs at least one page, got num_pages={num_pages}")
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.arena = torch.empty(num_pages, num_layers, num_kv_heads, 2, page_size, head_dim, dtype=dtype,
+                                 pin_memory=pin)
+        self._free = list(range(num_pages - 1, -1, -1))
+        self._owned: dict[int, list[int]] = {}
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def alloc(self, owner: int, n: int) -> list[int]:
+        if n > len(self._free):
+            raise HostPoolFull(f"host KV pool full: {n} pages wanted, {len(self._free)} free of "
+                               f"{self.arena.shape[0]}; raise the host pool size")
+        pages = [self._free.pop() for _ in range(n)]
+        self._owned.setdefault(owner, []).extend(pages)
+        return pages
+
+    def free(self, owner: int) -> int:
+        pages = self._owned.pop(owner, [])
+        self._free.extend(reversed(pages))
+        return len(pages)

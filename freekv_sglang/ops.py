@@ -1,0 +1,30 @@
+"""The FreeKV ops the engine calls, from the Triton kernels or from their torch references."""
+
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+_OPS = {
+    "page_summary": ("page_summary", "page_summary"),
+    "offload_pages": ("offload", "offload_pages"),
+    "recall_pages": ("recall", "recall_pages"),
+    "query_similarity": ("query_similarity", "query_similarity"),
+    "score_pages": ("page_select", "score_pages"),
+    "select_pages": ("page_select", "select_pages"),
+    "slot_delta": ("page_select", "slot_delta"),
+    "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
+}
+
+BACKENDS = ("triton", "torch")
+
+
+def load_ops(backend: str) -> SimpleNamespace:
+    """backend "triton": the kernels (CUDA, or CPU under TRITON_INTERPRET=1); "torch": the references."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown ops backend {backend!r}; choose one of {BACKENDS}")
+    ops = {}
+    for name, (module, fn) in _OPS.items():
+        mod = importlib.import_module(f"freekv_kernels.{module}")
+        ops[name] = getattr(mod, fn if backend == "triton" else f"naive_{fn}")
+    return SimpleNamespace(**ops)
