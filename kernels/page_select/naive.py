@@ -1,0 +1,65 @@
+"""Torch references for page scoring, top-k selection and slot assignment (see docs/kernels.md)."""
+
+from __future__ import annotations
+
+import torch
+
+POOLINGS = ("mean_softmax", "max")
+
+
+def naive_score_pages(
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    page_table: torch.Tensor,
+    req_slots: torch.Tensor,
+    cand_start: int,
+    cand_end: torch.Tensor,
+    scale: float,
+    pooling: str = "mean_softmax",
+) -> torch.Tensor:
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    B, Hq, D = q.shape
+    H = summaries.shape[1]
+    G = Hq // H
+    M = page_table.shape[1]
+    scores = torch.full((B, H, M), float("-inf"), dtype=torch.float32, device=q.device)
+    for b, (slot, end) in enumerate(zip(req_slots.tolist(), cand_end.tolist())):
+        end = min(end, M)
+        if end <= cand_start:
+            continue
+        pages = page_table[slot, cand_start:end].long()
+        kmin = summaries[pages, :, 0].float().transpose(0, 1)  # [H, n, D]
+        kmax = summaries[pages, :, 1].float().transpose(0, 1)
+        qb = q[b].float().view(H, G, 1, D)
+        s = scale * torch.maximum(qb * kmin[:, None], qb * kmax[:, None]).sum(-1)  # [H, G, n]
+        if pooling == "max":
+            pooled = s.amax(dim=1)
+        else:
+            pooled = torch.softmax(s, dim=-1).mean(dim=1)
+        scores[b, :, cand_start:end] = pooled
+    return scores
+
+
+def naive_select_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
+    # A stable descending sort breaks ties by the lower page id.
+    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
+    sel = torch.full((*scores.shape[:-1], k), -1, dtype=torch.int32, device=scores.device)
+    n = min(k, scores.shape[-1])
+    sel[..., :n] = torch.where(vals[..., :n] == float("-inf"), -1, idx[..., :n]).to(torch.int32)
+    return sel
+
+
+def naive_slot_delta(old: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, k = old.shape
+    new = torch.full_like(old, -1)
+    for b in range(B):
+        for h in range(H):
+            o, s = old[b, h].tolist(), sel[b, h].tolist()
+            wanted = {p for p in s if p != -1}
+            kept = [p if p in wanted else -1 for p in o]
+            incoming = iter([p for p in s if p != -1 and p not in kept])
+            row = [p if p != -1 else next(incoming, -1) for p in kept]
+            new[b, h] = torch.tensor(row, dtype=old.dtype)
+    changed = (new != -1) & (new != old)
+    return new, changed
