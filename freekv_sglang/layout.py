@@ -91,7 +91,7 @@ def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, p
     ring0 = base + n_s + k
 
     def ring(page: torch.Tensor) -> torch.Tensor:
-        return ring0 + torch.remainder(page - n_s, n_w + 1)
+        return ring0.view(-1, *[1] * (page.dim() - 1)) + torch.remainder(page - n_s, n_w + 1)
 
     sparse_page = torch.where(c < n_s, base + c, ring(c))
     dense_first = 1 + r * layout.max_pages
