@@ -1,0 +1,69 @@
+"""Triton query_similarity: per-KV-head cosine-similarity flags, fused with the prev_q update."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._alloc import empty
+from .._utils import check_device
+from .naive import EPS
+
+
+@triton.jit
+def _query_similarity_kernel(
+    q_ptr, prev_ptr, slots_ptr, has_prev_ptr, flags_ptr,
+    tau, H,
+    sq_b, sq_h, sq_d,
+    sp_r, sp_h, sp_d,
+    s_slot, s_has,
+    sf_b, sf_h,
+    G: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
+):
+    """One program per batch row: all Hq heads as [HP, GP, D] (KV head, head in group, dim)."""
+    b = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
+    h = tl.arange(0, HP)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    hq = (h[:, None] * G + g[None, :]).to(tl.int64)[:, :, None]
+    mask = ((h < H)[:, None] & (g < G)[None, :])[:, :, None]
+    q_ptrs = q_ptr + b * sq_b + hq * sq_h + d[None, None, :] * sq_d
+    p_ptrs = prev_ptr + slot * sp_r + hq * sp_h + d[None, None, :] * sp_d
+    q = tl.load(q_ptrs, mask=mask, other=0.0)
+    prev = tl.load(p_ptrs, mask=mask, other=0.0).to(tl.float32)
+    has = tl.load(has_prev_ptr + slot * s_has)
+    qf = q.to(tl.float32)
+    dot = tl.sum(qf * prev, axis=2)
+    norms = tl.sqrt(tl.sum(qf * qf, axis=2)) * tl.sqrt(tl.sum(prev * prev, axis=2))
+    mean = tl.sum(dot / tl.maximum(norms, EPS), axis=1) / G  # padded heads have dot == 0
+    flags = ((mean < tau) & (tau > 0)) | (tau >= 1) | (has == 0)
+    tl.store(flags_ptr + b * sf_b + h.to(tl.int64) * sf_h, flags, mask=h < H)
+    # Other threads of this program may still be reading prev_q elements that the stores below overwrite.
+    tl.debug_barrier()
+    tl.store(p_ptrs, q.to(prev_ptr.dtype.element_ty), mask=mask)
+    tl.store(has_prev_ptr + slot * s_has, 1)
+
+
+def query_similarity(
+    q: torch.Tensor,
+    prev_q: torch.Tensor,
+    req_slots: torch.Tensor,
+    has_prev: torch.Tensor,
+    tau: float,
+    group: int,
+) -> torch.Tensor:
+    check_device(q, prev_q, req_slots, has_prev)
+    B, Hq, D = q.shape
+    H = Hq // group
+    assert Hq == H * group and prev_q.shape[1:] == (Hq, D) and D & (D - 1) == 0
+    flags = empty(B, H, dtype=torch.bool, device=q.device)
+    _query_similarity_kernel[(B,)](
+        q, prev_q, req_slots, has_prev, flags,
+        float(tau), H,
+        *q.stride(), *prev_q.stride(), req_slots.stride(0), has_prev.stride(0), *flags.stride(),
+        G=group, HP=triton.next_power_of_2(H), GP=triton.next_power_of_2(group), D=D, EPS=EPS,
+        num_warps=8 if Hq * D > 4096 else 4,
+    )
+    return flags

@@ -1,0 +1,84 @@
+"""query_similarity against its torch reference, plus the tau / has_prev semantics and the prev_q update."""
+
+import pytest
+import torch
+
+from freekv_kernels.query_similarity import naive_query_similarity, query_similarity
+from freekv_kernels.testing import assert_close, device, poisoned_outputs
+
+B, H, R = 5, 3, 8
+
+
+def make_inputs(G, D, dtype):
+    """q close to, far from, or opposite to the previous query depending on the head; built on CPU.
+
+    prev_q rows of requests outside the batch are NaN: they must be neither read nor written.
+    """
+    Hq = H * G
+    prev_q = torch.full((R, Hq, D), float("nan"))
+    req_slots = torch.randperm(R)[:B].to(torch.int32)
+    prev = torch.randn(B, Hq, D)
+    prev_q[req_slots.long()] = prev
+    sign = torch.where(torch.rand(B, Hq, 1) < 0.2, -1.0, 1.0)
+    noise = torch.rand(B, Hq, 1) * 2
+    q = sign * prev + noise * torch.randn(B, Hq, D)
+    has_prev = torch.rand(R) < 0.7
+    has_prev[req_slots[1]] = False  # a new request: no previous query (its prev_q row is stale)
+    has_prev[req_slots[2]] = True
+    dev = device()
+    return q.to(dtype).to(dev), prev_q.to(dtype).to(dev), req_slots.to(dev), has_prev.to(dev)
+
+
+def group_mean_cos(q, prev_q, req_slots, G):
+    prev = prev_q[req_slots.long()].float()
+    cos = torch.nn.functional.cosine_similarity(q.float(), prev, dim=-1)
+    return cos.view(q.shape[0], -1, G).mean(-1)
+
+
+def run_both(q, prev_q, req_slots, has_prev, tau, G):
+    prev_ref, has_ref = prev_q.clone(), has_prev.clone()
+    ref = naive_query_similarity(q, prev_ref, req_slots, has_ref, tau, G)
+    with poisoned_outputs():
+        flags = query_similarity(q, prev_q, req_slots, has_prev, tau, G)
+    assert_close("flags", ref, flags)
+    assert torch.equal(prev_q.isnan(), prev_ref.isnan()), "prev_q rows outside the batch were written"
+    assert_close("prev_q", prev_ref.nan_to_num(), prev_q.nan_to_num())
+    assert_close("has_prev", has_ref, has_prev)
+    return flags
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,D", [(1, 64), (3, 128), (4, 64), (8, 128)])
+def test_query_similarity_matches_reference(G, D, dtype):
+    q, prev_q, req_slots, has_prev = make_inputs(G, D, dtype)
+    tau = 0.5
+    # The inputs keep every group mean clear of tau, so fp32 rounding cannot flip a flag.
+    assert (group_mean_cos(q, prev_q, req_slots, G) - tau).abs().min() > 1e-3
+    mean_before = group_mean_cos(q, prev_q, req_slots, G)
+    old_has = has_prev[req_slots.long()].clone()
+    flags = run_both(q, prev_q, req_slots, has_prev, tau, G)
+    assert torch.equal(flags, (mean_before < tau) | ~old_has[:, None])
+    # prev_q now holds this step's query and every batch request has one.
+    assert torch.equal(prev_q[req_slots.long()], q) and has_prev[req_slots.long()].all()
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_tau_extremes_and_missing_prev(G):
+    q, prev_q, req_slots, has_prev = make_inputs(G, 64, torch.float32)
+    q[0, :G] = prev_q[req_slots[0].long(), :G]  # identical query: cosine 1, flagged only by tau >= 1
+    q[2] = -prev_q[req_slots[2].long()]  # opposite query (has a previous one): cosine -1, not flagged by tau == 0
+    snapshot = prev_q.clone(), has_prev.clone()
+    no_prev = ~has_prev[req_slots.long()]
+    assert no_prev.any() and not no_prev.all()
+
+    flags = run_both(q, prev_q, req_slots, has_prev, 1.0, G)
+    assert flags.all()
+
+    prev_q.copy_(snapshot[0])
+    has_prev.copy_(snapshot[1])
+    flags = run_both(q, prev_q, req_slots, has_prev, 0.0, G)
+    assert torch.equal(flags, no_prev[:, None].expand(B, H))
+
+    # Second step: every request now has a previous query, equal to the current one.
+    flags = run_both(q, prev_q, req_slots, has_prev, 0.99, G)
+    assert not flags.any()
