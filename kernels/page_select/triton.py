@@ -98,7 +98,8 @@ def _pool_scores_kernel(
             pooled = tl.max(s, axis=0)
         else:
             pooled = tl.sum(tl.exp(s - m_safe[:, None]) * inv_l[:, None], axis=0) / G
-        tl.store(scores_ptr + b * so_b + h * so_h + j.to(tl.int64) * so_m, tl.where(is_cand, pooled, neg_inf), mask=j < M)
+        out = scores_ptr + b * so_b + h * so_h + j.to(tl.int64) * so_m
+        tl.store(out, tl.where(is_cand, pooled, neg_inf), mask=j < M)
 
 
 def score_pages(
