@@ -1,0 +1,28 @@
+"""Torch reference for offload_pages: copy whole GPU pages (all heads) into the HND host arena."""
+
+from __future__ import annotations
+
+import torch
+
+
+def naive_offload_pages(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    host_layer: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    valid: torch.Tensor,
+    page_size: int,
+) -> None:
+    """For each valid i: host_layer[dst[i], :, 0 / 1] <- rows src[i]*p .. +p of k_cache / v_cache, NHD -> HND.
+
+    A source page that runs past the last row (a prefill tensor whose length is not a multiple of p) copies only
+    the rows that exist; the rest of that host page is left as it was.
+    """
+    p = page_size
+    for s, d, ok in zip(src.tolist(), dst.tolist(), valid.tolist()):
+        if ok:
+            k = k_cache[s * p : (s + 1) * p].transpose(0, 1)  # [H, rows, D]
+            v = v_cache[s * p : (s + 1) * p].transpose(0, 1)
+            host_layer[d, :, 0, : k.shape[1]].copy_(k)
+            host_layer[d, :, 1, : v.shape[1]].copy_(v)

@@ -1,0 +1,97 @@
+"""offload_pages against its torch reference: whole GPU pages (every head) into host pages dst[i], nothing else."""
+
+import pytest
+import torch
+
+from freekv_kernels.offload import naive_offload_pages, offload_pages
+from freekv_kernels.testing import assert_close, device
+
+DEV = device()
+GUARD = 1  # NaN host pages on each side: a write through a garbage index lands there and is caught
+SHAPES = [(H, D, p) for H in (1, 3, 8) for D in (64, 128) for p in (16, 32)]
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def entries(n, n_invalid, gpu_pages, P):
+    """Valid entries have distinct host pages; invalid ones carry garbage (-1) indices."""
+    src = torch.randint(0, gpu_pages, (n,), dtype=torch.int32)
+    dst = torch.randperm(P)[:n].int()
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[torch.randperm(n)[:n_invalid]] = False
+    src[~valid] = -1
+    dst[~valid] = -1
+    return [t.to(DEV) for t in (src, dst, valid)]
+
+
+def offload_into(fn, k_cache, v_cache, idx, P, p, layers=1, layer=0):
+    """Run `fn` into a NaN host layer [P, H, 2, p, D]: layer `layer` of a [P + 2*GUARD, layers, H, 2, p, D] arena
+    (pinned on CUDA; a non-contiguous view when layers > 1). Returns that layer's pages, guards included."""
+    _, H, D = k_cache.shape
+    arena = torch.full((P + 2 * GUARD, layers, H, 2, p, D), float("nan"), dtype=k_cache.dtype)
+    if DEV.type == "cuda":
+        arena = arena.pin_memory()
+    fn(k_cache, v_cache, arena[GUARD : GUARD + P, layer], *idx, p)
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    others = torch.arange(layers) != layer
+    assert arena[:, others].isnan().all(), f"{fn.__name__} wrote into another layer"
+    return arena[:, layer]
+
+
+def expected(k_cache, v_cache, idx, P, p):
+    """The guarded host layer built straight from the contract (NaN where nothing is written): rows of a page
+    past the end of k_cache (a partial last prefill page) are not written."""
+    _, H, D = k_cache.shape
+    exp = torch.full((P + 2 * GUARD, H, 2, p, D), float("nan"), dtype=k_cache.dtype)
+    src, dst, valid = idx
+    for s, d, ok in zip(src.tolist(), dst.tolist(), valid.tolist()):
+        if ok:
+            rows = min(p, k_cache.shape[0] - s * p)
+            exp[GUARD + d, :, 0, :rows] = k_cache[s * p : s * p + rows].transpose(0, 1).cpu()
+            exp[GUARD + d, :, 1, :rows] = v_cache[s * p : s * p + rows].transpose(0, 1).cpu()
+    return exp
+
+
+def check_offload(k_cache, v_cache, idx, P, p, layers=1, layer=0):
+    exp = expected(k_cache, v_cache, idx, P, p)
+    mask = ~exp.isnan()
+    for name, fn in (("naive", naive_offload_pages), ("triton", offload_pages)):
+        out = offload_into(fn, k_cache, v_cache, idx, P, p, layers, layer)
+        assert torch.equal(~out.isnan(), mask), f"{name}: {int((~out.isnan() ^ mask).sum())} elements written wrongly"
+        assert_close(f"{name} host_layer", exp[mask], out[mask], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,D,p", SHAPES)
+def test_offload_pages(H, D, p, dtype):
+    gpu_pages, P = 9, 13
+    # T = 9*p + 3: the 3 rows past the last page are never read.
+    k_cache, v_cache = torch.randn(2, gpu_pages * p + 3, H, D, dtype=dtype, device=DEV)
+    check_offload(k_cache, v_cache, entries(7, 2, gpu_pages, P), P, p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_offload_pages_prefill_partial_page(dtype):
+    """A prefill tensor of 4*p + 5 tokens: its last page holds 5 rows, only those reach the host page."""
+    n_tokens, P, H, D, p = 4 * 16 + 5, 8, 3, 64, 16
+    k_cache, v_cache = torch.randn(2, n_tokens, H, D, dtype=dtype, device=DEV)
+    src, dst = torch.arange(5, dtype=torch.int32), torch.tensor([6, 0, 3, 7, 2], dtype=torch.int32)
+    idx = [t.to(DEV) for t in (src, dst, torch.ones(5, dtype=torch.bool))]
+    check_offload(k_cache, v_cache, idx, P, p)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_offload_pages_layer_view(dtype):
+    """Writes host_kv[:, layer] of a [P, L, H, 2, p, D] arena from K/V caches interleaved in one [T, 2, H, D]
+    buffer: all strides come from the tensors, other layers stay untouched."""
+    gpu_pages, P, H, D, p = 5, 7, 3, 64, 16
+    kv = torch.randn(gpu_pages * p, 2, H, D, dtype=dtype, device=DEV)
+    idx = entries(5, 2, gpu_pages, P)
+    for layer in (0, 2):
+        check_offload(kv[:, 0], kv[:, 1], idx, P, p, layers=3, layer=layer)
+
+
+@pytest.mark.parametrize("n,n_invalid", [(0, 0), (3, 3)])
+def test_offload_pages_nothing_valid(n, n_invalid):
+    k_cache, v_cache = torch.randn(2, 4 * 16, 3, 64, dtype=torch.bfloat16, device=DEV)
+    check_offload(k_cache, v_cache, entries(n, n_invalid, 4, 5), 5, 16)
