@@ -1,0 +1,50 @@
+"""The real SmolLM2-135M through the engine's Hugging Face adapter, on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freekv_sglang.config import FreeKVConfig
+from freekv_sglang.hf_adapter import FreeKVModel
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from freekv_sglang.hf_models import load_smollm2
+
+    return load_smollm2(dtype=torch.float32)
+
+
+def passkey_prompt(tok, key: str, filler_repeats: int) -> list[int]:
+    text = (f"There is a pass key hidden in this text. The pass key is {key}. Remember it. "
+            + "The grass is green. The sky is blue. The sun is yellow. Here we go. " * filler_repeats
+            + "What is the pass key? The pass key is")
+    return tok(text)["input_ids"]
+
+
+def test_greedy_equals_hf_generate_when_budget_covers_context(smollm2):
+    model, tok = smollm2
+    prompts = [passkey_prompt(tok, "71432", 6), passkey_prompt(tok, "90210", 14), tok("Once upon a time")["input_ids"]]
+    new = 24
+    # Budget beyond every context: FreeKV must reproduce the model's own greedy generation exactly.
+    cfg = FreeKVConfig(budget=1024, sink=32, window=32, page_size=16, tau=0.9, dense_layers=1)
+    fm = FreeKVModel.build(model, cfg, max_requests=2, max_context=512)
+    outs = fm.generate(prompts, new, max_batch=2)  # 2 at a time: the third joins when one leaves
+    for ids, out in zip(prompts, outs):
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, min_new_tokens=new)
+        assert out == ref[0, len(ids):].tolist()
+    st = fm.engine.stats()
+    assert st["recall_bytes_now"] > 0  # pages really went through the host pool and back
+
+
+def test_sparse_budget_still_finds_the_passkey(smollm2):
+    model, tok = smollm2
+    ids = passkey_prompt(tok, "58213", 40)
+    assert len(ids) > 700
+    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=16, tau=0.9, dense_layers=1)
+    fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + 16)
+    out = fm.generate([ids], 8)[0]
+    assert "58213" in tok.decode(out)
+    st = fm.engine.stats()
+    assert 0 <= min(st["correction_rate"].values()) and max(st["correction_rate"].values()) <= 1
