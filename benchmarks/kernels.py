@@ -1,0 +1,258 @@
+"""GPU benchmarks for the FreeKV kernels (needs a CUDA device).
+
+Measures, in one run:
+  link   the host<->GPU link peak: one large pinned copy_ each way;
+  recall recall_pages gathering random 16 KiB (page, head) chunks straight from a pinned host arena (GB/s, % of peak);
+  offload offload_pages writing whole GPU pages into the pinned arena (GB/s, % of the GPU->host peak);
+  select score_pages + select_pages latency per layer (eager and CUDA-graph replay).
+A correctness check of recall/offload against the torch references runs on the GPU before any timing.
+
+    python benchmarks/kernels.py [--out results/kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+
+from freekv_kernels.offload import naive_offload_pages, offload_pages
+from freekv_kernels.recall import naive_recall_pages, recall_pages
+
+DEVICE = torch.device("cuda")
+GiB = 1 << 30
+
+# Llama-3.1-8B: 32 query heads over 8 KV heads, head dim 128, bf16; FreeKV page size 32.
+HQ, H, D, PAGE, DTYPE = 32, 8, 128, 32, torch.bfloat16
+CHUNK_BYTES = 2 * PAGE * D * DTYPE.itemsize  # one (page, head): K then V, 16 KiB
+
+
+def pinned_empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, pin_memory=True)
+
+
+def time_ms(fn: Callable[[int], object], repeats: int, warmup: int) -> float:
+    """Median of `repeats` CUDA-event timings of fn(i) (i: the iteration, to vary inputs), after `warmup` calls."""
+    times = []
+    for i in range(warmup + repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def random_entries(n: int, src_pages: int, dst_pages: int, sets: int) -> list[tuple[torch.Tensor, ...]]:
+    """`sets` independent draws of n recall entries: random host page and head, distinct (dst page, head) pairs.
+    A fresh draw per timed call keeps earlier calls' chunks from being served out of the GPU's L2."""
+    out = []
+    for _ in range(sets):
+        pair = torch.randperm(dst_pages * H, device=DEVICE)[:n]
+        src = torch.randint(0, src_pages, (n,), dtype=torch.int32, device=DEVICE)
+        out.append((src, (pair % H).int(), (pair // H).int()))
+    return out
+
+
+def check_correctness() -> dict:
+    """recall_pages / offload_pages against the torch references on this GPU, with pinned memory and invalid
+    entries carrying -1 indices. Raises on a mismatch: there is no point timing a wrong kernel."""
+    P, gpu_pages, n = 61, 37, 203
+    host_layer = torch.randn(P, 3, H, 2, PAGE, D, dtype=DTYPE).pin_memory()[:, 1]  # a strided layer view
+    src, head, dst = random_entries(n, P, gpu_pages, 1)[0]
+    valid = torch.rand(n, device=DEVICE) < 0.8
+    src, head, dst = (torch.where(valid, t, -1) for t in (src, head, dst))
+    caches = {}
+    for name, fn in (("naive", naive_recall_pages), ("triton", recall_pages)):
+        k, v = torch.full((2, gpu_pages * PAGE, H, D), float("nan"), dtype=DTYPE, device=DEVICE)
+        fn(host_layer, k, v, src, head, dst, valid, PAGE)
+        caches[name] = torch.stack([k, v])
+    recall_ok = torch.equal(caches["naive"].isnan(), caches["triton"].isnan()) and torch.equal(
+        caches["naive"].nan_to_num(), caches["triton"].nan_to_num()
+    )
+
+    k, v = torch.randn(2, gpu_pages * PAGE + 7, H, D, dtype=DTYPE, device=DEVICE)  # partial last page
+    osrc = torch.randperm(gpu_pages + 1, device=DEVICE)[:17].int()
+    odst = torch.randperm(P, device=DEVICE)[:17].int()
+    ovalid = torch.rand(17, device=DEVICE) < 0.8
+    osrc, odst = (torch.where(ovalid, t, -1) for t in (osrc, odst))
+    arenas = {}
+    for name, fn in (("naive", naive_offload_pages), ("triton", offload_pages)):
+        arena = torch.full((P, H, 2, PAGE, D), float("nan"), dtype=DTYPE).pin_memory()
+        fn(k, v, arena, osrc, odst, ovalid, PAGE)
+        torch.cuda.synchronize()
+        arenas[name] = arena
+    offload_ok = torch.equal(arenas["naive"].isnan(), arenas["triton"].isnan()) and torch.equal(
+        arenas["naive"].nan_to_num(), arenas["triton"].nan_to_num()
+    )
+    result = {"recall_ok": recall_ok, "offload_ok": offload_ok}
+    print(f"correctness vs torch reference: {result}")
+    if not (recall_ok and offload_ok):
+        raise SystemExit("kernel output differs from the torch reference; not timing it")
+    return result
+
+
+def bench_link(gib: float, repeats: int) -> dict:
+    """One large pinned copy_ each way: the ceiling for any zero-copy kernel on this link."""
+    nbytes = int(gib * GiB)
+    host = pinned_empty(nbytes, dtype=torch.uint8)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    h2d = time_ms(lambda i: dev.copy_(host, non_blocking=True), repeats, warmup=2)
+    d2h = time_ms(lambda i: host.copy_(dev, non_blocking=True), repeats, warmup=2)
+    res = {"bytes": nbytes, "h2d_ms": h2d, "h2d_gbps": gbps(nbytes, h2d), "d2h_ms": d2h, "d2h_gbps": gbps(nbytes, d2h)}
+    print(f"\nlink peak ({nbytes / GiB:.2f} GiB pinned copy_): host->GPU {res['h2d_gbps']:.1f} GB/s, "
+          f"GPU->host {res['d2h_gbps']:.1f} GB/s")
+    return res
+
+
+def bench_recall(host_layer: torch.Tensor, sizes: list[int], peak: float, repeats: int, warmup: int) -> list[dict]:
+    gpu_pages = max(sizes) // H  # every (page, head) of the GPU cache can be a destination
+    k, v = torch.empty(2, gpu_pages * PAGE, H, D, dtype=DTYPE, device=DEVICE)
+    print(f"\nrecall_pages: random {CHUNK_BYTES // 1024} KiB (page, head) chunks from a "
+          f"{host_layer.shape[0] * H * CHUNK_BYTES / GiB:.1f} GiB pinned arena into a {gpu_pages}-page GPU cache")
+    print(f"{'chunks':>8} {'MiB':>8} {'ms':>9} {'GB/s':>8} {'% peak':>7}")
+    rows = []
+    for n in sizes:
+        sets = random_entries(n, host_layer.shape[0], gpu_pages, warmup + repeats)
+        valid = torch.ones(n, dtype=torch.bool, device=DEVICE)
+        ms = time_ms(lambda i: recall_pages(host_layer, k, v, *sets[i], valid, PAGE), repeats, warmup)
+        row = {"chunks": n, "bytes": n * CHUNK_BYTES, "ms": ms, "gbps": gbps(n * CHUNK_BYTES, ms)}
+        row["pct_peak"] = 100 * row["gbps"] / peak
+        rows.append(row)
+        print(f"{n:>8} {row['bytes'] / 2**20:>8.0f} {ms:>9.3f} {row['gbps']:>8.1f} {row['pct_peak']:>6.1f}%")
+    return rows
+
+
+def bench_offload(host_layer: torch.Tensor, sizes: list[int], peak: float, repeats: int, warmup: int) -> list[dict]:
+    gpu_pages, P = max(sizes), host_layer.shape[0]
+    k, v = torch.randn(2, gpu_pages * PAGE, H, D, dtype=DTYPE, device=DEVICE)
+    page_bytes = H * CHUNK_BYTES
+    print(f"\noffload_pages: whole GPU pages (all {H} heads, {page_bytes // 1024} KiB) into random host pages")
+    print(f"{'pages':>8} {'MiB':>8} {'ms':>9} {'GB/s':>8} {'% peak':>7}")
+    rows = []
+    for n in sizes:
+        sets = [
+            (torch.randperm(gpu_pages, device=DEVICE)[:n].int(), torch.randperm(P, device=DEVICE)[:n].int())
+            for _ in range(warmup + repeats)
+        ]
+        valid = torch.ones(n, dtype=torch.bool, device=DEVICE)
+        ms = time_ms(lambda i: offload_pages(k, v, host_layer, *sets[i], valid, PAGE), repeats, warmup)
+        row = {"pages": n, "bytes": n * page_bytes, "ms": ms, "gbps": gbps(n * page_bytes, ms)}
+        row["pct_peak"] = 100 * row["gbps"] / peak
+        rows.append(row)
+        print(f"{n:>8} {row['bytes'] / 2**20:>8.0f} {ms:>9.3f} {row['gbps']:>8.1f} {row['pct_peak']:>6.1f}%")
+    return rows
+
+
+def graph_replay_ms(run: Callable[[], object], repeats: int) -> float:
+    """Capture one call of `run` in a CUDA graph and time its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return time_ms(lambda i: graph.replay(), repeats, warmup=3)
+
+
+def bench_select(contexts: list[int], batches: list[int], budget: int, repeats: int, warmup: int) -> dict | list[dict]:
+    try:
+        from freekv_kernels.page_select import score_pages, select_pages
+    except ImportError as e:
+        print(f"\nselection: skipped, freekv_kernels.page_select is not importable ({e})")
+        return {"skipped": str(e)}
+    k = budget // PAGE
+    print(f"\nselection per layer: score_pages + select_pages, {HQ} q heads / {H} KV heads, D={D}, p={PAGE}, "
+          f"k={k} pages ({budget} tokens), every page of every row a candidate")
+    print(f"{'context':>8} {'batch':>6} {'pooling':>13} {'eager us':>9} {'graph us':>9}")
+    rows = []
+    for ctx in contexts:
+        for B in batches:
+            M = ctx // PAGE
+            summaries = torch.randn(B * M, H, 2, D, dtype=DTYPE, device=DEVICE)
+            page_table = torch.randperm(B * M, device=DEVICE).int().view(B, M)
+            req_slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
+            cand_end = torch.full((B,), M, dtype=torch.int32, device=DEVICE)
+            q = torch.randn(B, HQ, D, dtype=DTYPE, device=DEVICE)
+            for pooling in ("mean_softmax", "max"):
+
+                def run():
+                    scores = score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling)
+                    return select_pages(scores, k)
+
+                row = {"context": ctx, "batch": B, "pages_per_row": M, "k": k, "pooling": pooling}
+                row["eager_us"] = 1e3 * time_ms(lambda i: run(), repeats, warmup)
+                try:
+                    row["graph_us"] = 1e3 * graph_replay_ms(run, repeats)
+                except Exception as e:  # report, keep going: capture is a bonus measurement
+                    row["graph_error"] = f"{type(e).__name__}: {e}"
+                rows.append(row)
+                graph = f"{row['graph_us']:>9.1f}" if "graph_us" in row else f"{'failed':>9} ({row['graph_error']})"
+                print(f"{ctx:>8} {B:>6} {pooling:>13} {row['eager_us']:>9.1f} {graph}")
+    return rows
+
+
+def int_list(s: str) -> list[int]:
+    return [int(x) for x in s.split(",")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="results/kernels.json", help="JSON results path")
+    ap.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--peak-gib", type=float, default=2.0, help="size of the link-peak copy")
+    ap.add_argument("--arena-gib", type=float, default=4.0, help="pinned host arena that recall gathers from")
+    ap.add_argument("--recall-chunks", type=int_list, default=[512, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--offload-pages", type=int_list, default=[64, 512, 2048])
+    ap.add_argument("--contexts", type=int_list, default=[32 * 1024, 128 * 1024])
+    ap.add_argument("--batches", type=int_list, default=[1, 16])
+    ap.add_argument("--budget", type=int, default=2048, help="selection budget in tokens (k = budget / page size)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py needs a CUDA device")
+
+    env = {
+        "gpu": torch.cuda.get_device_name(DEVICE),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "shapes": {"Hq": HQ, "H": H, "D": D, "page_size": PAGE, "dtype": str(DTYPE), "chunk_bytes": CHUNK_BYTES},
+    }
+    print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  CUDA {env['cuda']}")
+    print(f"shapes: {env['shapes']}")
+    results = {"env": env, "args": vars(args), "correctness": check_correctness()}
+
+    results["link"] = bench_link(args.peak_gib, args.repeats)
+    # The arena's content is irrelevant to a copy's speed: left unfilled, it costs only the pinning.
+    P = max(int(args.arena_gib * GiB) // (H * CHUNK_BYTES), max(args.offload_pages))
+    host_layer = pinned_empty(P, 1, H, 2, PAGE, D, dtype=DTYPE)[:, 0]
+    link, reps = results["link"], (args.repeats, args.warmup)
+    results["recall"] = bench_recall(host_layer, args.recall_chunks, link["h2d_gbps"], *reps)
+    results["offload"] = bench_offload(host_layer, args.offload_pages, link["d2h_gbps"], *reps)
+    del host_layer
+    results["selection"] = bench_select(args.contexts, args.batches, args.budget, args.repeats, args.warmup)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + os.linesep)
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
