@@ -15,7 +15,7 @@ def naive_recall_pages(
     valid: torch.Tensor,
     page_size: int,
 ) -> None:
-    """For each valid i: rows dst[i]*p .. +p of head head[i] in k_cache / v_cache <- host_layer[src[i], head[i], 0 / 1]."""
+    """For each valid i: rows dst[i]*p .. +p, head head[i] of k_cache / v_cache <- host_layer[src[i], head[i], 0/1]."""
     p = page_size
     for s, h, d, ok in zip(src.tolist(), head.tolist(), dst.tolist(), valid.tolist()):
         if ok:

@@ -61,7 +61,7 @@ def recall_pages(
     valid: torch.Tensor,
     page_size: int,
 ) -> None:
-    """For each valid i: rows dst[i]*p .. +p of head head[i] in k_cache / v_cache <- host_layer[src[i], head[i], 0 / 1]."""
+    """For each valid i: rows dst[i]*p .. +p, head head[i] of k_cache / v_cache <- host_layer[src[i], head[i], 0/1]."""
     check_device(host_layer, k_cache, v_cache, src, head, dst, valid)
     n = src.shape[0]
     D = host_layer.shape[-1]
