@@ -53,7 +53,7 @@ PY
 if installed_ok; then
   log "dependencies up to date in $VENV (FREEKV_FORCE_INSTALL=1 to reinstall)"
 else
-  PIP=("$PY" -m pip install -q --disable-pip-version-check --no-input)
+  PIP=("$PY" -m pip install -qq --disable-pip-version-check --no-input)
   # The CPU torch wheel lies in /opt/wheels on these machines (PIP_FIND_LINKS points there too,
   # but CI's environment may not carry it): without it pip would take PyPI's CUDA build.
   if [ -d /opt/wheels ]; then PIP+=(--find-links /opt/wheels); fi
