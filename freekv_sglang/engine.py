@@ -6,15 +6,21 @@ uploads, outside any CUDA graph), then `attend` once per layer (device work only
 `end_step` (joins the side streams).
 
 Per sparse layer l of a step, in stream order (see streams.py):
-  compute: wait done[l] of the previous step; write the new K/V; cosine similarity of q_i and q_{i-1}
-           per KV head -> correction flags; record E_q
+  compute: write the new K/V; cosine similarity of q_i and q_{i-1} per KV head -> correction flags;
+           record E_q
   select:  wait E_q; score + select with q_i; delta against the resident slots; recall *now* the
            changed slots of flagged heads and the empty slots that selection fills; record E_now
   compute: wait E_now; attention over sink | slots | window; record E_attn
   recall:  wait E_attn; recall the remaining changed slots (speculative, used by step i+1);
-           summarise and offload the page leaving the window; record done[l]
+           summarise and offload the page leaving the window
+  end_step: compute joins both side streams.
 Recall never writes a slot this step's attention reads: the speculative recall waits for E_attn
-(ordering, not double buffering), and the next step's correction waits for it through done[l].
+(ordering, not double buffering), and the join orders it before the next step's correction recall and
+before the KV write that reuses the ring page being offloaded. Speculative recall of layer l overlaps
+layers l+1.. of the same step; only the last layer's is exposed at the join.
+Tensors that cross streams are either consumed before the consumer's event is waited on by their
+producer stream, or live in persistent buffers (the speculative recall list), so the caching
+allocator never hands a block to one stream while another still reads it.
 """
 
 from __future__ import annotations
@@ -97,7 +103,15 @@ class FreeKVEngine:
         self.prev_q = torch.zeros(L, R, Hq, D, **kw)
         self.has_prev = torch.zeros(L, R, dtype=torch.bool, device=self.device)
 
-        self.streams = Streams(self.device, L)
+        self.streams = Streams(self.device)
+        # Step inputs live in static buffers so a captured step replays with new values.
+        self._step_slots = torch.full((max_requests,), self.pad_slot, dtype=torch.int32, device=self.device)
+        self._step_lens = torch.ones(max_requests, dtype=torch.int32, device=self.device)
+        n_rec = max_requests * H * k
+        self._later = [None if d else (torch.zeros(n_rec, dtype=torch.int32, device=self.device),
+                                       torch.zeros(n_rec, dtype=torch.int32, device=self.device),
+                                       torch.zeros(n_rec, dtype=torch.int32, device=self.device),
+                                       torch.zeros(n_rec, dtype=torch.bool, device=self.device)) for d in self.dense]
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self._len = [0] * R
         self._host_pages: list[list[int]] = [[] for _ in range(R)]
@@ -207,7 +221,18 @@ class FreeKVEngine:
     # ---- decode ------------------------------------------------------------------------------
 
     def begin_step(self, slots: list[int], pad_to: int | None = None) -> StepPlan:
-        """Append one token to each slot's sequence and plan the step (host work; run outside graphs)."""
+        """Append one token to each slot's sequence and plan the step (eager decoding)."""
+        self.prepare_step(slots, pad_to)
+        return self.plan(pad_to or len(slots))
+
+    def plan(self, batch: int) -> StepPlan:
+        """Device-side planning from the static step buffers: capturable in a CUDA graph."""
+        return plan_step(self.layout, self._step_slots[:batch], self._step_lens[:batch], self.page_table,
+                         self.pad_slot, self.retrieval)
+
+    def prepare_step(self, slots: list[int], pad_to: int | None = None) -> None:
+        """Host bookkeeping of a step (host pages, lengths) and upload into the static step buffers.
+        Runs outside CUDA graphs; rows past len(slots) up to pad_to are padding."""
         if len(set(slots)) != len(slots):
             raise ValueError(f"a request slot appears twice in the batch: {slots}")
         updates: list[tuple[int, int, int]] = []
@@ -224,13 +249,13 @@ class FreeKVEngine:
             lens.append(n)
         self._upload_page_table(updates)
         pad = (pad_to or len(slots)) - len(slots)
-        if pad < 0:
-            raise ValueError(f"pad_to={pad_to} is smaller than the batch ({len(slots)})")
+        if pad < 0 or len(slots) + pad > self.num_slots:
+            raise ValueError(f"pad_to={pad_to} must lie in [{len(slots)}, {self.num_slots}]")
         host = torch.tensor([slots + [self.pad_slot] * pad, lens + [1] * pad], dtype=torch.int32)
-        host = host.to(self.device, non_blocking=True)
+        self._step_slots[:host.shape[1]].copy_(host[0], non_blocking=True)
+        self._step_lens[:host.shape[1]].copy_(host[1], non_blocking=True)
         self._stat_checks += len(slots) * self.shape.num_kv_heads
         self._stat_steps += 1
-        return plan_step(self.layout, host[0], host[1], self.page_table, self.pad_slot, self.retrieval)
 
     def attend(self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this step's K/V [B, H, D] and return the attention output [B, Hq, D] for q [B, Hq, D]."""
@@ -242,7 +267,6 @@ class FreeKVEngine:
             return ops.sparse_decode_attention(q, kc, vc, plan.dense_table, plan.dense_pages, plan.last_page_len,
                                                self.scale, p)
         st = self.streams
-        st.wait_done(layer)
         kc[plan.sparse_loc] = k
         vc[plan.sparse_loc] = v
         if self.collect_stats:
@@ -254,7 +278,6 @@ class FreeKVEngine:
             e_q = st.record()
             with st.on("select"):
                 st.wait(e_q)
-                st.hand_over("select", q, flags)
                 later = self._select_and_recall_now(plan, layer, q, flags)
                 e_now = st.record()
             st.wait(e_now)
@@ -263,13 +286,10 @@ class FreeKVEngine:
         with st.on("recall"):
             st.wait(e_attn)
             if later is not None:
-                st.hand_over("recall", *later)
-                src, head, dst, valid = later
-                ops.recall_pages(self.host.arena[:, layer], kc, vc, src, head, dst, valid, p)
+                ops.recall_pages(self.host.arena[:, layer], kc, vc, *later, p)
             ops.page_summary(kc, plan.offload_src, plan.offload_dst, plan.offload_valid, self.summaries[layer], p)
             ops.offload_pages(kc, vc, self.host.arena[:, layer], plan.offload_src, plan.offload_dst,
                               plan.offload_valid, p)
-            st.record_done(layer)
         return out
 
     def _select_and_recall_now(self, plan: StepPlan, layer: int, q: torch.Tensor, flags: torch.Tensor):
@@ -298,7 +318,11 @@ class FreeKVEngine:
             self._stat_flags[layer] += (flags & plan.row_valid[:, None]).sum()
             self._stat_recall_now[layer] += (now & valid).sum()
             self._stat_recall_later[layer] += (later & valid).sum()
-        return src, head, dst, later.reshape(-1)
+        n = src.numel()
+        bufs = self._later[layer]
+        for buf, t in zip(bufs, (src, head, dst, later.reshape(-1))):
+            buf[:n].copy_(t)
+        return tuple(buf[:n] for buf in bufs)
 
     def _record_cosine(self, plan: StepPlan, layer: int, q: torch.Tensor) -> None:
         r = plan.req_slots.long()

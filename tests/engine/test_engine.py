@@ -14,8 +14,10 @@ import torch
 
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
+from freekv_kernels.testing import device
 
 D = 16
+DEV = device()
 
 
 def attend_ref(q, K, V, tokens_per_head, G, scale):
@@ -101,7 +103,7 @@ class Oracle:
 def make_engine(cfg, H, G, L, max_requests=4, max_context=512, method="freekv", backend="torch"):
     shape = ModelShape(num_layers=L, num_q_heads=H * G, num_kv_heads=H, head_dim=D)
     return FreeKVEngine(cfg, shape, max_requests=max_requests, max_context=max_context, dtype=torch.float32,
-                        device="cpu", backend=backend, method=method)
+                        device=DEV, backend=backend, method=method)
 
 
 def drift(prev, n_heads):
@@ -121,7 +123,7 @@ def run_and_check(cfg, H, G, prompt_lens, steps, L=3, backend="torch", atol=1e-5
         oracles = []
         for layer in range(L):
             K, V, q = torch.randn(n, H, D), torch.randn(n, H, D), torch.randn(H * G, D)
-            eng.prefill_layer(slot, layer, K, V, q)
+            eng.prefill_layer(slot, layer, K.to(DEV), V.to(DEV), q.to(DEV))
             o = Oracle(cfg, H, G, cfg.tau)
             o.prefill(K, V, q)
             oracles.append(o)
@@ -132,7 +134,7 @@ def run_and_check(cfg, H, G, prompt_lens, steps, L=3, backend="torch", atol=1e-5
         for layer in range(L):
             q = drift(torch.stack([o[layer].prev_q for _, o in reqs]), H * G)
             k, v = torch.randn(len(reqs), H, D), torch.randn(len(reqs), H, D)
-            out = eng.attend(plan, layer, q, k, v)
+            out = eng.attend(plan, layer, q.to(DEV), k.to(DEV), v.to(DEV)).cpu()
             for b, (_, oracles) in enumerate(reqs):
                 o = oracles[layer]
                 attended, flags = o.step(q[b], k[b], v[b])
@@ -182,13 +184,13 @@ def test_tau_one_selects_with_current_query():
     n = 300
     eng.begin_prefill(slot, n)
     K, V = torch.randn(n, 2, D), torch.randn(n, 2, D)
-    eng.prefill_layer(slot, 0, K, V, torch.randn(8, D))
+    eng.prefill_layer(slot, 0, K.to(DEV), V.to(DEV), torch.randn(8, D, device=DEV))
     o = Oracle(cfg, 2, 4, 1.0)
     o.prefill(K, V, None)
     for _ in range(10):
         plan = eng.begin_step([slot])
         q, k, v = torch.randn(1, 8, D), torch.randn(1, 2, D), torch.randn(1, 2, D)
-        eng.attend(plan, 0, q, k, v)
+        eng.attend(plan, 0, q.to(DEV), k.to(DEV), v.to(DEV))
         eng.end_step()
         o.K, o.V = torch.cat([o.K, k]), torch.cat([o.V, v])
         _, _, cands, p = o.pages(o.K.shape[0])
@@ -202,9 +204,10 @@ def test_batch_equals_each_request_alone():
     cfg = FreeKVConfig(budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)
     H, G, L, lens, steps = 2, 3, 2, [90, 161, 47], 20
     torch.manual_seed(1)
-    prompts = [[(torch.randn(n, H, D), torch.randn(n, H, D), torch.randn(H * G, D)) for _ in range(L)] for n in lens]
-    inputs = [[[(torch.randn(H * G, D), torch.randn(H, D), torch.randn(H, D)) for _ in range(L)] for _ in lens]
-              for _ in range(steps)]
+    prompts = [[(torch.randn(n, H, D, device=DEV), torch.randn(n, H, D, device=DEV), torch.randn(H * G, D, device=DEV))
+                for _ in range(L)] for n in lens]
+    inputs = [[[(torch.randn(H * G, D, device=DEV), torch.randn(H, D, device=DEV), torch.randn(H, D, device=DEV))
+                for _ in range(L)] for _ in lens] for _ in range(steps)]
 
     def run(which):
         eng = make_engine(cfg, H, G, L)
@@ -249,13 +252,15 @@ def test_leave_and_join_reuse_slots_cleanly():
         return s
 
     def data(n):
-        return [(torch.randn(n, H, D), torch.randn(n, H, D), torch.randn(H * G, D)) for _ in range(L)]
+        return [(torch.randn(n, H, D, device=DEV), torch.randn(n, H, D, device=DEV), torch.randn(H * G, D, device=DEV))
+                for _ in range(L)]
 
     a, b = prefill(eng, 150, data(150)), prefill(eng, 70, data(70))
     for _ in range(12):
         plan = eng.begin_step([a, b])
         for layer in range(L):
-            eng.attend(plan, layer, torch.randn(2, H * G, D), torch.randn(2, H, D), torch.randn(2, H, D))
+            eng.attend(plan, layer, torch.randn(2, H * G, D, device=DEV), torch.randn(2, H, D, device=DEV),
+                       torch.randn(2, H, D, device=DEV))
         eng.end_step()
     free_before = eng.host.free_pages
     eng.remove_request(a)
@@ -267,9 +272,9 @@ def test_leave_and_join_reuse_slots_cleanly():
     for _ in range(12):
         plan, plan_f = eng.begin_step([b, c]), fresh.begin_step([c_alone])
         for layer in range(L):
-            q, k, v = torch.randn(H * G, D), torch.randn(H, D), torch.randn(H, D)
-            out = eng.attend(plan, layer, torch.stack([torch.randn(H * G, D), q]),
-                             torch.stack([torch.randn(H, D), k]), torch.stack([torch.randn(H, D), v]))
+            q, k, v = torch.randn(H * G, D, device=DEV), torch.randn(H, D, device=DEV), torch.randn(H, D, device=DEV)
+            out = eng.attend(plan, layer, torch.stack([torch.randn_like(q), q]),
+                             torch.stack([torch.randn_like(k), k]), torch.stack([torch.randn_like(v), v]))
             ref = fresh.attend(plan_f, layer, q[None], k[None], v[None])
             torch.testing.assert_close(out[1], ref[0], atol=1e-6, rtol=1e-6)
         eng.end_step()
@@ -290,3 +295,10 @@ def test_bad_usage_is_refused():
         eng.begin_step([3])
     with pytest.raises(ValueError, match="method"):
         make_engine(cfg, 2, 2, 2, method="bogus")
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.6, 1.0])
+def test_triton_kernels_match_oracle(tau):
+    """The same oracle check with every op from the Triton kernels (interpreter on CPU, CUDA on GPU)."""
+    cfg = FreeKVConfig(budget=32, sink=16, window=16, page_size=16, tau=tau, dense_layers=1)
+    run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=18, L=2, backend="triton", atol=1e-4)
