@@ -59,7 +59,10 @@ class FreeKVEngine:
     def __init__(self, cfg: FreeKVConfig, shape: ModelShape, *, max_requests: int, max_context: int,
                  dtype: torch.dtype, device: torch.device | str, host_pool: HostPool | None = None,
                  host_pages: int | None = None, backend: str | None = None, method: str = "freekv",
-                 collect_stats: bool = True):
+                 collect_stats: bool = True, pad_slot: int | None = None, dense_outside: bool = False):
+        """max_requests request slots. By default one extra slot absorbs padding rows; a framework with
+        its own slot ids (SGLang's req_pool_idx) passes pad_slot, the one id it pads with, instead.
+        dense_outside: the caller runs the dense layers itself (no dense KV pool here)."""
         cfg.check_model(shape.num_layers, shape.num_q_heads, shape.num_kv_heads)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -73,9 +76,12 @@ class FreeKVEngine:
         L, H, Hq, D = shape.num_layers, shape.num_kv_heads, shape.num_q_heads, shape.head_dim
         self.max_pages = -(-max_context // p)
         self.layout = Layout(cfg, self.max_pages)
-        self.num_slots = max_requests
-        self.pad_slot = max_requests  # one extra slot absorbs padded rows of a captured batch
-        R = max_requests + 1
+        R = max_requests + 1 if pad_slot is None else max_requests
+        self.pad_slot = max_requests if pad_slot is None else pad_slot
+        if not 0 <= self.pad_slot < R:
+            raise ValueError(f"pad_slot {pad_slot} outside [0, {max_requests})")
+        self.num_slots = R  # including the padding slot
+        self.max_requests = R - 1
         self.scale = 1.0 / math.sqrt(D)
         self.tau = 1.0 if method == "quest" else cfg.tau
         self.retrieval = method != "streaming"
@@ -92,7 +98,9 @@ class FreeKVEngine:
 
         kw = dict(dtype=dtype, device=self.device)
         self.dense = [layer < cfg.dense_layers for layer in range(L)]
-        pages = [self.layout.dense_pool_pages(R) if d else self.layout.sparse_pool_pages(R) for d in self.dense]
+        self.dense_outside = dense_outside
+        pages = [0 if d and dense_outside else self.layout.dense_pool_pages(R) if d else self.layout.sparse_pool_pages(R)
+                 for d in self.dense]
         self.k_cache = [torch.zeros(n * p, H, D, **kw) for n in pages]
         self.v_cache = [torch.zeros(n * p, H, D, **kw) for n in pages]
         # Summaries are indexed by host page, so they follow a page wherever a request goes.
@@ -105,14 +113,14 @@ class FreeKVEngine:
 
         self.streams = Streams(self.device)
         # Step inputs live in static buffers so a captured step replays with new values.
-        self._step_slots = torch.full((max_requests,), self.pad_slot, dtype=torch.int32, device=self.device)
-        self._step_lens = torch.ones(max_requests, dtype=torch.int32, device=self.device)
-        n_rec = max_requests * H * k
+        self._step_slots = torch.full((R,), self.pad_slot, dtype=torch.int32, device=self.device)
+        self._step_lens = torch.ones(R, dtype=torch.int32, device=self.device)
+        n_rec = R * H * k
         self._later = [None if d else (torch.zeros(n_rec, dtype=torch.int32, device=self.device),
                                        torch.zeros(n_rec, dtype=torch.int32, device=self.device),
                                        torch.zeros(n_rec, dtype=torch.int32, device=self.device),
                                        torch.zeros(n_rec, dtype=torch.bool, device=self.device)) for d in self.dense]
-        self._free_slots = list(range(max_requests - 1, -1, -1))
+        self._free_slots = [s for s in range(R - 1, -1, -1) if s != self.pad_slot]
         self._len = [0] * R
         self._host_pages: list[list[int]] = [[] for _ in range(R)]
         self._owner = [0] * R  # host-pool owner id of the request in each slot
@@ -130,10 +138,16 @@ class FreeKVEngine:
 
     # ---- request lifecycle -------------------------------------------------------------------
 
-    def add_request(self) -> int:
+    def add_request(self, slot: int | None = None) -> int:
+        """Take a free request slot (the given one, or any)."""
         if not self._free_slots:
-            raise RuntimeError(f"all {self.num_slots} request slots are in use")
-        slot = self._free_slots.pop()
+            raise RuntimeError(f"all {self.max_requests} request slots are in use")
+        if slot is None:
+            slot = self._free_slots.pop()
+        elif slot in self._free_slots:
+            self._free_slots.remove(slot)
+        else:
+            raise ValueError(f"request slot {slot} is in use or out of range")
         self._owner[slot] = self._next_owner
         self._next_owner += 1
         return slot
@@ -151,8 +165,11 @@ class FreeKVEngine:
     def seq_len(self, slot: int) -> int:
         return self._len[slot]
 
+    def is_active(self, slot: int) -> bool:
+        return 0 <= slot < self.num_slots and slot != self.pad_slot and slot not in self._free_slots
+
     def _check_slot(self, slot: int) -> None:
-        if not 0 <= slot < self.num_slots or slot in self._free_slots:
+        if not self.is_active(slot):
             raise ValueError(f"request slot {slot} is not in use")
 
     def _ensure_host_pages(self, slot: int, num_pages: int, updates: list[tuple[int, int, int]]) -> None:
@@ -183,11 +200,13 @@ class FreeKVEngine:
         self._upload_page_table(updates)
         self._len[slot] = num_tokens
 
-    def prefill_layer(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor, q_last: torch.Tensor) -> None:
+    def prefill_layer(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor,
+                      q_last: torch.Tensor | None = None) -> None:
         """Store the prompt's post-RoPE K/V [n, H, D] of one layer (its attention ran densely elsewhere).
 
         Sink and window pages go to their GPU pages; pages no longer in the window when the next token
-        arrives are summarised and offloaded. q_last [Hq, D] is the last prompt token's query.
+        arrives are summarised and offloaded. q_last [Hq, D], the last prompt token's query, seeds the
+        first decode step's similarity check; without it that step corrects every head.
         """
         cfg, p = self.cfg, self.cfg.page_size
         n = self._len[slot]
@@ -196,6 +215,8 @@ class FreeKVEngine:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         c = (n - 1) // p
         if self.dense[layer]:
+            if self.dense_outside:
+                raise ValueError(f"layer {layer} is dense and served outside the engine")
             first = self.layout.dense_base(slot) * p
             kc[first:first + n] = k
             vc[first:first + n] = v
@@ -214,8 +235,9 @@ class FreeKVEngine:
             kv = k[:n // p * p].contiguous(), v[:n // p * p].contiguous()
             self.ops.page_summary(kv[0], src, dst, valid, self.summaries[layer], p)
             self.ops.offload_pages(kv[0], kv[1], self.host.arena[:, layer], src, dst, valid, p)
-        self.prev_q[layer, slot] = q_last
-        self.has_prev[layer, slot] = True
+        if q_last is not None:
+            self.prev_q[layer, slot] = q_last
+        self.has_prev[layer, slot] = q_last is not None
         self.slot_table[layer, slot] = -1
 
     # ---- decode ------------------------------------------------------------------------------
@@ -230,28 +252,33 @@ class FreeKVEngine:
         return plan_step(self.layout, self._step_slots[:batch], self._step_lens[:batch], self.page_table,
                          self.pad_slot, self.retrieval)
 
-    def prepare_step(self, slots: list[int], pad_to: int | None = None) -> None:
+    def prepare_step(self, slots: list[int], pad_to: int | None = None, lens: list[int] | None = None) -> None:
         """Host bookkeeping of a step (host pages, lengths) and upload into the static step buffers.
-        Runs outside CUDA graphs; rows past len(slots) up to pad_to are padding."""
+        Runs outside CUDA graphs; rows past len(slots) up to pad_to are padding. `lens`, when the caller
+        tracks lengths itself, must be each slot's length after this step's token (checked)."""
         if len(set(slots)) != len(slots):
             raise ValueError(f"a request slot appears twice in the batch: {slots}")
         updates: list[tuple[int, int, int]] = []
-        lens = []
+        lens_out: list[int] = []
         for s in slots:
             self._check_slot(s)
             if not self._len[s]:
                 raise ValueError(f"slot {s} has no prompt: call begin_prefill first")
             n = self._len[s] + 1
+            if lens is not None and lens[len(lens_out)] != n:
+                raise ValueError(f"slot {s}: the caller says {lens[len(lens_out)]} tokens, the engine holds {n}")
             if n > self.max_pages * self.cfg.page_size:
                 raise ValueError(f"slot {s} reached max_context={self.max_pages * self.cfg.page_size}")
             self._ensure_host_pages(s, -(-n // self.cfg.page_size), updates)
             self._len[s] = n
-            lens.append(n)
+            lens_out.append(n)
         self._upload_page_table(updates)
         pad = (pad_to or len(slots)) - len(slots)
         if pad < 0 or len(slots) + pad > self.num_slots:
             raise ValueError(f"pad_to={pad_to} must lie in [{len(slots)}, {self.num_slots}]")
-        host = torch.tensor([slots + [self.pad_slot] * pad, lens + [1] * pad], dtype=torch.int32)
+        if len(slots) + pad > self._step_slots.shape[0]:
+            raise ValueError(f"batch of {len(slots) + pad} rows exceeds {self._step_slots.shape[0]}")
+        host = torch.tensor([slots + [self.pad_slot] * pad, lens_out + [1] * pad], dtype=torch.int32)
         self._step_slots[:host.shape[1]].copy_(host[0], non_blocking=True)
         self._step_lens[:host.shape[1]].copy_(host[1], non_blocking=True)
         self._stat_checks += len(slots) * self.shape.num_kv_heads
@@ -262,6 +289,8 @@ class FreeKVEngine:
         p, ops = self.cfg.page_size, self.ops
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         if self.dense[layer]:
+            if self.dense_outside:
+                raise ValueError(f"layer {layer} is dense and served outside the engine")
             kc[plan.dense_loc] = k
             vc[plan.dense_loc] = v
             return ops.sparse_decode_attention(q, kc, vc, plan.dense_table, plan.dense_pages, plan.last_page_len,

@@ -133,7 +133,7 @@ class FreeKVModel:
                  eos_token_id: int | None = None, max_batch: int | None = None) -> list[list[int]]:
         """Greedy generation. At most max_batch requests decode together; a finished request leaves at
         once and the next waiting prompt joins the running batch."""
-        max_batch = max_batch or self.engine.num_slots
+        max_batch = max_batch or self.engine.max_requests
         waiting = deque(enumerate(prompts))
         outs: list[list[int]] = [[] for _ in prompts]
         running: dict[int, int] = {}  # slot -> prompt index
