@@ -27,7 +27,8 @@ from .kvstore_pool import KVStoreHostPool
 logger = logging.getLogger(__name__)
 
 _ACTIVE: list["FreeKVAttnBackend"] = []
-STATS_EVERY = 512  # decode steps between the log lines that report correction rate and recall bytes
+# Decode steps between the log lines that report correction rate and recall bytes (reading them syncs).
+STATS_EVERY = int(os.environ.get("FREEKV_STATS_EVERY", "512"))
 
 
 def on_request_freed(req_pool_idx: int | None) -> None:

@@ -1,0 +1,24 @@
+# Sourced on the GPU host: the SGLang wheelhouse in /tmp/site (unpacked once per machine), this checkout
+# importable as freekv_* without installing, and its plugin entry point visible to SGLang.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TVM_FFI_CACHE_DIR=/tmp/tvm-ffi-cache
+unset TRITON_INTERPRET
+if [ ! -d /tmp/site/sglang ] && [ -f .gpu-wheels/install.sh ]; then
+  sh .gpu-wheels/install.sh /tmp/site >/dev/null || { echo "wheelhouse install failed" >&2; return 1; }
+fi
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fkv-site .whl/*.whl
+fi
+mkdir -p /tmp/fkv-src/freekv_sglang-0.1.0.dist-info
+for pair in freekv_sglang:freekv_sglang freekv_kernels:kernels freekv_kvstore:kvstore freekv_patches:patches; do
+  ln -sfn "$PWD/${pair#*:}" "/tmp/fkv-src/${pair%%:*}"
+done
+printf 'Metadata-Version: 2.1\nName: freekv-sglang\nVersion: 0.1.0\n' >/tmp/fkv-src/freekv_sglang-0.1.0.dist-info/METADATA
+python3 - >/tmp/fkv-src/freekv_sglang-0.1.0.dist-info/entry_points.txt <<'PY'
+import tomllib
+eps = tomllib.load(open("pyproject.toml", "rb"))["project"].get("entry-points", {})
+for group, items in eps.items():
+    print(f"[{group}]")
+    for k, v in items.items():
+        print(f"{k} = {v}")
+PY
+export PYTHONPATH=/tmp/fkv-src:/tmp/fkv-site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}

@@ -1,0 +1,140 @@
+"""Launch a plain SGLang server and a FreeKV server on one GPU and compare their greedy outputs.
+
+    python3 scripts/serve_check.py --model /tmp/smollm2 --out results [--attention-backend triton]
+
+Both servers use the same page size and no radix cache, so the only difference is FreeKV decode
+attention. With the budget above every context FreeKV attends to exactly the tokens full attention
+does, so greedy outputs must agree token for token. Also reports the FreeKV log lines (correction
+rate, recall bytes) and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+COMMON = ["--disable-radix-cache", "--page-size", "32", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+          "--max-running-requests", "32", "--mem-fraction-static", "0.25", "--log-level", "info"]
+
+
+def post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class Server:
+    def __init__(self, name: str, model: str, port: int, extra: list[str], log_dir: Path):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log_dir / f"server-{name}.log"
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port), *COMMON, *extra]
+        print(f"[{name}] {' '.join(cmd)}", flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_healthy(self, timeout: float) -> float:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"[{self.name}] exited with {self.proc.returncode}; tail:\n{self.tail()}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                return time.time() - t0
+            except Exception:
+                time.sleep(1)
+        raise RuntimeError(f"[{self.name}] not healthy after {timeout} s; tail:\n{self.tail()}")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def generate(self, ids: list[int], max_new: int) -> list[int]:
+        out = post(self.url + "/generate", {"input_ids": ids, "return_logprob": True,
+                                            "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
+                                                                "ignore_eos": True}})
+        return [t[1] for t in out["meta_info"]["output_token_logprobs"]]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def prompts(model: str, n: int, seed: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(seed)
+    words = ("river mountain garden window silver yellow quiet morning thunder paper candle forest "
+             "ocean market bridge engine pencil shadow winter summer").split()
+    out = []
+    for i in range(n):
+        key = rng.randint(10000, 99999)
+        filler = " ".join(rng.choice(words) for _ in range(rng.randint(100, 2500)))
+        text = f"The pass key is {key}. Remember it. {filler} What is the pass key? The pass key is"
+        out.append(tok(text)["input_ids"])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--attention-backend", default="triton")
+    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--freekv-args", default="--kv-budget 8192 --kv-sink 64 --kv-window 128 --kv-page-size 32 "
+                    "--kvstore-arena-gb 4")
+    ap.add_argument("--extra-args", default="", help="passed to both servers, e.g. --disable-cuda-graph")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("FREEKV_STATS_EVERY", "16")
+    common = ["--attention-backend", args.attention_backend, *args.extra_args.split()]
+    servers = [Server("plain", args.model, 30000, common, out),
+               Server("freekv", args.model, 30001, common + ["--kv-retrieval", "freekv", *args.freekv_args.split()], out)]
+    result: dict = {"attention_backend": args.attention_backend, "freekv_args": args.freekv_args,
+                    "extra_args": args.extra_args}
+    try:
+        for s in servers:
+            result[f"{s.name}_healthy_s"] = round(s.wait_healthy(600), 1)
+            print(f"[{s.name}] healthy after {result[f'{s.name}_healthy_s']} s", flush=True)
+        ps = prompts(args.model, args.prompts, seed=0)
+        result["prompt_tokens"] = [len(p) for p in ps]
+        outs = {}
+        for s in servers:
+            t0 = time.time()
+            with cf.ThreadPoolExecutor(len(ps)) as ex:  # all prompts at once: continuous batching
+                outs[s.name] = list(ex.map(lambda p: s.generate(p, args.max_new_tokens), ps))
+            result[f"{s.name}_seconds"] = round(time.time() - t0, 2)
+        same = [a == b for a, b in zip(outs["plain"], outs["freekv"])]
+        first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                      for a, b in zip(outs["plain"], outs["freekv"])]
+        result.update(identical=sum(same), total=len(same), first_divergence=first_diff,
+                      outputs=outs)
+        fk_log = servers[1].log.read_text(errors="replace").splitlines()
+        result["freekv_log"] = [ln for ln in fk_log if "FreeKV" in ln][-10:]
+        print(f"greedy outputs identical: {sum(same)}/{len(same)}; first divergence per prompt: {first_diff}")
+        for ln in result["freekv_log"]:
+            print(ln)
+    finally:
+        for s in servers:
+            s.stop()
+        (out / f"serve-check-{args.attention_backend}.json").write_text(json.dumps(result, indent=1))
+        for s in servers:
+            print(f"--- tail of {s.name} log ---\n{s.tail(15)}")
+
+
+if __name__ == "__main__":
+    main()
