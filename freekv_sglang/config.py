@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class FreeKVConfig:
     """FreeKV knobs. All sizes are in tokens and must be whole pages.
@@ -29,11 +33,11 @@ class FreeKVConfig:
 
     def __post_init__(self) -> None:
         p = self.page_size
-        if not isinstance(p, int) or p < 1 or p & (p - 1):
+        if not _is_int(p) or p < 1 or p & (p - 1):
             raise ValueError(f"page_size must be a positive power of two, got {p!r}")
         for name in ("budget", "sink", "window"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0 or v % p:
+            if not _is_int(v) or v < 0 or v % p:
                 raise ValueError(f"{name} must be a non-negative multiple of page_size={p}, got {v!r}")
         if self.budget == 0:
             raise ValueError("budget must be at least one page; use plain dense attention instead of budget=0")
@@ -41,7 +45,7 @@ class FreeKVConfig:
             raise ValueError(f"window must be at least one page ({p} tokens): the newest full page is always attended")
         if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"tau must be a number in [0, 1], got {self.tau!r}")
-        if not isinstance(self.dense_layers, int) or self.dense_layers < 0:
+        if not _is_int(self.dense_layers) or self.dense_layers < 0:
             raise ValueError(f"dense_layers must be a non-negative integer, got {self.dense_layers!r}")
 
     @property

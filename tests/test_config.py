@@ -120,3 +120,9 @@ def test_check_model_refuses_bad_head_ratio(q, kv):
 def test_check_model_refuses_too_many_dense_layers():
     with pytest.raises(ValueError, match="^dense_layers=31 exceeds the model's 30 layers"):
         FreeKVConfig(dense_layers=31).check_model(num_layers=30, num_q_heads=9, num_kv_heads=3)
+
+
+@pytest.mark.parametrize("field", ["page_size", "budget", "sink", "window", "dense_layers"])
+def test_bool_is_not_an_integer(field):
+    with pytest.raises(ValueError, match=field):
+        FreeKVConfig(**{field: True})

@@ -302,3 +302,44 @@ def test_triton_kernels_match_oracle(tau):
     """The same oracle check with every op from the Triton kernels (interpreter on CPU, CUDA on GPU)."""
     cfg = FreeKVConfig(budget=32, sink=16, window=16, page_size=16, tau=tau, dense_layers=1)
     run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=18, L=2, backend="triton", atol=1e-4)
+
+
+def test_framework_slots_padding_and_outside_dense_layers():
+    """SGLang's usage: its own slot ids (req_pool_idx), row 0 for padding, dense layers run elsewhere,
+    lengths given by the caller; a padded batch must not disturb the real rows."""
+    cfg = FreeKVConfig(budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)
+    H, G, L = 2, 3, 2
+    shape = ModelShape(num_layers=L, num_q_heads=H * G, num_kv_heads=H, head_dim=D)
+    eng = FreeKVEngine(cfg, shape, max_requests=6, max_context=512, dtype=torch.float32, device=DEV,
+                       backend="torch", pad_slot=0, dense_outside=True)
+    assert eng.k_cache[0].numel() == 0  # no dense pool
+    ref = make_engine(cfg, H, G, L, max_requests=2)
+    slots, ref_slots, lens = [4, 2], [], [130, 75]
+    for s, n in zip(slots, lens):
+        eng.add_request(s)
+        eng.begin_prefill(s, n)
+        r = ref.add_request()
+        ref.begin_prefill(r, n)
+        ref_slots.append(r)
+        for layer in range(L):
+            k, v = torch.randn(n, H, D, device=DEV), torch.randn(n, H, D, device=DEV)
+            ref.prefill_layer(r, layer, k, v, None)
+            if layer:
+                eng.prefill_layer(s, layer, k, v)
+    with pytest.raises(ValueError, match="in use"):
+        eng.add_request(4)
+    with pytest.raises(ValueError, match="served outside"):
+        eng.prefill_layer(4, 0, torch.zeros(130, H, D, device=DEV), torch.zeros(130, H, D, device=DEV))
+    for step in range(1, 25):
+        eng.prepare_step(slots, pad_to=4, lens=[n + step for n in lens])
+        plan = eng.plan(4)
+        ref_plan = ref.begin_step(ref_slots)
+        q = torch.randn(4, H * G, D, device=DEV)
+        k, v = torch.randn(4, H, D, device=DEV), torch.randn(4, H, D, device=DEV)
+        ref.attend(ref_plan, 0, q[:2], k[:2], v[:2])
+        out = eng.attend(plan, 1, q, k, v)
+        torch.testing.assert_close(out[:2], ref.attend(ref_plan, 1, q[:2], k[:2], v[:2]), atol=1e-6, rtol=1e-6)
+        eng.end_step()
+        ref.end_step()
+    with pytest.raises(ValueError, match="caller says"):
+        eng.prepare_step(slots, lens=[1, 1])
