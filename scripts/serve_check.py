@@ -60,6 +60,8 @@ class Server:
         out = post(self.url + "/generate", {"input_ids": ids, "return_logprob": True,
                                             "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
                                                                 "ignore_eos": True}})
+        if "output_ids" in out:
+            return out["output_ids"]
         return [t[1] for t in out["meta_info"]["output_token_logprobs"]]
 
     def stop(self) -> None:
