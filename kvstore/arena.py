@@ -1,0 +1,185 @@
+"""Arenas: page geometry, the shared-memory segment that holds one client's pages, and stale-segment cleanup.
+
+Geometry. An arena of P pages is one C-contiguous array of shape [P, L, H, 2, p, D] (pages, layers, KV
+heads, K/V, tokens in a page, head dim) in bf16, fp16 or fp32. Host page i is one token-page of one request
+across all layers; for every (page, layer, head) its K then its V are 2*p*D contiguous elements, so a page
+is page_bytes = L*H*2*p*D*itemsize bytes at byte offset i*page_bytes.
+
+Segments are files under a shared-memory directory (/dev/shm), mode 0600, named
+``freekv.<uid>.<daemon pid>.<daemon start ms>.<n>``: the name says which daemon instance owns the file, so a
+daemon starting after a crash can tell the dead instance's files from those of a live one and remove them.
+This module needs no torch; the client builds its torch view on top of ``map_segment``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import errno
+import mmap
+import operator
+import os
+import re
+import stat
+
+import psutil
+
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+_MAX_DIM = 1 << 16
+_MAX_PAGE_BYTES = 1 << 30
+_POPULATE_CHUNK = 256 << 20
+_SEGMENT_NAME = re.compile(r"^freekv\.(\d+)\.(\d+)\.(\d+)\.\d+$")
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first touch
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArenaGeometry:
+    """Per-page shape of an arena. dtype accepts "bfloat16"/"float16"/"float32", short aliases, or a torch dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    page_size: int
+    head_dim: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "page_size", "head_dim"):
+            value = getattr(self, name)
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                value = operator.index(value)
+            except TypeError:
+                raise ValueError(f"{name} must be an integer, got {value!r}") from None
+            if not 1 <= value <= _MAX_DIM:
+                raise ValueError(f"{name} must be in [1, {_MAX_DIM}], got {value}")
+            object.__setattr__(self, name, value)
+        dtype = str(self.dtype).removeprefix("torch.")
+        dtype = _DTYPE_ALIASES.get(dtype, dtype)
+        if dtype not in DTYPE_SIZES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        if self.page_bytes > _MAX_PAGE_BYTES:
+            raise ValueError(f"one page would take {self.page_bytes} bytes, more than {_MAX_PAGE_BYTES}")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def page_elems(self) -> int:
+        return self.num_layers * self.num_kv_heads * 2 * self.page_size * self.head_dim
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_elems * self.itemsize
+
+    def shape(self, num_pages: int) -> tuple[int, int, int, int, int, int]:
+        return (num_pages, self.num_layers, self.num_kv_heads, 2, self.page_size, self.head_dim)
+
+
+def process_start_ms(pid: int) -> int | None:
+    """Start time of a live process in ms since the epoch, None if there is none (pids are reused; this is not)."""
+    try:
+        return round(psutil.Process(pid).create_time() * 1000)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
+
+
+def process_alive(pid: int, start_ms: int) -> bool:
+    now_start = process_start_ms(pid)
+    return now_start is not None and abs(now_start - start_ms) <= 20
+
+
+def instance_prefix() -> str:
+    """Segment-name prefix of this process as a daemon instance."""
+    pid = os.getpid()
+    return f"freekv.{os.getuid()}.{pid}.{process_start_ms(pid)}."
+
+
+def remove_stale_segments(shm_dir: str) -> list[str]:
+    """Unlink this user's segments whose daemon instance is gone; return their paths."""
+    uid = os.getuid()
+    removed = []
+    with os.scandir(shm_dir) as entries:
+        for entry in entries:
+            match = _SEGMENT_NAME.match(entry.name)
+            if match is None or int(match[1]) != uid:
+                continue
+            st = entry.stat(follow_symlinks=False)
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode) or process_alive(int(match[2]), int(match[3])):
+                continue
+            try:
+                os.unlink(entry.path)
+                removed.append(entry.path)
+            except FileNotFoundError:
+                pass  # another daemon starting at the same time removed it first
+    return removed
+
+
+def free_shm_bytes(shm_dir: str) -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+class Segment:
+    """One arena's file. The daemon creates, pre-faults and unlinks it; it never maps it for long."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path = path
+        self.size = size
+
+    @classmethod
+    def create(cls, path: str, size: int) -> Segment:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask: the pages of a request are nobody else's business
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        return cls(path, size)
+
+    def prefault(self, threads: int) -> None:
+        """Reserve and fault in every page, so clients never fault a fresh one and a full filesystem fails
+        here with ENOSPC instead of killing a process with SIGBUS on first touch."""
+        fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+            # tmpfs zeroes a page on its first fault, at well under 1 GB/s per thread: fault chunks in parallel.
+            chunk = _POPULATE_CHUNK
+            offsets = range(0, self.size, chunk)
+
+            def populate(offset: int) -> None:
+                length = min(chunk, self.size - offset)
+                mmap.mmap(fd, length, offset=offset, flags=mmap.MAP_SHARED | _MAP_POPULATE).close()
+
+            with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(offsets)))) as pool:
+                list(pool.map(populate, offsets))
+        finally:
+            os.close(fd)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def map_segment(path: str, size: int) -> mmap.mmap:
+    """Map an arena read-write for a client; its page tables are populated up front."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise ValueError(f"arena {path} has {actual} bytes, the daemon announced {size}")
+        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+    finally:
+        os.close(fd)

@@ -1,0 +1,219 @@
+"""Page bookkeeping of one arena: the free pool, the pages each request holds, retained prefixes under an LRU.
+
+Plain data: no sockets, no shared memory. Every page is in exactly one state:
+    free    in the pool, held by nobody;
+    used    held by at least one request (a request holds the pages it allocated and those it pinned by LOOKUP);
+    cached  held only by retained prefix keys, so evictable.
+A page returns to the pool only when the last request and the last key holding it let go, so the pool never
+hands out a page somebody still holds. Every method validates its whole input before it changes anything.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from .errors import ArenaFull, InternalError, InvalidArgument, LimitExceeded
+
+
+class PageTable:
+    def __init__(self, num_pages: int, *, max_requests: int = 1 << 20, max_prefixes: int = 1 << 20) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self.max_requests = max_requests
+        self.max_prefixes = max_prefixes
+        self.evicted_prefixes = 0
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack; pop() hands out low page ids first
+        self._req_refs = [0] * num_pages
+        self._key_refs = [0] * num_pages
+        self._cached = 0
+        self._requests: dict[int, list[int]] = {}
+        self._prefixes: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # least recently used first
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def cached_pages(self) -> int:
+        return self._cached
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free) - self._cached
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    @property
+    def num_prefixes(self) -> int:
+        return len(self._prefixes)
+
+    def request_pages(self, request_id: int) -> list[int]:
+        return list(self._requests.get(request_id, ()))
+
+    def alloc(self, request_ids: Sequence[int], counts: Sequence[int]) -> list[list[int]]:
+        """Append counts[i] fresh pages to request_ids[i], all or nothing; evicts LRU prefixes if it must."""
+        if len(request_ids) != len(counts) or any(n < 0 for n in counts):
+            raise InvalidArgument("alloc needs one non-negative count per request id")
+        total = sum(counts)
+        if total > len(self._free) + self._cached:
+            raise ArenaFull(
+                f"cannot allocate {total} pages: {len(self._free)} free and {self._cached} evictable "
+                f"of {self.num_pages} (the rest are held by {len(self._requests)} requests); "
+                "free finished requests or give this client a larger arena"
+            )
+        new_ids = {rid for rid, n in zip(request_ids, counts, strict=True) if n and rid not in self._requests}
+        self._check_request_room(len(new_ids))
+        if total > len(self._free):
+            self._evict_for(total)
+        out = []
+        for rid, n in zip(request_ids, counts, strict=True):
+            if n == 0:
+                out.append([])
+                continue
+            pages = self._free[-n:][::-1]
+            del self._free[-n:]
+            for p in pages:
+                self._req_refs[p] = 1
+            self._requests.setdefault(rid, []).extend(pages)
+            out.append(pages)
+        return out
+
+    def free(self, request_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Drop requests (unknown ids count as already freed). Per request: pages released, pages pooled."""
+        released, freed = [], []
+        for rid in request_ids:
+            pages = self._requests.pop(rid, ())
+            released.append(len(pages))
+            freed.append(self._change(pages, -1, 0))
+        return released, freed
+
+    def free_all_requests(self) -> int:
+        """What a client's death does: every request lets go; retained pages stay cached."""
+        return sum(self.free(list(self._requests))[1])
+
+    def retain(self, keys: Sequence[bytes], page_lists: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[bool]]:
+        """Retain each page list under its key. Equal keys mean equal tokens, so a key already retained keeps
+        the pages it has (and becomes most recently used); the caller's pages are then not retained."""
+        if len(keys) != len(page_lists):
+            raise InvalidArgument(f"{len(keys)} keys but {len(page_lists)} page lists")
+        seen: set[bytes] = set()
+        for key, pages in zip(keys, page_lists, strict=True):
+            if key in self._prefixes or key in seen:
+                continue
+            seen.add(key)
+            if not pages:
+                raise InvalidArgument("every retained key needs at least one page")
+            if len(set(pages)) != len(pages):
+                raise InvalidArgument(f"key {key.hex()} lists a page twice")
+            for p in pages:
+                if not 0 <= p < self.num_pages:
+                    raise InvalidArgument(f"page {p} is outside this arena (0..{self.num_pages - 1})")
+                if self._req_refs[p] == 0 and self._key_refs[p] == 0:
+                    raise InvalidArgument(f"page {p} is free: only pages a request or a prefix holds can be retained")
+        held, created = [], []
+        for key, pages in zip(keys, page_lists, strict=True):
+            existing = self._prefixes.get(key)
+            if existing is not None:
+                self._prefixes.move_to_end(key)
+                held.append(list(existing))
+                created.append(False)
+                continue
+            self._prefixes[key] = tuple(pages)
+            self._change(pages, 0, 1)
+            held.append(list(pages))
+            created.append(True)
+        while len(self._prefixes) > self.max_prefixes:
+            self._evict(next(iter(self._prefixes)))
+        return held, created
+
+    def release(self, keys: Sequence[bytes]) -> tuple[list[bool], int]:
+        released, freed = [], 0
+        for key in keys:
+            pages = self._prefixes.pop(key, None)
+            released.append(pages is not None)
+            if pages is not None:
+                freed += self._change(pages, 0, -1)
+        return released, freed
+
+    def lookup(self, keys: Sequence[bytes], request_id: int | None = None) -> tuple[int, list[int]]:
+        """The last of keys that is retained, as (index, pages), or (-1, []). With request_id, the request
+        also holds the pages until it is freed, so no eviction can hand them out while it reads them."""
+        for i in range(len(keys) - 1, -1, -1):
+            pages = self._prefixes.get(keys[i])
+            if pages is None:
+                continue
+            if request_id is not None:
+                self._check_request_room(request_id not in self._requests)
+                self._requests.setdefault(request_id, []).extend(pages)
+                self._change(pages, 1, 0)
+            self._prefixes.move_to_end(keys[i])
+            return i, list(pages)
+        return -1, []
+
+    def audit(self) -> str | None:
+        """Recount every reference from the request and prefix tables; the first inconsistency, or None."""
+        req_refs = [0] * self.num_pages
+        key_refs = [0] * self.num_pages
+        for pages in self._requests.values():
+            for p in pages:
+                req_refs[p] += 1
+        for pages in self._prefixes.values():
+            for p in pages:
+                key_refs[p] += 1
+        if req_refs != self._req_refs:
+            return "request reference counts disagree with the request table"
+        if key_refs != self._key_refs:
+            return "prefix reference counts disagree with the prefix table"
+        pool = set(self._free)
+        if len(pool) != len(self._free):
+            return "a page is in the free pool twice"
+        idle = {p for p in range(self.num_pages) if req_refs[p] == 0 and key_refs[p] == 0}
+        if pool != idle:
+            return f"free pool differs from unheld pages on {sorted(pool ^ idle)[:8]}"
+        cached = sum(1 for p in range(self.num_pages) if req_refs[p] == 0 and key_refs[p] > 0)
+        if cached != self._cached:
+            return f"cached count {self._cached} but {cached} pages are held by prefixes alone"
+        return None
+
+    def _check_request_room(self, new_requests: int) -> None:
+        if len(self._requests) + new_requests > self.max_requests:
+            raise LimitExceeded(f"more than {self.max_requests} live requests in one arena; free finished ones")
+
+    def _change(self, pages: Sequence[int], d_req: int, d_key: int) -> int:
+        """Move references on held pages; pool those nobody holds any more and return how many."""
+        req_refs, key_refs = self._req_refs, self._key_refs
+        pooled = 0
+        for p in pages:
+            was_cached = req_refs[p] == 0 and key_refs[p] > 0
+            req_refs[p] += d_req
+            key_refs[p] += d_key
+            r, k = req_refs[p], key_refs[p]
+            self._cached += (r == 0 and k > 0) - was_cached
+            if r == 0 and k == 0:
+                self._free.append(p)
+                pooled += 1
+        return pooled
+
+    def _evict(self, key: bytes) -> None:
+        self._change(self._prefixes.pop(key), 0, -1)
+        self.evicted_prefixes += 1
+
+    def _evict_for(self, target_free: int) -> None:
+        """Evict least recently used prefixes until target_free pages are pooled. Keys whose pages are all
+        held by requests free nothing now; they are in use, so they count as recently used. The caller has
+        checked free + cached >= target: dropping every key with a cached page pools every cached page."""
+        skipped = 0
+        while len(self._free) < target_free and skipped < len(self._prefixes):
+            key = next(iter(self._prefixes))
+            if all(self._req_refs[p] for p in self._prefixes[key]):
+                self._prefixes.move_to_end(key)
+                skipped += 1
+                continue
+            self._evict(key)
+            skipped = 0
+        if len(self._free) < target_free:  # unreachable while the counters are right; never hand out short
+            raise InternalError(f"eviction pooled {len(self._free)} pages, {target_free} expected: {self.audit()}")
