@@ -1,0 +1,465 @@
+"""KVStoreClient: what a GPU process uses to get an arena from the daemon and manage its pages.
+
+The arena is mapped into this process, so page bytes never cross the socket: the client allocates page ids
+and reads/writes the pages through ``client.arena`` (a torch tensor, registered with CUDA when present so
+GPU kernels reach it over UVA). Calls are synchronous, thread-safe, and fail with DaemonUnavailable after
+timeout_s instead of hanging. A background thread with its own socket heartbeats, so the daemon keeps the
+session even while the caller's thread is busy for a long time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import psutil
+import zmq
+
+from . import codec
+from .arena import ArenaGeometry, map_segment
+from .config import TOKEN_ENV, GiB, default_endpoint, ipc_path, normalize_endpoint
+from .errors import (
+    ArenaFailed,
+    DaemonUnavailable,
+    KVStoreError,
+    ProtocolError,
+    SessionExpired,
+    VersionMismatch,
+    error_from_reply,
+)
+from .protocol import (
+    MESSAGES,
+    AllocRequest,
+    ByeRequest,
+    ErrorReply,
+    FreeRequest,
+    HeartbeatRequest,
+    HelloReply,
+    HelloRequest,
+    LookupRequest,
+    Opcode,
+    PingReply,
+    PingRequest,
+    ReleaseRequest,
+    RetainRequest,
+    ShutdownReply,
+    ShutdownRequest,
+    StatsReply,
+    StatsRequest,
+    Status,
+)
+
+log = logging.getLogger("freekv_kvstore")
+
+
+class Channel:
+    """One DEALER socket with request/reply discipline: every request carries a call id, replies to calls
+    whose caller already gave up are dropped, and no call waits longer than its timeout. Not thread-safe."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._ids = itertools.count(1)
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+
+    def call(self, opcode: Opcode, request: Any, session: int = 0, timeout_s: float | None = None) -> Any:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        call_id = next(self._ids) & 0xFFFFFFFF
+        deadline = time.monotonic() + timeout_s
+        try:
+            self._sock.send_multipart(codec.request_frames(opcode, call_id, session, request), zmq.NOBLOCK)
+        except zmq.Again:
+            raise self._unavailable(opcode, timeout_s) from None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(remaining * 1000):
+                raise self._unavailable(opcode, timeout_s)
+            frames = self._sock.recv_multipart()
+            try:
+                _, status, reply_id, body = codec.parse_reply(frames)
+            except VersionMismatch:
+                raise
+            except ProtocolError as e:
+                log.warning("dropping an unreadable reply from %s: %s", self.endpoint, e)
+                continue
+            if reply_id != call_id:
+                continue  # the late answer to a call that timed out
+            if status is Status.ERROR:
+                err = codec.decode(ErrorReply, body)
+                raise error_from_reply(err.code, err.message)
+            return codec.decode(MESSAGES[opcode].reply, body)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def _unavailable(self, opcode: Opcode, timeout_s: float) -> DaemonUnavailable:
+        return DaemonUnavailable(
+            f"kvstore at {self.endpoint} did not answer {opcode.name} within {timeout_s:g} s: is the daemon "
+            f"running? start it with `freekv-kvstore --endpoint {self.endpoint}`"
+        )
+
+
+def _check_socket_exists(endpoint: str) -> None:
+    path = ipc_path(endpoint)
+    if path is not None and not os.path.exists(path):
+        raise DaemonUnavailable(
+            f"no kvstore listens at {endpoint} (no socket file): start it with `freekv-kvstore --endpoint {endpoint}`"
+        )
+
+
+def _admin_call(endpoint: str | None, opcode: Opcode, request: Any, timeout_s: float) -> Any:
+    endpoint = normalize_endpoint(endpoint or default_endpoint())
+    _check_socket_exists(endpoint)
+    ctx = zmq.Context()
+    channel = Channel(ctx, endpoint, timeout_s)
+    try:
+        return channel.call(opcode, request)
+    finally:
+        channel.close()
+        ctx.term()
+
+
+def ping_daemon(endpoint: str | None = None, *, token: str | None = None, timeout_s: float = 5.0) -> PingReply:
+    return _admin_call(endpoint, Opcode.PING, PingRequest(_token(token)), timeout_s)
+
+
+def daemon_stats(
+    endpoint: str | None = None, *, token: str | None = None, check: bool = False, timeout_s: float = 5.0
+) -> StatsReply:
+    return _admin_call(endpoint, Opcode.STATS, StatsRequest(_token(token), check), timeout_s)
+
+
+def shutdown_daemon(endpoint: str | None = None, *, token: str | None = None, timeout_s: float = 5.0) -> ShutdownReply:
+    return _admin_call(endpoint, Opcode.SHUTDOWN, ShutdownRequest(_token(token)), timeout_s)
+
+
+def _token(token: str | None) -> str | None:
+    return token if token is not None else os.environ.get(TOKEN_ENV)
+
+
+class _Heartbeat(threading.Thread):
+    """Heartbeats on its own socket: zmq sockets belong to one thread, and this one must not wait for
+    the caller's thread (which may be inside a long GPU step) to keep the session alive."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, session: int, interval_s: float) -> None:
+        super().__init__(name="kvstore-heartbeat", daemon=True)
+        self._ctx, self._endpoint, self._session, self._interval = ctx, endpoint, session, interval_s
+        self._stopping = threading.Event()
+        self.expired: str | None = None
+
+    def run(self) -> None:
+        channel = Channel(self._ctx, self._endpoint, self._interval)
+        try:
+            while not self._stopping.wait(self._interval):
+                try:
+                    channel.call(Opcode.HEARTBEAT, HeartbeatRequest(), self._session)
+                except (SessionExpired, ArenaFailed) as e:
+                    self.expired = str(e)
+                    log.warning("kvstore heartbeat stopped: %s", e)
+                    return
+                except KVStoreError as e:  # the daemon is slow or gone; the caller's next call will tell
+                    log.debug("kvstore heartbeat missed: %s", e)
+        finally:
+            channel.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(self._interval * 2 + 1)
+
+
+class KVStoreClient:
+    """A session with the kvstore daemon and the mapped arena of this client. Use ``connect``."""
+
+    def __init__(self, resources: _Resources, hello: HelloReply, geometry: ArenaGeometry) -> None:
+        self._res = resources
+        self._channel = resources.channel
+        self._lock = threading.RLock()
+        self._hello = hello
+        self.geometry = geometry
+        self._arena = None
+        self._closed = False
+        # Unmaps and closes the sockets even for a client dropped without close() (holds no ref to self).
+        self._finalizer = weakref.finalize(self, resources.release)
+
+    @classmethod
+    def connect(
+        cls,
+        endpoint: str | None = None,
+        *,
+        geometry: ArenaGeometry,
+        num_pages: int,
+        rank: int = 0,
+        client_id: str | None = None,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        ready_timeout_s: float = 600.0,
+        cuda_register: bool | None = None,
+    ) -> KVStoreClient:
+        """Open a session and map this client's arena of num_pages pages of the given geometry.
+
+        client_id names the arena (default ``rank<rank>``): a restarted process that connects with the same
+        client_id and geometry gets the same arena back, with its retained prefixes. The daemon pre-faults a
+        new arena before pages can be allocated; connect waits up to ready_timeout_s for that. cuda_register:
+        None registers the arena with CUDA when torch sees a GPU; True requires it; False skips it.
+        """
+        if not isinstance(geometry, ArenaGeometry):
+            raise TypeError(f"geometry must be an ArenaGeometry, got {type(geometry).__name__}")
+        if not timeout_s > 0 or not ready_timeout_s > 0:
+            raise ValueError("timeout_s and ready_timeout_s must be positive")
+        endpoint = normalize_endpoint(endpoint or default_endpoint())
+        _check_socket_exists(endpoint)
+        me = psutil.Process()
+        hello_req = HelloRequest(
+            client_id=client_id if client_id is not None else f"rank{rank}",
+            geometry=geometry,
+            num_pages=num_pages,
+            rank=rank,
+            token=_token(token),
+            pid=me.pid,
+            hostname=socket.gethostname(),
+            proc_start=me.create_time(),
+        )
+        res = _Resources(endpoint, timeout_s)
+        try:
+            hello = res.channel.call(Opcode.HELLO, hello_req)
+        except BaseException:
+            res.release()
+            raise
+        client = cls(res, hello, geometry)
+        try:
+            res.heartbeat = _Heartbeat(res.ctx, endpoint, hello.session, hello.heartbeat_interval_s)
+            res.heartbeat.start()
+            if not hello.ready:
+                client._wait_ready(ready_timeout_s)
+            client._attach(cuda_register)
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    # Session facts.
+
+    @property
+    def endpoint(self) -> str:
+        return self._channel.endpoint
+
+    @property
+    def session(self) -> int:
+        return self._hello.session
+
+    @property
+    def client_id(self) -> str:
+        return self._hello.client_id
+
+    @property
+    def num_pages(self) -> int:
+        return self._hello.num_pages
+
+    @property
+    def page_bytes(self) -> int:
+        return self._hello.page_bytes
+
+    @property
+    def arena_path(self) -> str:
+        return self._hello.arena_path
+
+    @property
+    def reattached(self) -> bool:
+        """True when this client_id's arena, with its retained prefixes, survived from an earlier session."""
+        return self._hello.reattached
+
+    @property
+    def buffer(self) -> memoryview:
+        """The arena as raw bytes; page i is buffer[i * page_bytes : (i + 1) * page_bytes]."""
+        self._check_open()
+        return memoryview(self._res.mmap)
+
+    @property
+    def arena(self):
+        """torch.Tensor [num_pages, num_layers, num_kv_heads, 2, page_size, head_dim] over the shared memory."""
+        self._check_open()
+        if self._arena is None:
+            self._arena = _torch_view(self._res.mmap, self._hello)
+        return self._arena
+
+    # Page calls.
+
+    def alloc(self, request_id: int, n: int) -> list[int]:
+        """Append n pages to request_id and return their ids; ArenaFull when there is no room."""
+        return self.alloc_many([(request_id, n)])[0]
+
+    def alloc_many(self, requests: Iterable[tuple[int, int]]) -> list[list[int]]:
+        """One round trip for several (request_id, n): all are granted or none (ArenaFull)."""
+        pairs = list(requests)
+        return self._call(Opcode.ALLOC, AllocRequest([r for r, _ in pairs], [n for _, n in pairs])).pages
+
+    def free(self, request_id: int) -> int:
+        """Drop a request; returns how many of its pages went back to the free pool (retained pages stay)."""
+        return self.free_many([request_id])
+
+    def free_many(self, request_ids: Iterable[int]) -> int:
+        return sum(self._call(Opcode.FREE, FreeRequest(list(request_ids))).freed)
+
+    def retain(self, prefix_key: bytes, pages: Sequence[int]) -> list[int]:
+        """Keep pages under prefix_key beyond their request, until release or LRU eviction under pressure.
+        Returns the pages that hold the key: the existing ones if the key was already retained."""
+        return self.retain_many([(prefix_key, pages)])[0]
+
+    def retain_many(self, entries: Iterable[tuple[bytes, Sequence[int]]]) -> list[list[int]]:
+        pairs = list(entries)
+        reply = self._call(Opcode.RETAIN, RetainRequest([bytes(k) for k, _ in pairs], [list(p) for _, p in pairs]))
+        return reply.pages
+
+    def release(self, prefix_key: bytes) -> bool:
+        """Stop retaining prefix_key; False if it was not retained (never, already released, or evicted)."""
+        return self.release_many([prefix_key])[0]
+
+    def release_many(self, prefix_keys: Iterable[bytes]) -> list[bool]:
+        return self._call(Opcode.RELEASE, ReleaseRequest([bytes(k) for k in prefix_keys])).released
+
+    def lookup(self, prefix_key: bytes, *, request_id: int | None = None) -> list[int] | None:
+        """The pages retained under prefix_key, or None. Without request_id they stay valid until this
+        client's next alloc (which may evict them); with it, request_id holds them until free(request_id)."""
+        hit = self.lookup_longest([prefix_key], request_id=request_id)
+        return None if hit is None else hit[1]
+
+    def lookup_longest(
+        self, prefix_keys: Sequence[bytes], *, request_id: int | None = None
+    ) -> tuple[int, list[int]] | None:
+        """(index, pages) of the last retained key of prefix_keys (e.g. the longest cached prefix of a
+        prompt, with keys from prefix_keys()), or None. request_id as in lookup."""
+        reply = self._call(Opcode.LOOKUP, LookupRequest([bytes(k) for k in prefix_keys], request_id))
+        return None if reply.index < 0 else (reply.index, reply.pages)
+
+    def stats(self, *, check: bool = False) -> dict[str, Any]:
+        """The daemon's counters and every arena's accounting; check=True also audits every page."""
+        return dataclasses.asdict(self._call(Opcode.STATS, StatsRequest(check=check)))
+
+    def ping(self) -> float:
+        """Round-trip time of one control message, in seconds."""
+        t0 = time.perf_counter()
+        self._call(Opcode.PING, PingRequest())
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """End the session (its requests' pages return to the pool; retained prefixes stay) and unmap."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._res.heartbeat is not None:
+                self._res.heartbeat.stop()
+            path = ipc_path(self.endpoint)
+            if path is None or os.path.exists(path):  # no socket file: the daemon is gone, nobody to tell
+                try:
+                    self._channel.call(Opcode.BYE, ByeRequest(), self.session, min(self._channel.timeout_s, 1.0))
+                except KVStoreError as e:  # the daemon is gone or reaped us already: its reaper frees our pages
+                    log.debug("BYE not acknowledged: %s", e)
+            self._arena = None  # our view of the mapping; views the caller still holds keep it mapped
+            self._finalizer()
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"session {self.session:#x}"
+        return f"KVStoreClient({self.endpoint}, {self.client_id!r}, {self.num_pages} pages, {state})"
+
+    # Internals.
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVStoreError(f"this KVStoreClient for {self.endpoint} is closed")
+
+    def _call(self, opcode: Opcode, request: Any) -> Any:
+        with self._lock:
+            self._check_open()
+            return self._channel.call(opcode, request, self.session)
+
+    def _wait_ready(self, ready_timeout_s: float) -> None:
+        deadline = time.monotonic() + ready_timeout_s
+        delay = 0.01
+        while True:
+            if self._call(Opcode.HEARTBEAT, HeartbeatRequest()).ready:
+                return
+            if time.monotonic() + delay > deadline:
+                raise DaemonUnavailable(
+                    f"the kvstore at {self.endpoint} did not finish pre-faulting this client's "
+                    f"{self._hello.arena_bytes / GiB:.2f} GiB arena within {ready_timeout_s:g} s (ready_timeout_s)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+
+    def _attach(self, cuda_register: bool | None) -> None:
+        res = self._res
+        res.mmap = map_segment(self._hello.arena_path, self._hello.arena_bytes)
+        if cuda_register is False:
+            return
+        import torch
+
+        if not torch.cuda.is_available():
+            if cuda_register:
+                raise RuntimeError("cuda_register=True but torch sees no CUDA device")
+            return
+        ptr = self.arena.data_ptr()
+        # Portable | Mapped: every CUDA context sees the pages as pinned and can address them over UVA.
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, self._hello.arena_bytes, 3))
+        if err != 0:
+            raise RuntimeError(
+                f"cudaHostRegister of the {self._hello.arena_bytes / GiB:.2f} GiB arena failed: CUDA error {err}"
+            )
+        res.cuda_ptr = ptr
+
+
+class _Resources:
+    """Everything a client must give back, kept apart from the client so a finalizer can release it."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self.ctx = zmq.Context()
+        self.channel = Channel(self.ctx, endpoint, timeout_s)
+        self.heartbeat: _Heartbeat | None = None
+        self.mmap: mmap.mmap | None = None
+        self.cuda_ptr: int | None = None
+
+    def release(self) -> None:
+        heartbeat_done = True
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            heartbeat_done = not self.heartbeat.is_alive()
+        if self.cuda_ptr is not None:
+            import torch
+
+            err = int(torch.cuda.cudart().cudaHostUnregister(self.cuda_ptr))
+            if err != 0:
+                log.warning("cudaHostUnregister of the arena failed: CUDA error %d", err)
+            self.cuda_ptr = None
+        if self.mmap is not None:
+            try:
+                self.mmap.close()
+            except BufferError:  # views of the arena are still alive: it is unmapped when the last one dies
+                log.debug("arena views still alive; the mapping goes away with them")
+            self.mmap = None
+        self.channel.close()
+        if heartbeat_done:  # term() would wait forever for a socket still open in a stuck thread
+            self.ctx.term()
+
+
+def _torch_view(buf: mmap.mmap, hello: HelloReply):
+    import torch
+
+    dtype = getattr(torch, hello.dtype)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(hello.shape)

@@ -1,0 +1,233 @@
+"""A real daemon subprocess over ipc:// and tcp://: every message, every kind of bad frame, security, files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+
+import msgpack
+import pytest
+
+from freekv_kvstore import (
+    ArenaFull,
+    ArenaGeometry,
+    BudgetExceeded,
+    ClientIdInUse,
+    KVStoreClient,
+    Unauthorized,
+    codec,
+    daemon_stats,
+    ping_daemon,
+    prefix_keys,
+    protocol,
+    shutdown_daemon,
+)
+from freekv_kvstore.protocol import ErrorCode, Opcode, Status
+
+from kvstore_helpers import TOKEN
+
+pytestmark = pytest.mark.timeout(90)
+
+GEOM = ArenaGeometry(num_layers=2, num_kv_heads=2, page_size=4, head_dim=8, dtype="float16")
+
+
+def connect(daemon, **kw) -> KVStoreClient:
+    kw = {"geometry": GEOM, "num_pages": 32, "cuda_register": False, "token": daemon.token, **kw}
+    return KVStoreClient.connect(daemon.endpoint, **kw)
+
+
+def test_every_message_type_round_trips(daemons, transport):
+    d = daemons.start(transport)
+    seen: set[Opcode] = set()
+    with connect(d) as c:
+        seen.add(Opcode.HELLO)
+        assert c.arena.shape == (32, 2, 2, 2, 4, 8) and str(c.arena.dtype) == "torch.float16"
+        assert c._channel.call(Opcode.HEARTBEAT, protocol.HeartbeatRequest(), c.session).ready
+        seen.add(Opcode.HEARTBEAT)
+        pages = c.alloc(1, 3)
+        more = c.alloc_many([(2, 2), (3, 0)])
+        assert pages == [0, 1, 2] and more == [[3, 4], []]
+        seen.add(Opcode.ALLOC)
+        keys = prefix_keys(range(12), page_size=4)
+        assert c.retain_many([(keys[0], pages[:1]), (keys[2], pages)]) == [pages[:1], pages]
+        seen.add(Opcode.RETAIN)
+        assert c.free(1) == 0 and c.free_many([2, 99]) == 2  # retained pages stay out of the pool
+        seen.add(Opcode.FREE)
+        assert c.lookup(keys[2]) == pages and c.lookup(keys[1]) is None
+        assert c.lookup_longest(keys, request_id=5) == (2, pages)
+        seen.add(Opcode.LOOKUP)
+        assert c.release(keys[2]) and not c.release(keys[2])
+        seen.add(Opcode.RELEASE)
+        stats = c.stats(check=True)
+        seen.add(Opcode.STATS)
+        (arena,) = stats["arenas"]
+        assert stats["accounting_ok"] and stats["sessions"] == 1 and stats["endpoint"] == d.endpoint
+        assert (arena["free_pages"], arena["used_pages"], arena["cached_pages"]) == (29, 3, 0)
+        assert 0 < c.ping() < 1
+        seen.add(Opcode.PING)
+    seen.add(Opcode.BYE)
+    assert ping_daemon(d.endpoint, token=d.token).daemon_pid == d.pid
+    assert daemon_stats(d.endpoint, token=d.token).sessions == 0
+    assert shutdown_daemon(d.endpoint, token=d.token).sessions == 0
+    seen.add(Opcode.SHUTDOWN)
+    assert seen == set(Opcode)
+    assert d.process.wait(10) == 0 and not d.segments()
+
+
+def _header(opcode: int, *, version: int = protocol.PROTOCOL_VERSION, call_id: int = 1, session: int = 0) -> bytes:
+    return protocol.REQUEST_HEADER.pack(protocol.MAGIC, version, opcode, call_id, session)
+
+
+def test_bad_frames_get_typed_errors_and_the_daemon_stays_up(daemons, transport, raw_peer):
+    d = daemons.start(transport)
+    peer = raw_peer(d.endpoint)
+    ping = codec.encode(protocol.PingRequest(d.token))
+    cases = [
+        ([_header(Opcode.PING, version=2), ping], ErrorCode.VERSION_MISMATCH),
+        ([_header(0x7E), ping], ErrorCode.UNKNOWN_OPCODE),
+        ([_header(Opcode.PING)[:7], ping], ErrorCode.MALFORMED),  # truncated header
+        ([_header(Opcode.PING)], ErrorCode.MALFORMED),  # body missing
+        ([_header(Opcode.PING), ping, b"extra"], ErrorCode.MALFORMED),
+        ([_header(Opcode.PING), ping[:-1] if len(ping) > 1 else b"\x81"], ErrorCode.MALFORMED),  # truncated body
+        ([_header(Opcode.PING), b"\x80" * (protocol.MAX_BODY_BYTES + 1)], ErrorCode.MESSAGE_TOO_LARGE),
+        ([os.urandom(16), os.urandom(40)], ErrorCode.MALFORMED),  # garbage
+        ([b"", b""], ErrorCode.MALFORMED),
+        ([_header(Opcode.PING), b"\xc1\xff\x00"], ErrorCode.MALFORMED),  # not msgpack
+        ([_header(Opcode.ALLOC), msgpack.packb({"request_ids": "x", "counts": [1]})], ErrorCode.INVALID_MESSAGE),
+        ([_header(Opcode.PING), msgpack.packb({"token": 5})], ErrorCode.INVALID_MESSAGE),
+        ([_header(Opcode.PING), msgpack.packb([1, 2, 3])], ErrorCode.INVALID_MESSAGE),
+        ([_header(Opcode.ALLOC, session=12345), codec.encode(protocol.AllocRequest([1], [1]))],
+         ErrorCode.UNKNOWN_SESSION),
+        ([_header(Opcode.HELLO), msgpack.packb({"client_id": "x", "num_pages": 0, "token": d.token,
+           "geometry": {"num_layers": 1, "num_kv_heads": 1, "page_size": 1, "head_dim": 1}})],
+         ErrorCode.INVALID_ARGUMENT),
+    ]  # fmt: skip
+    for i, (frames, code) in enumerate(cases):
+        op, status, call_id, body = peer.exchange(frames)
+        err = codec.decode(protocol.ErrorReply, body)
+        assert status is Status.ERROR and err.code == code, f"case {i}: {err}"
+        assert err.message
+        if len(frames[0]) == protocol.REQUEST_HEADER.size and frames[0][:2] == protocol.MAGIC:
+            assert call_id == 1  # the caller can still match the error to its request
+    assert ping_daemon(d.endpoint, token=d.token).daemon_pid == d.pid
+    stats = daemon_stats(d.endpoint, token=d.token, check=True)
+    assert stats.errors == len(cases) and stats.accounting_ok is not False
+
+
+def test_tcp_refuses_clients_without_the_token(daemons, raw_peer):
+    d = daemons.start("tcp")
+    for token in (None, "wrong-token"):
+        with pytest.raises(Unauthorized, match="token"):
+            connect(d, token=token)
+        with pytest.raises(Unauthorized):
+            ping_daemon(d.endpoint, token=token)
+        with pytest.raises(Unauthorized):
+            daemon_stats(d.endpoint, token=token)
+        with pytest.raises(Unauthorized):
+            shutdown_daemon(d.endpoint, token=token)
+    assert ping_daemon(d.endpoint, token=TOKEN).daemon_pid == d.pid
+    # A tcp daemon without a token does not start at all.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FREEKV_KVSTORE_")}
+    cmd = [sys.executable, "-m", "freekv_kvstore", "--endpoint", "tcp://127.0.0.1:0"]
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
+    assert refused.returncode == 2 and "need a token" in refused.stderr
+
+
+def test_shutdown_needs_the_token_even_from_a_session(daemons):
+    d = daemons.start("ipc", token=TOKEN)
+    with connect(d) as c:
+        with pytest.raises(Unauthorized):
+            c._channel.call(Opcode.SHUTDOWN, protocol.ShutdownRequest(), c.session)
+        assert c.stats()["sessions"] == 1  # a session is enough for STATS and PING
+    assert shutdown_daemon(d.endpoint, token=TOKEN).sessions == 0
+    assert d.process.wait(10) == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_segments_are_private_while_alive_and_gone_after_a_signal(daemons, sig):
+    d = daemons.start("ipc")
+    c = connect(d)
+    st = os.stat(c.arena_path)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid() and st.st_size == 32 * GEOM.page_bytes
+    assert stat.S_IMODE(os.stat(d.endpoint.removeprefix("ipc://")).st_mode) == 0o600
+    assert len(d.segments()) == 1
+    assert d.stop(sig) == 0
+    assert not d.segments() and not os.path.exists(c.arena_path)
+    assert not os.path.exists(d.endpoint.removeprefix("ipc://"))
+    assert "listening on " + d.endpoint in d.log()
+    c.close()  # the daemon is gone: close must still return promptly
+
+
+def test_a_taken_endpoint_is_refused(daemons, transport):
+    first = daemons.start(transport)
+    second = daemons.start(transport, endpoint=first.endpoint, wait=False)
+    assert second.process.wait(20) == 1
+    assert ("taken by a running kvstore" if transport == "ipc" else "already in use") in second.log()
+    assert ping_daemon(first.endpoint, token=first.token).daemon_pid == first.pid
+
+
+def test_stale_segments_of_dead_instances_are_removed_at_start(daemons):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    stale = f"/dev/shm/freekv.{os.getuid()}.{dead_pid}.123456.0"
+    from freekv_kvstore.arena import instance_prefix
+
+    alive = f"/dev/shm/{instance_prefix()}0"  # named as if this live test process were a daemon
+    for path in (stale, alive):
+        with open(path, "wb") as f:
+            f.write(b"x")
+    try:
+        d = daemons.start("ipc")
+        assert not os.path.exists(stale) and os.path.exists(alive)
+        assert "removed 1 stale arena segments" in d.log()
+    finally:
+        for path in (stale, alive):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_client_ids_budget_and_reattach(daemons):
+    d = daemons.start("ipc", arena_gb=0.001)  # 1 MiB: 2048 pages of GEOM (512 bytes each)
+    c = connect(d, client_id="rank0", num_pages=1200)
+    with pytest.raises(ClientIdInUse, match="in use by a live session"):
+        connect(d, client_id="rank0", num_pages=1200)
+    with pytest.raises(BudgetExceeded, match="--arena-gb"):
+        connect(d, client_id="rank1", num_pages=1200)
+    pages = c.alloc(7, 1200)
+    with pytest.raises(ArenaFull, match="cannot allocate 1 pages"):
+        c.alloc(8, 1)
+    key = prefix_keys(range(8), 4)[-1]
+    c.retain(key, pages[:2])
+    c.arena[pages[0]] = 3.0
+    c.close()
+    # A restarted server with the same client_id and geometry finds its retained prefix and its bytes.
+    c2 = connect(d, client_id="rank0", num_pages=1200)
+    assert c2.reattached and c2.lookup(key) == pages[:2]
+    assert float(c2.arena[pages[0]].float().mean()) == 3.0
+    assert c2.stats()["arenas"][0]["free_pages"] == 1198
+    c2.close()
+    # A different geometry replaces the detached arena (and its prefixes) instead of failing.
+    c3 = connect(d, client_id="rank0", num_pages=600)
+    assert not c3.reattached and c3.lookup(key) is None
+    c3.close()
+
+
+def test_arena_layout_matches_the_documented_geometry(daemons):
+    """arena[p, l, h, kv, t, d] sits at byte ((((p*L + l)*H + h)*2 + kv)*ps + t)*D + d) * itemsize."""
+    import torch
+
+    geom = ArenaGeometry(num_layers=3, num_kv_heads=2, page_size=4, head_dim=8, dtype="bfloat16")
+    d = daemons.start("ipc")
+    with connect(d, geometry=geom, num_pages=5) as c:
+        a = c.arena
+        assert a.shape == (5, 3, 2, 2, 4, 8) and a.dtype == torch.bfloat16 and a.is_contiguous()
+        assert c.page_bytes == 3 * 2 * 2 * 4 * 8 * 2 and len(c.buffer) == 5 * c.page_bytes
+        p, layer, h, kv, t, dim = 3, 2, 1, 1, 2, 5
+        a[p, layer, h, kv, t, dim] = 1.0  # bf16 1.0 is 0x3F80
+        offset = (((((p * 3 + layer) * 2 + h) * 2 + kv) * 4 + t) * 8 + dim) * 2
+        assert bytes(c.buffer[offset : offset + 2]) == b"\x80\x3f"
+        page = bytes(c.buffer[p * c.page_bytes : (p + 1) * c.page_bytes])
+        assert c.arena[p].view(torch.uint8).numpy().tobytes() == page
