@@ -21,6 +21,7 @@ import operator
 import os
 import re
 import stat
+import threading
 
 import psutil
 
@@ -28,7 +29,7 @@ DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 _MAX_DIM = 1 << 16
 _MAX_PAGE_BYTES = 1 << 30
-_POPULATE_CHUNK = 256 << 20
+_POPULATE_CHUNK = 256 << 20  # a multiple of the mmap granularity
 _SEGMENT_NAME = re.compile(r"^freekv\.(\d+)\.(\d+)\.(\d+)\.\d+$")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first touch
 
@@ -88,8 +89,15 @@ def process_start_ms(pid: int) -> int | None:
 
 
 def process_alive(pid: int, start_ms: int) -> bool:
-    now_start = process_start_ms(pid)
-    return now_start is not None and abs(now_start - start_ms) <= 20
+    """Whether the process that had this pid and start time still runs (a zombie does not). When in doubt
+    (no permission to look), it counts as alive: callers then fall back to slower but certain evidence."""
+    try:
+        proc = psutil.Process(pid)
+        return abs(round(proc.create_time() * 1000) - start_ms) <= 20 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.AccessDenied:
+        return True
+    except (psutil.NoSuchProcess, ValueError):
+        return False
 
 
 def instance_prefix() -> str:
@@ -143,26 +151,28 @@ class Segment:
         os.close(fd)
         return cls(path, size)
 
-    def prefault(self, threads: int) -> None:
+    def prefault(self, threads: int, cancel: threading.Event | None = None) -> None:
         """Reserve and fault in every page, so clients never fault a fresh one and a full filesystem fails
-        here with ENOSPC instead of killing a process with SIGBUS on first touch."""
+        here with ENOSPC instead of killing a process with SIGBUS on first touch. Works in chunks, on
+        `threads` threads (tmpfs zeroes a page on its first fault, well under 1 GB/s per thread), and stops
+        with InterruptedError between chunks once `cancel` is set."""
         fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
+
+        def fault_in(offset: int) -> None:
+            if cancel is not None and cancel.is_set():
+                raise InterruptedError(f"pre-faulting {self.path} was cancelled")
+            length = min(_POPULATE_CHUNK, self.size - offset)
             try:
-                os.posix_fallocate(fd, 0, self.size)
+                os.posix_fallocate(fd, offset, length)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-            # tmpfs zeroes a page on its first fault, at well under 1 GB/s per thread: fault chunks in parallel.
-            chunk = _POPULATE_CHUNK
-            offsets = range(0, self.size, chunk)
+            mmap.mmap(fd, length, offset=offset, flags=mmap.MAP_SHARED | _MAP_POPULATE).close()
 
-            def populate(offset: int) -> None:
-                length = min(chunk, self.size - offset)
-                mmap.mmap(fd, length, offset=offset, flags=mmap.MAP_SHARED | _MAP_POPULATE).close()
-
+        try:
+            offsets = range(0, self.size, _POPULATE_CHUNK)
             with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(offsets)))) as pool:
-                list(pool.map(populate, offsets))
+                list(pool.map(fault_in, offsets))
         finally:
             os.close(fd)
 

@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import logging
 import mmap
+import operator
 import os
 import socket
 import threading
@@ -223,8 +224,8 @@ class KVStoreClient:
         hello_req = HelloRequest(
             client_id=client_id if client_id is not None else f"rank{rank}",
             geometry=geometry,
-            num_pages=num_pages,
-            rank=rank,
+            num_pages=_int(num_pages),
+            rank=_int(rank),
             token=_token(token),
             pid=me.pid,
             hostname=socket.gethostname(),
@@ -301,7 +302,7 @@ class KVStoreClient:
 
     def alloc_many(self, requests: Iterable[tuple[int, int]]) -> list[list[int]]:
         """One round trip for several (request_id, n): all are granted or none (ArenaFull)."""
-        pairs = list(requests)
+        pairs = [(_int(r), _int(n)) for r, n in requests]
         return self._call(Opcode.ALLOC, AllocRequest([r for r, _ in pairs], [n for _, n in pairs])).pages
 
     def free(self, request_id: int) -> int:
@@ -309,7 +310,7 @@ class KVStoreClient:
         return self.free_many([request_id])
 
     def free_many(self, request_ids: Iterable[int]) -> int:
-        return sum(self._call(Opcode.FREE, FreeRequest(list(request_ids))).freed)
+        return sum(self._call(Opcode.FREE, FreeRequest([_int(r) for r in request_ids])).freed)
 
     def retain(self, prefix_key: bytes, pages: Sequence[int]) -> list[int]:
         """Keep pages under prefix_key beyond their request, until release or LRU eviction under pressure.
@@ -317,9 +318,11 @@ class KVStoreClient:
         return self.retain_many([(prefix_key, pages)])[0]
 
     def retain_many(self, entries: Iterable[tuple[bytes, Sequence[int]]]) -> list[list[int]]:
-        pairs = list(entries)
-        reply = self._call(Opcode.RETAIN, RetainRequest([bytes(k) for k, _ in pairs], [list(p) for _, p in pairs]))
-        return reply.pages
+        keys, pages = [], []
+        for key, key_pages in entries:
+            keys.append(bytes(key))
+            pages.append([_int(p) for p in key_pages])
+        return self._call(Opcode.RETAIN, RetainRequest(keys, pages)).pages
 
     def release(self, prefix_key: bytes) -> bool:
         """Stop retaining prefix_key; False if it was not retained (never, already released, or evicted)."""
@@ -339,7 +342,8 @@ class KVStoreClient:
     ) -> tuple[int, list[int]] | None:
         """(index, pages) of the last retained key of prefix_keys (e.g. the longest cached prefix of a
         prompt, with keys from prefix_keys()), or None. request_id as in lookup."""
-        reply = self._call(Opcode.LOOKUP, LookupRequest([bytes(k) for k in prefix_keys], request_id))
+        rid = None if request_id is None else _int(request_id)
+        reply = self._call(Opcode.LOOKUP, LookupRequest([bytes(k) for k in prefix_keys], rid))
         return None if reply.index < 0 else (reply.index, reply.pages)
 
     def stats(self, *, check: bool = False) -> dict[str, Any]:
@@ -456,6 +460,13 @@ class _Resources:
         self.channel.close()
         if heartbeat_done:  # term() would wait forever for a socket still open in a stuck thread
             self.ctx.term()
+
+
+def _int(value: Any) -> int:
+    """Python, numpy and 0-d torch integers alike (msgpack only packs Python ints); bools and floats refused."""
+    if isinstance(value, (bool, float)):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return operator.index(value)
 
 
 def _torch_view(buf: mmap.mmap, hello: HelloReply):

@@ -20,10 +20,9 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable
-
-import psutil
 
 from .arena import ArenaGeometry, Segment, free_shm_bytes, instance_prefix, process_alive, process_start_ms
 from .config import DaemonConfig, GiB
@@ -101,6 +100,9 @@ class KVStoreCore:
         self._sessions: dict[int, Session] = {}
         # One arena pre-faults at a time; each already spreads its work over prefault_threads.
         self._prefaulter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-prefault")
+        self._closing = threading.Event()  # stops a running pre-fault, so shutdown never waits for one
+        parent = config.parent_pid
+        self._parent_start = process_start_ms(parent) if parent is not None else None
 
     def handle(self, opcode: Opcode, session_id: int, request: object) -> object:
         use = MESSAGES[opcode].session
@@ -129,11 +131,13 @@ class KVStoreCore:
             elif session.pid is not None and not process_alive(session.pid, session.pid_start_ms):
                 self._end_session(session, f"its process {session.pid} is gone")
                 self.reaped_sessions += 1
-        if self.config.parent_pid is not None and not psutil.pid_exists(self.config.parent_pid):
-            log.info("parent process %d is gone: stopping", self.config.parent_pid)
+        parent = self.config.parent_pid
+        if parent is not None and (self._parent_start is None or not process_alive(parent, self._parent_start)):
+            log.info("parent process %d is gone: stopping", parent)
             self.stop_requested = True
 
     def close(self) -> None:
+        self._closing.set()
         self._prefaulter.shutdown(wait=False, cancel_futures=True)
         for arena in self._arenas.values():
             arena.segment.unlink()
@@ -323,7 +327,7 @@ class KVStoreCore:
                 raise HostMemoryExhausted(f"cannot reserve {size} bytes for arena {path}: {e}") from None
             arena.ready = True
         else:
-            arena.prefault = self._prefaulter.submit(segment.prefault, self.config.prefault_threads)
+            arena.prefault = self._prefaulter.submit(segment.prefault, self.config.prefault_threads, self._closing)
         self._arenas[req.client_id] = arena
         return arena
 

@@ -81,7 +81,7 @@ def test_large_arenas_are_prefaulted_in_the_background_and_refuse_pages_until_re
 
 
 def test_a_failed_prefault_is_reported_and_its_segment_removed(make_core, monkeypatch):
-    def no_space(self, threads):
+    def no_space(self, threads, cancel=None):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(Segment, "prefault", no_space)
@@ -160,3 +160,20 @@ def test_the_token_guards_hello_and_admin_calls(make_core):
         core.handle(Opcode.STATS, 0, StatsRequest())
     with pytest.raises(SessionExpired):  # a stale session is reported as such, not as a missing token
         core.handle(Opcode.PING, 12345, PingRequest())
+
+
+def test_prefault_faults_in_every_chunk_and_stops_when_cancelled(tmp_path, monkeypatch):
+    import threading
+
+    from freekv_kvstore import arena as arena_mod
+
+    monkeypatch.setattr(arena_mod, "_POPULATE_CHUNK", 1 << 16)
+    seg = Segment.create(str(tmp_path / "seg"), (1 << 20) + 4096)  # 17 chunks, the last one partial
+    seg.prefault(threads=3)
+    assert os.stat(seg.path).st_blocks * 512 >= seg.size  # every block reserved
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(InterruptedError):
+        Segment.create(str(tmp_path / "seg2"), 1 << 20).prefault(threads=2, cancel=cancel)
+    seg.unlink()
+    assert not os.path.exists(seg.path)

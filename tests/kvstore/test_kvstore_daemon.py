@@ -231,3 +231,19 @@ def test_arena_layout_matches_the_documented_geometry(daemons):
         assert bytes(c.buffer[offset : offset + 2]) == b"\x80\x3f"
         page = bytes(c.buffer[p * c.page_bytes : (p + 1) * c.page_bytes])
         assert c.arena[p].view(torch.uint8).numpy().tobytes() == page
+
+
+def test_numpy_and_torch_integers_are_accepted_and_bools_refused(daemons):
+    import numpy as np
+    import torch
+
+    d = daemons.start("ipc")
+    with connect(d, num_pages=np.int64(16), rank=np.int32(0)) as c:
+        pages = c.alloc(np.int64(3), torch.tensor(2))
+        assert c.retain(b"k", torch.tensor(pages)) == pages
+        assert c.lookup(b"k", request_id=np.uint8(4)) == pages
+        assert c.free_many(np.array([3, 4])) == 0
+        with pytest.raises(TypeError):
+            c.alloc(True, 1)
+        with pytest.raises(TypeError):
+            c.alloc(1, 2.0)
