@@ -28,6 +28,7 @@ class Daemon:
     endpoint: str
     token: str | None
     workdir: Path
+    shm_dir: str = "/dev/shm"
 
     @property
     def pid(self) -> int:
@@ -37,8 +38,9 @@ class Daemon:
         return "".join((self.workdir / name).read_text() for name in ("daemon.out", "daemon.err"))
 
     def segments(self) -> list[str]:
-        """This daemon's arena files in /dev/shm."""
-        return [n for n in os.listdir("/dev/shm") if n.startswith(f"freekv.{os.getuid()}.{self.pid}.")]
+        """Paths of this daemon's arena files."""
+        prefix = f"freekv.{os.getuid()}.{self.pid}."
+        return [os.path.join(self.shm_dir, n) for n in os.listdir(self.shm_dir) if n.startswith(prefix)]
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int:
         if self.process.poll() is None:
@@ -65,6 +67,7 @@ class DaemonFactory:
         arena_gb: float = 0.25,
         endpoint: str | None = None,
         extra: tuple[str, ...] = (),
+        shm_dir: str = "/dev/shm",
         wait: bool = True,
     ) -> Daemon:
         workdir = self.workdir()
@@ -74,13 +77,13 @@ class DaemonFactory:
             token = TOKEN
         ready = workdir / "ready"
         cmd = [sys.executable, "-m", "freekv_kvstore", "--endpoint", endpoint, "--arena-gb", str(arena_gb),
-               "--log-level", "info", "--ready-file", str(ready), *extra]  # fmt: skip
+               "--log-level", "info", "--ready-file", str(ready), "--shm-dir", shm_dir, *extra]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("FREEKV_KVSTORE_")}
         if token is not None:
             env["FREEKV_KVSTORE_TOKEN"] = token
         with open(workdir / "daemon.out", "w") as out, open(workdir / "daemon.err", "w") as err:
             process = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
-        daemon = Daemon(process, endpoint, token, workdir)
+        daemon = Daemon(process, endpoint, token, workdir, shm_dir)
         self.daemons.append(daemon)
         if wait:
             deadline = time.monotonic() + 20

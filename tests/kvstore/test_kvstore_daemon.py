@@ -25,6 +25,7 @@ from freekv_kvstore import (
     protocol,
     shutdown_daemon,
 )
+from freekv_kvstore.arena import instance_prefix
 from freekv_kvstore.protocol import ErrorCode, Opcode, Status
 
 from kvstore_helpers import TOKEN
@@ -170,23 +171,17 @@ def test_a_taken_endpoint_is_refused(daemons, transport):
 
 
 def test_stale_segments_of_dead_instances_are_removed_at_start(daemons):
+    # A private --shm-dir: concurrent test runs clean /dev/shm of dead instances' files too.
+    shm = daemons.workdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
-    stale = f"/dev/shm/freekv.{os.getuid()}.{dead_pid}.123456.0"
-    from freekv_kvstore.arena import instance_prefix
-
-    alive = f"/dev/shm/{instance_prefix()}0"  # named as if this live test process were a daemon
-    for path in (stale, alive):
-        with open(path, "wb") as f:
-            f.write(b"x")
-    try:
-        d = daemons.start("ipc")
-        assert not os.path.exists(stale) and os.path.exists(alive)
-        assert "removed 1 stale arena segments" in d.log()
-    finally:
-        for path in (stale, alive):
-            if os.path.exists(path):
-                os.unlink(path)
+    stale = shm / f"freekv.{os.getuid()}.{int(dead.stdout)}.123456.0"
+    alive = shm / f"{instance_prefix()}0"  # named as if this live test process were a daemon
+    foreign = shm / f"freekv.{os.getuid() + 1}.{int(dead.stdout)}.123456.0"  # another user's: not ours to judge
+    for path in (stale, alive, foreign):
+        path.write_bytes(b"x")
+    d = daemons.start("ipc", shm_dir=str(shm))
+    assert not stale.exists() and alive.exists() and foreign.exists()
+    assert "removed 1 stale arena segments" in d.log()
 
 
 def test_client_ids_budget_and_reattach(daemons):

@@ -94,7 +94,8 @@ def test_a_silent_client_is_reaped_after_the_client_timeout(daemons, raw_peer):
 
 
 def test_kill_9_of_the_daemon_fails_calls_within_the_timeout_and_a_restart_is_clean(daemons):
-    d = daemons.start("ipc")
+    shm = str(daemons.workdir())  # private: a daemon of a concurrent test run would clean /dev/shm first
+    d = daemons.start("ipc", shm_dir=shm)
     c = KVStoreClient.connect(d.endpoint, geometry=GEOM, num_pages=16, timeout_s=1.0, cuda_register=False)
     c.alloc(1, 2)
     segments = d.segments()
@@ -105,9 +106,9 @@ def test_kill_9_of_the_daemon_fails_calls_within_the_timeout_and_a_restart_is_cl
         c.alloc(1, 1)
     assert time.monotonic() - t0 < 2.0
     # The killed daemon left its socket and segment; a new daemon on the same endpoint clears both.
-    assert all(os.path.exists(f"/dev/shm/{s}") for s in segments)
-    d2 = daemons.start("ipc", endpoint=d.endpoint)
-    assert not any(os.path.exists(f"/dev/shm/{s}") for s in segments)
+    assert all(os.path.exists(s) for s in segments)
+    d2 = daemons.start("ipc", endpoint=d.endpoint, shm_dir=shm)
+    assert not any(os.path.exists(s) for s in segments)
     assert "stale" in d2.log()
     with pytest.raises(SessionExpired, match="daemon restarted"):
         c.alloc(1, 1)
