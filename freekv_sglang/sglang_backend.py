@@ -121,11 +121,13 @@ class FreeKVAttnBackend(AttentionBackend):
             self.engine.prepare_step([], pad_to=fb.batch_size)
             return
         slots = getattr(fb, "_freekv_req_slots_cpu", None)
-        if slots is None or fb.seq_lens_cpu is None:
+        raw_bs = getattr(fb, "_freekv_raw_bs", None)
+        if slots is None or raw_bs is None or fb.seq_lens_cpu is None:
             raise RuntimeError("FreeKV needs the decode batch's request slots and lengths on the host; the "
                                "freekv_patches hooks that carry them are not applied")
-        slots = [int(s) for s in slots]
-        lens = fb.seq_lens_cpu[:len(slots)].tolist()
+        # Rows past raw_bs pad a captured batch (SGLang pads with slot 0, the engine's padding slot).
+        slots = [int(s) for s in slots[:raw_bs]]
+        lens = fb.seq_lens_cpu[:raw_bs].tolist()
         gens = self.req_pool.req_generation[slots].tolist()
         for slot, n, gen in zip(slots, lens, gens):
             if self._generation.get(slot) != gen or not self.engine.is_active(slot):
