@@ -1,0 +1,375 @@
+"""FreeKV's server flags for SGLang: definitions, parsing, and the checks that refuse what FreeKV cannot serve.
+
+Nothing here imports SGLang: the flags are added to any argparse parser, and the checks read a ServerArgs-like
+object by attribute name. freekv_patches wires them into SGLang (see patches/server_args.py).
+
+Two ways to turn FreeKV on:
+- the CLI: ``python -m sglang.launch_server ... --kv-retrieval freekv --kv-budget 2048 ...``;
+- the environment, for ``sglang.Engine(...)`` / ``sgl.Runtime(...)``, whose keyword arguments cannot carry
+  unknown flags: ``SGLANG_KV_RETRIEVAL=freekv`` and ``FREEKV_ARGS="--kv-budget 2048 --kv-window 512"``, the
+  latter parsed by the same parser. On the CLI route, flags given on the command line override the environment.
+
+A server that runs FreeKV carries ``server_args._freekv``, a FreeKVServerSettings (an underscore attribute, so it
+survives the pickling of ServerArgs into SGLang's scheduler processes); without FreeKV the attribute is None or
+absent and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .config import FreeKVConfig
+
+ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
+ENV_FREEKV_ARGS = "FREEKV_ARGS"
+# The kvstore endpoint the launcher hands to the scheduler processes (same name as freekv_kvstore's default).
+ENV_KVSTORE_ENDPOINT = "FREEKV_KVSTORE_ENDPOINT"
+
+KV_RETRIEVAL_CHOICES = ("none", "freekv")
+# FreeKVAttnBackend wraps these; SGLang's own choice (fa3 on Hopper, for many models) is not one of them.
+SUPPORTED_ATTENTION_BACKENDS = ("triton", "flashinfer")
+# Set when the user names no attention backend at all, before SGLang resolves its own default.
+DEFAULT_ATTENTION_BACKEND = "triton"
+DEFAULT_KVSTORE_ARENA_GB = 16.0
+
+_GiB = 1 << 30
+_DEFAULTS = FreeKVConfig()
+
+# dest name -> (flag, FreeKVConfig field or None)
+_KNOB_FLAGS = {
+    "kv_budget": ("--kv-budget", "budget"),
+    "kv_sink": ("--kv-sink", "sink"),
+    "kv_window": ("--kv-window", "window"),
+    "kv_page_size": ("--kv-page-size", "page_size"),
+    "kv_correction_threshold": ("--kv-correction-threshold", "tau"),
+    "kv_dense_layers": ("--kv-dense-layers", "dense_layers"),
+}
+FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb")
+FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb")
+
+
+class FreeKVArgsError(ValueError):
+    """A server argument (or model) FreeKV cannot serve with; the message names the flag to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeKVServerSettings:
+    """What a FreeKV-enabled SGLang server carries in ``server_args._freekv`` (picklable).
+
+    config: the FreeKV knobs.
+    kvstore_endpoint: the kvstore daemon to connect to. None until the launcher starts an embedded daemon (when no
+        --kvstore-endpoint was given), after which it holds that daemon's endpoint.
+    kvstore_arena_gb: arena budget in GiB of the embedded daemon (unused with an external one).
+    """
+
+    config: FreeKVConfig
+    kvstore_endpoint: str | None = None
+    kvstore_arena_gb: float = DEFAULT_KVSTORE_ARENA_GB
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, FreeKVConfig):
+            raise TypeError(f"config must be a FreeKVConfig, got {type(self.config).__name__}")
+        gb = self.kvstore_arena_gb
+        if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0:
+            raise FreeKVArgsError(f"--kvstore-arena-gb must be a positive number of GiB, got {gb!r}")
+        if self.kvstore_endpoint is not None and not self.kvstore_endpoint.startswith(("ipc://", "tcp://")):
+            raise FreeKVArgsError(
+                f"--kvstore-endpoint must be ipc://<path> or tcp://<host>:<port>, got {self.kvstore_endpoint!r}"
+            )
+
+    @property
+    def embedded_kvstore(self) -> bool:
+        """True until an endpoint is known: the launcher must start a daemon of its own."""
+        return self.kvstore_endpoint is None
+
+    def with_endpoint(self, endpoint: str) -> FreeKVServerSettings:
+        return dataclasses.replace(self, kvstore_endpoint=endpoint)
+
+
+# ----------------------------------------------------------------------------------------------- flags
+
+
+def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argparse.Action] | None = None) -> None:
+    """Add the FreeKV flags to parser. Every default is None ("not given"); FreeKVConfig supplies the values.
+    retrieval_action: an argparse.Action class for --kv-retrieval (freekv_patches checks its hooks there)."""
+    g = parser.add_argument_group(
+        "FreeKV KV retrieval",
+        "Keep each request's full KV cache in host memory (a kvstore daemon) and only a fixed budget of pages "
+        "per request and KV head on the GPU. Needs --disable-radix-cache; see freekv_sglang/server_args.py for "
+        f"what else is refused. Also settable for sglang.Engine / sgl.Runtime through ${ENV_KV_RETRIEVAL}=freekv "
+        f'and ${ENV_FREEKV_ARGS}="--kv-budget ...".',
+    )
+    g.add_argument(
+        "--kv-retrieval",
+        action=retrieval_action or "store",
+        choices=KV_RETRIEVAL_CHOICES,
+        default=None,
+        help="KV retrieval method for decode attention: 'freekv' turns FreeKV on (default: none, or "
+        f"${ENV_KV_RETRIEVAL}).",
+    )
+    g.add_argument("--kv-budget", type=int, default=None, metavar="TOKENS",
+                   help="tokens of selected pages per KV head and request, besides sink and window, "
+                        f"a multiple of --kv-page-size (default {_DEFAULTS.budget})")
+    g.add_argument("--kv-sink", type=int, default=None, metavar="TOKENS",
+                   help=f"first tokens of every request, always attended (default {_DEFAULTS.sink})")
+    g.add_argument("--kv-window", type=int, default=None, metavar="TOKENS",
+                   help=f"most recent tokens, always attended, at least one page (default {_DEFAULTS.window})")
+    g.add_argument("--kv-page-size", type=int, default=None, metavar="TOKENS",
+                   help="tokens per page, a power of two; the unit of selection, offload and recall. SGLang's "
+                        f"--page-size is set to it (default {_DEFAULTS.page_size})")
+    g.add_argument("--kv-correction-threshold", type=float, default=None, metavar="TAU",
+                   help="cosine similarity of adjacent queries below which a KV head is reselected before "
+                        f"attention; 0 = pure speculation, 1 = reselect every step (default {_DEFAULTS.tau})")
+    g.add_argument("--kv-dense-layers", type=int, default=None, metavar="N",
+                   help=f"the first N layers attend densely over the whole context (default {_DEFAULTS.dense_layers})")
+    g.add_argument("--kvstore-endpoint", default=None, metavar="URL",
+                   help="an already running kvstore daemon (ipc://<path> or tcp://<host>:<port>; a tcp daemon's "
+                        "token comes from $FREEKV_KVSTORE_TOKEN). Default: start an embedded daemon with this "
+                        "server and stop it with the server.")
+    g.add_argument("--kvstore-arena-gb", type=float, default=None, metavar="GIB",
+                   help="host-memory budget of the embedded kvstore daemon in GiB; must fit in the host's memory "
+                        f"and /dev/shm (default {DEFAULT_KVSTORE_ARENA_GB:g})")
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting (for $FREEKV_ARGS)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise FreeKVArgsError(f"${ENV_FREEKV_ARGS}: {message}")
+
+
+def freekv_parser() -> argparse.ArgumentParser:
+    """A parser that knows only the FreeKV flags (the same definitions the SGLang CLI gets)."""
+    parser = _RaisingParser(prog=f"${ENV_FREEKV_ARGS}", add_help=False)
+    add_freekv_args(parser)
+    return parser
+
+
+def flag_values(namespace: Any) -> dict[str, Any]:
+    """The FreeKV flag values of an argparse namespace (missing attributes count as not given)."""
+    return {dest: getattr(namespace, dest, None) for dest in FLAG_DESTS}
+
+
+def env_flag_values(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Flag values from $SGLANG_KV_RETRIEVAL and $FREEKV_ARGS (parsed by freekv_parser)."""
+    environ = os.environ if environ is None else environ
+    values = dict.fromkeys(FLAG_DESTS)
+    raw = environ.get(ENV_FREEKV_ARGS, "").strip()
+    if raw:
+        try:
+            argv = shlex.split(raw)
+        except ValueError as e:
+            raise FreeKVArgsError(f"${ENV_FREEKV_ARGS} is not a valid shell-quoted argument list: {e}") from None
+        values = flag_values(freekv_parser().parse_args(argv))
+    mode = environ.get(ENV_KV_RETRIEVAL, "").strip()
+    if mode:
+        if mode not in KV_RETRIEVAL_CHOICES:
+            raise FreeKVArgsError(f"${ENV_KV_RETRIEVAL} must be one of {', '.join(KV_RETRIEVAL_CHOICES)}, got {mode!r}")
+        if values["kv_retrieval"] is not None and values["kv_retrieval"] != mode:
+            raise FreeKVArgsError(
+                f"${ENV_KV_RETRIEVAL}={mode} contradicts --kv-retrieval {values['kv_retrieval']} in ${ENV_FREEKV_ARGS}"
+            )
+        values["kv_retrieval"] = mode
+    return values
+
+
+def merge_flag_values(primary: Mapping[str, Any], fallback: Mapping[str, Any]) -> dict[str, Any]:
+    """Each flag from primary where given there, else from fallback (the CLI over the environment)."""
+    return {dest: primary.get(dest) if primary.get(dest) is not None else fallback.get(dest) for dest in FLAG_DESTS}
+
+
+def settings_from_values(values: Mapping[str, Any]) -> FreeKVServerSettings | None:
+    """FreeKVServerSettings for the given flag values, or None when FreeKV is off (FreeKVConfig's ValueErrors pass
+    through, reworded to name the flag)."""
+    mode = values.get("kv_retrieval") or "none"
+    if mode not in KV_RETRIEVAL_CHOICES:
+        raise FreeKVArgsError(f"--kv-retrieval must be one of {', '.join(KV_RETRIEVAL_CHOICES)}, got {mode!r}")
+    if mode == "none":
+        return None
+    knobs = {field: values[dest] for dest, (_, field) in _KNOB_FLAGS.items() if values.get(dest) is not None}
+    try:
+        config = FreeKVConfig(**knobs)
+    except ValueError as e:
+        raise FreeKVArgsError(f"{_name_flags(str(e))}") from e
+    arena = values.get("kvstore_arena_gb")
+    return FreeKVServerSettings(
+        config=config,
+        kvstore_endpoint=values.get("kvstore_endpoint") or None,
+        kvstore_arena_gb=DEFAULT_KVSTORE_ARENA_GB if arena is None else arena,
+    )
+
+
+def settings_from_argv(argv: Sequence[str]) -> FreeKVServerSettings | None:
+    """Settings from a FreeKV-only argument list (tests, tools)."""
+    return settings_from_values(flag_values(freekv_parser().parse_args(list(argv))))
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> FreeKVServerSettings | None:
+    return settings_from_values(env_flag_values(environ))
+
+
+def _name_flags(message: str) -> str:
+    """Put the CLI flag next to FreeKVConfig's field names in its error messages."""
+    for dest, (flag, field) in _KNOB_FLAGS.items():
+        if message.startswith(field + " ") or message.startswith(field + "="):
+            return f"{flag}: {message}"
+    return f"invalid FreeKV settings: {message}"
+
+
+# ----------------------------------------------------------------------------------------------- checks
+
+
+def preset_server_fields(fields: Mapping[str, Any], settings: FreeKVServerSettings) -> dict[str, Any]:
+    """The ServerArgs fields to set before SGLang resolves them: --page-size (to --kv-page-size, or refuse a
+    different one) and --attention-backend (to DEFAULT_ATTENTION_BACKEND when no backend was named)."""
+    page = settings.config.page_size
+    updates: dict[str, Any] = {}
+    given = fields.get("page_size")
+    if given is None:
+        updates["page_size"] = page
+    elif given != page:
+        raise FreeKVArgsError(
+            f"--page-size {given} differs from --kv-page-size {page}: FreeKV's page is SGLang's KV page; "
+            f"drop --page-size or pass --page-size {page} (or --kv-page-size {given})"
+        )
+    backends = ("attention_backend", "decode_attention_backend", "prefill_attention_backend")
+    if all(fields.get(k) is None for k in backends):
+        updates["attention_backend"] = DEFAULT_ATTENTION_BACKEND
+    return updates
+
+
+def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> list[str]:
+    """Every reason FreeKV cannot run with these (SGLang) server arguments, each naming the flag to change."""
+    g = lambda name, default=None: getattr(server_args, name, default)  # noqa: E731
+    problems = []
+    page = settings.config.page_size
+    if g("page_size") not in (None, page):
+        problems.append(f"--page-size is {g('page_size')} but FreeKV needs it equal to --kv-page-size {page}")
+    if not g("disable_radix_cache", False):
+        problems.append(
+            "pass --disable-radix-cache: FreeKV keeps a private budget of GPU pages per request, which the radix "
+            "cache's shared prefix pages would break"
+        )
+    if g("speculative_algorithm") not in (None, "", "NONE", "none"):
+        problems.append(
+            f"drop --speculative-algorithm {g('speculative_algorithm')}: speculative decoding (draft models, "
+            "multi-token verify) is not supported with FreeKV"
+        )
+    if g("enable_dp_attention", False):
+        problems.append("drop --enable-dp-attention: DP attention is not supported with FreeKV")
+    if g("enable_hierarchical_cache", False):
+        problems.append(
+            "drop --enable-hierarchical-cache: FreeKV already keeps the KV cache in host memory (its kvstore) and "
+            "needs the radix cache off"
+        )
+    if g("enable_hisparse", False):
+        problems.append("drop --enable-hisparse: HiSparse is another sparse-attention scheme; use one of the two")
+    if g("enable_mixed_chunk", False):
+        problems.append(
+            "drop --enable-mixed-chunk: FreeKV's decode path needs batches that are pure decode (mixed "
+            "prefill+decode batches are not supported)"
+        )
+    if g("disaggregation_mode", "null") not in (None, "null"):
+        problems.append(
+            f"drop --disaggregation-mode {g('disaggregation_mode')}: prefill/decode disaggregation is not "
+            "supported with FreeKV"
+        )
+    if (g("pp_size", 1) or 1) > 1:
+        problems.append(f"use --pp-size 1 (got {g('pp_size')}): pipeline parallelism is not supported with FreeKV yet")
+    if g("enable_two_batch_overlap", False):
+        problems.append("drop --enable-two-batch-overlap: two-batch overlap is not supported with FreeKV")
+    if g("enable_pdmux", False):
+        problems.append("drop --enable-pdmux: PD multiplexing is not supported with FreeKV")
+    supported = " or ".join(SUPPORTED_ATTENTION_BACKENDS)
+    for name in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
+        value = g(name)
+        if value is not None and value not in SUPPORTED_ATTENTION_BACKENDS:
+            flag = "--" + name.replace("_", "-")
+            problems.append(f"{flag} is {value}: FreeKV wraps only the {supported} attention backends "
+                            f"(pass {flag} {DEFAULT_ATTENTION_BACKEND})")
+    return problems
+
+
+def check_server_args(server_args: Any, settings: FreeKVServerSettings) -> None:
+    """Raise FreeKVArgsError listing every problem of server_args_problems."""
+    problems = server_args_problems(server_args, settings)
+    if problems:
+        raise FreeKVArgsError(_refusal(problems))
+
+
+def model_problems(hf_config: Any, config: FreeKVConfig | None = None) -> list[str]:
+    """Why FreeKV cannot serve this (Hugging Face) model config: MLA, sliding-window or other non-full attention
+    layers, and the head/layer shapes of FreeKVConfig.check_model."""
+    text = _text_config(hf_config)
+    g = lambda name, default=None: getattr(text, name, default)  # noqa: E731
+    arch = ", ".join(getattr(hf_config, "architectures", None) or []) or type(hf_config).__name__
+    problems = []
+    if g("kv_lora_rank") is not None or g("use_mla", False):
+        problems.append(f"{arch} uses multi-head latent attention (MLA); FreeKV serves MHA/GQA models only")
+    layer_types = g("layer_types")
+    if isinstance(layer_types, (list, tuple)):
+        other = sorted({str(t) for t in layer_types} - {"full_attention", "attention", "global", "full"})
+        if other:
+            problems.append(f"{arch} has {', '.join(other)} layers; FreeKV serves models whose every layer is "
+                            "full attention")
+    keys = ("sliding_window", "sliding_window_size", "attention_window_size")
+    window = next((g(k) for k in keys if g(k) is not None), None)
+    if window is not None and g("use_sliding_window", True) is not False and not isinstance(layer_types, (list, tuple)):
+        problems.append(f"{arch} uses sliding-window attention (window {window}); FreeKV serves full-attention "
+                        "models only")
+    layers, q_heads = g("num_hidden_layers"), g("num_attention_heads")
+    if isinstance(layers, int) and isinstance(q_heads, int):
+        kv_heads = g("num_key_value_heads") or q_heads
+        try:
+            (config or FreeKVConfig()).check_model(layers, q_heads, kv_heads)
+        except ValueError as e:
+            problems.append(_name_flags(str(e)).replace("invalid FreeKV settings: ", ""))
+    return problems
+
+
+def check_model(hf_config: Any, config: FreeKVConfig | None = None) -> None:
+    """Raise FreeKVArgsError when FreeKV cannot serve this model (called in each scheduler process once the model
+    config is known)."""
+    problems = model_problems(hf_config, config)
+    if problems:
+        raise FreeKVArgsError(_refusal(problems, what="this model"))
+
+
+def check_arena_fits(arena_gb: float, shm_dir: str = "/dev/shm") -> None:
+    """Refuse an embedded-daemon arena larger than the host's memory or its shared-memory filesystem."""
+    import psutil
+
+    want = int(arena_gb * _GiB)
+    limits = {"the host's memory": psutil.virtual_memory().total}
+    try:
+        st = os.statvfs(shm_dir)
+        limits[f"{shm_dir}"] = st.f_blocks * st.f_frsize
+    except OSError:
+        pass
+    where, cap = min(limits.items(), key=lambda kv: kv[1])
+    if want > cap:
+        suggest = max(cap // 2, 1) / _GiB
+        raise FreeKVArgsError(
+            f"--kvstore-arena-gb {arena_gb:g} does not fit: {where} holds {cap / _GiB:.1f} GiB; pass a smaller "
+            f"--kvstore-arena-gb (e.g. {suggest:.1f}) or --kvstore-endpoint of a daemon on a bigger host"
+        )
+
+
+def _text_config(hf_config: Any) -> Any:
+    get = getattr(hf_config, "get_text_config", None)
+    if callable(get):
+        try:
+            return get()
+        except Exception:  # noqa: BLE001 - odd configs: fall back to the top level
+            pass
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def _refusal(problems: list[str], what: str = "these server arguments") -> str:
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return f"--kv-retrieval freekv cannot run with {what}:\n{lines}"

@@ -1,0 +1,42 @@
+"""Seam: AROUND sglang.srt.entrypoints.engine.Engine._launch_subprocesses (classmethod). Written against sglang 0.5.16.
+
+Both `python -m sglang.launch_server` (http_server.launch_server) and sglang.Engine(...) launch through here, once
+per node. With FreeKV on and no --kvstore-endpoint, the embedded kvstore daemon starts here, before any scheduler
+spawns; its endpoint goes into server_args._freekv (pickled to the schedulers) and $FREEKV_KVSTORE_ENDPOINT
+(inherited through spawn). It stops at interpreter exit, and at once when the launch fails.
+
+sgl.Runtime runs http_server.launch_server in a fresh spawned process that loads the plugins only inside this
+method, so this hook is not yet in place there: Engine._launch_scheduler_processes (patches/engine_launch_scheduler_
+processes.py) starts the daemon in that case.
+"""
+
+from __future__ import annotations
+
+from ._common import settings_of
+from ._kvstore import abandon_kvstore, ensure_kvstore
+
+TARGET = "sglang.srt.entrypoints.engine.Engine._launch_subprocesses"
+HOOK_TYPE = "AROUND"
+PARAMS = ("cls", "server_args", "init_tokenizer_manager_func", "run_scheduler_process_func",
+          "run_detokenizer_process_func", "port_args")
+PURPOSE = "start the embedded kvstore before the schedulers spawn; stop it if the launch fails"
+
+
+def hook(orig, cls, server_args, *args, **kwargs):
+    if settings_of(server_args) is None:
+        from freekv_sglang.server_args import env_flag_values
+
+        if env_flag_values().get("kv_retrieval") == "freekv":
+            from . import require_hooks
+
+            require_hooks("launching with $SGLANG_KV_RETRIEVAL=freekv")
+        return orig(cls, server_args, *args, **kwargs)
+    from . import require_hooks
+
+    require_hooks("launching a FreeKV server")
+    handle = ensure_kvstore(server_args)
+    try:
+        return orig(cls, server_args, *args, **kwargs)
+    except BaseException:
+        abandon_kvstore(server_args, handle)
+        raise

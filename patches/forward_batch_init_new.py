@@ -1,0 +1,35 @@
+"""Seam: AFTER sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new (classmethod). Written against
+sglang 0.5.16.
+
+In 0.5.16 there is no ModelWorkerBatch: TpModelWorker builds each ForwardBatch straight from the ScheduleBatch with
+ForwardBatch.init_new(batch, model_runner, ...), on the normal and the overlap-scheduler path alike (run_batch calls
+forward_batch_generation(batch) synchronously on the forward stream). ScheduleBatch keeps req_pool_indices_cpu, a
+CPU int64 mirror of req_pool_indices kept in step by prepare_for_extend, filter_batch and merge_batch. This hook
+puts it on the ForwardBatch, so the attention backend reads request slots without a device-to-host copy:
+  forward_batch._freekv_req_slots_cpu: CPU int64 tensor [batch_size], same order as req_pool_indices
+      (None when the ScheduleBatch had no usable mirror: the backend must refuse);
+  forward_batch._freekv_raw_bs: the number of real rows (= batch_size here: no padding).
+The tensor is borrowed from the ScheduleBatch, not copied (SGLang replaces it, never writes it in place).
+"""
+
+from __future__ import annotations
+
+from ._common import settings_of
+
+TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+HOOK_TYPE = "AFTER"
+PARAMS = ("cls", "batch", "model_runner", "capture_hidden_mode", "return_hidden_states_before_norm")
+PURPOSE = "put the batch's CPU request slots on the ForwardBatch (_freekv_req_slots_cpu, _freekv_raw_bs)"
+
+
+def hook(result, cls, batch, model_runner, *args, **kwargs):
+    if result is None or settings_of(getattr(model_runner, "server_args", None)) is None:
+        return None
+    slots = getattr(batch, "req_pool_indices_cpu", None)
+    bs = result.batch_size
+    if slots is not None and (getattr(slots, "device", None) is None or slots.device.type != "cpu"
+                              or tuple(slots.shape) != (bs,)):
+        slots = None  # stale or not a CPU mirror: leave None so the backend refuses loudly
+    result._freekv_req_slots_cpu = slots
+    result._freekv_raw_bs = bs
+    return None

@@ -1,0 +1,70 @@
+"""Seam: AFTER sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components. Written against
+sglang 0.5.16.
+
+Runs in every scheduler process (one per TP/PP rank) once the model is loaded and the memory pools exist, before
+the attention backends are built and the CUDA graphs captured. With FreeKV on it:
+  - refuses to start when any FreeKV hook is missing in this process (HookRegistry.apply_hooks only logs a target
+    it cannot patch, and run_scheduler_process's load_plugins() swallows plugin errors);
+  - refuses models FreeKV cannot serve (freekv_sglang.server_args.check_model on the HF config, plus SGLang's own
+    view: an MLA backend, hybrid sliding-window pools, a draft worker);
+  - takes the kvstore endpoint from $FREEKV_KVSTORE_ENDPOINT if server_args._freekv has none, and refuses without;
+  - marks the ReqToTokenPool so the free() hook reports freed slots, and gives ForwardBatch class-level None
+    defaults for _freekv_req_slots_cpu / _freekv_raw_bs (batches no hook saw read None, not AttributeError).
+(An AROUND hook on run_scheduler_process cannot do this: Engine passes its own reference to the original function to
+mp.Process, and pickling that reference fails once the module attribute is a wrapper.)
+"""
+
+from __future__ import annotations
+
+import os
+
+from ._common import settings_of
+
+TARGET = "sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components"
+HOOK_TYPE = "AFTER"
+PARAMS = ("self",)
+PURPOSE = "scheduler-side self-check (hooks, model, kvstore endpoint); mark the request pool"
+
+
+def hook(result, self):
+    server_args = getattr(self, "server_args", None)
+    settings = settings_of(server_args)
+    if settings is None:
+        return None
+    from freekv_sglang.server_args import ENV_KVSTORE_ENDPOINT, FreeKVArgsError, check_model
+
+    from . import require_hooks
+
+    require_hooks("starting a FreeKV scheduler")
+    problems = []
+    if getattr(self, "is_draft_worker", False):
+        problems.append("a speculative draft worker was started; drop --speculative-algorithm")
+    if getattr(self, "use_mla_backend", False):
+        problems.append("the model runs on an MLA attention backend; FreeKV serves MHA/GQA models only")
+    model_config = getattr(self, "model_config", None)
+    if getattr(model_config, "is_hybrid_swa", False):
+        problems.append("the model has sliding-window layers (hybrid SWA pools); FreeKV serves full-attention "
+                        "models only")
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise FreeKVArgsError(f"--kv-retrieval freekv cannot serve this model:\n{lines}")
+    if model_config is not None and getattr(model_config, "hf_config", None) is not None:
+        check_model(model_config.hf_config, settings.config)
+    if settings.kvstore_endpoint is None:
+        endpoint = os.environ.get(ENV_KVSTORE_ENDPOINT)
+        if not endpoint:
+            raise RuntimeError(
+                "FreeKV: no kvstore endpoint reached this scheduler (server_args._freekv.kvstore_endpoint and "
+                f"${ENV_KVSTORE_ENDPOINT} are unset); pass --kvstore-endpoint or launch through "
+                "sglang.launch_server / sglang.Engine so the embedded daemon starts"
+            )
+        server_args._freekv = settings = settings.with_endpoint(endpoint)
+    pool = getattr(self, "req_to_token_pool", None)
+    if pool is not None:
+        pool._freekv_enabled = True
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    for name in ("_freekv_req_slots_cpu", "_freekv_raw_bs"):
+        if not hasattr(ForwardBatch, name):
+            setattr(ForwardBatch, name, None)
+    return None
