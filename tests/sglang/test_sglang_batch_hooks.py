@@ -1,0 +1,195 @@
+"""The request slots of a batch reach the attention backend on every path a ForwardBatch takes (ScheduleBatch ->
+ForwardBatch.init_new -> eager copy / prefill graph / decode graph capture and replay view), the freed-slot and
+backend-wrapping hooks fire, and nothing happens with FreeKV off. Runs the patched SGLang symbols on CPU where they
+run without a GPU, and the hooks directly with stand-ins where they do not."""
+
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from freekv_sglang.config import FreeKVConfig
+from freekv_sglang.server_args import FreeKVArgsError, FreeKVServerSettings
+
+ON = SimpleNamespace(_freekv=FreeKVServerSettings(config=FreeKVConfig(), kvstore_endpoint="ipc:///tmp/t.sock"))
+OFF = SimpleNamespace()
+
+
+@pytest.fixture
+def fake_backend_module(monkeypatch):
+    """freekv_sglang.sglang_backend as the hooks import it (the real one needs a GPU)."""
+    module = types.ModuleType("freekv_sglang.sglang_backend")
+    module.freed = []
+    module.on_request_freed = module.freed.append
+
+    class FreeKVAttnBackend:
+        def __init__(self, runner, inner, settings):
+            self.runner, self.inner, self.settings = runner, inner, settings
+
+    module.FreeKVAttnBackend = FreeKVAttnBackend
+    monkeypatch.setitem(sys.modules, "freekv_sglang.sglang_backend", module)
+    return module
+
+
+def _forward_batch(bs=3):
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    return ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=bs, input_ids=torch.zeros(bs, dtype=torch.int64),
+                        req_pool_indices=torch.tensor([5, 2, 7][:bs]), seq_lens=torch.tensor([40, 41, 42][:bs]),
+                        out_cache_loc=torch.zeros(bs, dtype=torch.int64), seq_lens_sum=123)
+
+
+def test_init_new_puts_slots_on_the_batch(plugins):
+    from freekv_patches.forward_batch_init_new import hook
+
+    slots = torch.tensor([5, 2, 7])
+    fb = _forward_batch()
+    hook(fb, None, SimpleNamespace(req_pool_indices_cpu=slots), SimpleNamespace(server_args=ON))
+    assert fb._freekv_req_slots_cpu is slots and fb._freekv_raw_bs == 3
+    stale = _forward_batch()
+    hook(stale, None, SimpleNamespace(req_pool_indices_cpu=torch.tensor([1, 2])), SimpleNamespace(server_args=ON))
+    assert stale._freekv_req_slots_cpu is None  # wrong length: None, the backend refuses
+    missing = _forward_batch()
+    hook(missing, None, SimpleNamespace(), SimpleNamespace(server_args=ON))
+    assert missing._freekv_req_slots_cpu is None
+    off = _forward_batch()
+    hook(off, None, SimpleNamespace(req_pool_indices_cpu=slots), SimpleNamespace(server_args=OFF))
+    assert "_freekv_req_slots_cpu" not in vars(off)
+
+
+def test_dataclasses_replace_drops_unknown_attributes_so_eager_copy_is_hooked(plugins, monkeypatch):
+    import dataclasses
+
+    from sglang.srt.model_executor.runner.eager_runner import EagerRunner
+
+    fb = _forward_batch()
+    fb._freekv_req_slots_cpu, fb._freekv_raw_bs = torch.tensor([5, 2, 7]), 3
+    assert "_freekv_req_slots_cpu" not in vars(dataclasses.replace(fb))  # why the hook exists
+    monkeypatch.setenv("SGLANG_EAGER_INPUT_NO_COPY", "1")  # load_batch returns dataclasses.replace(fb)
+    out = EagerRunner.load_batch(SimpleNamespace(), fb)  # the patched method, as the eager runner calls it
+    assert out is not fb and torch.equal(out._freekv_req_slots_cpu, fb._freekv_req_slots_cpu)
+    assert out._freekv_raw_bs == 3
+    plain = EagerRunner.load_batch(SimpleNamespace(), _forward_batch())
+    assert "_freekv_req_slots_cpu" not in vars(plain)
+
+
+def test_prefill_graph_copy_carries_slots(plugins):
+    from freekv_patches.prefill_graph_load_batch import hook
+
+    fb = _forward_batch()
+    fb._freekv_req_slots_cpu, fb._freekv_raw_bs = torch.tensor([5, 2, 7]), 3
+    static = _forward_batch()
+    hook(static, None, fb)
+    assert static._freekv_req_slots_cpu is fb._freekv_req_slots_cpu and static._freekv_raw_bs == 3
+
+
+def test_replay_view_is_padded(plugins):
+    """build_replay_fb_view (patched, called as load_batch calls it) returns a SimpleNamespace: the hook adds slots
+    padded with 0 (ReqToTokenPool's padding row) to the captured size and the real batch size."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.runner import decode_cuda_graph_runner as runner_module
+
+    bs, raw_bs = 8, 3
+    fb = _forward_batch(raw_bs)
+    fb._freekv_req_slots_cpu, fb._freekv_raw_bs = torch.tensor([5, 2, 7]), raw_bs
+    buffers = SimpleNamespace(input_ids=torch.zeros(bs, dtype=torch.int64), positions=torch.zeros(bs),
+                              req_pool_indices=torch.zeros(bs, dtype=torch.int64), seq_lens=torch.ones(bs),
+                              seq_lens_cpu=torch.ones(bs), encoder_lens=None)
+    view = runner_module.build_replay_fb_view(forward_batch=fb, buffers=buffers, bs=bs, raw_bs=raw_bs, num_tokens=bs,
+                                              seq_len_fill_value=1, capture_forward_mode=ForwardMode.DECODE,
+                                              is_encoder_decoder=False)
+    assert isinstance(view, SimpleNamespace)
+    assert view._freekv_req_slots_cpu.tolist() == [5, 2, 7, 0, 0, 0, 0, 0]
+    assert view._freekv_req_slots_cpu.dtype == torch.int64 and view._freekv_raw_bs == raw_bs
+    assert view.num_padding == bs - raw_bs
+    plain = runner_module.build_replay_fb_view(forward_batch=_forward_batch(raw_bs), buffers=buffers, bs=bs,
+                                               raw_bs=raw_bs, num_tokens=bs, seq_len_fill_value=1,
+                                               capture_forward_mode=ForwardMode.DECODE, is_encoder_decoder=False)
+    assert not hasattr(plain, "_freekv_req_slots_cpu")
+
+
+def test_capture_batch_is_all_padding(plugins):
+    from freekv_patches.decode_graph_capture_prepare import hook
+
+    fb = _forward_batch()
+    hook((fb, None, None), SimpleNamespace(model_runner=SimpleNamespace(server_args=ON)), 3)
+    assert fb._freekv_req_slots_cpu.tolist() == [0, 0, 0] and fb._freekv_raw_bs == 0
+    off = _forward_batch()
+    hook((off, None, None), SimpleNamespace(model_runner=SimpleNamespace(server_args=OFF)), 3)
+    assert "_freekv_req_slots_cpu" not in vars(off)
+
+
+def test_freed_slots_are_reported(plugins, fake_backend_module):
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    pool = ReqToTokenPool(size=4, max_context_len=16, device="cpu", enable_memory_saver=False)
+    reqs = [SimpleNamespace(req_pool_idx=None) for _ in range(2)]
+    assert pool.alloc(reqs) == [1, 2]
+    pool.free(reqs[0])  # pool not marked (FreeKV off): nothing reported
+    assert fake_backend_module.freed == []
+    pool._freekv_enabled = True
+    pool.free(reqs[1])
+    assert fake_backend_module.freed == [2] and reqs[1].req_pool_idx is None
+
+
+def test_backend_is_wrapped(plugins, fake_backend_module):
+    from freekv_patches.attn_backend_wrapper import hook
+
+    inner = object()
+    runner = SimpleNamespace(server_args=ON)
+    wrapped = hook(lambda r, b: b, runner, inner)
+    assert isinstance(wrapped, fake_backend_module.FreeKVAttnBackend)
+    assert wrapped.inner is inner and wrapped.runner is runner and wrapped.settings is ON._freekv
+    assert hook(lambda r, b: b, SimpleNamespace(server_args=OFF), inner) is inner
+
+
+def _runner(hf_config, server_args, **kw):
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    pool = ReqToTokenPool(size=2, max_context_len=8, device="cpu", enable_memory_saver=False)
+    model_config = SimpleNamespace(hf_config=hf_config, is_hybrid_swa=False)
+    return SimpleNamespace(server_args=server_args, model_config=model_config, req_to_token_pool=pool,
+                           is_draft_worker=False, use_mla_backend=False, **kw)
+
+
+def test_scheduler_self_check(plugins, monkeypatch):
+    from transformers import LlamaConfig, MistralConfig
+
+    from freekv_patches.model_runner_post_pool import hook
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    llama = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    runner = _runner(llama, SimpleNamespace(_freekv=FreeKVServerSettings(config=FreeKVConfig())))
+    monkeypatch.setenv("FREEKV_KVSTORE_ENDPOINT", "ipc:///tmp/from-env.sock")
+    hook(None, runner)
+    assert runner.req_to_token_pool._freekv_enabled
+    assert runner.server_args._freekv.kvstore_endpoint == "ipc:///tmp/from-env.sock"
+    assert ForwardBatch._freekv_req_slots_cpu is None and ForwardBatch._freekv_raw_bs is None
+
+    monkeypatch.delenv("FREEKV_KVSTORE_ENDPOINT")
+    with pytest.raises(RuntimeError, match="kvstore endpoint"):
+        hook(None, _runner(llama, SimpleNamespace(_freekv=FreeKVServerSettings(config=FreeKVConfig()))))
+    with pytest.raises(FreeKVArgsError, match="sliding-window"):
+        hook(None, _runner(MistralConfig(num_hidden_layers=2), ON))
+    with pytest.raises(FreeKVArgsError, match="--kv-dense-layers"):
+        deep = FreeKVServerSettings(FreeKVConfig(dense_layers=3), "ipc:///x")
+        hook(None, _runner(llama, SimpleNamespace(_freekv=deep)))
+    with pytest.raises(FreeKVArgsError, match="MLA"):
+        hook(None, SimpleNamespace(**{**vars(_runner(llama, ON)), "use_mla_backend": True}))
+    off = _runner(llama, OFF)
+    hook(None, off)
+    assert not hasattr(off.req_to_token_pool, "_freekv_enabled")
+
+
+def test_self_check_refuses_missing_hooks(plugins, monkeypatch):
+    from transformers import LlamaConfig
+
+    import sglang.srt.model_executor.runner.eager_runner as eager
+    from freekv_patches.model_runner_post_pool import hook
+
+    monkeypatch.setattr(eager.EagerRunner, "load_batch", eager.EagerRunner.load_batch.__wrapped__)
+    llama = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    with pytest.raises(RuntimeError, match="EagerRunner.load_batch"):
+        hook(None, _runner(llama, ON))
