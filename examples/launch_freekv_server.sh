@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Launch an SGLang 0.5.16 server with FreeKV KV retrieval on one CUDA GPU.
+#
+#   MODEL=/path/to/hf-model bash examples/launch_freekv_server.sh [more sglang flags...]
+#
+# Then run the frontend examples against it:
+#   python examples/long_document_qa.py --url http://127.0.0.1:30000
+#   python examples/long_generation.py --url http://127.0.0.1:30000
+#
+# Needs `pip install -e .` in the environment that has sglang (the plugin registers itself through the
+# `sglang.srt.plugins` entry point; nothing else to load). A smaller model for trying it out:
+#   python -m freekv_sglang.hf_models export /tmp/smollm2 && MODEL=/tmp/smollm2 bash examples/launch_freekv_server.sh
+set -euo pipefail
+
+MODEL=${MODEL:?set MODEL to a Hugging Face model directory or id (an MHA/GQA model without sliding-window layers)}
+PORT=${PORT:-30000}
+
+args=(
+  --model-path "$MODEL"
+  --host 127.0.0.1 --port "$PORT"
+
+  # Turn FreeKV on: decode attention reads only a fixed budget of KV pages per request and KV head.
+  --kv-retrieval freekv
+  # Tokens of pages *selected* per step (per KV head and request), on top of sink and window.
+  --kv-budget 2048
+  # The first tokens of every request, always attended.
+  --kv-sink 128
+  # The most recent tokens, always attended (plus the page being filled).
+  --kv-window 512
+  # Tokens per page: the unit of selection, offload and recall. SGLang's --page-size is set to it
+  # (passing a different --page-size is refused).
+  --kv-page-size 32
+  # Reselect a KV head's pages before attention when the cosine similarity of adjacent queries falls
+  # below this (0 = always reuse the previous step's selection, 1 = reselect every step).
+  --kv-correction-threshold 0.9
+  # The first layers stay dense (attend over the whole context).
+  --kv-dense-layers 1
+  # Host-memory budget (GiB) of the embedded kvstore daemon that holds every request's full KV cache.
+  # It starts with the server and stops with it; it must fit in RAM and /dev/shm (containers: --shm-size).
+  --kvstore-arena-gb "${ARENA_GB:-16}"
+  # Or use a daemon that is already running (freekv-kvstore --endpoint ...) instead of an embedded one:
+  # --kvstore-endpoint ipc:///run/freekv/kvstore.sock
+
+  # Required: FreeKV keeps a private page budget per request, which radix prefix sharing would break.
+  --disable-radix-cache
+  # FreeKV wraps the triton or flashinfer backend (triton is chosen when no backend is named).
+  --attention-backend triton
+)
+
+# Refused with FreeKV (each with a message naming the flag): --speculative-algorithm, --enable-dp-attention,
+# --enable-hierarchical-cache, --enable-hisparse, --enable-mixed-chunk, --disaggregation-mode prefill|decode,
+# --pp-size > 1, --enable-two-batch-overlap, --enable-pdmux, attention backends other than triton/flashinfer,
+# and MLA or sliding-window models.
+exec python -m sglang.launch_server "${args[@]}" "$@"
