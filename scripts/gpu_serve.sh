@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Third of three consecutive GPU calls (1: wheelhouse -> /tmp/site, 2: model part 1): builds SmolLM2 and
+# compares a plain SGLang server with a FreeKV server. Extra args go to scripts/serve_check.py.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}; mkdir -p "$OUT"
+source scripts/gpu_env.sh || exit 1
+bash scripts/gpu_smollm2.sh build || exit 1
+python3 scripts/serve_check.py --model /tmp/smollm2 --out "$OUT" "$@" 2>&1 | tee "$OUT/serve-check.log" | tail -n 60
