@@ -30,11 +30,13 @@ _SEAM_MODULES = (
     "engine_launch_subprocesses",
     "engine_launch_scheduler_processes",
     "model_runner_post_pool",
+    "model_runner_dummy_batch",
     "attn_backend_wrapper",
     "req_pool_free",
     "forward_batch_init_new",
     "eager_runner_load_batch",
     "prefill_graph_load_batch",
+    "prefill_graph_capture_prepare",
     "decode_graph_capture_prepare",
     "decode_graph_replay_view",
 )

@@ -193,3 +193,17 @@ def test_self_check_refuses_missing_hooks(plugins, monkeypatch):
     llama = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
     with pytest.raises(RuntimeError, match="EagerRunner.load_batch"):
         hook(None, _runner(llama, ON))
+
+
+def test_dummy_and_prefill_capture_batches_have_no_real_rows(plugins):
+    from freekv_patches.prefill_graph_capture_prepare import hook as prefill_capture
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    fb = _forward_batch()
+    out = ModelRunner.prepare_dummy_forward_batch(SimpleNamespace(server_args=ON), fb)  # patched method
+    assert out._freekv_req_slots_cpu.tolist() == [5, 2, 7] and out._freekv_raw_bs == 0
+    off = ModelRunner.prepare_dummy_forward_batch(SimpleNamespace(server_args=OFF), _forward_batch())
+    assert "_freekv_req_slots_cpu" not in vars(off)
+    fb = _forward_batch()
+    prefill_capture((fb, None), SimpleNamespace(model_runner=SimpleNamespace(server_args=ON)), 64)
+    assert fb._freekv_req_slots_cpu.tolist() == [0, 1, 2] and fb._freekv_raw_bs == 0
