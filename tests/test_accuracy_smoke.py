@@ -1,0 +1,164 @@
+"""The accuracy harness end to end on the real SmolLM2-135M (CPU): `--smoke` mode, task generators,
+scorers and the report. The smoke run is 4 passkey prompts of ~1K tokens with every method."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from freekv_sglang.accuracy import report, tasks
+from freekv_sglang.accuracy.__main__ import main
+from freekv_sglang.accuracy.methods import Geometry, parse_methods
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from freekv_sglang.hf_models import load_smollm2
+
+    return load_smollm2(dtype=torch.float32)
+
+
+def test_smoke_mode_end_to_end(tmp_path, capsys):
+    t0 = time.perf_counter()
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    dt = time.perf_counter() - t0
+    print(capsys.readouterr().out)
+    print(f"smoke run: {dt:.1f} s")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    cells = {(s["method"], s["budget"]): s for s in summary["scores"]}
+    expected = {("dense", None)} | {(m.name, 256) for m in parse_methods("freekv,quest,streaming", [0, 0.8, 0.9, 1])}
+    assert set(cells) == expected  # every method produced a scored row
+    assert all(c["samples"] == 4 and c["task"] == "passkey" and c["length"] == 1024 for c in cells.values())
+    assert cells[("dense", None)]["score"] >= 0.9
+    stats = {s["method"]: s for s in summary["engine_stats"]}
+    assert stats["freekv(tau=0)"]["mean_correction_rate"] == 0
+    assert stats["freekv(tau=1)"]["mean_correction_rate"] == pytest.approx(1)
+    assert all(0 < c <= 1 for c in stats["freekv(tau=0.9)"]["mean_cosine"])
+    assert "### Score (exact match)" in (tmp_path / "table.md").read_text()
+    # A rerun resumes: nothing left to run, the same records.
+    n = len((tmp_path / "records.jsonl").read_text().splitlines())
+    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == n
+
+
+def test_dense_method_equals_hf_generate(smollm2):
+    """The dense baseline (every layer dense in the adapter) is the model's own greedy decoding."""
+    from freekv_sglang.hf_adapter import FreeKVModel
+
+    model, tok = smollm2
+    s = tasks.make_sample(tok, "multikey", 512, 0)
+    cfg = parse_methods("dense", [])[0].config(0, Geometry(), model.config.num_hidden_layers)
+    fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=512)
+    out = fm.generate([fm.prefill(list(s.ids))], 12, eos_token_id=tok.eos_token_id)[0]
+    ids = torch.tensor([s.ids])
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert out == ref[0, len(s.ids):].tolist()
+
+
+@pytest.mark.parametrize("task", sorted(tasks.TASKS))
+@pytest.mark.parametrize("length", [1024, 4096])
+def test_generators_hit_the_length_and_are_seeded(smollm2, task, length):
+    _, tok = smollm2
+    a = tasks.make_sample(tok, task, length, 3, seed=1)
+    assert a == tasks.make_sample(tok, task, length, 3, seed=1)
+    assert a.ids != tasks.make_sample(tok, task, length, 3, seed=2).ids
+    room = length - a.max_new_tokens
+    assert room * 0.97 <= len(a.ids) <= room
+    assert list(a.ids) == tok(a.text, add_special_tokens=False)["input_ids"]
+    for ans in a.answers:
+        assert ans in a.text.split("<|im_start|>assistant")[0]  # the answer is in the context, not the prefix
+    assert a.score(" " + ", ".join(a.answers) + ".") == 1.0
+
+
+def test_needle_depth_varies_across_samples(smollm2):
+    _, tok = smollm2
+    depths = [tasks.make_sample(tok, "passkey", 1024, i).depth for i in range(10)]
+    assert sorted(int(d * 10) for d in depths) == list(range(10))  # one per tenth of the context
+
+
+def test_scorers():
+    assert tasks.score_first_number(("12345",), " 12345. Remember") == 1
+    assert tasks.score_first_number(("12345",), " 123456") == 0  # exact, not a substring
+    assert tasks.score_first_number(("12345",), " 54321 or 12345") == 0
+    assert tasks.score_all_numbers(("1", "22", "333", "4444"), "22, 1 and 4444") == 0.75
+    assert tasks.score_all_words(("ABCDE", "FGHIJ"), " ABCDE, FGHIJK") == 0.5
+
+
+def test_noise_is_seeded():
+    a = [tasks.noise_sentence(random.Random("x")) for _ in range(3)]
+    assert a == [tasks.noise_sentence(random.Random("x")) for _ in range(3)]
+
+
+def test_report_without_matplotlib_says_so(tmp_path, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    recs = [dict(kind="sample", task="passkey", length=1024, index=0, method="dense", budget=None, score=1.0)]
+    msg = report.plot(report.summarize(recs), tmp_path / "p.png")
+    assert "matplotlib is not installed" in msg and not (tmp_path / "p.png").exists()
+
+
+def test_bad_arguments_are_refused(capsys):
+    assert main(["--tasks", "nope"]) == 2
+    assert main(["--budgets", "100", "--page-size", "16"]) == 2  # not whole pages
+    assert "error:" in capsys.readouterr().err
+
+
+def test_sglang_backend_posts_token_ids_and_scores(smollm2, tmp_path):
+    """The server target against a stand-in /generate (stdlib HTTP server) that reads the pass key
+    out of the token ids it receives."""
+    import http.server
+    import re
+    import threading
+
+    _, tok = smollm2
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append((self.path, body))
+            keys = [re.search(r"pass key number is (\d+)", tok.decode(ids)).group(1) for ids in body["input_ids"]]
+            out = [{"text": f" {k}.", "meta_info": {}} for k in keys]
+            data = json.dumps(out).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_port}"
+        assert main(["--backend", "sglang", "--url", url, "--tasks", "passkey", "--lengths", "1024", "--samples", "3",
+                     "--batch", "2", "--server-method", "sglang-freekv", "--server-budget", "256",
+                     "--out", str(tmp_path)]) == 0
+    finally:
+        srv.shutdown()
+    assert [p for p, _ in seen] == ["/generate", "/generate"]
+    assert all(sp["temperature"] == 0 for _, b in seen for sp in b["sampling_params"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(s["method"], s["budget"], s["score"], s["samples"]) for s in summary["scores"]] == \
+        [("sglang-freekv", 256, 1.0, 3)]
+
+
+def test_sglang_backend_unreachable_server_is_a_clear_error(smollm2, tmp_path):
+    with pytest.raises(RuntimeError, match="cannot reach an SGLang server"):
+        main(["--backend", "sglang", "--url", "http://127.0.0.1:9", "--tasks", "passkey", "--lengths", "1024",
+              "--samples", "1", "--out", str(tmp_path)])
