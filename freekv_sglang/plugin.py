@@ -10,8 +10,9 @@ whose keyword arguments cannot carry unknown flags, through the environment:
     FREEKV_ARGS="--kv-budget 2048 --kv-window 512 --kvstore-arena-gb 32"
 
 FREEKV_ARGS is parsed by the same parser as the CLI flags (freekv_sglang.server_args) and gets the same checks.
-On the command line, explicit flags override the environment. `SGLANG_PLUGINS=...` (SGLang's whitelist of plugin
-names) must include `freekv` when it is set.
+On the command line, explicit flags override the environment. sgl.Runtime(...) builds its ServerArgs before SGLang
+loads any plugin: call sglang.srt.plugins.load_plugins() first (the launch refuses otherwise rather than serve
+without FreeKV). `SGLANG_PLUGINS=...` (SGLang's whitelist of plugin names) must include `freekv` when it is set.
 """
 
 from __future__ import annotations

@@ -52,3 +52,19 @@ def copy_batch_attrs(src: Any, dst: Any) -> None:
         return
     dst._freekv_req_slots_cpu = src._freekv_req_slots_cpu
     dst._freekv_raw_bs = getattr(src, "_freekv_raw_bs", None)
+
+
+def check_env_request_was_seen(server_args: Any) -> None:
+    """$SGLANG_KV_RETRIEVAL=freekv asks for FreeKV, but these ServerArgs never passed the __post_init__ hook (built in
+    a process that had not loaded the plugins, as sgl.Runtime(...) does): refuse instead of serving without FreeKV."""
+    if server_args is None or "_freekv" in vars(server_args):
+        return
+    from freekv_sglang.server_args import ENV_KV_RETRIEVAL, env_flag_values
+
+    if env_flag_values().get("kv_retrieval") == "freekv":
+        raise RuntimeError(
+            f"${ENV_KV_RETRIEVAL}=freekv is set, but these server arguments were built before the FreeKV plugin was "
+            "loaded, so FreeKV would be silently off. sgl.Runtime(...) builds them that way: call "
+            "sglang.srt.plugins.load_plugins() before sgl.Runtime(...), or use sglang.Engine(...) / "
+            "python -m sglang.launch_server"
+        )

@@ -9,7 +9,7 @@ engine_launch_subprocesses.py).
 
 from __future__ import annotations
 
-from ._common import settings_of
+from ._common import check_env_request_was_seen, settings_of
 from ._kvstore import abandon_kvstore, ensure_kvstore
 
 TARGET = "sglang.srt.entrypoints.engine.Engine._launch_scheduler_processes"
@@ -20,6 +20,7 @@ PURPOSE = "make sure the kvstore endpoint is known before the schedulers spawn (
 
 def hook(orig, cls, server_args, *args, **kwargs):
     if settings_of(server_args) is None:
+        check_env_request_was_seen(server_args)
         return orig(cls, server_args, *args, **kwargs)
     handle = ensure_kvstore(server_args)
     try:

@@ -7,12 +7,13 @@ spawns; its endpoint goes into server_args._freekv (pickled to the schedulers) a
 
 sgl.Runtime runs http_server.launch_server in a fresh spawned process that loads the plugins only inside this
 method, so this hook is not yet in place there: Engine._launch_scheduler_processes (patches/engine_launch_scheduler_
-processes.py) starts the daemon in that case.
+processes.py) starts the daemon in that case. ServerArgs that ask for FreeKV through $SGLANG_KV_RETRIEVAL but never
+passed the __post_init__ hook (sgl.Runtime builds them before any plugin is loaded) are refused here and there.
 """
 
 from __future__ import annotations
 
-from ._common import settings_of
+from ._common import check_env_request_was_seen, settings_of
 from ._kvstore import abandon_kvstore, ensure_kvstore
 
 TARGET = "sglang.srt.entrypoints.engine.Engine._launch_subprocesses"
@@ -24,12 +25,7 @@ PURPOSE = "start the embedded kvstore before the schedulers spawn; stop it if th
 
 def hook(orig, cls, server_args, *args, **kwargs):
     if settings_of(server_args) is None:
-        from freekv_sglang.server_args import env_flag_values
-
-        if env_flag_values().get("kv_retrieval") == "freekv":
-            from . import require_hooks
-
-            require_hooks("launching with $SGLANG_KV_RETRIEVAL=freekv")
+        check_env_request_was_seen(server_args)
         return orig(cls, server_args, *args, **kwargs)
     from . import require_hooks
 

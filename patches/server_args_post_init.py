@@ -34,7 +34,10 @@ def hook(orig, self):
         PENDING_FLAG_VALUES.set(None)  # one ServerArgs per hand-off (none built inside __post_init__ inherits it)
     settings = settings_from_values(values)
     if settings is None:
-        return orig(self)
+        result = orig(self)
+        if env_flag_values().get("kv_retrieval") == "freekv":
+            self._freekv = None  # $SGLANG_KV_RETRIEVAL=freekv overridden by --kv-retrieval none: seen, and off
+        return result
 
     from . import require_hooks
 

@@ -61,7 +61,7 @@ def test_cli_overrides_env(plugins, monkeypatch):
     sa = prepare_server_args(["--model-path", "dummy", "--disable-radix-cache", "--kv-budget", "512"])
     assert sa._freekv.config == FreeKVConfig(budget=512, window=256)
     sa = prepare_server_args(["--model-path", "dummy", "--kv-retrieval", "none"])
-    assert "_freekv" not in vars(sa)
+    assert sa._freekv is None  # seen and off (the launch hooks then know the environment was overridden)
 
 
 @pytest.mark.parametrize("env,match", [
@@ -80,3 +80,19 @@ def test_env_parsing_without_sglang():
     s = settings_from_env({"FREEKV_ARGS": "--kv-retrieval freekv --kv-correction-threshold 0"})
     assert s.config.tau == 0.0
     assert settings_from_env({}) is None
+
+
+def test_runtime_route_without_plugins_is_refused(plugins, monkeypatch):
+    """sgl.Runtime(...) builds ServerArgs before any plugin is loaded: with $SGLANG_KV_RETRIEVAL=freekv the launch
+    must refuse rather than serve without FreeKV."""
+    from types import SimpleNamespace
+
+    from freekv_patches import engine_launch_scheduler_processes, engine_launch_subprocesses
+
+    monkeypatch.setenv("SGLANG_KV_RETRIEVAL", "freekv")
+    unseen = SimpleNamespace(model_path="dummy")  # never passed the __post_init__ hook
+    for seam in (engine_launch_subprocesses, engine_launch_scheduler_processes):
+        with pytest.raises(RuntimeError, match="load_plugins"):
+            seam.hook(lambda *a, **k: pytest.fail("launched"), object, unseen)
+    overridden = SimpleNamespace(model_path="dummy", _freekv=None)  # --kv-retrieval none on the CLI
+    assert engine_launch_subprocesses.hook(lambda *a, **k: "plain", object, overridden) == "plain"
