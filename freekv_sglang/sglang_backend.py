@@ -185,7 +185,7 @@ class FreeKVAttnBackend(AttentionBackend):
         s = self.shape
         k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
         if save_kv_cache:  # SGLang's pool keeps the full KV beside FreeKV's pages
-            forward_batch.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k3, v3)
+            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k3, v3)
         o = eng.attend(self._plan, lid, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3)
         if lid == self.last_layer:
             eng.end_step()

@@ -120,6 +120,12 @@ def main() -> None:
             with cf.ThreadPoolExecutor(len(ps)) as ex:  # all prompts at once: continuous batching
                 outs[s.name] = list(ex.map(lambda p: s.generate(p, args.max_new_tokens), ps))
             result[f"{s.name}_seconds"] = round(time.time() - t0, 2)
+        # SGLang's own spread: the plain server again, one request at a time (other batch shapes, other
+        # kernel splits). bf16 near-ties flip there too; FreeKV should agree with plain about as often.
+        outs["plain_sequential"] = [servers[0].generate(p, args.max_new_tokens) for p in ps]
+        plain_same = [a == b for a, b in zip(outs["plain"], outs["plain_sequential"])]
+        result["plain_concurrent_vs_sequential_identical"] = sum(plain_same)
+        print(f"plain server, concurrent vs one at a time: identical {sum(plain_same)}/{len(plain_same)}")
         same = [a == b for a, b in zip(outs["plain"], outs["freekv"])]
         first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                       for a, b in zip(outs["plain"], outs["freekv"])]
