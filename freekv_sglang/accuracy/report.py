@@ -37,11 +37,18 @@ def summarize(records: list[dict]) -> dict:
                           correction_rate=corr, mean_correction_rate=sum(corr) / len(corr),
                           mean_cosine=cos, recall_bytes_now=sum(r["recall_bytes_now"] for r in runs),
                           recall_bytes_speculative=sum(r["recall_bytes_speculative"] for r in runs)))
+    # Score by needle depth (fifths of the context): where in the context retrieval fails.
+    by_depth = collections.defaultdict(list)
+    for r in samples:
+        if r.get("depth") is not None:
+            by_depth[(r["task"], r["length"], r["method"], r["budget"], min(int(r["depth"] * 5), 4))].append(r["score"])
+    depth = [dict(task=t, length=n, method=m, budget=b, depth_bin=d, score=sum(v) / len(v), samples=len(v))
+             for (t, n, m, b, d), v in by_depth.items()]
     timing = collections.defaultdict(float)
     for r in records:
         if r["kind"] == "stats":
             timing[r["method"]] += r["decode_s"]
-    return dict(scores=scores, engine_stats=stats, decode_seconds=dict(timing))
+    return dict(scores=scores, scores_by_depth=depth, engine_stats=stats, decode_seconds=dict(timing))
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
@@ -68,6 +75,27 @@ def score_table(summary: dict) -> str:
             n = min(c["samples"] for c in row if c)
             lines.append(f"| {task} | {length} | {m} | " + " | ".join(_fmt(c and c["score"]) for c in row)
                          + f" | {n} |")
+    return "\n".join(lines)
+
+
+def depth_table(summary: dict) -> str:
+    """Markdown: score per needle-depth fifth, one row per (task, length, method, budget)."""
+    rows = summary.get("scores_by_depth", [])
+    if not rows:
+        return "(no needle tasks)"
+    cell = {(r["task"], r["length"], r["method"], r["budget"], r["depth_bin"]): r for r in rows}
+    keys = sorted({(r["task"], r["length"]) for r in rows})
+    methods = _order([r["method"] for r in rows])
+    budgets = sorted({r["budget"] for r in rows}, key=lambda b: -1 if b is None else b)
+    head = " | ".join(f"{d / 5:.1f}-{(d + 1) / 5:.1f}" for d in range(5))
+    lines = [f"| task | length | method | budget | {head} |", "| --- | ---: | --- | ---: |" + " ---: |" * 5]
+    for task, length in keys:
+        for m in methods:
+            for b in budgets:
+                got = [cell.get((task, length, m, b, d)) for d in range(5)]
+                if any(got):
+                    vals = " | ".join(_fmt(c and c["score"]) + (f" ({c['samples']})" if c else "") for c in got)
+                    lines.append(f"| {task} | {length} | {m} | {'full' if b is None else b} | {vals} |")
     return "\n".join(lines)
 
 
@@ -111,6 +139,8 @@ def cosine_table(summary: dict) -> str:
 def markdown(summary: dict, header: str = "") -> str:
     parts = [header] if header else []
     parts += ["### Score (exact match)", score_table(summary),
+              "### Score by needle depth (fraction of the context before the needle; samples in parentheses)",
+              depth_table(summary),
               "### Correction rate (flagged KV-head checks / all checks, mean over sparse layers; length/budget)",
               correction_table(summary),
               "### Mean adjacent-query cosine similarity per layer", cosine_table(summary)]
