@@ -162,3 +162,11 @@ def test_sglang_backend_unreachable_server_is_a_clear_error(smollm2, tmp_path):
     with pytest.raises(RuntimeError, match="cannot reach an SGLang server"):
         main(["--backend", "sglang", "--url", "http://127.0.0.1:9", "--tasks", "passkey", "--lengths", "1024",
               "--samples", "1", "--out", str(tmp_path)])
+
+
+def test_report_plot_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
+    recs = [dict(kind="sample", task="passkey", length=1024, index=0, method=m, budget=b, score=s)
+            for m, b, s in [("dense", None, 1.0), ("quest", 256, 0.5), ("quest", 512, 1.0)]]
+    assert report.plot(report.summarize(recs), tmp_path / "p.png").startswith("plot:")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -163,7 +163,7 @@ def plot(summary: dict, path: Path) -> str:
         return "plot skipped: no scores"
     cols = min(len(panels), 4)
     rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols + 1.6, 3.2 * rows), squeeze=False, layout="constrained")
     budgets = sorted({s["budget"] for s in scores if s["budget"] is not None})
     for ax, (task, length) in zip(axes.flat, panels):
         mine = [s for s in scores if s["task"] == task and s["length"] == length]
@@ -183,8 +183,8 @@ def plot(summary: dict, path: Path) -> str:
             ax.set_xticks(budgets, [str(b) for b in budgets])
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=7)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return f"plot: {path}"
