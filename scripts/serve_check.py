@@ -56,12 +56,13 @@ class Server:
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
-    def generate(self, ids: list[int], max_new: int) -> list[int]:
-        out = post(self.url + "/generate", {"input_ids": ids, "return_logprob": True,
+    def generate(self, ids: list[int], max_new: int, margins: list | None = None) -> list[int]:
+        """Greedy token ids; with `margins`, also appends the top-1 minus top-2 logprob per position."""
+        out = post(self.url + "/generate", {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
                                             "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
                                                                 "ignore_eos": True}})
-        if "output_ids" in out:
-            return out["output_ids"]
+        if margins is not None:
+            margins.append([t[0][0] - t[1][0] for t in out["meta_info"]["output_top_logprobs"]])
         return [t[1] for t in out["meta_info"]["output_token_logprobs"]]
 
     def stop(self) -> None:
@@ -122,15 +123,19 @@ def main() -> None:
             result[f"{s.name}_seconds"] = round(time.time() - t0, 2)
         # SGLang's own spread: the plain server again, one request at a time (other batch shapes, other
         # kernel splits). bf16 near-ties flip there too; FreeKV should agree with plain about as often.
-        outs["plain_sequential"] = [servers[0].generate(p, args.max_new_tokens) for p in ps]
+        margins: list[list[float]] = []
+        outs["plain_sequential"] = [servers[0].generate(p, args.max_new_tokens, margins) for p in ps]
         plain_same = [a == b for a, b in zip(outs["plain"], outs["plain_sequential"])]
         result["plain_concurrent_vs_sequential_identical"] = sum(plain_same)
         print(f"plain server, concurrent vs one at a time: identical {sum(plain_same)}/{len(plain_same)}")
         same = [a == b for a, b in zip(outs["plain"], outs["freekv"])]
         first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                       for a, b in zip(outs["plain"], outs["freekv"])]
+        # How close to a tie the plain server's own top-2 logprobs were where FreeKV took the other token.
+        div_margin = [None if i is None else round(margins[j][i], 4) for j, i in enumerate(first_diff)]
         result.update(identical=sum(same), total=len(same), first_divergence=first_diff,
-                      outputs=outs)
+                      plain_top2_margin_at_divergence=div_margin, outputs=outs)
+        print(f"plain server's top-2 logprob margin where FreeKV diverged: {div_margin}")
         fk_log = servers[1].log.read_text(errors="replace").splitlines()
         result["freekv_log"] = [ln for ln in fk_log if "FreeKV" in ln][-10:]
         print(f"greedy outputs identical: {sum(same)}/{len(same)}; first divergence per prompt: {first_diff}")
