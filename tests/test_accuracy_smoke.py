@@ -45,12 +45,13 @@ def test_smoke_mode_end_to_end(tmp_path, capsys):
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == n
 
 
-def test_dense_method_equals_hf_generate(smollm2):
+@pytest.mark.parametrize("task", ["passkey", "multikey"])
+def test_dense_method_equals_hf_generate(smollm2, task):
     """The dense baseline (every layer dense in the adapter) is the model's own greedy decoding."""
     from freekv_sglang.hf_adapter import FreeKVModel
 
     model, tok = smollm2
-    s = tasks.make_sample(tok, "multikey", 512, 0)
+    s = tasks.make_sample(tok, task, 512, 0)
     cfg = parse_methods("dense", [])[0].config(0, Geometry(), model.config.num_hidden_layers)
     fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=512)
     out = fm.generate([fm.prefill(list(s.ids))], 12, eos_token_id=tok.eos_token_id)[0]
@@ -61,7 +62,7 @@ def test_dense_method_equals_hf_generate(smollm2):
 
 
 @pytest.mark.parametrize("task", sorted(tasks.TASKS))
-@pytest.mark.parametrize("length", [1024, 4096])
+@pytest.mark.parametrize("length", [1024, 4096, 8192])
 def test_generators_hit_the_length_and_are_seeded(smollm2, task, length):
     _, tok = smollm2
     a = tasks.make_sample(tok, task, length, 3, seed=1)
