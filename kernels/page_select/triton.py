@@ -1,4 +1,11 @@
-"""Triton page scoring and slot assignment; top-k selection through torch.topk (graph-safe)."""
+"""Triton page scoring and selection, both page-parallel, and slot assignment.
+
+score_pages: one kernel computes the logits of a block of candidate pages for the G query heads of a KV head and,
+for mean_softmax, that block's softmax statistics (max and sum of exponentials per query head); a second kernel
+combines the per-block statistics of a row (a few hundred floats) and pools a block of pages. Max pooling needs no
+statistics and pools in the first kernel. select_pages: a bitonic top-k (tl.topk) over (score, page) keys packed into
+int64, in chunks, then over the chunks' winners; the packing makes the order total (ties by lower page id).
+"""
 
 from __future__ import annotations
 
@@ -7,99 +14,166 @@ import triton
 import triton.language as tl
 
 from .._alloc import empty
-from .._utils import check_device, interpret_mode
+from .._utils import check_device
 from .naive import POOLINGS
+
+# Sortable int32 key of -inf (see _topk_kernel): keys at or below it are -inf (or padding) and select nothing.
+_NEG_INF_KEY = -2139095041
 
 
 @triton.jit
 def _page_logits_kernel(
-    q_ptr, summ_ptr, pt_ptr, slots_ptr, cend_ptr, out_ptr,
-    cand_start, M, scale,
+    q_ptr, summ_ptr, pt_ptr, slots_ptr, cend_ptr, logits_ptr, stats_ptr, scores_ptr,
+    cand_start, M, NB, scale,
     sq_b, sq_h, sq_d,
     ss_p, ss_h, ss_mm, ss_d,
     spt_r, spt_m,
     s_slot, s_cend,
+    sl_b, sl_h, sl_m,
+    st_part, st_b,
     so_b, so_h, so_m,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_PAGES: tl.constexpr,
-    UPCAST: tl.constexpr,
+    POOL_MAX: tl.constexpr,
 ):
-    """Raw scaled logits of the G query heads of KV head h over a block of candidate pages.
+    """Scaled logits s[j, g] of the G query heads of KV head h over one block of candidate pages.
 
-    Writes out[b, h*G+g, j] for candidate pages j only; the pooling kernel never reads the rest.
+    mean_softmax: writes logits[b, h, j, g] (scratch, g contiguous) for candidate j and the block's statistics
+    stats[0/1, b, h*G+g, blk] (max, sum of exp(logit - max)); blocks without candidates write nothing (the
+    pooling kernel skips them). max: writes scores[b, h, j] for every j of the block directly.
     """
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    j0 = tl.program_id(2) * BLOCK_PAGES
+    blk = tl.program_id(2)
+    j0 = blk * BLOCK_PAGES
+    j = j0 + tl.arange(0, BLOCK_PAGES)
     end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
-    # Blocks without candidates skip all loads; this is most of the grid for short rows.
+    neg_inf = float("-inf")
     if (j0 < end) & (j0 + BLOCK_PAGES > cand_start):
         slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
-        g = tl.arange(0, GP)
         d = tl.arange(0, D)
-        j = j0 + tl.arange(0, BLOCK_PAGES)
+        g = tl.arange(0, GP)
+        g_ok = g < G
         is_cand = (j >= cand_start) & (j < end)
-        hq = h * G + g
-        q = tl.load(q_ptr + b * sq_b + hq[:, None] * sq_h + d[None, :] * sq_d, mask=(g < G)[:, None], other=0.0)
         page = tl.load(pt_ptr + slot * spt_r + j.to(tl.int64) * spt_m, mask=is_cand, other=0).to(tl.int64)
         rows = summ_ptr + page[:, None] * ss_p + h * ss_h + d[None, :].to(tl.int64) * ss_d
         kmin = tl.load(rows, mask=is_cand[:, None], other=0.0)
         kmax = tl.load(rows + ss_mm, mask=is_cand[:, None], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-            kmin = kmin.to(tl.float32)
-            kmax = kmax.to(tl.float32)
-        # max(q*a, q*b) = relu(q)*max(a,b) + min(q,0)*min(a,b) termwise: two dots with exact products.
-        # "ieee" only affects fp32 operands (no tf32 rounding); bf16/fp16 still run on tensor cores.
-        lo = tl.minimum(kmin, kmax)
-        hi = tl.maximum(kmin, kmax)
-        zero = tl.zeros_like(q)
-        s = tl.dot(tl.maximum(q, zero), tl.trans(hi), input_precision="ieee")
-        s = tl.dot(tl.minimum(q, zero), tl.trans(lo), acc=s, input_precision="ieee")
-        out = out_ptr + b * so_b + hq[:, None] * so_h + j[None, :].to(tl.int64) * so_m
-        tl.store(out, s * scale, mask=(g < G)[:, None] & is_cand[None, :])
+        # max(q*a, q*b) = relu(q)*max(a,b) + min(q,0)*min(a,b) termwise: exact products, fp32 sums. On CUDA
+        # cores: the same products through tl.dot (heads or pages as MMA rows) ran 6-60x slower (NOTES.md).
+        lo = tl.minimum(kmin, kmax).to(tl.float32)
+        hi = tl.maximum(kmin, kmax).to(tl.float32)
+        s = tl.zeros([BLOCK_PAGES, GP], tl.float32)
+        for gg in tl.static_range(G):
+            qg = tl.load(q_ptr + b * sq_b + (h * G + gg) * sq_h + d * sq_d).to(tl.float32)
+            sg = tl.sum(tl.maximum(qg, 0.0)[None, :] * hi + tl.minimum(qg, 0.0)[None, :] * lo, axis=1)
+            s = tl.where(g[None, :] == gg, sg[:, None], s)
+        ok = is_cand[:, None] & g_ok[None, :]
+        s = tl.where(ok, s * scale, neg_inf)
+        if POOL_MAX:
+            pooled = tl.max(s, axis=1)
+            tl.store(scores_ptr + b * so_b + h * so_h + j.to(tl.int64) * so_m, pooled, mask=j < M)
+        else:
+            tl.store(logits_ptr + b * sl_b + h * sl_h + j[:, None].to(tl.int64) * sl_m + g[None, :], s, mask=ok)
+            m_blk = tl.max(s, axis=0)
+            m_safe = tl.where(m_blk == neg_inf, 0.0, m_blk)
+            l_blk = tl.sum(tl.exp(s - m_safe[None, :]), axis=0)
+            st = stats_ptr + b * st_b + (h * G + g) * NB + blk
+            tl.store(st, m_blk, mask=g_ok)
+            tl.store(st + st_part, l_blk, mask=g_ok)
+    else:
+        if POOL_MAX:
+            tl.store(scores_ptr + b * so_b + h * so_h + j.to(tl.int64) * so_m,
+                     tl.full([BLOCK_PAGES], neg_inf, tl.float32), mask=j < M)
 
 
 @triton.jit
 def _pool_scores_kernel(
-    logits_ptr, cend_ptr, scores_ptr,
-    cand_start, M,
+    logits_ptr, stats_ptr, cend_ptr, scores_ptr,
+    cand_start, M, NB,
     sl_b, sl_h, sl_m,
+    st_part, st_b,
     s_cend,
     so_b, so_h, so_m,
-    G: tl.constexpr, GP: tl.constexpr, BLOCK_M: tl.constexpr, POOL_MAX: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, STATS_PAGES: tl.constexpr, STATS_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
-    """scores[b, h, :] from the candidate logits of the G query heads of h; -inf outside the candidates."""
+    """scores[b, h, block of pages]: mean over the G query heads of the softmax over the row's candidates.
+
+    The softmax max / sum per query head come from the per-block statistics of the logits kernel (blocks of
+    STATS_PAGES pages; blocks without candidates were not written and are masked here).
+    """
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    j = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
     g = tl.arange(0, GP)
     g_ok = g < G
-    rows = logits_ptr + b * sl_b + (h * G + g)[:, None] * sl_h
     neg_inf = float("-inf")
-    if not POOL_MAX:
-        # Online softmax statistics per query head over the candidates only.
-        m_i = tl.full([GP], neg_inf, tl.float32)
-        l_i = tl.zeros([GP], tl.float32)
-        for start in range(cand_start, end, BLOCK_M):
-            j = start + tl.arange(0, BLOCK_M)
-            s = tl.load(rows + j[None, :].to(tl.int64) * sl_m, mask=g_ok[:, None] & (j < end)[None, :], other=neg_inf)
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
-            l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-            m_i = m_new
-        m_safe = tl.where(m_i == neg_inf, 0.0, m_i)
-        # l >= 1 for a head with candidates (its max term is exp(0)); otherwise l == 0 and every term is 0 anyway.
-        inv_l = 1.0 / tl.maximum(l_i, 1.0)
-    for start in range(0, M, BLOCK_M):
-        j = start + tl.arange(0, BLOCK_M)
-        is_cand = (j >= cand_start) & (j < end)
-        s = tl.load(rows + j[None, :].to(tl.int64) * sl_m, mask=g_ok[:, None] & is_cand[None, :], other=neg_inf)
-        if POOL_MAX:
-            pooled = tl.max(s, axis=0)
-        else:
-            pooled = tl.sum(tl.exp(s - m_safe[:, None]) * inv_l[:, None], axis=0) / G
-        out = scores_ptr + b * so_b + h * so_h + j.to(tl.int64) * so_m
-        tl.store(out, tl.where(is_cand, pooled, neg_inf), mask=j < M)
+    m_i = tl.full([GP], neg_inf, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    for s0 in range(0, NB, STATS_BLOCK):
+        blk = s0 + tl.arange(0, STATS_BLOCK)
+        has = (blk < NB) & (blk * STATS_PAGES < end) & (blk * STATS_PAGES + STATS_PAGES > cand_start)
+        st = stats_ptr + b * st_b + (h * G + g)[None, :] * NB + blk[:, None]
+        msk = has[:, None] & g_ok[None, :]
+        m_b = tl.load(st, mask=msk, other=neg_inf)
+        l_b = tl.load(st + st_part, mask=msk, other=0.0)
+        m_new = tl.maximum(m_i, tl.max(m_b, axis=0))
+        m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(l_b * tl.exp(m_b - m_safe[None, :]), axis=0)
+        m_i = m_new
+    m_safe = tl.where(m_i == neg_inf, 0.0, m_i)
+    # l >= 1 for a head with candidates (the block holding its max contributes exp(0)); else every term is 0.
+    inv_l = 1.0 / tl.maximum(l_i, 1.0)
+    is_cand = (j >= cand_start) & (j < end)
+    s = tl.load(logits_ptr + b * sl_b + h * sl_h + j[:, None].to(tl.int64) * sl_m + g[None, :],
+                mask=is_cand[:, None] & g_ok[None, :], other=neg_inf)
+    pooled = tl.sum(tl.exp(s - m_safe[None, :]) * inv_l[None, :], axis=1) / G
+    tl.store(scores_ptr + b * so_b + h * so_h + j.to(tl.int64) * so_m, tl.where(is_cand, pooled, neg_inf),
+             mask=j < M)
+
+
+# Launch settings (benchmarks/NOTES.md has the sweep they come from).
+LOGITS_BLOCK_PAGES = 16
+LOGITS_WARPS = 2
+POOL_BLOCK = 512
+POOL_WARPS = 4
+TOPK_CHUNK = 512  # pages per chunk of a multi-stage top-k
+TOPK_WARPS = 4
+TOPK_SINGLE = 1024  # rows up to this many pages take one stage
+TOPK_SINGLE_WARPS = 8
+
+
+def _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, scale, pool_max, logits, stats,
+                   scores, block_pages, num_warps):
+    B, Hq, D = q.shape
+    H = summaries.shape[1]
+    G = Hq // H
+    M = page_table.shape[1]
+    NB = triton.cdiv(M, block_pages)
+    gp = triton.next_power_of_2(G)
+    _page_logits_kernel[(B, H, NB)](
+        q, summaries, page_table, req_slots, cand_end, logits, stats, scores,
+        cand_start, M, NB, scale,
+        *q.stride(), *summaries.stride(), *page_table.stride(), req_slots.stride(0), cand_end.stride(0),
+        *logits.stride()[:3], stats.stride(0), stats.stride(1), *scores.stride(),
+        G=G, GP=gp, D=D, BLOCK_PAGES=block_pages, POOL_MAX=pool_max,
+        num_warps=num_warps,
+    )
+
+
+def _launch_pool(logits, stats, cand_end, scores, cand_start, stats_pages, block_m, num_warps):
+    B, H, M = scores.shape
+    G = logits.shape[3]
+    NB = stats.shape[-1]
+    _pool_scores_kernel[(B, H, triton.cdiv(M, block_m))](
+        logits, stats, cand_end, scores,
+        cand_start, M, NB,
+        *logits.stride()[:3], stats.stride(0), stats.stride(1), cand_end.stride(0), *scores.stride(),
+        G=G, GP=triton.next_power_of_2(G), STATS_PAGES=stats_pages, STATS_BLOCK=min(1024, triton.next_power_of_2(NB)),
+        BLOCK_M=block_m,
+        num_warps=num_warps,
+    )
 
 
 def score_pages(
@@ -117,42 +191,97 @@ def score_pages(
     check_device(q, summaries, page_table, req_slots, cand_end)
     B, Hq, D = q.shape
     H = summaries.shape[1]
-    G = Hq // H
     M = page_table.shape[1]
-    assert Hq == H * G and summaries.shape[2:] == (2, D) and D >= 16 and D & (D - 1) == 0
-    # tl.dot needs at least 16 rows and 16 columns: the G heads are padded to 16, pages come in blocks >= 16.
-    GP = triton.next_power_of_2(G)
-    block_pages = max(16, min(64, triton.next_power_of_2(M)))
-    # Scratch: only candidate entries are written (and read); poisoned like an output in tests.
-    logits = empty(B, Hq, M, dtype=torch.float32, device=q.device)
+    assert Hq % H == 0 and summaries.shape[2:] == (2, D) and D >= 16 and D & (D - 1) == 0
+    block_pages = min(LOGITS_BLOCK_PAGES, triton.next_power_of_2(M))
     scores = empty(B, H, M, dtype=torch.float32, device=q.device)
-    _page_logits_kernel[(B, H, triton.cdiv(M, block_pages))](
-        q, summaries, page_table, req_slots, cand_end, logits,
-        cand_start, M, scale,
-        *q.stride(), *summaries.stride(), *page_table.stride(), req_slots.stride(0), cand_end.stride(0),
-        *logits.stride(),
-        G=G, GP=max(16, GP), D=D, BLOCK_PAGES=block_pages,
-        # The interpreter's dot mishandles bf16 operands; upcasting there is exact.
-        UPCAST=interpret_mode(),
-        num_warps=4,
-    )
-    _pool_scores_kernel[(B, H)](
-        logits, cand_end, scores,
-        cand_start, M,
-        *logits.stride(), cand_end.stride(0), *scores.stride(),
-        G=G, GP=GP, BLOCK_M=max(16, min(1024 // GP, triton.next_power_of_2(M))), POOL_MAX=pooling == "max",
-        num_warps=4,
-    )
+    if pooling == "max":
+        _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, scale, True, scores[..., None],
+                       scores.view(1, -1, 1), scores, block_pages, LOGITS_WARPS)
+        return scores
+    # Scratch: only candidate entries / blocks are written and read; poisoned like outputs in tests.
+    logits = empty(B, H, M, Hq // H, dtype=torch.float32, device=q.device)  # [b, h, page, g]
+    stats = empty(2, B, Hq, triton.cdiv(M, block_pages), dtype=torch.float32, device=q.device)
+    _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, scale, False, logits, stats, scores,
+                   block_pages, LOGITS_WARPS)
+    _launch_pool(logits, stats, cand_end, scores, cand_start, block_pages,
+                 max(16, min(POOL_BLOCK, triton.next_power_of_2(M))), POOL_WARPS)
     return scores
 
 
+@triton.jit
+def _topk_kernel(
+    in_ptr, out_ptr, n, H,
+    si_b, si_h, si_j,
+    so_b, so_h, so_j,
+    K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, FINAL: tl.constexpr,
+    NEG_INF_KEY: tl.constexpr,
+):
+    """Top KP of one CHUNK of row (b, h) of `in` (scores, or packed keys of an earlier stage).
+
+    A score x at page j packs into the int64 (key(x) << 32) | (2^31 - 1 - j), key(x) an int32 that orders like x:
+    descending packed order is descending score, ties by lower page. FINAL writes the first K page ids (-1 where
+    the score is -inf or the slot is padding) to out[b, h, :K]; otherwise the KP packed winners go to
+    out[b, h, chunk*KP : chunk*KP + KP].
+    """
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    b = (r // H).to(tl.int64)
+    h = (r % H).to(tl.int64)
+    j = c * CHUNK + tl.arange(0, CHUNK)
+    ok = j < n
+    src = in_ptr + b * si_b + h * si_h + j.to(tl.int64) * si_j
+    if PACKED_IN:
+        pad = tl.full([CHUNK], NEG_INF_KEY, tl.int32).to(tl.int64) << 32
+        x = tl.where(ok, tl.load(src, mask=ok, other=0), pad)
+    else:
+        f = tl.load(src, mask=ok, other=float("-inf")).to(tl.float32)
+        f = tl.where(f == 0.0, 0.0, f)  # -0.0 ties with +0.0, as in torch's sort
+        bits = f.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+        x = (key.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)
+    top = tl.topk(x, KP)
+    i = tl.arange(0, KP)
+    if FINAL:
+        page = 0x7FFFFFFF - top.to(tl.int32)  # the low word (truncation)
+        sel = tl.where((top >> 32).to(tl.int32) <= NEG_INF_KEY, -1, page)
+        tl.store(out_ptr + b * so_b + h * so_h + i.to(tl.int64) * so_j, sel, mask=i < K)
+    else:
+        tl.store(out_ptr + b * so_b + h * so_h + (c * KP + i).to(tl.int64) * so_j, top)
+
+
+def _select(scores: torch.Tensor, k: int, chunk: int, num_warps: int, single: int, single_warps: int) -> torch.Tensor:
+    """Rows of up to `single` pages (rounded up to a power of two) in one stage; longer rows in chunks of `chunk`
+    pages, then over the chunks' winners, until one stage covers the rest."""
+    check_device(scores)
+    B, H, M = scores.shape
+    sel = empty(B, H, k, dtype=torch.int32, device=scores.device)
+    if B * H == 0 or k == 0:
+        return sel
+    kp = max(2, triton.next_power_of_2(k))  # tl.topk of one element would reduce to a scalar
+    chunk = max(chunk, 2 * kp)  # each stage keeps at most half of its input
+    x, n, packed = scores, M, False
+    while True:
+        width = max(triton.next_power_of_2(max(n, 1)), kp)
+        if width <= max(single, chunk):
+            _topk_kernel[(B * H, 1)](
+                x, sel, n, H, *x.stride(), *sel.stride(),
+                K=k, KP=kp, CHUNK=width, PACKED_IN=packed, FINAL=True, NEG_INF_KEY=_NEG_INF_KEY,
+                num_warps=single_warps if width > chunk else num_warps,
+            )
+            return sel
+        n_chunks = triton.cdiv(n, chunk)
+        cand = torch.empty(B, H, n_chunks * kp, dtype=torch.int64, device=scores.device)
+        _topk_kernel[(B * H, n_chunks)](
+            x, cand, n, H, *x.stride(), *cand.stride(),
+            K=kp, KP=kp, CHUNK=chunk, PACKED_IN=packed, FINAL=False, NEG_INF_KEY=_NEG_INF_KEY,
+            num_warps=num_warps,
+        )
+        x, n, packed = cand, n_chunks * kp, True
+
+
 def select_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
-    n = min(k, scores.shape[-1])
-    vals, idx = torch.topk(scores, n, dim=-1)
-    sel = torch.where(vals == float("-inf"), -1, idx).to(torch.int32)
-    if n < k:  # fewer pages than slots: the rest stay empty
-        sel = torch.nn.functional.pad(sel, (0, k - n), value=-1)
-    return sel
+    return _select(scores, k, TOPK_CHUNK, TOPK_WARPS, TOPK_SINGLE, TOPK_SINGLE_WARPS)
 
 
 @triton.jit

@@ -13,6 +13,7 @@ from freekv_kernels.page_select import (
     select_pages,
     slot_delta,
 )
+from freekv_kernels.page_select import triton as page_select_triton
 from freekv_kernels.testing import assert_close, device, poisoned_outputs
 
 B, H, R = 5, 2, 7
@@ -62,6 +63,20 @@ def test_score_pages_matches_reference(G, page_size, D, M, pooling, dtype):
         torch.testing.assert_close(sums, expect, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
+def test_score_pages_small_blocks(monkeypatch, pooling):
+    """Many logits blocks (per-block softmax statistics combined across blocks) and many pooling blocks."""
+    mod = page_select_triton
+    monkeypatch.setattr(mod, "LOGITS_BLOCK_PAGES", 4)
+    monkeypatch.setattr(mod, "POOL_BLOCK", 32)
+    G, page_size, D, M = 4, 32, 128, 150
+    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, page_size, D, M, torch.bfloat16)
+    with poisoned_outputs():
+        out = mod.score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, 0.1, pooling)
+    ref = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, 0.1, pooling)
+    assert_close("scores", ref, out, atol=1e-5 if pooling == "mean_softmax" else 1e-4, rtol=1e-4)
+
+
 def test_max_pooling_is_max_of_raw_scores():
     G, D, M = 3, 64, 37
     q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, 16, D, M, torch.float32)
@@ -84,6 +99,25 @@ def test_select_pages_matches_reference(k):
     scores = scores.to(device())
     with poisoned_outputs():
         sel = select_pages(scores, k)
+    assert_close("sel", naive_select_pages(scores, k), sel)
+
+
+@pytest.mark.parametrize("chunk", [8, 32])
+@pytest.mark.parametrize("k", [1, 3, 16])
+def test_select_pages_chunked_with_ties(monkeypatch, chunk, k):
+    """Several top-k stages (chunks, then the chunks' winners) equal the reference, ties by lower page included."""
+    monkeypatch.setattr(page_select_triton, "TOPK_CHUNK", chunk)
+    monkeypatch.setattr(page_select_triton, "TOPK_SINGLE", chunk)
+    M = 150
+    scores = torch.randint(-3, 4, (B, H, M)).float()  # many ties, negative scores
+    scores[scores == 0] = torch.where(torch.rand(int((scores == 0).sum())) < 0.5, 0.0, -0.0)  # -0.0 ties +0.0
+    scores[torch.rand(B, H, M) < 0.3] = float("-inf")
+    scores[1] = float("-inf")
+    scores[3, 1] = torch.randn(M) * 1e3  # distinct values of both signs
+    scores[4, 0, : M - 5] = float("-inf")  # fewer finite scores than k
+    scores = scores.to(device())
+    with poisoned_outputs():
+        sel = page_select_triton.select_pages(scores, k)
     assert_close("sel", naive_select_pages(scores, k), sel)
 
 
