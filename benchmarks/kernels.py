@@ -1,10 +1,14 @@
 """GPU benchmarks for the FreeKV kernels (needs a CUDA device).
 
 Measures, in one run:
-  link   the host<->GPU link peak: one large pinned copy_ each way;
+  link   the host<->GPU link peak: one large pinned copy_ each way; the device-memory copy bandwidth;
   recall recall_pages gathering random 16 KiB (page, head) chunks straight from a pinned host arena (GB/s, % of peak);
   offload offload_pages writing whole GPU pages into the pinned arena (GB/s, % of the GPU->host peak);
-  select score_pages + select_pages latency per layer (eager and CUDA-graph replay).
+  select score_pages + select_pages latency per layer (eager and CUDA-graph replay, each op alone in a graph,
+         and the floor: reading the summaries once at the measured device-copy bandwidth).
+Recall/offload are timed twice: "eager" events around one call on an idle GPU, which include the host's launch of
+the Triton kernel (~20+ us of Python), and "gpu" with that launch hidden behind a short spin kernel, i.e. the GPU
+time a CUDA-graph replay (the engine's decode step) sees.
 A correctness check of recall/offload against the torch references runs on the GPU before any timing.
 
     python benchmarks/kernels.py [--out results/kernels.json]
@@ -37,11 +41,16 @@ def pinned_empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, pin_memory=True)
 
 
-def time_ms(fn: Callable[[int], object], repeats: int, warmup: int) -> float:
-    """Median of `repeats` CUDA-event timings of fn(i) (i: the iteration, to vary inputs), after `warmup` calls."""
+def time_ms(fn: Callable[[int], object], repeats: int, warmup: int, hide_launch: bool = False) -> float:
+    """Median of `repeats` CUDA-event timings of fn(i) (i: the iteration, to vary inputs), after `warmup` calls.
+
+    hide_launch: the GPU spins (~100 us) while the host launches fn, so the start event fires just before fn's
+    kernels run: GPU time without the host's launch latency."""
     times = []
     for i in range(warmup + repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if hide_launch:
+            torch.cuda._sleep(200_000)
         start.record()
         fn(i)
         end.record()
@@ -112,8 +121,13 @@ def bench_link(gib: float, repeats: int) -> dict:
     h2d = time_ms(lambda i: dev.copy_(host, non_blocking=True), repeats, warmup=2)
     d2h = time_ms(lambda i: host.copy_(dev, non_blocking=True), repeats, warmup=2)
     res = {"bytes": nbytes, "h2d_ms": h2d, "h2d_gbps": gbps(nbytes, h2d), "d2h_ms": d2h, "d2h_gbps": gbps(nbytes, d2h)}
+    del host
+    src = dev[: nbytes // 2]
+    dst = torch.empty_like(src)
+    d2d = time_ms(lambda i: dst.copy_(src), repeats, warmup=2)
+    res["d2d_gbps"] = gbps(2 * src.numel(), d2d)  # bytes read + written
     print(f"\nlink peak ({nbytes / GiB:.2f} GiB pinned copy_): host->GPU {res['h2d_gbps']:.1f} GB/s, "
-          f"GPU->host {res['d2h_gbps']:.1f} GB/s")
+          f"GPU->host {res['d2h_gbps']:.1f} GB/s; device copy {res['d2d_gbps'] / 1e3:.2f} TB/s (read + write)")
     return res
 
 
@@ -122,16 +136,20 @@ def bench_recall(host_layer: torch.Tensor, sizes: list[int], peak: float, repeat
     k, v = torch.empty(2, gpu_pages * PAGE, H, D, dtype=DTYPE, device=DEVICE)
     print(f"\nrecall_pages: random {CHUNK_BYTES // 1024} KiB (page, head) chunks from a "
           f"{host_layer.shape[0] * H * CHUNK_BYTES / GiB:.1f} GiB pinned arena into a {gpu_pages}-page GPU cache")
-    print(f"{'chunks':>8} {'MiB':>8} {'ms':>9} {'GB/s':>8} {'% peak':>7}")
+    print(f"{'chunks':>8} {'MiB':>8} {'ms':>9} {'GB/s':>8} {'% peak':>7} {'gpu ms':>9} {'gpu GB/s':>9} {'gpu %':>7}")
     rows = []
     for n in sizes:
-        sets = random_entries(n, host_layer.shape[0], gpu_pages, warmup + repeats)
+        calls = warmup + repeats
+        sets = random_entries(n, host_layer.shape[0], gpu_pages, 2 * calls)  # fresh draws for each pass
         valid = torch.ones(n, dtype=torch.bool, device=DEVICE)
-        ms = time_ms(lambda i: recall_pages(host_layer, k, v, *sets[i], valid, PAGE), repeats, warmup)
-        row = {"chunks": n, "bytes": n * CHUNK_BYTES, "ms": ms, "gbps": gbps(n * CHUNK_BYTES, ms)}
-        row["pct_peak"] = 100 * row["gbps"] / peak
+        row = {"chunks": n, "bytes": n * CHUNK_BYTES}
+        for off, pre, hide in ((0, "", False), (calls, "gpu_", True)):
+            ms = time_ms(lambda i: recall_pages(host_layer, k, v, *sets[off + i], valid, PAGE), repeats, warmup, hide)
+            row[pre + "ms"], row[pre + "gbps"] = ms, gbps(n * CHUNK_BYTES, ms)
+            row[pre + "pct_peak"] = 100 * row[pre + "gbps"] / peak
         rows.append(row)
-        print(f"{n:>8} {row['bytes'] / 2**20:>8.0f} {ms:>9.3f} {row['gbps']:>8.1f} {row['pct_peak']:>6.1f}%")
+        print(f"{n:>8} {row['bytes'] / 2**20:>8.0f} {row['ms']:>9.3f} {row['gbps']:>8.1f} {row['pct_peak']:>6.1f}% "
+              f"{row['gpu_ms']:>9.3f} {row['gpu_gbps']:>9.1f} {row['gpu_pct_peak']:>6.1f}%")
     return rows
 
 
@@ -140,19 +158,23 @@ def bench_offload(host_layer: torch.Tensor, sizes: list[int], peak: float, repea
     k, v = torch.randn(2, gpu_pages * PAGE, H, D, dtype=DTYPE, device=DEVICE)
     page_bytes = H * CHUNK_BYTES
     print(f"\noffload_pages: whole GPU pages (all {H} heads, {page_bytes // 1024} KiB) into random host pages")
-    print(f"{'pages':>8} {'MiB':>8} {'ms':>9} {'GB/s':>8} {'% peak':>7}")
+    print(f"{'pages':>8} {'MiB':>8} {'ms':>9} {'GB/s':>8} {'% peak':>7} {'gpu ms':>9} {'gpu GB/s':>9} {'gpu %':>7}")
     rows = []
     for n in sizes:
+        calls = warmup + repeats
         sets = [
             (torch.randperm(gpu_pages, device=DEVICE)[:n].int(), torch.randperm(P, device=DEVICE)[:n].int())
-            for _ in range(warmup + repeats)
+            for _ in range(2 * calls)  # fresh draws for each pass
         ]
         valid = torch.ones(n, dtype=torch.bool, device=DEVICE)
-        ms = time_ms(lambda i: offload_pages(k, v, host_layer, *sets[i], valid, PAGE), repeats, warmup)
-        row = {"pages": n, "bytes": n * page_bytes, "ms": ms, "gbps": gbps(n * page_bytes, ms)}
-        row["pct_peak"] = 100 * row["gbps"] / peak
+        row = {"pages": n, "bytes": n * page_bytes}
+        for off, pre, hide in ((0, "", False), (calls, "gpu_", True)):
+            ms = time_ms(lambda i: offload_pages(k, v, host_layer, *sets[off + i], valid, PAGE), repeats, warmup, hide)
+            row[pre + "ms"], row[pre + "gbps"] = ms, gbps(n * page_bytes, ms)
+            row[pre + "pct_peak"] = 100 * row[pre + "gbps"] / peak
         rows.append(row)
-        print(f"{n:>8} {row['bytes'] / 2**20:>8.0f} {ms:>9.3f} {row['gbps']:>8.1f} {row['pct_peak']:>6.1f}%")
+        print(f"{n:>8} {row['bytes'] / 2**20:>8.0f} {row['ms']:>9.3f} {row['gbps']:>8.1f} {row['pct_peak']:>6.1f}% "
+              f"{row['gpu_ms']:>9.3f} {row['gpu_gbps']:>9.1f} {row['gpu_pct_peak']:>6.1f}%")
     return rows
 
 
@@ -170,7 +192,9 @@ def graph_replay_ms(run: Callable[[], object], repeats: int) -> float:
     return time_ms(lambda i: graph.replay(), repeats, warmup=3)
 
 
-def bench_select(contexts: list[int], batches: list[int], budget: int, repeats: int, warmup: int) -> dict | list[dict]:
+def bench_select(
+    contexts: list[int], batches: list[int], budget: int, repeats: int, warmup: int, copy_gbps: float
+) -> dict | list[dict]:
     try:
         from freekv_kernels.page_select import score_pages, select_pages
     except ImportError as e:
@@ -178,8 +202,11 @@ def bench_select(contexts: list[int], batches: list[int], budget: int, repeats: 
         return {"skipped": str(e)}
     k = budget // PAGE
     print(f"\nselection per layer: score_pages + select_pages, {HQ} q heads / {H} KV heads, D={D}, p={PAGE}, "
-          f"k={k} pages ({budget} tokens), every page of every row a candidate")
-    print(f"{'context':>8} {'batch':>6} {'pooling':>13} {'eager us':>9} {'graph us':>9}")
+          f"k={k} pages ({budget} tokens), every page of every row a candidate; graph: one call of both ops "
+          f"captured and replayed (score / select: each op alone); floor: the bf16 summaries read once at "
+          f"{copy_gbps / 1e3:.2f} TB/s")
+    print(f"{'context':>8} {'batch':>6} {'pooling':>13} {'eager us':>9} {'graph us':>9} {'score us':>9} "
+          f"{'select us':>9} {'floor us':>9} {'x floor':>8}")
     rows = []
     for ctx in contexts:
         for B in batches:
@@ -195,15 +222,26 @@ def bench_select(contexts: list[int], batches: list[int], budget: int, repeats: 
                     scores = score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling)
                     return select_pages(scores, k)
 
+                scores = score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling)
                 row = {"context": ctx, "batch": B, "pages_per_row": M, "k": k, "pooling": pooling}
+                row["floor_us"] = 1e6 * summaries.numel() * summaries.element_size() / copy_gbps / 1e9
                 row["eager_us"] = 1e3 * time_ms(lambda i: run(), repeats, warmup)
                 try:
                     row["graph_us"] = 1e3 * graph_replay_ms(run, repeats)
+                    row["score_graph_us"] = 1e3 * graph_replay_ms(
+                        lambda: score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling),
+                        repeats)
+                    row["select_graph_us"] = 1e3 * graph_replay_ms(lambda: select_pages(scores, k), repeats)
                 except Exception as e:  # report, keep going: capture is a bonus measurement
                     row["graph_error"] = f"{type(e).__name__}: {e}"
                 rows.append(row)
-                graph = f"{row['graph_us']:>9.1f}" if "graph_us" in row else f"{'failed':>9} ({row['graph_error']})"
+                if "graph_us" in row:
+                    graph = (f"{row['graph_us']:>9.1f} {row['score_graph_us']:>9.1f} {row['select_graph_us']:>9.1f} "
+                             f"{row['floor_us']:>9.1f} {row['graph_us'] / row['floor_us']:>7.1f}x")
+                else:
+                    graph = f"{'failed':>9} ({row['graph_error']})"
                 print(f"{ctx:>8} {B:>6} {pooling:>13} {row['eager_us']:>9.1f} {graph}")
+            del summaries, page_table, q, scores
     return rows
 
 
@@ -246,7 +284,8 @@ def main() -> None:
     results["recall"] = bench_recall(host_layer, args.recall_chunks, link["h2d_gbps"], *reps)
     results["offload"] = bench_offload(host_layer, args.offload_pages, link["d2h_gbps"], *reps)
     del host_layer
-    results["selection"] = bench_select(args.contexts, args.batches, args.budget, args.repeats, args.warmup)
+    results["selection"] = bench_select(args.contexts, args.batches, args.budget, args.repeats, args.warmup,
+                                        link["d2d_gbps"])
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
