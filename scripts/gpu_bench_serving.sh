@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# FreeKV server on a random-weight Llama-3.1-8B shape at ~32K context under concurrent load
+# (sglang.bench_serving, random token ids). Needs /tmp/site (the wheelhouse) on the GPU host.
+# Usage: bash scripts/gpu_bench_serving.sh [ATTENTION_BACKEND]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}; mkdir -p "$OUT"
+source scripts/gpu_env.sh || exit 1
+pkill -9 -f sglang.launch_server 2>/dev/null; pkill -9 -f freekv_kvstore 2>/dev/null; sleep 1
+BACKEND=${1:-triton}
+[ -f /tmp/llama8b/config.json ] || python3 scripts/make_dummy_model.py llama-3.1-8b /tmp/llama8b || exit 1
+PORT=30001
+setsid python3 -m sglang.launch_server --model-path /tmp/llama8b --load-format dummy --port $PORT \
+  --attention-backend "$BACKEND" --sampling-backend pytorch --grammar-backend none --disable-radix-cache \
+  --context-length 34000 --max-running-requests 8 --mem-fraction-static 0.5 \
+  --kv-retrieval freekv --kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32 --kvstore-arena-gb 24 \
+  >"$OUT/server-llama8b-freekv.log" 2>&1 &
+SPID=$!
+t0=$(date +%s)
+until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
+  kill -0 $SPID 2>/dev/null || { echo "server exited"; tail -30 "$OUT/server-llama8b-freekv.log"; exit 1; }
+  [ $(( $(date +%s) - t0 )) -lt 400 ] || { echo "not healthy in 400 s"; tail -30 "$OUT/server-llama8b-freekv.log"; kill -9 -- -$SPID; exit 1; }
+  sleep 2
+done
+echo "healthy after $(( $(date +%s) - t0 )) s"
+FREEKV_STATS_EVERY=64 python3 -m sglang.bench_serving --backend sglang --port $PORT --dataset-name random-ids \
+  --random-input-len 32000 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 8 --max-concurrency 4 \
+  --output-file "$OUT/bench-serving-llama8b-freekv.jsonl" 2>&1 | tee "$OUT/bench-serving.log" | tail -n 30
+rc=${PIPESTATUS[0]}
+grep -E "FreeKV|Traceback|Error" "$OUT/server-llama8b-freekv.log" | tail -n 12
+kill -TERM -- -$SPID 2>/dev/null; sleep 3; kill -9 -- -$SPID 2>/dev/null
+exit $rc
