@@ -8,7 +8,7 @@ OUT=${OUT:-results}; mkdir -p "$OUT"
 source scripts/gpu_env.sh || exit 1
 pkill -9 -f sglang.launch_server 2>/dev/null; pkill -9 -f freekv_kvstore 2>/dev/null; sleep 1
 BACKEND=${1:-triton}
-[ -f /tmp/llama8b/config.json ] || python3 scripts/make_dummy_model.py llama-3.1-8b /tmp/llama8b || exit 1
+rm -rf /tmp/llama8b; python3 scripts/make_dummy_model.py llama-3.1-8b /tmp/llama8b || exit 1
 PORT=30001
 setsid python3 -m sglang.launch_server --model-path /tmp/llama8b --load-format dummy --port $PORT \
   --attention-backend "$BACKEND" --sampling-backend pytorch --grammar-backend none --disable-radix-cache \

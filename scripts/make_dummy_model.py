@@ -12,13 +12,13 @@ import sys
 
 SHAPES = {
     "llama-3.1-8b": dict(
-        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
         rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
         rms_norm_eps=1e-5, tie_word_embeddings=False),
     "qwen2.5-7b": dict(
-        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072, rope_theta=1000000.0,
         rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False),
 }
