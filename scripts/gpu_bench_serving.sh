@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FreeKV server on a random-weight Llama-3.1-8B shape at ~32K context under concurrent load
-# (sglang.bench_serving, random token ids). Needs /tmp/site (the wheelhouse) on the GPU host.
+# (benchmarks/serve_load.py, random token ids: sglang.bench_serving needs `datasets`, absent offline). Needs /tmp/site (the wheelhouse) on the GPU host.
 # Usage: bash scripts/gpu_bench_serving.sh [ATTENTION_BACKEND]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,7 @@ pkill -9 -f sglang.launch_server 2>/dev/null; pkill -9 -f freekv_kvstore 2>/dev/
 BACKEND=${1:-triton}
 rm -rf /tmp/llama8b; python3 scripts/make_dummy_model.py llama-3.1-8b /tmp/llama8b || exit 1
 PORT=30001
-setsid python3 -m sglang.launch_server --model-path /tmp/llama8b --load-format dummy --port $PORT \
+FREEKV_STATS_EVERY=64 setsid python3 -m sglang.launch_server --model-path /tmp/llama8b --load-format dummy --port $PORT \
   --attention-backend "$BACKEND" --sampling-backend pytorch --grammar-backend none --disable-radix-cache \
   --context-length 34000 --max-running-requests 8 --mem-fraction-static 0.5 \
   --kv-retrieval freekv --kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32 --kvstore-arena-gb 24 \
@@ -23,9 +23,8 @@ until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/
   sleep 2
 done
 echo "healthy after $(( $(date +%s) - t0 )) s"
-FREEKV_STATS_EVERY=64 python3 -m sglang.bench_serving --backend sglang --port $PORT --dataset-name random-ids \
-  --random-input-len 32000 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 8 --max-concurrency 4 \
-  --output-file "$OUT/bench-serving-llama8b-freekv.jsonl" 2>&1 | tee "$OUT/bench-serving.log" | tail -n 30
+python3 benchmarks/serve_load.py --url http://127.0.0.1:$PORT --input-len 32000 --output-len 256 \
+  --num-prompts 8 --concurrency 4 --vocab 128000 --out "$OUT/serve-load-llama8b-freekv.json" 2>&1 | tee "$OUT/serve-load.log"
 rc=${PIPESTATUS[0]}
 grep -E "FreeKV|Traceback|Error" "$OUT/server-llama8b-freekv.log" | tail -n 12
 kill -TERM -- -$SPID 2>/dev/null; sleep 3; kill -9 -- -$SPID 2>/dev/null
