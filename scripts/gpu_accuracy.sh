@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Third of three consecutive GPU calls (see gpu_serve.sh): the accuracy harness through the engine on the
+# GPU (every method), then passkey at ~8K against a FreeKV SGLang server with the same FreeKV settings.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}; mkdir -p "$OUT"
+source scripts/gpu_env.sh || exit 1
+pkill -9 -f sglang.launch_server 2>/dev/null; pkill -9 -f freekv_kvstore 2>/dev/null; sleep 1
+bash scripts/gpu_smollm2.sh build >/dev/null || exit 1
+ACC=(python3 -m freekv_sglang.accuracy --model /tmp/smollm2 --sink 64 --window 128 --page-size 16 --samples 20)
+"${ACC[@]}" --device cuda --dtype bf16 --batch 8 --tasks passkey,multikey --lengths 4096,8192 --budgets 512,1024 \
+  --out "$OUT/acc-engine" 2>&1 | tail -n 45
+PORT=30001
+setsid python3 -m sglang.launch_server --model-path /tmp/smollm2 --port $PORT --attention-backend triton \
+  --sampling-backend pytorch --grammar-backend none --disable-radix-cache --page-size 16 --mem-fraction-static 0.3 \
+  --max-running-requests 16 --kv-retrieval freekv --kv-budget 1024 --kv-sink 64 --kv-window 128 --kv-page-size 16 \
+  --kv-correction-threshold 0.9 --kv-dense-layers 1 --kvstore-arena-gb 4 >"$OUT/server-acc.log" 2>&1 &
+SPID=$!
+t0=$(date +%s)
+until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
+  kill -0 $SPID 2>/dev/null || { echo "server exited"; tail -30 "$OUT/server-acc.log"; exit 1; }
+  [ $(( $(date +%s) - t0 )) -lt 300 ] || { echo "not healthy"; kill -9 -- -$SPID; exit 1; }
+  sleep 2
+done
+"${ACC[@]}" --backend sglang --url http://127.0.0.1:$PORT --tasks passkey --lengths 8192 --budgets 1024 \
+  --server-method freekv-server-tau0.9 --server-budget 1024 --out "$OUT/acc-server" 2>&1 | tail -n 12
+kill -TERM -- -$SPID 2>/dev/null; sleep 3; kill -9 -- -$SPID 2>/dev/null
