@@ -105,12 +105,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("FREEKV_STATS_EVERY", "16")
     common = ["--attention-backend", args.attention_backend, *args.extra_args.split()]
-    servers = [Server("plain", args.model, 30000, common, out),
-               Server("freekv", args.model, 30001, common + ["--kv-retrieval", "freekv", *args.freekv_args.split()], out)]
     result: dict = {"attention_backend": args.attention_backend, "freekv_args": args.freekv_args,
                     "extra_args": args.extra_args}
+    servers: list[Server] = []
     try:
-        for s in servers:
+        # One after the other: servers that profile GPU memory at the same time see each other's buffers.
+        for name, port, extra in (("plain", 30000, common),
+                                  ("freekv", 30001, common + ["--kv-retrieval", "freekv", *args.freekv_args.split()])):
+            s = Server(name, args.model, port, extra, out)
+            servers.append(s)
             result[f"{s.name}_healthy_s"] = round(s.wait_healthy(600), 1)
             print(f"[{s.name}] healthy after {result[f'{s.name}_healthy_s']} s", flush=True)
         ps = prompts(args.model, args.prompts, seed=0)
