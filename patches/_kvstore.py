@@ -56,3 +56,13 @@ def abandon_kvstore(server_args: Any, handle) -> None:
     if os.environ.get(ENV_KVSTORE_ENDPOINT) == handle.endpoint:
         del os.environ[ENV_KVSTORE_ENDPOINT]
     server_args._freekv = _STARTED.pop(handle, settings_of(server_args))
+
+
+def launch_with_kvstore(orig, cls, server_args: Any, *args, **kwargs):
+    """Run a launch step with the kvstore endpoint known; stop a daemon started here if the launch fails."""
+    handle = ensure_kvstore(server_args)
+    try:
+        return orig(cls, server_args, *args, **kwargs)
+    except BaseException:
+        abandon_kvstore(server_args, handle)
+        raise

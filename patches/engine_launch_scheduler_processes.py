@@ -10,7 +10,7 @@ engine_launch_subprocesses.py).
 from __future__ import annotations
 
 from ._common import check_env_request_was_seen, settings_of
-from ._kvstore import abandon_kvstore, ensure_kvstore
+from ._kvstore import launch_with_kvstore
 
 TARGET = "sglang.srt.entrypoints.engine.Engine._launch_scheduler_processes"
 HOOK_TYPE = "AROUND"
@@ -22,9 +22,4 @@ def hook(orig, cls, server_args, *args, **kwargs):
     if settings_of(server_args) is None:
         check_env_request_was_seen(server_args)
         return orig(cls, server_args, *args, **kwargs)
-    handle = ensure_kvstore(server_args)
-    try:
-        return orig(cls, server_args, *args, **kwargs)
-    except BaseException:
-        abandon_kvstore(server_args, handle)
-        raise
+    return launch_with_kvstore(orig, cls, server_args, *args, **kwargs)

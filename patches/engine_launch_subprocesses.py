@@ -14,7 +14,7 @@ passed the __post_init__ hook (sgl.Runtime builds them before any plugin is load
 from __future__ import annotations
 
 from ._common import check_env_request_was_seen, settings_of
-from ._kvstore import abandon_kvstore, ensure_kvstore
+from ._kvstore import launch_with_kvstore
 
 TARGET = "sglang.srt.entrypoints.engine.Engine._launch_subprocesses"
 HOOK_TYPE = "AROUND"
@@ -30,9 +30,4 @@ def hook(orig, cls, server_args, *args, **kwargs):
     from . import require_hooks
 
     require_hooks("launching a FreeKV server")
-    handle = ensure_kvstore(server_args)
-    try:
-        return orig(cls, server_args, *args, **kwargs)
-    except BaseException:
-        abandon_kvstore(server_args, handle)
-        raise
+    return launch_with_kvstore(orig, cls, server_args, *args, **kwargs)
