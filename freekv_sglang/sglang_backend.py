@@ -15,6 +15,7 @@ FreeKV step: selection, correction, recall and offload included.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 
@@ -27,6 +28,7 @@ from .kvstore_pool import KVStoreHostPool
 logger = logging.getLogger(__name__)
 
 _ACTIVE: list["FreeKVAttnBackend"] = []
+_INSTANCE = itertools.count()  # kvstore client ids must differ between backends of one process
 # Decode steps between the log lines that report correction rate and recall bytes (reading them syncs).
 STATS_EVERY = int(os.environ.get("FREEKV_STATS_EVERY", "512"))
 
@@ -65,7 +67,7 @@ class FreeKVAttnBackend(AttentionBackend):
                                "daemon (the launcher hook sets FREEKV_KVSTORE_ENDPOINT)")
         host = KVStoreHostPool(endpoint, num_layers=shape.num_layers, num_kv_heads=H, page_size=cfg.page_size,
                                head_dim=shape.head_dim, dtype=dtype, num_pages=host_pages, rank=self.rank,
-                               client_id=f"pid{os.getpid()}-tp{self.rank}")
+                               client_id=f"pid{os.getpid()}-tp{self.rank}-{next(_INSTANCE)}")
         # Slot ids are req_pool_idx in [0, size]; SGLang pads captured batches with row 0.
         self.engine = FreeKVEngine(cfg, shape, max_requests=self.req_pool.size + 1, max_context=max_context,
                                    dtype=dtype, device=runner.device, host_pool=host, pad_slot=0,
