@@ -8,19 +8,23 @@ uploads, outside any CUDA graph), then `attend` once per layer (device work only
 Per sparse layer l of a step, in stream order (see streams.py):
   compute: write the new K/V; cosine similarity of q_i and q_{i-1} per KV head -> correction flags;
            record E_q
-  select:  wait E_q; score + select with q_i; delta against the resident slots; recall *now* the
-           changed slots of flagged heads and the empty slots that selection fills; record E_now
+  select:  wait E_q; for the heads that need it now -- flagged, or holding fewer pages than there are
+           candidates (a new request, a context still shorter than the budget) -- score + select with
+           q_i, delta against the resident slots, recall the changed slots of flagged heads and the
+           empty slots being filled; record E_now (the other heads' kernels exit at once)
   compute: wait E_now; attention over sink | slots | window; record E_attn
-  recall:  wait E_attn; recall the remaining changed slots (speculative, used by step i+1);
-           summarise and offload the page leaving the window
+  recall:  wait E_attn; select with q_i for the remaining heads (speculative, used by step i+1) and
+           recall every other changed slot; summarise and offload the page leaving the window
   end_step: compute joins both side streams.
-Recall never writes a slot this step's attention reads: the speculative recall waits for E_attn
-(ordering, not double buffering), and the join orders it before the next step's correction recall and
-before the KV write that reuses the ring page being offloaded. Speculative recall of layer l overlaps
-layers l+1.. of the same step; only the last layer's is exposed at the join.
+So only flagged heads' selection and recall sit on the critical path, as in the paper. Recall never
+writes a slot this step's attention reads: the speculative recall waits for E_attn (ordering, not
+double buffering), and the join orders it before the next step's correction recall and before the KV
+write that reuses the ring page being offloaded. Speculative work of layer l overlaps layers l+1.. of
+the same step; only the last layer's is exposed at the join.
 Tensors that cross streams are either consumed before the consumer's event is waited on by their
-producer stream, or live in persistent buffers (the speculative recall list), so the caching
-allocator never hands a block to one stream while another still reads it.
+producer stream, or live in persistent buffers (the current query in prev_q, the heads handled
+before attention and their deferred recalls), so the caching allocator never hands a block to one
+stream while another still reads it.
 """
 
 from __future__ import annotations
@@ -115,11 +119,11 @@ class FreeKVEngine:
         # Step inputs live in static buffers so a captured step replays with new values.
         self._step_slots = torch.full((R,), self.pad_slot, dtype=torch.int32, device=self.device)
         self._step_lens = torch.ones(R, dtype=torch.int32, device=self.device)
-        n_rec = R * H * k
-        self._later = [None if d else (torch.zeros(n_rec, dtype=torch.int32, device=self.device),
-                                       torch.zeros(n_rec, dtype=torch.int32, device=self.device),
-                                       torch.zeros(n_rec, dtype=torch.int32, device=self.device),
-                                       torch.zeros(n_rec, dtype=torch.bool, device=self.device)) for d in self.dense]
+        # Per sparse layer: which heads the select stream handled this step and their deferred recalls.
+        self._now_heads = [None if d else torch.zeros(R, H, dtype=torch.bool, device=self.device)
+                           for d in self.dense]
+        self._later_now = [None if d else torch.zeros(R, H, k, dtype=torch.bool, device=self.device)
+                           for d in self.dense]
         self._free_slots = [s for s in range(R - 1, -1, -1) if s != self.pad_slot]
         self._len = [0] * R
         self._host_pages: list[list[int]] = [[] for _ in range(R)]
@@ -302,56 +306,72 @@ class FreeKVEngine:
             self._record_cosine(plan, layer, q)
         flags = ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
                                      self.shape.group)
-        later = None
         if self.retrieval:
             e_q = st.record()
             with st.on("select"):
                 st.wait(e_q)
-                later = self._select_and_recall_now(plan, layer, q, flags)
+                self._select_now(plan, layer, q, flags)
                 e_now = st.record()
             st.wait(e_now)
         out = ops.sparse_decode_attention(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, self.scale, p)
         e_attn = st.record()
         with st.on("recall"):
             st.wait(e_attn)
-            if later is not None:
-                ops.recall_pages(self.host.arena[:, layer], kc, vc, *later, p)
+            if self.retrieval:
+                self._select_later(plan, layer)
             ops.page_summary(kc, plan.offload_src, plan.offload_dst, plan.offload_valid, self.summaries[layer], p)
             ops.offload_pages(kc, vc, self.host.arena[:, layer], plan.offload_src, plan.offload_dst,
                               plan.offload_valid, p)
         return out
 
-    def _select_and_recall_now(self, plan: StepPlan, layer: int, q: torch.Tensor, flags: torch.Tensor):
-        ops, p = self.ops, self.cfg.page_size
-        B = q.shape[0]
-        H, k = self.shape.num_kv_heads, self.cfg.select_pages
+    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, heads: torch.Tensor):
+        """Select with q for `heads` [B, H] (the others keep their slots); returns the old and new slot
+        tables of the batch rows and the changed slots, with the new table stored."""
+        ops, n_s = self.ops, self.cfg.sink_pages
         r = plan.req_slots.long()
-        scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, self.cfg.sink_pages,
-                                 plan.cand_end, self.scale, self.pooling)
-        sel = ops.select_pages(scores, k)
         old = self.slot_table[layer, r]
+        cand_end = torch.where(heads, plan.cand_end[:, None], n_s).int()  # a skipped head has no candidates
+        scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, n_s, cand_end,
+                                 self.scale, self.pooling)
+        sel = torch.where(heads[:, :, None], ops.select_pages(scores, self.cfg.select_pages), old)
         new, changed = ops.slot_delta(old, sel)
         self.slot_table[layer, r] = new
-        # Flagged heads attend with q_i's selection now; so does every head whose selection grew into
-        # an empty slot (the context is still shorter than the budget): attention must not miss pages.
-        now = changed & (flags[:, :, None] | (old < 0))
-        later = changed & ~now
-        src = self.page_table[r[:, None, None], new.long().clamp(min=0)]
+        return old, new, changed
+
+    def _recall(self, plan: StepPlan, layer: int, new: torch.Tensor, which: torch.Tensor) -> None:
+        """Recall the (row, head, slot) entries in `which` from the host pages of `new`'s logical pages."""
+        B, H, k = new.shape
+        src = self.page_table[plan.req_slots.long()[:, None, None], new.long().clamp(min=0)]
         head = torch.arange(H, device=self.device, dtype=torch.int32)[None, :, None].expand(B, H, k)
         dst = plan.slot_pages[:, None, :].expand(B, H, k)
-        src, head, dst = src.reshape(-1), head.reshape(-1), dst.reshape(-1)
-        ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], src, head, dst,
-                         now.reshape(-1), p)
+        self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], src.reshape(-1),
+                              head.reshape(-1), dst.reshape(-1), which.reshape(-1), self.cfg.page_size)
+
+    def _select_now(self, plan: StepPlan, layer: int, q: torch.Tensor, flags: torch.Tensor) -> None:
+        B = q.shape[0]
+        old = self.slot_table[layer, plan.req_slots.long()]
+        n_cand = torch.clamp(plan.cand_end.long() - self.cfg.sink_pages, min=0, max=self.cfg.select_pages)
+        heads = flags | ((old >= 0).sum(-1) < n_cand[:, None])
+        old, new, changed = self._select(plan, layer, q, heads)
+        # Flagged heads attend with q_i's selection now; so does every head whose selection grew into an
+        # empty slot: attention must not miss pages it could hold. Evictions of the latter wait.
+        now = changed & (flags[:, :, None] | (old < 0))
+        self._recall(plan, layer, new, now)
+        self._now_heads[layer][:B].copy_(heads)
+        self._later_now[layer][:B].copy_(changed & ~now)
         if self.collect_stats:
-            valid = plan.row_valid[:, None, None]
             self._stat_flags[layer] += (flags & plan.row_valid[:, None]).sum()
-            self._stat_recall_now[layer] += (now & valid).sum()
-            self._stat_recall_later[layer] += (later & valid).sum()
-        n = src.numel()
-        bufs = self._later[layer]
-        for buf, t in zip(bufs, (src, head, dst, later.reshape(-1))):
-            buf[:n].copy_(t)
-        return tuple(buf[:n] for buf in bufs)
+            self._stat_recall_now[layer] += (now & plan.row_valid[:, None, None]).sum()
+
+    def _select_later(self, plan: StepPlan, layer: int) -> None:
+        B = plan.req_slots.shape[0]
+        heads = self._now_heads[layer][:B]
+        q = self.prev_q[layer, plan.req_slots.long()]  # this step's query, stored by query_similarity
+        _, new, changed = self._select(plan, layer, q, ~heads)
+        later = changed | self._later_now[layer][:B]
+        self._recall(plan, layer, new, later)
+        if self.collect_stats:
+            self._stat_recall_later[layer] += (later & plan.row_valid[:, None, None]).sum()
 
     def _record_cosine(self, plan: StepPlan, layer: int, q: torch.Tensor) -> None:
         r = plan.req_slots.long()

@@ -24,20 +24,19 @@ def naive_score_pages(
     G = Hq // H
     M = page_table.shape[1]
     scores = torch.full((B, H, M), float("-inf"), dtype=torch.float32, device=q.device)
-    for b, (slot, end) in enumerate(zip(req_slots.tolist(), cand_end.tolist())):
-        end = min(end, M)
-        if end <= cand_start:
-            continue
-        pages = page_table[slot, cand_start:end].long()
-        kmin = summaries[pages, :, 0].float().transpose(0, 1)  # [H, n, D]
-        kmax = summaries[pages, :, 1].float().transpose(0, 1)
-        qb = q[b].float().view(H, G, 1, D)
-        s = scale * torch.maximum(qb * kmin[:, None], qb * kmax[:, None]).sum(-1)  # [H, G, n]
-        if pooling == "max":
-            pooled = s.amax(dim=1)
-        else:
-            pooled = torch.softmax(s, dim=-1).mean(dim=1)
-        scores[b, :, cand_start:end] = pooled
+    ends = (cand_end[:, None].expand(B, H) if cand_end.dim() == 1 else cand_end).tolist()
+    for b, slot in enumerate(req_slots.tolist()):
+        for h in range(H):
+            end = min(ends[b][h], M)
+            if end <= cand_start:
+                continue
+            pages = page_table[slot, cand_start:end].long()
+            kmin = summaries[pages, h, 0].float()  # [n, D]
+            kmax = summaries[pages, h, 1].float()
+            qh = q[b, h * G:(h + 1) * G].float()[:, None]  # [G, 1, D]
+            s = scale * torch.maximum(qh * kmin, qh * kmax).sum(-1)  # [G, n]
+            pooled = s.amax(dim=0) if pooling == "max" else torch.softmax(s, dim=-1).mean(dim=0)
+            scores[b, h, cand_start:end] = pooled
     return scores
 
 

@@ -28,7 +28,7 @@ def _page_logits_kernel(
     sq_b, sq_h, sq_d,
     ss_p, ss_h, ss_mm, ss_d,
     spt_r, spt_m,
-    s_slot, s_cend,
+    s_slot, s_cend, s_cend_h,
     sl_b, sl_h, sl_m,
     st_part, st_b,
     so_b, so_h, so_m,
@@ -46,7 +46,7 @@ def _page_logits_kernel(
     blk = tl.program_id(2)
     j0 = blk * BLOCK_PAGES
     j = j0 + tl.arange(0, BLOCK_PAGES)
-    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
+    end = tl.minimum(tl.load(cend_ptr + b * s_cend + h * s_cend_h), M)
     neg_inf = float("-inf")
     if (j0 < end) & (j0 + BLOCK_PAGES > cand_start):
         slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
@@ -92,7 +92,7 @@ def _pool_scores_kernel(
     cand_start, M, NB,
     sl_b, sl_h, sl_m,
     st_part, st_b,
-    s_cend,
+    s_cend, s_cend_h,
     so_b, so_h, so_m,
     G: tl.constexpr, GP: tl.constexpr, STATS_PAGES: tl.constexpr, STATS_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -105,7 +105,7 @@ def _pool_scores_kernel(
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     j = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
+    end = tl.minimum(tl.load(cend_ptr + b * s_cend + h * s_cend_h), M)
     g = tl.arange(0, GP)
     g_ok = g < G
     neg_inf = float("-inf")
@@ -144,6 +144,11 @@ TOPK_SINGLE = 1024  # rows up to this many pages take one stage
 TOPK_SINGLE_WARPS = 8
 
 
+def _cend_strides(cand_end: torch.Tensor) -> tuple[int, int]:
+    """cand_end is per row [B] (every KV head alike) or per KV head [B, H]."""
+    return (cand_end.stride(0), 0) if cand_end.dim() == 1 else (cand_end.stride(0), cand_end.stride(1))
+
+
 def _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, scale, pool_max, logits, stats,
                    scores, block_pages, num_warps):
     B, Hq, D = q.shape
@@ -155,7 +160,7 @@ def _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, sc
     _page_logits_kernel[(B, H, NB)](
         q, summaries, page_table, req_slots, cand_end, logits, stats, scores,
         cand_start, M, NB, scale,
-        *q.stride(), *summaries.stride(), *page_table.stride(), req_slots.stride(0), cand_end.stride(0),
+        *q.stride(), *summaries.stride(), *page_table.stride(), req_slots.stride(0), *_cend_strides(cand_end),
         *logits.stride()[:3], stats.stride(0), stats.stride(1), *scores.stride(),
         G=G, GP=gp, D=D, BLOCK_PAGES=block_pages, POOL_MAX=pool_max,
         num_warps=num_warps,
@@ -169,7 +174,7 @@ def _launch_pool(logits, stats, cand_end, scores, cand_start, stats_pages, block
     _pool_scores_kernel[(B, H, triton.cdiv(M, block_m))](
         logits, stats, cand_end, scores,
         cand_start, M, NB,
-        *logits.stride()[:3], stats.stride(0), stats.stride(1), cand_end.stride(0), *scores.stride(),
+        *logits.stride()[:3], stats.stride(0), stats.stride(1), *_cend_strides(cand_end), *scores.stride(),
         G=G, GP=triton.next_power_of_2(G), STATS_PAGES=stats_pages, STATS_BLOCK=min(1024, triton.next_power_of_2(NB)),
         BLOCK_M=block_m,
         num_warps=num_warps,

@@ -64,6 +64,26 @@ def test_score_pages_matches_reference(G, page_size, D, M, pooling, dtype):
 
 
 @pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
+@pytest.mark.parametrize("G,page_size,D,M", SCORE_SHAPES[:2])
+def test_score_pages_per_head_candidates(G, page_size, D, M, pooling):
+    """cand_end [B, H]: each KV head its own range (the engine's per-head phases); a head with no candidates
+    is all -inf, the others equal the per-row call with that head's range."""
+    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, page_size, D, M, torch.float32)
+    per_head = cand_end[:, None].repeat(1, H)
+    per_head[:, 0] = CAND_START  # head 0 skipped everywhere
+    per_head[0, 1:] = M  # row 0: the other heads see every page
+    scale = 1 / math.sqrt(D)
+    with poisoned_outputs():
+        out = score_pages(q, summaries, page_table, req_slots, CAND_START, per_head, scale, pooling)
+    ref = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, per_head, scale, pooling)
+    assert_close("scores", ref, out, atol=1e-5 if pooling == "mean_softmax" else 1e-4, rtol=1e-4)
+    assert torch.isinf(out[:, 0]).all()
+    row = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, per_head[:, 1].contiguous(), scale,
+                            pooling)
+    torch.testing.assert_close(out[:, 1:].cpu(), row[:, 1:].cpu(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
 def test_score_pages_small_blocks(monkeypatch, pooling):
     """Many logits blocks (per-block softmax statistics combined across blocks) and many pooling blocks."""
     mod = page_select_triton
