@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,6 +81,19 @@ def load(args):
     return model.to(args.device).eval(), tok
 
 
+def _git_commit() -> str | None:
+    """HEAD of the checkout the harness runs from (with '+dirty' when files differ), for the record."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.smoke:
@@ -110,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load(args)
     print(f"model loaded in {time.perf_counter() - t0:.1f} s; writing {out}/", flush=True)
     rec = run(cfg, tok, out, model=model, log=lambda m: print(m, flush=True))
-    meta = dict(argv=sys.argv[1:] if argv is None else argv, args=vars(args), machine=platform.node(),
-                processor=platform.processor() or platform.machine(), torch=torch.__version__,
+    meta = dict(argv=sys.argv[1:] if argv is None else argv, args=vars(args), commit=_git_commit(),
+                machine=platform.node(), processor=platform.processor() or platform.machine(), torch=torch.__version__,
                 threads=torch.get_num_threads(), budget_excludes_sink_and_window=True,
                 streaming_window="window + budget", wall_s=time.perf_counter() - t0)
     summary, md, msgs = report.write(rec.records, out, meta)
