@@ -324,19 +324,17 @@ class FreeKVEngine:
                               plan.offload_valid, p)
         return out
 
-    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, heads: torch.Tensor):
-        """Select with q for `heads` [B, H] (the others keep their slots); returns the old and new slot
-        tables of the batch rows and the changed slots, with the new table stored."""
+    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, heads: torch.Tensor, old: torch.Tensor):
+        """Select with q for `heads` [B, H] (the others keep their slots); `old` is the batch rows' slot
+        table. Stores and returns the new table and the changed slots."""
         ops, n_s = self.ops, self.cfg.sink_pages
-        r = plan.req_slots.long()
-        old = self.slot_table[layer, r]
         cand_end = torch.where(heads, plan.cand_end[:, None], n_s).int()  # a skipped head has no candidates
         scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, n_s, cand_end,
                                  self.scale, self.pooling)
         sel = torch.where(heads[:, :, None], ops.select_pages(scores, self.cfg.select_pages), old)
         new, changed = ops.slot_delta(old, sel)
-        self.slot_table[layer, r] = new
-        return old, new, changed
+        self.slot_table[layer, plan.req_slots.long()] = new
+        return new, changed
 
     def _recall(self, plan: StepPlan, layer: int, new: torch.Tensor, which: torch.Tensor) -> None:
         """Recall the (row, head, slot) entries in `which` from the host pages of `new`'s logical pages."""
@@ -352,7 +350,7 @@ class FreeKVEngine:
         old = self.slot_table[layer, plan.req_slots.long()]
         n_cand = torch.clamp(plan.cand_end.long() - self.cfg.sink_pages, min=0, max=self.cfg.select_pages)
         heads = flags | ((old >= 0).sum(-1) < n_cand[:, None])
-        old, new, changed = self._select(plan, layer, q, heads)
+        new, changed = self._select(plan, layer, q, heads, old)
         # Flagged heads attend with q_i's selection now; so does every head whose selection grew into an
         # empty slot: attention must not miss pages it could hold. Evictions of the latter wait.
         now = changed & (flags[:, :, None] | (old < 0))
@@ -366,8 +364,9 @@ class FreeKVEngine:
     def _select_later(self, plan: StepPlan, layer: int) -> None:
         B = plan.req_slots.shape[0]
         heads = self._now_heads[layer][:B]
-        q = self.prev_q[layer, plan.req_slots.long()]  # this step's query, stored by query_similarity
-        _, new, changed = self._select(plan, layer, q, ~heads)
+        r = plan.req_slots.long()
+        q = self.prev_q[layer, r]  # this step's query, stored by query_similarity
+        new, changed = self._select(plan, layer, q, ~heads, self.slot_table[layer, r])
         later = changed | self._later_now[layer][:B]
         self._recall(plan, layer, new, later)
         if self.collect_stats:
