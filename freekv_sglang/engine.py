@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -52,6 +53,9 @@ class ModelShape:
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
 
+
+# An outside attention kernel for sparse layers: (q, k_cache, v_cache, plan, head_pages) -> output.
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, torch.Tensor], torch.Tensor]
 
 # Selection variants: FreeKV (group-mean softmax, speculative with correction), the Quest-style
 # baseline (max over the group of raw scores, always the current query) and StreamingLLM-style
@@ -288,8 +292,13 @@ class FreeKVEngine:
         self._stat_checks += len(slots) * self.shape.num_kv_heads
         self._stat_steps += 1
 
-    def attend(self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store this step's K/V [B, H, D] and return the attention output [B, Hq, D] for q [B, Hq, D]."""
+    def attend(self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attention: Attention | None = None) -> torch.Tensor:
+        """Store this step's K/V [B, H, D] and return the attention output [B, Hq, D] for q [B, Hq, D].
+
+        attention: for a sparse layer, an outside kernel called as attention(q, k_cache, v_cache, plan,
+        head_pages) instead of the engine's own (head_pages: see `head_pages`). SGLang's FlashInfer
+        wrapper uses it so FreeKV attention rounds exactly as the server's full attention does."""
         p, ops = self.cfg.page_size, self.ops
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         if self.dense[layer]:
@@ -313,7 +322,11 @@ class FreeKVEngine:
                 self._select_now(plan, layer, q, flags)
                 e_now = st.record()
             st.wait(e_now)
-        out = ops.sparse_decode_attention(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, self.scale, p)
+        if attention is None:
+            out = ops.sparse_decode_attention(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len,
+                                              self.scale, p)
+        else:
+            out = attention(q, kc, vc, plan, self.head_pages(plan, layer))
         e_attn = st.record()
         with st.on("recall"):
             st.wait(e_attn)
@@ -323,6 +336,21 @@ class FreeKVEngine:
             ops.offload_pages(kc, vc, self.host.arena[:, layer], plan.offload_src, plan.offload_dst,
                               plan.offload_valid, p)
         return out
+
+    def head_pages(self, plan: StepPlan, layer: int) -> torch.Tensor:
+        """[B, H, resident] GPU pages each KV head attends to in a sparse layer, in logical page order:
+        the row's sink pages, its selected pages sorted by position, its window; the first
+        plan.row_pages entries are valid. With every page selected this is the request's whole context
+        in order, which an order-sensitive kernel needs to round as full attention does."""
+        r = plan.req_slots.long()
+        logical = self.slot_table[layer, r]  # [B, H, k]; empty slots (-1) sort last
+        order = torch.where(logical >= 0, logical, torch.iinfo(torch.int32).max).sort(dim=-1).indices
+        B, H, k = logical.shape
+        sorted_pages = torch.gather(plan.slot_pages[:, None, :].expand(B, H, k), 2, order)
+        mid = torch.arange(self.layout.resident, device=self.device)[None, :] - plan.n_sink[:, None]
+        in_slots = (mid >= 0) & (mid < plan.n_slots[:, None])
+        picked = torch.gather(sorted_pages, 2, mid.clamp(0, k - 1)[:, None, :].expand(B, H, -1))
+        return torch.where(in_slots[:, None, :], picked, plan.row_table[:, None, :])
 
     def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, heads: torch.Tensor, old: torch.Tensor):
         """Select with q for `heads` [B, H] (the others keep their slots); `old` is the batch rows' slot
@@ -340,10 +368,11 @@ class FreeKVEngine:
         """Recall the (row, head, slot) entries in `which` from the host pages of `new`'s logical pages."""
         B, H, k = new.shape
         src = self.page_table[plan.req_slots.long()[:, None, None], new.long().clamp(min=0)]
-        head = torch.arange(H, device=self.device, dtype=torch.int32)[None, :, None].expand(B, H, k)
-        dst = plan.slot_pages[:, None, :].expand(B, H, k)
+        # contiguous(): with one KV head, the expanded head index would flatten to a stride-0 view.
+        head = torch.arange(H, device=self.device, dtype=torch.int32)[None, :, None].expand(B, H, k).contiguous()
+        dst = plan.slot_pages[:, None, :].expand(B, H, k).contiguous()
         self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], src.reshape(-1),
-                              head.reshape(-1), dst.reshape(-1), which.reshape(-1), self.cfg.page_size)
+                              head.view(-1), dst.view(-1), which.reshape(-1).contiguous(), self.cfg.page_size)
 
     def _select_now(self, plan: StepPlan, layer: int, q: torch.Tensor, flags: torch.Tensor) -> None:
         B = q.shape[0]

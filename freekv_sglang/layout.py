@@ -63,6 +63,9 @@ class StepPlan:
     dense_loc: torch.Tensor  # [B] int64
     row_table: torch.Tensor  # [B, resident] int32: sink | selected slots | window, partial page last
     row_pages: torch.Tensor  # [B] int32
+    row_tokens: torch.Tensor  # [B] int32: tokens attended per KV head (row_tokens() on the host)
+    n_sink: torch.Tensor  # [B] int32: row_table[:, :n_sink] are sink pages
+    n_slots: torch.Tensor  # [B] int32: then n_slots selection slots, then the window
     dense_table: torch.Tensor  # [B, M] int32
     dense_pages: torch.Tensor  # [B] int32
     last_page_len: torch.Tensor  # [B] int32
@@ -72,6 +75,36 @@ class StepPlan:
     offload_dst: torch.Tensor  # [B] int32: its host page
     offload_valid: torch.Tensor  # [B] bool
     row_valid: torch.Tensor  # [B] bool: False for padding rows
+
+
+def row_tokens(cfg: FreeKVConfig, n: int, retrieval: bool = True) -> int:
+    """Tokens each KV head of a row with n tokens attends to: plan_step's row_tokens, on the host."""
+    p, n_s, k, n_w = cfg.page_size, cfg.sink_pages, cfg.select_pages, cfg.window_pages
+    c = (n - 1) // p
+    n_slots = min(max(c - n_w - n_s, 0), k) if retrieval else 0
+    win_start = max(c - n_w, n_s)
+    row_pages = min(c + 1, n_s) + n_slots + max(c + 1 - win_start, 0)
+    return (row_pages - 1) * p + (n - 1) % p + 1
+
+
+def head_token_index(plan: StepPlan, head_pages: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
+    """Write the token rows each (row, KV head) attends to, as one flat list for a kernel that takes each
+    (row, head) as a request with a single KV head (FlashInfer with page size 1).
+
+    head_pages [B, H, rp]: GPU pages per head in logical page order (FreeKVEngine.head_pages). A token
+    at cache row t of head h is entry t * H + h of the cache viewed as [rows * H, 1, D]. Request
+    (b, h) owns out[o : o + n_b] with o = H * sum(n_<b) + h * n_b and n = plan.row_tokens; entries
+    past the row's tokens go to out[-1], which the caller keeps out of every request. Capturable.
+    """
+    B, H, rp = head_pages.shape
+    dev = head_pages.device
+    t = torch.arange(rp * page_size, device=dev)
+    heads = torch.arange(H, device=dev)[None, :, None]
+    rows = (head_pages.long()[..., None] * page_size + torch.arange(page_size, device=dev)).view(B, H, -1)
+    n = plan.row_tokens.long()[:, None, None]
+    start = (torch.cumsum(plan.row_tokens.long(), 0)[:, None, None] - n) * H
+    dest = torch.where(t < n, start + heads * n + t, out.numel() - 1)
+    out.scatter_(0, dest.reshape(-1), (rows * H + heads).reshape(-1).to(out.dtype))
 
 
 def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor,
@@ -124,6 +157,9 @@ def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, p
         dense_loc=(dense_first + c) * p + off,
         row_table=row.int(),
         row_pages=row_pages.int(),
+        row_tokens=((row_pages - 1) * p + off + 1).int(),
+        n_sink=n_sink.int(),
+        n_slots=n_slots.int(),
         dense_table=dense_table.int(),
         dense_pages=(c + 1).int(),
         last_page_len=(off + 1).int(),

@@ -15,6 +15,7 @@ FreeKV step: selection, correction, recall and offload included.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -74,6 +75,14 @@ class FreeKVAttnBackend(AttentionBackend):
                                    dense_outside=True)
         self.shape = shape
         self.last_layer = shape.num_layers - 1
+        # Wrapping FlashInfer, sparse layers attend through FlashInfer's own decode kernel so they round as
+        # the server's full attention does; wrapping Triton, through the engine's split-K kernel.
+        self.flashinfer = None
+        if type(inner).__name__ == "FlashInferAttnBackend":
+            from .flashinfer_attention import FlashInferHeadAttention
+
+            self.flashinfer = FlashInferHeadAttention(inner, cfg, Hq, H, shape.head_dim, self.engine.num_slots,
+                                                      runner.device)
         self._generation: dict[int, int] = {}
         self._freed: set[int] = set()
         self._plan = None
@@ -117,10 +126,12 @@ class FreeKVAttnBackend(AttentionBackend):
                                   self.pool.get_value_buffer(layer)[locs])
         self._generation[slot] = generation
 
-    def _prepare_decode(self, fb, in_capture: bool) -> None:
+    def _prepare_decode(self, fb, in_capture: bool, graph: bool) -> None:
         self._apply_frees()
         if in_capture:
             self.engine.prepare_step([], pad_to=fb.batch_size)
+            if self.flashinfer is not None:
+                self.flashinfer.plan([1] * fb.batch_size, graph=True)
             return
         slots = getattr(fb, "_freekv_req_slots_cpu", None)
         raw_bs = getattr(fb, "_freekv_raw_bs", None)
@@ -135,6 +146,8 @@ class FreeKVAttnBackend(AttentionBackend):
             if self._generation.get(slot) != gen or not self.engine.is_active(slot):
                 self._ingest(slot, n - 1, gen)
         self.engine.prepare_step(slots, pad_to=fb.batch_size, lens=lens)
+        if self.flashinfer is not None:
+            self.flashinfer.plan(lens + [1] * (fb.batch_size - raw_bs), graph=graph)
         self._steps += 1
         if self._steps % STATS_EVERY == 0:
             self._log_stats()
@@ -151,13 +164,13 @@ class FreeKVAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch):
         self.inner.init_forward_metadata(forward_batch)
         if forward_batch.forward_mode.is_decode():
-            self._prepare_decode(forward_batch, in_capture=False)
+            self._prepare_decode(forward_batch, in_capture=False, graph=False)
             self._plan = self.engine.plan(forward_batch.batch_size)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         if forward_batch.forward_mode.is_decode():
-            self._prepare_decode(forward_batch, in_capture)
+            self._prepare_decode(forward_batch, in_capture, graph=True)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         self.inner.init_forward_metadata_in_graph(forward_batch)
@@ -188,7 +201,8 @@ class FreeKVAttnBackend(AttentionBackend):
         k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
         if save_kv_cache:  # SGLang's pool keeps the full KV beside FreeKV's pages
             self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k3, v3)
-        o = eng.attend(self._plan, lid, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3)
+        attention = None if self.flashinfer is None else functools.partial(self.flashinfer.attend, layer)
+        o = eng.attend(self._plan, lid, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention)
         if lid == self.last_layer:
             eng.end_step()
         return o.reshape(-1, s.num_q_heads * s.head_dim)

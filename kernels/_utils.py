@@ -16,3 +16,11 @@ def check_device(*tensors: torch.Tensor) -> None:
     for t in tensors:
         if t.device.type == "cpu" and not interpret_mode() and not t.is_pinned():
             raise ValueError("CPU tensors need TRITON_INTERPRET=1 (or pinned host memory on a CUDA machine)")
+
+
+def check_index_vectors(**tensors: torch.Tensor) -> None:
+    """Index and mask vectors are read as dense 1-D arrays: refuse views with other strides (an expanded
+    [B, 1, k] index flattens to a stride-0 view, and the kernel would read past its storage)."""
+    for name, t in tensors.items():
+        if t.dim() != 1 or (t.numel() > 1 and t.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)} strides {t.stride()}")

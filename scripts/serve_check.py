@@ -4,8 +4,12 @@
 
 Both servers use the same page size and no radix cache, so the only difference is FreeKV decode
 attention. With the budget above every context FreeKV attends to exactly the tokens full attention
-does, so greedy outputs must agree token for token. Also reports the FreeKV log lines (correction
-rate, recall bytes) and writes JSON.
+does, and over FlashInfer it runs FlashInfer's own decode kernel on them in the same order, so
+greedy outputs must agree token for token. The default adds --enable-deterministic-inference to both
+servers: without it SGLang's GEMMs and norms round differently with the batch's composition, which
+differs between two runs of concurrent requests, so even two plain servers disagree at exact
+logprob ties (the "plain concurrent vs one at a time" line measures that). Also reports the FreeKV
+log lines (correction rate, recall bytes) and writes JSON.
 """
 
 from __future__ import annotations
@@ -94,12 +98,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", default="results")
-    ap.add_argument("--attention-backend", default="triton")
+    ap.add_argument("--attention-backend", default="flashinfer")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--freekv-args", default="--kv-budget 8192 --kv-sink 64 --kv-window 128 --kv-page-size 32 "
                     "--kvstore-arena-gb 4")
-    ap.add_argument("--extra-args", default="", help="passed to both servers, e.g. --disable-cuda-graph")
+    ap.add_argument("--extra-args", default="--enable-deterministic-inference",
+                    help="passed to both servers, e.g. '--enable-deterministic-inference --disable-cuda-graph'")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

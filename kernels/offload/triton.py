@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import check_device
+from .._utils import check_device, check_index_vectors
 
 
 @triton.jit
@@ -64,6 +64,7 @@ def offload_pages(
     the rows that exist; the rest of that host page is left as it was.
     """
     check_device(k_cache, v_cache, host_layer, src, dst, valid)
+    check_index_vectors(src=src, dst=dst, valid=valid)
     n = src.shape[0]
     T, H, D = k_cache.shape
     assert v_cache.shape == k_cache.shape and host_layer.shape[1:] == (H, 2, page_size, D)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .._alloc import empty
-from .._utils import check_device
+from .._utils import check_device, check_index_vectors
 from .naive import POOLINGS
 
 # Sortable int32 key of -inf (see _topk_kernel): keys at or below it are -inf (or padding) and select nothing.
@@ -194,6 +194,7 @@ def score_pages(
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     check_device(q, summaries, page_table, req_slots, cand_end)
+    check_index_vectors(req_slots=req_slots)
     B, Hq, D = q.shape
     H = summaries.shape[1]
     M = page_table.shape[1]

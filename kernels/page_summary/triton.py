@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import check_device
+from .._utils import check_device, check_index_vectors
 
 
 @triton.jit
@@ -48,6 +48,7 @@ def page_summary(
 ) -> None:
     """For each valid i: summaries[dst[i], :, 0 / 1] = min / max over the keys of GPU page pages[i]."""
     check_device(k_cache, pages, dst, valid, summaries)
+    check_index_vectors(pages=pages, dst=dst, valid=valid)
     n = pages.shape[0]
     _, H, D = k_cache.shape
     assert summaries.shape[1:] == (H, 2, D)

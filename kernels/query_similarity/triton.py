@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from .._alloc import empty
-from .._utils import check_device
+from .._utils import check_device, check_index_vectors
 from .naive import EPS
 
 
@@ -55,6 +55,7 @@ def query_similarity(
     group: int,
 ) -> torch.Tensor:
     check_device(q, prev_q, req_slots, has_prev)
+    check_index_vectors(req_slots=req_slots, has_prev=has_prev)
     B, Hq, D = q.shape
     H = Hq // group
     assert Hq == H * group and prev_q.shape[1:] == (Hq, D) and D & (D - 1) == 0

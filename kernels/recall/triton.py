@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import check_device
+from .._utils import check_device, check_index_vectors
 
 
 @triton.jit
@@ -63,6 +63,7 @@ def recall_pages(
 ) -> None:
     """For each valid i: rows dst[i]*p .. +p, head head[i] of k_cache / v_cache <- host_layer[src[i], head[i], 0/1]."""
     check_device(host_layer, k_cache, v_cache, src, head, dst, valid)
+    check_index_vectors(src=src, head=head, dst=dst, valid=valid)
     n = src.shape[0]
     D = host_layer.shape[-1]
     assert v_cache.shape == k_cache.shape and k_cache.shape[1:] == (host_layer.shape[1], D)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .._alloc import empty
-from .._utils import check_device
+from .._utils import check_device, check_index_vectors
 
 _LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16 on GPU: query heads and page tokens are padded (masked) up to this.
@@ -166,6 +166,7 @@ def sparse_decode_attention(
     page_size: int,
 ) -> torch.Tensor:
     check_device(q, k_cache, v_cache, page_table, num_pages, last_page_len)
+    check_index_vectors(num_pages=num_pages, last_page_len=last_page_len)
     batch, num_q_heads, head_dim = q.shape
     heads = k_cache.shape[1]
     if num_q_heads % heads:

@@ -14,6 +14,7 @@ import torch
 
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
+from freekv_sglang.layout import head_token_index, row_tokens
 from freekv_kernels.testing import device
 
 D = 16
@@ -100,7 +101,7 @@ class Oracle:
         return attended, flags
 
 
-def make_engine(cfg, H, G, L, max_requests=4, max_context=512, method="freekv", backend="torch"):
+def make_engine(cfg, H, G, L, max_requests=4, max_context=2048, method="freekv", backend="torch"):
     shape = ModelShape(num_layers=L, num_q_heads=H * G, num_kv_heads=H, head_dim=D)
     return FreeKVEngine(cfg, shape, max_requests=max_requests, max_context=max_context, dtype=torch.float32,
                         device=DEV, backend=backend, method=method)
@@ -112,7 +113,8 @@ def drift(prev, n_heads):
     return a * prev + (1 - a) * torch.randn_like(prev)
 
 
-def run_and_check(cfg, H, G, prompt_lens, steps, L=3, backend="torch", atol=1e-5, expect_dense=False):
+def run_and_check(cfg, H, G, prompt_lens, steps, L=3, backend="torch", atol=1e-5, expect_dense=False,
+                  attention=None):
     """Prefill each prompt, decode `steps` batched steps, compare every layer with the oracle."""
     eng = make_engine(cfg, H, G, L, backend=backend)
     scale = 1 / math.sqrt(D)
@@ -134,7 +136,7 @@ def run_and_check(cfg, H, G, prompt_lens, steps, L=3, backend="torch", atol=1e-5
         for layer in range(L):
             q = drift(torch.stack([o[layer].prev_q for _, o in reqs]), H * G)
             k, v = torch.randn(len(reqs), H, D), torch.randn(len(reqs), H, D)
-            out = eng.attend(plan, layer, q.to(DEV), k.to(DEV), v.to(DEV)).cpu()
+            out = eng.attend(plan, layer, q.to(DEV), k.to(DEV), v.to(DEV), attention=attention).cpu()
             for b, (_, oracles) in enumerate(reqs):
                 o = oracles[layer]
                 attended, flags = o.step(q[b], k[b], v[b])
@@ -343,3 +345,90 @@ def test_framework_slots_padding_and_outside_dense_layers():
         ref.end_step()
     with pytest.raises(ValueError, match="caller says"):
         eng.prepare_step(slots, lens=[1, 1])
+
+
+def head_major_attention(cfg, H, G, order_log=None):
+    """An outside attention kernel as SGLang's FlashInfer path uses it: every (row, KV head) is a request
+    with one KV head over the flat token list of head_token_index, attended in list order."""
+
+    def attend(q, kc, vc, plan, head_pages):
+        p, D_ = cfg.page_size, q.shape[-1]
+        n = plan.row_tokens.tolist()
+        out_idx = torch.full((sum(n) * H + 1,), -7, dtype=torch.int32, device=q.device)
+        head_token_index(plan, head_pages, p, out_idx)
+        k_flat, v_flat = kc.reshape(-1, D_), vc.reshape(-1, D_)
+        o, pos = torch.empty_like(q), 0
+        for b, nb in enumerate(n):
+            for h in range(H):
+                rows = out_idx[pos:pos + nb].long()
+                pos += nb
+                if order_log is not None:
+                    order_log.append((b, h, rows))
+                qh = q[b, h * G:(h + 1) * G].double()
+                w = torch.softmax(qh @ k_flat[rows].double().T / math.sqrt(D_), dim=-1)
+                o[b, h * G:(h + 1) * G] = (w @ v_flat[rows].double()).to(q.dtype)
+        assert pos == sum(n) * H
+        return o
+
+    return attend
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.6, 1.0])
+def test_head_major_token_lists_match_oracle(tau):
+    """The flat (row, head) token lists the FlashInfer path attends to hold exactly FreeKV's tokens."""
+    cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=tau, dense_layers=1)
+    run_and_check(cfg, H=2, G=3, prompt_lens=[90, 37, 150], steps=20, L=2,
+                  attention=head_major_attention(cfg, 2, 3))
+
+
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_head_major_lists_are_the_context_in_order_when_the_budget_covers_it(page_size):
+    """With every page selected, each (row, head) list is the whole context in token order: the order an
+    order-sensitive kernel (FlashInfer) reads full attention in, so both round alike."""
+    p = page_size
+    cfg = FreeKVConfig(budget=12 * p, sink=p, window=2 * p, page_size=p, tau=0.5, dense_layers=1)
+    H, G, L = 3, 2, 2
+    eng = make_engine(cfg, H, G, L, max_requests=3, max_context=16 * p)
+    slots, lens = [], [5, 3 * p + 7, 9 * p + 1]
+    for n in lens:
+        s = eng.add_request()
+        eng.begin_prefill(s, n)
+        for layer in range(L):
+            # K encodes (token, head): the attended rows can be read back as positions.
+            tok = torch.arange(n, dtype=torch.float32)[:, None, None].expand(n, H, D) + 1000 * torch.arange(H)[None, :, None]
+            eng.prefill_layer(s, layer, tok.to(DEV), tok.to(DEV), torch.randn(H * G, D, device=DEV))
+        slots.append(s)
+    for step in range(3 * p):
+        plan = eng.begin_step(slots)
+        lens = [n + 1 for n in lens]
+        assert plan.row_tokens.tolist() == [row_tokens(cfg, n) for n in lens] == lens
+        log = []
+        for layer in range(L):
+            kv = (torch.tensor(lens, dtype=torch.float32) - 1)[:, None, None] + 1000 * torch.arange(H)[None, :, None]
+            kv = kv.expand(len(lens), H, D).contiguous().to(DEV)
+            eng.attend(plan, layer, torch.randn(len(lens), H * G, D, device=DEV), kv, kv,
+                       attention=head_major_attention(cfg, H, G, log) if layer else None)
+        eng.end_step()
+        for b, h, rows in log:
+            got = eng.k_cache[1].reshape(-1, D)[rows, 0].cpu()
+            assert got.tolist() == [t + 1000 * h for t in range(lens[b])], (step, b, h)
+
+
+def test_row_tokens_on_the_host_match_the_plan_past_the_budget():
+    cfg = FreeKVConfig(budget=32, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1)
+    eng = make_engine(cfg, 2, 2, 2, max_requests=2, max_context=1024)
+    s = eng.add_request()
+    eng.begin_prefill(s, 1)
+    for n in range(2, 300):
+        eng.prepare_step([s])
+        assert eng.plan(1).row_tokens.tolist() == [row_tokens(cfg, n)]
+        assert row_tokens(cfg, n, retrieval=False) <= row_tokens(cfg, n) <= min(n, 16 + 32 + 32 + 16)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_one_kv_head_and_many_candidates(backend):
+    """One KV head (MQA, or GQA split by tensor parallelism) with more candidates than a warp: once a stride-0
+    head index made the Triton recall write outside its pages."""
+    cfg = FreeKVConfig(budget=96 * 32, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1)
+    run_and_check(cfg, H=1, G=8, prompt_lens=[1201, 700], steps=3, L=2, backend=backend, atol=1e-4,
+                  expect_dense=True)

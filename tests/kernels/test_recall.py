@@ -96,3 +96,16 @@ def test_recall_pages_nothing_valid(n, n_invalid):
     P, H, D, p, pages = 4, 3, 64, 16, 3
     host_layer = host_randn(P, H, 2, p, D, dtype=torch.bfloat16)
     check_recall(host_layer, entries(n, n_invalid, P, pages, H), p, pages, extra_rows=3)
+
+
+def test_recall_pages_refuses_strided_index_vectors():
+    """An expanded index (one KV head: [B, 1, k] -> stride-0 view) must be refused, not read past its storage."""
+    P, H, D, p = 4, 1, 64, 16
+    host_layer = host_randn(P, H, 2, p, D, dtype=torch.bfloat16)
+    k = torch.zeros(8 * p, H, D, dtype=torch.bfloat16, device=DEV)
+    v = torch.zeros_like(k)
+    ok = torch.zeros(6, dtype=torch.int32, device=DEV)
+    head = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEV).expand(2, 1, 3).reshape(-1)
+    assert head.stride() == (0,)
+    with pytest.raises(ValueError, match="head must be a contiguous 1-D"):
+        recall_pages(host_layer, k, v, ok, head, ok + 1, torch.ones(6, dtype=torch.bool, device=DEV), p)
