@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+RECALL_MODES = ("delta", "all")
+
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -22,6 +24,8 @@ class FreeKVConfig:
         0 disables correction (pure speculation), 1 corrects every head every step (no speculation);
         in between a KV head is reselected and recalled before attention when its similarity < tau.
     dense_layers: the first layers attend densely over the whole context.
+    recall: "delta" recalls only the pages a new selection adds to a head's slots; "all" recalls every
+        selected page of a reselected head (an ablation: what delta recall saves).
     """
 
     budget: int = 2048
@@ -30,6 +34,7 @@ class FreeKVConfig:
     page_size: int = 32
     tau: float = 0.9
     dense_layers: int = 1
+    recall: str = "delta"
 
     def __post_init__(self) -> None:
         p = self.page_size
@@ -47,6 +52,8 @@ class FreeKVConfig:
             raise ValueError(f"tau must be a number in [0, 1], got {self.tau!r}")
         if not _is_int(self.dense_layers) or self.dense_layers < 0:
             raise ValueError(f"dense_layers must be a non-negative integer, got {self.dense_layers!r}")
+        if self.recall not in RECALL_MODES:
+            raise ValueError(f"recall must be one of {', '.join(RECALL_MODES)}, got {self.recall!r}")
 
     @property
     def sink_pages(self) -> int:

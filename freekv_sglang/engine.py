@@ -361,6 +361,8 @@ class FreeKVEngine:
                                  self.scale, self.pooling)
         sel = torch.where(heads[:, :, None], ops.select_pages(scores, self.cfg.select_pages), old)
         new, changed = ops.slot_delta(old, sel)
+        if self.cfg.recall == "all":  # ablation: a reselected head recalls all its pages, resident or not
+            changed = (new >= 0) & heads[:, :, None]
         self.slot_table[layer, plan.req_slots.long()] = new
         return new, changed
 

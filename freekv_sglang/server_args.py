@@ -23,7 +23,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .config import FreeKVConfig
+from .config import RECALL_MODES, FreeKVConfig
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
 ENV_FREEKV_ARGS = "FREEKV_ARGS"
@@ -48,6 +48,7 @@ _KNOB_FLAGS = {
     "kv_page_size": ("--kv-page-size", "page_size"),
     "kv_correction_threshold": ("--kv-correction-threshold", "tau"),
     "kv_dense_layers": ("--kv-dense-layers", "dense_layers"),
+    "kv_recall": ("--kv-recall", "recall"),
 }
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb")
@@ -127,6 +128,9 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         f"attention; 0 = pure speculation, 1 = reselect every step (default {_DEFAULTS.tau})")
     g.add_argument("--kv-dense-layers", type=int, default=None, metavar="N",
                    help=f"the first N layers attend densely over the whole context (default {_DEFAULTS.dense_layers})")
+    g.add_argument("--kv-recall", choices=RECALL_MODES, default=None,
+                   help="'delta' recalls only pages a reselection adds; 'all' recalls every selected page of a "
+                        f"reselected head, an ablation (default {_DEFAULTS.recall})")
     g.add_argument("--kvstore-endpoint", default=None, metavar="URL",
                    help="an already running kvstore daemon (ipc://<path> or tcp://<host>:<port>; a tcp daemon's "
                         "token comes from $FREEKV_KVSTORE_TOKEN). Default: start an embedded daemon with this "

@@ -126,3 +126,9 @@ def test_check_model_refuses_too_many_dense_layers():
 def test_bool_is_not_an_integer(field):
     with pytest.raises(ValueError, match=field):
         FreeKVConfig(**{field: True})
+
+
+def test_recall_modes():
+    assert FreeKVConfig(recall="all").recall == "all"
+    with pytest.raises(ValueError, match="recall must be one of delta, all"):
+        FreeKVConfig(recall="some")

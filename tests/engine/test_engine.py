@@ -432,3 +432,16 @@ def test_one_kv_head_and_many_candidates(backend):
     cfg = FreeKVConfig(budget=96 * 32, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1)
     run_and_check(cfg, H=1, G=8, prompt_lens=[1201, 700], steps=3, L=2, backend=backend, atol=1e-4,
                   expect_dense=True)
+
+
+def test_recall_all_ablation_attends_alike_and_recalls_more():
+    """--kv-recall all (the no-delta ablation) attends to the same pages as delta recall, and recalls more."""
+    base = dict(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)
+    torch.manual_seed(3)
+    delta, _ = run_and_check(FreeKVConfig(**base), H=2, G=2, prompt_lens=[150, 97], steps=12, L=2)
+    torch.manual_seed(3)
+    full, _ = run_and_check(FreeKVConfig(**base, recall="all"), H=2, G=2, prompt_lens=[150, 97], steps=12, L=2)
+    d, f = delta.stats(), full.stats()
+    assert d["correction_rate"] == f["correction_rate"]
+    assert f["recall_bytes_now"] > d["recall_bytes_now"]
+    assert f["recall_bytes_speculative"] > d["recall_bytes_speculative"]

@@ -38,8 +38,9 @@ def test_help_lists_every_flag():
 
 def test_freekv_settings_reach_server_args(prepare):
     sa = prepare([*FREEKV, "--kv-budget", "1024", "--kv-sink", "64", "--kv-window", "256", "--kv-page-size", "64",
-                  "--kv-correction-threshold", "0.8", "--kv-dense-layers", "2", "--kvstore-arena-gb", "4"])
-    want = FreeKVConfig(budget=1024, sink=64, window=256, page_size=64, tau=0.8, dense_layers=2)
+                  "--kv-correction-threshold", "0.8", "--kv-dense-layers", "2", "--kv-recall", "all",
+                  "--kvstore-arena-gb", "4"])
+    want = FreeKVConfig(budget=1024, sink=64, window=256, page_size=64, tau=0.8, dense_layers=2, recall="all")
     assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0)
     assert sa.page_size == 64
     assert sa.attention_backend == "triton"  # named for the user, before SGLang picks its own default

@@ -1,0 +1,213 @@
+"""Decode speed of FreeKV inside SGLang against full-KV SGLang, measured in one run on one GPU.
+
+    python3 benchmarks/decode.py --shape llama-3.1-8b --context 32000 --batches 1,4,8 \
+        --configs full,freekv,tau0,tau1,recall-all --out results/decode
+
+For each server configuration: build a random-weight model of the shape (scripts/make_dummy_model.py,
+--load-format dummy), launch SGLang (FlashInfer, CUDA graphs on, page 32, no radix cache), and for each
+batch B send B requests of `context` random tokens at once (streamed, greedy, `output_len` new tokens).
+Per cell: TPOT p50, output throughput, TTFT p50, and for FreeKV the correction rate and the recall
+GB/s during decode (from the server's FreeKV log lines: recalled bytes / decode seconds), beside the
+host-to-GPU copy peak measured by this script on the same GPU. Also the KV capacity each server reports
+at start-up (SGLang's token pool; FreeKV's host arena in pages), i.e. how many requests of this context
+it can hold before queueing.
+
+Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args says otherwise):
+  full        plain SGLang, full KV on the GPU (the baseline)
+  freekv      FreeKV, tau 0.9, delta recall
+  tau0        pure speculation (tau 0): no correction recall before attention
+  tau1        no speculation (tau 1): every head reselected and recalled before attention
+  recall-all  speculation without delta recall (--kv-recall all)
+Random weights make adjacent queries nearly uncorrelated, so at tau 0.9 almost every head is flagged;
+tau0 and tau1 bracket what a real model's correction rate gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_load import one_request
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = {
+    "full": [],
+    "freekv": ["--kv-retrieval", "freekv"],
+    "tau0": ["--kv-retrieval", "freekv", "--kv-correction-threshold", "0"],
+    "tau1": ["--kv-retrieval", "freekv", "--kv-correction-threshold", "1"],
+    "recall-all": ["--kv-retrieval", "freekv", "--kv-recall", "all"],
+}
+STATS = re.compile(r"FreeKV rank 0: (\d+) decode steps, correction rate ([\d.]+) .*recall ([\d.]+) GB before "
+                   r"attention \+ ([\d.]+) GB speculative")
+POOL = re.compile(r"max_total_num_tokens=(\d+)")
+HOST = re.compile(r"(\d+) host pages \(([\d.]+) GB\)")
+
+
+def copy_peak_gbps() -> float:
+    """Pinned host -> GPU copy_ of 2 GiB, best of 5: the link's practical peak."""
+    import torch
+
+    src = torch.empty(2 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    best = 0.0
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        best = max(best, src.numel() / (time.perf_counter() - t0) / 1e9)
+    del src, dst
+    torch.cuda.empty_cache()
+    return best
+
+
+class Server:
+    def __init__(self, name: str, model: str, args: list[str], log: Path, port: int, env: dict):
+        self.name, self.log, self.url = name, log, f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
+               "--port", str(port), *args]
+        print(f"[{name}] {' '.join(cmd)}", flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=env)
+
+    def wait(self, timeout: float) -> float:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"[{self.name}] exited: {self.tail()}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2)
+                return time.time() - t0
+            except Exception:
+                time.sleep(2)
+        raise RuntimeError(f"[{self.name}] not healthy after {timeout} s: {self.tail()}")
+
+    def tail(self, n: int = 25) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def stats(self) -> tuple | None:
+        found = STATS.findall(self.log.read_text(errors="replace"))
+        return tuple(float(x) for x in found[-1]) if found else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def run_batch(url: str, batch: int, context: int, output_len: int, vocab: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(batch)]
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(batch) as ex:
+        results = list(ex.map(lambda p: one_request(url, p, output_len, 1800), prompts))
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    out = {"batch": batch, "completed": len(ok), "errors": [r["error"] for r in results if not r["ok"]],
+           "wall_s": round(wall, 2)}
+    if ok:
+        out["tpot_ms_p50"] = round(1000 * statistics.median(r["tpot_s"] for r in ok), 3)
+        out["ttft_s_p50"] = round(statistics.median(r["ttft_s"] for r in ok), 3)
+        # Decode throughput: tokens after the first, over the span in which all requests decode together.
+        decode_s = max(r["latency_s"] for r in ok) - max(r["ttft_s"] for r in ok)
+        out["decode_s"] = round(decode_s, 3)
+        out["output_tok_per_s"] = round(len(ok) * (output_len - 1) / max(decode_s, 1e-9), 1)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="llama-3.1-8b", help="a shape of scripts/make_dummy_model.py")
+    ap.add_argument("--context", type=int, default=32000)
+    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--configs", default="full,freekv,tau0,tau1,recall-all")
+    ap.add_argument("--freekv-args", default="--kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32 "
+                    "--kvstore-arena-gb 36")
+    ap.add_argument("--mem-fraction-static", default="0.75")
+    ap.add_argument("--port", type=int, default=30010)
+    ap.add_argument("--out", default="results/decode")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    model = f"/tmp/dummy-{args.shape}"
+    subprocess.run([sys.executable, str(ROOT / "scripts/make_dummy_model.py"), args.shape, model], check=True,
+                   stdout=subprocess.DEVNULL)
+    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
+    import torch
+
+    gpu = torch.cuda.get_device_name()
+    peak = copy_peak_gbps()
+    print(f"{gpu}; host->GPU copy peak {peak:.1f} GB/s", flush=True)
+    common = ["--attention-backend", "flashinfer", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+              "--disable-radix-cache", "--page-size", "32", "--context-length", str(args.context + args.output_len + 64),
+              "--max-running-requests", str(max(batches)), "--mem-fraction-static", args.mem_fraction_static,
+              "--chunked-prefill-size", "32768"]
+    env = dict(os.environ, FREEKV_STATS_EVERY="64")
+    result = {"gpu": gpu, "copy_peak_gbps": round(peak, 1), "shape": args.shape, "context": args.context,
+              "output_len": args.output_len, "freekv_args": args.freekv_args, "cells": []}
+    for name in args.configs.split(","):
+        extra = CONFIGS[name] + (args.freekv_args.split() if name != "full" else [])
+        subprocess.run(["pkill", "-9", "-f", "sglang.launch_server"], check=False)
+        time.sleep(2)
+        srv = Server(name, model, common + extra, out / f"server-{name}.log", args.port, env)
+        try:
+            up = srv.wait(600)
+            log = srv.log.read_text(errors="replace")
+            pool = POOL.search(log)
+            host = HOST.search(log)
+            cap = {"startup_s": round(up, 1), "gpu_pool_tokens": int(pool.group(1)) if pool else None,
+                   "host_arena_gb": float(host.group(2)) if host else None}
+            for b in batches:
+                before = srv.stats()
+                cell = {"config": name, **run_batch(srv.url, b, args.context, args.output_len, vocab, seed=b), **cap}
+                time.sleep(0.5)
+                after = srv.stats()
+                if after and after != before:
+                    b0 = before or (0, 0, 0, 0)
+                    gb = (after[2] + after[3]) - (b0[2] + b0[3])
+                    cell["correction_rate"] = after[1]
+                    cell["recall_gb"] = round(gb, 3)
+                    if cell.get("decode_s"):
+                        cell["recall_gbps"] = round(gb / cell["decode_s"], 2)
+                result["cells"].append(cell)
+                print(json.dumps(cell), flush=True)
+                (out / "decode.json").write_text(json.dumps(result, indent=1))  # partial results survive a kill
+        except Exception as e:
+            result["cells"].append({"config": name, "error": str(e)[-2000:]})
+            print(f"[{name}] failed: {e}", flush=True)
+        finally:
+            srv.stop()
+    (out / "decode.json").write_text(json.dumps(result, indent=1))
+    full = {c["batch"]: c for c in result["cells"] if c["config"] == "full" and "tpot_ms_p50" in c}
+    print(f"\n{gpu}, {args.shape}, context {args.context}, {args.output_len} new tokens; FreeKV {args.freekv_args}")
+    print(f"{'config':<11} {'batch':>5} {'TPOT ms':>8} {'x full':>7} {'tok/s':>8} {'TTFT s':>7} {'corr':>5} "
+          f"{'recall GB/s':>11} {'pool tok':>9}")
+    for c in result["cells"]:
+        if "tpot_ms_p50" not in c:
+            print(f"{c['config']:<11} error: {c.get('error', c.get('errors'))}")
+            continue
+        ratio = c["tpot_ms_p50"] / full[c["batch"]]["tpot_ms_p50"] if c["batch"] in full else float("nan")
+        print(f"{c['config']:<11} {c['batch']:>5} {c['tpot_ms_p50']:>8.2f} {ratio:>7.2f} {c['output_tok_per_s']:>8.1f} "
+              f"{c['ttft_s_p50']:>7.2f} {c.get('correction_rate', float('nan')):>5.2f} "
+              f"{c.get('recall_gbps', float('nan')):>11.2f} {c.get('gpu_pool_tokens') or 0:>9}")
+
+
+if __name__ == "__main__":
+    main()
