@@ -1,0 +1,189 @@
+"""Where a FreeKV decode step's time goes, outside any server: the engine alone on one GPU.
+
+    python3 benchmarks/profile_step.py --batches 1,4 --context 32000 --out results/profile-step.json
+
+Llama-3.1-8B attention shape (32 layers, 32 query / 8 KV heads, head dim 128, bf16), the first layer dense
+and left out (as in SGLang, where the wrapped backend runs it), FlashInfer attention as in the server. Per
+batch and tau, a CUDA-graph-captured step (plan, 31 sparse layers, join) is timed by replay, beside:
+  attention only   FlashInfer over the same sink + budget + window tokens per head, 31 layers: the floor
+                   a sparse step cannot beat;
+  full-KV          FlashInfer decode over the whole context, 31 layers: what full-KV SGLang pays here.
+Then one eager step under torch.profiler: kernels launched per step and GPU time per kernel, grouped.
+Queries are random (tau 0.9 flags nearly every head) or drift slowly from the previous step's (tau 0.9
+then flags few heads); tau 0 never corrects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from freekv_sglang.config import FreeKVConfig
+from freekv_sglang.engine import FreeKVEngine, ModelShape
+from freekv_sglang.flashinfer_attention import FlashInferHeadAttention
+
+L, HQ, H, D = 32, 32, 8, 128
+BF = torch.bfloat16
+
+
+def graph_time(fn, reps: int = 50) -> float:
+    """ms per call of fn captured in a CUDA graph (fn must be capturable)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def layer_meta():
+    return SimpleNamespace(scaling=D ** -0.5, logit_cap=0.0, k_scale_float=None, v_scale_float=None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--context", type=int, default=32000)
+    ap.add_argument("--out", default="results/profile-step.json")
+    args = ap.parse_args()
+    import flashinfer
+
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    inner = SimpleNamespace(workspace_buffer=ws, indices_updater_decode=SimpleNamespace(data_type=BF, q_data_type=BF),
+                            decode_use_tensor_cores=True, disable_cuda_graph_kv_split=False, decode_split_tile_size=None)
+    rows, keep = [], []
+    for B in [int(b) for b in args.batches.split(",")]:
+        for tau, drift in [(0.9, False), (0.9, True), (0.0, False)]:
+            cfg = FreeKVConfig(budget=2048, sink=128, window=512, page_size=32, tau=tau, dense_layers=1)
+            eng = FreeKVEngine(cfg, ModelShape(L, HQ, H, D), max_requests=B + 1, max_context=args.context + 512,
+                               dtype=BF, device="cuda", backend="triton", pad_slot=0, dense_outside=True,
+                               host_pages=B * (args.context // 32 + 32))
+            fi = FlashInferHeadAttention(inner, cfg, HQ, H, D, eng.num_slots, torch.device("cuda"))
+            slots = list(range(1, B + 1))
+            for s in slots:
+                eng.add_request(s)
+                eng.begin_prefill(s, args.context)
+                for layer in range(1, L):
+                    eng.prefill_layer(s, layer, torch.randn(args.context, H, D, device="cuda", dtype=BF),
+                                      torch.randn(args.context, H, D, device="cuda", dtype=BF))
+            q = torch.randn(L, B, HQ, D, device="cuda", dtype=BF)
+            kv = torch.randn(2, L, B, H, D, device="cuda", dtype=BF)
+            lens = [args.context]
+            meta = layer_meta()
+
+            def step():
+                plan = eng.plan(B)
+                for layer in range(1, L):
+                    eng.attend(plan, layer, q[layer], kv[0, layer], kv[1, layer],
+                               attention=lambda *a: fi.attend(meta, *a))
+                eng.end_step()
+
+            def advance():
+                lens[0] += 1
+                eng.prepare_step(slots, lens=[lens[0]] * B)
+                fi.plan([lens[0]] * B, graph=True)
+                if drift:
+                    q.mul_(0.995).add_(torch.randn_like(q), alpha=0.1)
+                else:
+                    q.normal_()
+
+            for _ in range(3):  # fill the slots, as the first decode steps of a request do
+                advance()
+                step()
+            advance()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            advance()
+            with torch.cuda.graph(g):
+                step()
+            times = []
+            for _ in range(40):
+                advance()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                g.replay()
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t0) * 1e3)
+            step_ms = sorted(times)[len(times) // 2]
+            st = eng.stats()
+            rate = sum(st["correction_rate"].values()) / len(st["correction_rate"])
+
+            # Attention only, over the same token lists the last step used.
+            plan = eng.plan(B)
+            pages = [eng.head_pages(plan, layer) for layer in range(1, L)]
+            attn_ms = graph_time(lambda: [fi.attend(meta, q[i + 1], eng.k_cache[i + 1], eng.v_cache[i + 1], plan, pages[i])
+                                          for i in range(L - 1)])
+
+            # Torch profiler over one eager step: kernel count and GPU time by kernel.
+            advance()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            by_name: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+            for e in prof.events():
+                if e.device_type == torch.autograd.DeviceType.CUDA:
+                    key = e.name[:60]
+                    by_name[key][0] += 1
+                    by_name[key][1] += e.device_time_total / 1e3
+            kernels = sum(v[0] for v in by_name.values())
+            gpu_ms = sum(v[1] for v in by_name.values())
+            top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+            row = {"batch": B, "tau": tau, "queries": "drifting" if drift else "random", "correction_rate": round(rate, 3),
+                   "step_ms_graph": round(step_ms, 3), "attention_only_ms": round(attn_ms, 3),
+                   "eager_kernels_per_step": kernels, "eager_gpu_ms_per_step": round(gpu_ms, 3),
+                   "top_kernels": [(k, n, round(ms, 3)) for k, (n, ms) in top]}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
+            keep.append(fi)  # see tests/engine/test_flashinfer_attention.py: freed graph wrappers upset FlashInfer
+            torch.cuda.empty_cache()
+
+        # Full-KV FlashInfer decode over the whole context, 31 layers (tensor cores, as SGLang uses for G=4).
+        kc = torch.randn(B * (args.context + 1), H, D, device="cuda", dtype=BF)
+        n = args.context + 1
+        idx = torch.arange(B * n, dtype=torch.int32, device="cuda")
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_tensor_cores=True, use_cuda_graph=True, paged_kv_indices_buffer=idx,
+            paged_kv_indptr_buffer=torch.zeros(B + 1, dtype=torch.int32, device="cuda"),
+            paged_kv_last_page_len_buffer=torch.ones(B, dtype=torch.int32, device="cuda"))
+        w.plan(torch.arange(B + 1, dtype=torch.int32) * n, idx[:0], torch.ones(B, dtype=torch.int32), HQ, H, D, 1,
+               data_type=BF, q_data_type=BF)
+        keep.append(w)  # FlashInfer graph-mode wrappers must outlive the process's later plans
+        qf = torch.randn(B, HQ, D, device="cuda", dtype=BF)
+        full_ms = graph_time(lambda: [w.run(qf, (kc[:, None], kc[:, None])) for _ in range(L - 1)])
+        rows.append({"batch": B, "full_kv_attention_ms": round(full_ms, 3)})
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "context": args.context, "rows": rows},
+                                         indent=1))
+    for r in rows:
+        if "top_kernels" in r:
+            print(f"\nbatch {r['batch']} tau {r['tau']} {r['queries']}: {r['eager_kernels_per_step']} kernels, "
+                  f"{r['eager_gpu_ms_per_step']} ms GPU per eager step; step {r['step_ms_graph']} ms in a graph")
+            for name, cnt, ms in r["top_kernels"]:
+                print(f"  {ms:8.3f} ms {cnt:5d}x {name}")
+
+
+if __name__ == "__main__":
+    main()
