@@ -6,7 +6,8 @@
 For each server configuration: build a random-weight model of the shape (scripts/make_dummy_model.py,
 --load-format dummy), launch SGLang (FlashInfer, CUDA graphs on, page 32, no radix cache), and for each
 batch B send B requests of `context` random tokens at once (streamed, greedy, `output_len` new tokens).
-Per cell: TPOT p50, output throughput, TTFT p50, and for FreeKV the correction rate and the recall
+Per cell: the decode step time (the span in which the whole batch decodes, per token), TPOT p50 (which
+also counts stalls while the batch's later requests prefill), output throughput, TTFT p50, and for FreeKV the correction rate and the recall
 GB/s during decode (from the server's FreeKV log lines: recalled bytes / decode seconds), beside the
 host-to-GPU copy peak measured by this script on the same GPU. Also the KV capacity each server reports
 at start-up (SGLang's token pool; FreeKV's host arena in pages), i.e. how many requests of this context
@@ -126,8 +127,26 @@ def run_batch(url: str, batch: int, context: int, output_len: int, vocab: int, s
         # Decode throughput: tokens after the first, over the span in which all requests decode together.
         decode_s = max(r["latency_s"] for r in ok) - max(r["ttft_s"] for r in ok)
         out["decode_s"] = round(decode_s, 3)
+        # TPOT p50 counts the stalls while later requests of the batch prefill; this is the pure decode step.
+        out["step_ms"] = round(1000 * decode_s / max(output_len - 1, 1), 3)
         out["output_tok_per_s"] = round(len(ok) * (output_len - 1) / max(decode_s, 1e-9), 1)
     return out
+
+
+def print_table(result: dict) -> None:
+    full = {c["batch"]: c for c in result["cells"] if c["config"] == "full" and "step_ms" in c}
+    print(f"\n{result['gpu']}, {result['shape']}, context {result['context']}, {result['output_len']} new tokens; FreeKV {result['freekv_args']}")
+    print(f"{'config':<11} {'batch':>5} {'step ms':>8} {'x full':>7} {'TPOT p50':>9} {'tok/s':>8} {'TTFT s':>7} "
+          f"{'corr':>5} {'recall GB/s':>11} {'pool tok':>9}")
+    for c in result["cells"]:
+        if "step_ms" not in c:
+            print(f"{c['config']:<11} error: {c.get('error', c.get('errors'))}")
+            continue
+        ratio = c["step_ms"] / full[c["batch"]]["step_ms"] if c["batch"] in full else float("nan")
+        print(f"{c['config']:<11} {c['batch']:>5} {c['step_ms']:>8.2f} {ratio:>7.2f} {c['tpot_ms_p50']:>9.2f} "
+              f"{c['output_tok_per_s']:>8.1f} "
+              f"{c['ttft_s_p50']:>7.2f} {c.get('correction_rate', float('nan')):>5.2f} "
+              f"{c.get('recall_gbps', float('nan')):>11.2f} {c.get('gpu_pool_tokens') or 0:>9}")
 
 
 def main() -> None:
@@ -195,18 +214,7 @@ def main() -> None:
         finally:
             srv.stop()
     (out / "decode.json").write_text(json.dumps(result, indent=1))
-    full = {c["batch"]: c for c in result["cells"] if c["config"] == "full" and "tpot_ms_p50" in c}
-    print(f"\n{gpu}, {args.shape}, context {args.context}, {args.output_len} new tokens; FreeKV {args.freekv_args}")
-    print(f"{'config':<11} {'batch':>5} {'TPOT ms':>8} {'x full':>7} {'tok/s':>8} {'TTFT s':>7} {'corr':>5} "
-          f"{'recall GB/s':>11} {'pool tok':>9}")
-    for c in result["cells"]:
-        if "tpot_ms_p50" not in c:
-            print(f"{c['config']:<11} error: {c.get('error', c.get('errors'))}")
-            continue
-        ratio = c["tpot_ms_p50"] / full[c["batch"]]["tpot_ms_p50"] if c["batch"] in full else float("nan")
-        print(f"{c['config']:<11} {c['batch']:>5} {c['tpot_ms_p50']:>8.2f} {ratio:>7.2f} {c['output_tok_per_s']:>8.1f} "
-              f"{c['ttft_s_p50']:>7.2f} {c.get('correction_rate', float('nan')):>5.2f} "
-              f"{c.get('recall_gbps', float('nan')):>11.2f} {c.get('gpu_pool_tokens') or 0:>9}")
+    print_table(result)
 
 
 if __name__ == "__main__":
