@@ -35,6 +35,8 @@ args=(
   --kv-correction-threshold 0.9
   # The first layers stay dense (attend over the whole context).
   --kv-dense-layers 1
+  # Recall only the pages a reselection adds (delta); "all" recalls every selected page, an ablation.
+  --kv-recall delta
   # Host-memory budget (GiB) of the embedded kvstore daemon that holds every request's full KV cache.
   # It starts with the server and stops with it; it must fit in RAM and /dev/shm (containers: --shm-size).
   --kvstore-arena-gb "${ARENA_GB:-16}"
@@ -43,8 +45,10 @@ args=(
 
   # Required: FreeKV keeps a private page budget per request, which radix prefix sharing would break.
   --disable-radix-cache
-  # FreeKV wraps the triton or flashinfer backend (triton is chosen when no backend is named).
-  --attention-backend triton
+  # FreeKV wraps the triton or flashinfer backend (triton is chosen when no backend is named). With
+  # flashinfer the sparse layers attend through FlashInfer's own decode kernel and, when the budget
+  # covers the context, round exactly as full attention.
+  --attention-backend flashinfer
 )
 
 # Refused with FreeKV (each with a message naming the flag): --speculative-algorithm, --enable-dp-attention,
