@@ -29,6 +29,7 @@ _SEAM_MODULES = (
     "server_args_post_init",
     "engine_launch_subprocesses",
     "engine_launch_scheduler_processes",
+    "model_runner_alloc_pool",
     "model_runner_post_pool",
     "model_runner_dummy_batch",
     "attn_backend_wrapper",

@@ -207,3 +207,36 @@ def test_dummy_and_prefill_capture_batches_have_no_real_rows(plugins):
     fb = _forward_batch()
     prefill_capture((fb, None), SimpleNamespace(model_runner=SimpleNamespace(server_args=ON)), 64)
     assert fb._freekv_req_slots_cpu.tolist() == [0, 1, 2] and fb._freekv_raw_bs == 0
+
+
+def test_token_pool_is_capped_at_the_arena(plugins):
+    """Admission counts host memory: SGLang's pool never holds more tokens than the kvstore arena can take."""
+    from freekv_patches.model_runner_alloc_pool import hook
+    from freekv_sglang.server_args import host_page_capacity
+
+    mc = SimpleNamespace(num_hidden_layers=32, head_dim=128, get_num_kv_heads=lambda tp: 8 // tp)
+    cfg = FreeKVConfig(page_size=32)
+    settings = FreeKVServerSettings(config=cfg, kvstore_endpoint="ipc:///x", kvstore_arena_gb=36)
+    page_bytes = 32 * 8 * 2 * 32 * 128 * 2
+    assert host_page_capacity(settings, num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2) == \
+        int(36e9) // page_bytes == 8583  # what the H200 server logged with these settings
+
+    def runner(max_total_tokens, tp=1, s=settings):
+        args = SimpleNamespace(_freekv=s, max_total_tokens=max_total_tokens)
+        return SimpleNamespace(server_args=args, model_config=mc, kv_cache_dtype=torch.bfloat16, tp_size=tp)
+
+    r = runner(None)
+    hook(r)
+    assert r.server_args.max_total_tokens == 8583 * 32
+    r = runner(10_000)  # a smaller user cap stays
+    hook(r)
+    assert r.server_args.max_total_tokens == 10_000
+    r = runner(None, tp=2)  # each rank: half the arena, half the heads: the same tokens
+    hook(r)
+    assert r.server_args.max_total_tokens == 8583 * 32
+    tiny = FreeKVServerSettings(config=cfg, kvstore_endpoint="ipc:///x", kvstore_arena_gb=0.001)
+    with pytest.raises(FreeKVArgsError, match="--kvstore-arena-gb"):
+        hook(runner(None, s=tiny))
+    off = SimpleNamespace(server_args=SimpleNamespace(max_total_tokens=None))
+    hook(off)
+    assert off.server_args.max_total_tokens is None
