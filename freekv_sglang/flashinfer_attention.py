@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .config import FreeKVConfig
-from .layout import StepPlan, head_token_index, row_tokens
+from .layout import StepPlan, head_indptr, head_token_index
 
 
 class FlashInferHeadAttention:
@@ -59,13 +59,12 @@ class FlashInferHeadAttention:
 
     def plan(self, lens: list[int], graph: bool) -> None:
         """Plan a step whose rows hold `lens` tokens (padding rows included, as the kernel sees them)."""
-        n = [row_tokens(self.cfg, x) for x in lens for _ in range(self.H)]
-        indptr = torch.zeros(len(n) + 1, dtype=torch.int32)
-        indptr[1:] = torch.tensor(n, dtype=torch.int32).cumsum(0)
+        indptr = head_indptr(self.cfg, lens, self.H)
+        n = len(lens) * self.H
         wrapper = self._graph_wrapper(len(lens)) if graph else self.eager
         # Graph wrappers copy the (empty) index list into their static buffer; eager ones keep a reference.
         indices = self.indices[:0] if graph else self.indices
-        wrapper.plan(indptr, indices, torch.ones(len(n), dtype=torch.int32), self.G, 1, self.D, 1,
+        wrapper.plan(indptr, indices, torch.ones(n, dtype=torch.int32), self.G, 1, self.D, 1,
                      data_type=self.kv_dtype, q_data_type=self.q_dtype, non_blocking=True,
                      fixed_split_size=None if graph else self.eager_split_size,
                      disable_split_kv=self.graph_no_split if graph else False)

@@ -107,6 +107,15 @@ def head_token_index(plan: StepPlan, head_pages: torch.Tensor, page_size: int, o
     out.scatter_(0, dest.reshape(-1), (rows * H + heads).reshape(-1).to(out.dtype))
 
 
+def head_indptr(cfg: FreeKVConfig, lens: list[int], num_kv_heads: int) -> torch.Tensor:
+    """[len(lens) * H + 1] int32 on the host: offsets of the (row, KV head) token lists head by head within
+    each row, as the FlashInfer path plans them (row_tokens once per row, repeated for its heads)."""
+    per_row = torch.tensor([row_tokens(cfg, n) for n in lens], dtype=torch.int32)
+    indptr = torch.zeros(len(lens) * num_kv_heads + 1, dtype=torch.int32)
+    indptr[1:] = per_row.repeat_interleave(num_kv_heads).cumsum(0)
+    return indptr
+
+
 def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor,
               pad_slot: int, retrieval: bool) -> StepPlan:
     """Index tensors for a step in which row b holds seq_lens[b] tokens, the newest being this step's.

@@ -344,11 +344,18 @@ def check_model(hf_config: Any, config: FreeKVConfig | None = None) -> None:
         raise FreeKVArgsError(_refusal(problems, what="this model"))
 
 
+def host_page_bytes(config: FreeKVConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                    dtype_bytes: int) -> int:
+    """Bytes of one host page: K and V of page_size tokens, every layer and KV head (of one TP rank)."""
+    return num_layers * num_kv_heads * 2 * config.page_size * head_dim * dtype_bytes
+
+
 def host_page_capacity(settings: FreeKVServerSettings, *, num_layers: int, num_kv_heads: int, head_dim: int,
                        dtype_bytes: int, tp_size: int = 1) -> int:
     """Host pages one TP rank asks the kvstore for: its share of --kvstore-arena-gb, counted in 1e9 bytes so
     the request stays below the daemon's GiB budget (which also holds the daemon's own bookkeeping)."""
-    page_bytes = num_layers * num_kv_heads * 2 * settings.config.page_size * head_dim * dtype_bytes
+    page_bytes = host_page_bytes(settings.config, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                 head_dim=head_dim, dtype_bytes=dtype_bytes)
     return int(settings.kvstore_arena_gb * 1e9 / tp_size) // page_bytes
 
 

@@ -20,12 +20,11 @@ import itertools
 import logging
 import os
 
-import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from .engine import FreeKVEngine, ModelShape
 from .kvstore_pool import KVStoreHostPool
-from .server_args import host_page_capacity
+from .server_args import host_page_bytes, host_page_capacity
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +58,9 @@ class FreeKVAttnBackend(AttentionBackend):
         if runner.page_size != cfg.page_size:
             raise ValueError(f"SGLang --page-size {runner.page_size} differs from --kv-page-size {cfg.page_size}")
         max_context = self.req_pool.req_to_token.shape[1]
-        page_bytes = shape.num_layers * H * 2 * cfg.page_size * shape.head_dim * dtype.itemsize
-        host_pages = host_page_capacity(settings, num_layers=shape.num_layers, num_kv_heads=H,
-                                        head_dim=shape.head_dim, dtype_bytes=dtype.itemsize, tp_size=tp_size)
+        kv = dict(num_layers=shape.num_layers, num_kv_heads=H, head_dim=shape.head_dim, dtype_bytes=dtype.itemsize)
+        page_bytes = host_page_bytes(cfg, **kv)
+        host_pages = host_page_capacity(settings, **kv, tp_size=tp_size)
         if host_pages < 1:
             raise ValueError(f"--kvstore-arena-gb {settings.kvstore_arena_gb} holds no page of {page_bytes} bytes")
         endpoint = settings.kvstore_endpoint or os.environ.get("FREEKV_KVSTORE_ENDPOINT")

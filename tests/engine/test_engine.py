@@ -14,7 +14,7 @@ import torch
 
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
-from freekv_sglang.layout import head_token_index, row_tokens
+from freekv_sglang.layout import head_indptr, head_token_index, row_tokens
 from freekv_kernels.testing import device
 
 D = 16
@@ -445,3 +445,14 @@ def test_recall_all_ablation_attends_alike_and_recalls_more():
     assert d["correction_rate"] == f["correction_rate"]
     assert f["recall_bytes_now"] > d["recall_bytes_now"]
     assert f["recall_bytes_speculative"] > d["recall_bytes_speculative"]
+
+
+def test_head_indptr_matches_the_device_token_lists():
+    """The host offsets FlashInfer is planned with equal where head_token_index puts each (row, head) list."""
+    cfg = FreeKVConfig(budget=32, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1)
+    H, lens = 3, [1, 17, 90, 300, 64]
+    indptr = head_indptr(cfg, lens, H)
+    n = [row_tokens(cfg, x) for x in lens]
+    assert indptr.tolist() == [0] + torch.tensor([x for x in n for _ in range(H)]).cumsum(0).tolist()
+    starts = [H * sum(n[:b]) + h * n[b] for b in range(len(lens)) for h in range(H)]
+    assert indptr[:-1].tolist() == starts
