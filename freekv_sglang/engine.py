@@ -258,7 +258,7 @@ class FreeKVEngine:
     def plan(self, batch: int) -> StepPlan:
         """Device-side planning from the static step buffers: capturable in a CUDA graph."""
         return plan_step(self.layout, self._step_slots[:batch], self._step_lens[:batch], self.page_table,
-                         self.pad_slot, self.retrieval)
+                         self.pad_slot, self.retrieval, self.shape.num_kv_heads)
 
     def prepare_step(self, slots: list[int], pad_to: int | None = None, lens: list[int] | None = None) -> None:
         """Host bookkeeping of a step (host pages, lengths) and upload into the static step buffers.
@@ -342,15 +342,11 @@ class FreeKVEngine:
         the row's sink pages, its selected pages sorted by position, its window; the first
         plan.row_pages entries are valid. With every page selected this is the request's whole context
         in order, which an order-sensitive kernel needs to round as full attention does."""
-        r = plan.req_slots.long()
-        logical = self.slot_table[layer, r]  # [B, H, k]; empty slots (-1) sort last
+        logical = self.slot_table[layer, plan.req_slots.long()]  # [B, H, k]; empty slots (-1) sort last
         order = torch.where(logical >= 0, logical, torch.iinfo(torch.int32).max).sort(dim=-1).indices
-        B, H, k = logical.shape
-        sorted_pages = torch.gather(plan.slot_pages[:, None, :].expand(B, H, k), 2, order)
-        mid = torch.arange(self.layout.resident, device=self.device)[None, :] - plan.n_sink[:, None]
-        in_slots = (mid >= 0) & (mid < plan.n_slots[:, None])
-        picked = torch.gather(sorted_pages, 2, mid.clamp(0, k - 1)[:, None, :].expand(B, H, -1))
-        return torch.where(in_slots[:, None, :], picked, plan.row_table[:, None, :])
+        # Slot s's GPU page is slot_pages[s] = slot_pages[0] + s, so the sorted pages are an offset of order.
+        sorted_pages = plan.slot_pages[:, :1, None] + order
+        return torch.where(plan.in_slots, torch.gather(sorted_pages, 2, plan.slot_pick), plan.row_table[:, None, :])
 
     def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, heads: torch.Tensor, old: torch.Tensor):
         """Select with q for `heads` [B, H] (the others keep their slots); `old` is the batch rows' slot
@@ -368,19 +364,14 @@ class FreeKVEngine:
 
     def _recall(self, plan: StepPlan, layer: int, new: torch.Tensor, which: torch.Tensor) -> None:
         """Recall the (row, head, slot) entries in `which` from the host pages of `new`'s logical pages."""
-        B, H, k = new.shape
         src = self.page_table[plan.req_slots.long()[:, None, None], new.long().clamp(min=0)]
-        # contiguous(): with one KV head, the expanded head index would flatten to a stride-0 view.
-        head = torch.arange(H, device=self.device, dtype=torch.int32)[None, :, None].expand(B, H, k).contiguous()
-        dst = plan.slot_pages[:, None, :].expand(B, H, k).contiguous()
         self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], src.reshape(-1),
-                              head.view(-1), dst.view(-1), which.reshape(-1).contiguous(), self.cfg.page_size)
+                              plan.recall_head, plan.recall_dst, which.reshape(-1).contiguous(), self.cfg.page_size)
 
     def _select_now(self, plan: StepPlan, layer: int, q: torch.Tensor, flags: torch.Tensor) -> None:
         B = q.shape[0]
         old = self.slot_table[layer, plan.req_slots.long()]
-        n_cand = torch.clamp(plan.cand_end.long() - self.cfg.sink_pages, min=0, max=self.cfg.select_pages)
-        heads = flags | ((old >= 0).sum(-1) < n_cand[:, None])
+        heads = flags | ((old >= 0).sum(-1) < plan.n_slots[:, None])
         new, changed = self._select(plan, layer, q, heads, old)
         # Flagged heads attend with q_i's selection now; so does every head whose selection grew into an
         # empty slot: attention must not miss pages it could hold. Evictions of the latter wait.

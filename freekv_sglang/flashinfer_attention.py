@@ -3,7 +3,7 @@ backend.
 
 FreeKV selects pages per KV head, while a paged kernel shares one page list across a request's heads. So
 each (request, KV head) becomes one FlashInfer request with a single KV head and the group's query heads,
-over the engine's cache viewed as [rows * H, 1, 1, D] (layout.head_token_index). Its tokens are listed in
+over the engine's cache viewed as [rows * H, 1, 1, D] (freekv_kernels.token_index). Its tokens are listed in
 logical order, and the plan for B * H one-head requests partitions the work as the server's plan for B
 requests of H heads does, so when the budget covers the context the output is bit-identical to SGLang's
 full-KV FlashInfer decode: greedy answers match a plain server token for token.
@@ -15,9 +15,10 @@ per layer on the device inside the step, so a captured step replays with the cur
 from __future__ import annotations
 
 import torch
+from freekv_kernels.token_index import head_token_index
 
 from .config import FreeKVConfig
-from .layout import StepPlan, head_indptr, head_token_index
+from .layout import StepPlan, head_indptr
 
 
 class FlashInferHeadAttention:
@@ -72,7 +73,7 @@ class FlashInferHeadAttention:
 
     def attend(self, layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
                head_pages: torch.Tensor) -> torch.Tensor:
-        head_token_index(plan, head_pages, self.cfg.page_size, self.indices)
+        head_token_index(head_pages, plan.row_tokens, plan.row_start, self.cfg.page_size, self.indices)
         B, D = q.shape[0], self.D
         o = self.current.forward(q.reshape(B * self.H, self.G, D), (k_cache.view(-1, 1, 1, D), v_cache.view(-1, 1, 1, D)),
                                  sm_scale=layer.scaling, logits_soft_cap=layer.logit_cap,

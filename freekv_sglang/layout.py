@@ -64,6 +64,7 @@ class StepPlan:
     row_table: torch.Tensor  # [B, resident] int32: sink | selected slots | window, partial page last
     row_pages: torch.Tensor  # [B] int32
     row_tokens: torch.Tensor  # [B] int32: tokens attended per KV head (row_tokens() on the host)
+    row_start: torch.Tensor  # [B] int32: exclusive prefix sum of row_tokens (head_token_index)
     n_sink: torch.Tensor  # [B] int32: row_table[:, :n_sink] are sink pages
     n_slots: torch.Tensor  # [B] int32: then n_slots selection slots, then the window
     dense_table: torch.Tensor  # [B, M] int32
@@ -75,6 +76,11 @@ class StepPlan:
     offload_dst: torch.Tensor  # [B] int32: its host page
     offload_valid: torch.Tensor  # [B] bool
     row_valid: torch.Tensor  # [B] bool: False for padding rows
+    # Per-step constants of every sparse layer's selection, recall and token lists (computed once here).
+    slot_pick: torch.Tensor  # [B, H, resident] int64: where in_slots, entry i of a head's row (head_pages) is
+    in_slots: torch.Tensor  # [B, 1, resident] bool: its sorted slot slot_pick[i]; elsewhere row_table[i]
+    recall_head: torch.Tensor  # [B * H * k] int32: KV head of each (row, head, slot) recall entry
+    recall_dst: torch.Tensor  # [B * H * k] int32: its GPU page
 
 
 def row_tokens(cfg: FreeKVConfig, n: int, retrieval: bool = True) -> int:
@@ -87,26 +93,6 @@ def row_tokens(cfg: FreeKVConfig, n: int, retrieval: bool = True) -> int:
     return (row_pages - 1) * p + (n - 1) % p + 1
 
 
-def head_token_index(plan: StepPlan, head_pages: torch.Tensor, page_size: int, out: torch.Tensor) -> None:
-    """Write the token rows each (row, KV head) attends to, as one flat list for a kernel that takes each
-    (row, head) as a request with a single KV head (FlashInfer with page size 1).
-
-    head_pages [B, H, rp]: GPU pages per head in logical page order (FreeKVEngine.head_pages). A token
-    at cache row t of head h is entry t * H + h of the cache viewed as [rows * H, 1, D]. Request
-    (b, h) owns out[o : o + n_b] with o = H * sum(n_<b) + h * n_b and n = plan.row_tokens; entries
-    past the row's tokens go to out[-1], which the caller keeps out of every request. Capturable.
-    """
-    B, H, rp = head_pages.shape
-    dev = head_pages.device
-    t = torch.arange(rp * page_size, device=dev)
-    heads = torch.arange(H, device=dev)[None, :, None]
-    rows = (head_pages.long()[..., None] * page_size + torch.arange(page_size, device=dev)).view(B, H, -1)
-    n = plan.row_tokens.long()[:, None, None]
-    start = (torch.cumsum(plan.row_tokens.long(), 0)[:, None, None] - n) * H
-    dest = torch.where(t < n, start + heads * n + t, out.numel() - 1)
-    out.scatter_(0, dest.reshape(-1), (rows * H + heads).reshape(-1).to(out.dtype))
-
-
 def head_indptr(cfg: FreeKVConfig, lens: list[int], num_kv_heads: int) -> torch.Tensor:
     """[len(lens) * H + 1] int32 on the host: offsets of the (row, KV head) token lists head by head within
     each row, as the FlashInfer path plans them (row_tokens once per row, repeated for its heads)."""
@@ -117,7 +103,7 @@ def head_indptr(cfg: FreeKVConfig, lens: list[int], num_kv_heads: int) -> torch.
 
 
 def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor,
-              pad_slot: int, retrieval: bool) -> StepPlan:
+              pad_slot: int, retrieval: bool, num_kv_heads: int) -> StepPlan:
     """Index tensors for a step in which row b holds seq_lens[b] tokens, the newest being this step's.
 
     Pure tensor arithmetic on the device: no host synchronisation, so it can run inside a CUDA graph.
@@ -150,6 +136,7 @@ def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, p
     row = torch.where(i < n_sink[:, None], base[:, None] + i,
                       torch.where(in_win < 0, base[:, None] + n_s + in_slots, ring(win_start[:, None] + in_win)))
     row_pages = n_sink + n_slots + n_win
+    row_tok = (row_pages - 1) * p + off + 1
     row = torch.where(i < row_pages[:, None], row, 0)
 
     j = torch.arange(layout.max_pages, device=dev)[None, :]
@@ -160,20 +147,28 @@ def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, p
     leaving_c = torch.clamp(leaving, min=0, max=layout.max_pages - 1)
     offload_dst = page_table[r, leaving_c]
 
+    B, H = req_slots.shape[0], num_kv_heads
+    mid = i - n_sink[:, None]  # [B, rp]
+    slot_pages = base[:, None] + n_s + torch.arange(k, device=dev)[None, :]
     return StepPlan(
+        slot_pick=mid.clamp(0, k - 1)[:, None, :].expand(B, H, rp).contiguous(),
+        in_slots=((mid >= 0) & (mid < n_slots[:, None]))[:, None, :],
+        recall_head=torch.arange(H, device=dev, dtype=torch.int32)[None, :, None].expand(B, H, k).reshape(-1).contiguous(),
+        recall_dst=slot_pages.int()[:, None, :].expand(B, H, k).reshape(-1).contiguous(),
         req_slots=req_slots,
         sparse_loc=sparse_page * p + off,
         dense_loc=(dense_first + c) * p + off,
         row_table=row.int(),
         row_pages=row_pages.int(),
-        row_tokens=((row_pages - 1) * p + off + 1).int(),
+        row_tokens=row_tok.int(),
+        row_start=(torch.cumsum(row_tok, 0) - row_tok).int(),
         n_sink=n_sink.int(),
         n_slots=n_slots.int(),
         dense_table=dense_table.int(),
         dense_pages=(c + 1).int(),
         last_page_len=(off + 1).int(),
         cand_end=(c - n_w).int() if retrieval else torch.full_like(c, n_s).int(),
-        slot_pages=(base[:, None] + n_s + torch.arange(k, device=dev)[None, :]).int(),
+        slot_pages=slot_pages.int(),
         offload_src=torch.where(offload_valid, ring(leaving), 0).int(),
         offload_dst=torch.where(offload_valid, offload_dst, 0).int(),
         offload_valid=offload_valid,

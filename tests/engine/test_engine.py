@@ -14,7 +14,8 @@ import torch
 
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
-from freekv_sglang.layout import head_indptr, head_token_index, row_tokens
+from freekv_kernels.token_index import head_token_index, naive_head_token_index
+from freekv_sglang.layout import head_indptr, row_tokens
 from freekv_kernels.testing import device
 
 D = 16
@@ -347,15 +348,16 @@ def test_framework_slots_padding_and_outside_dense_layers():
         eng.prepare_step(slots, lens=[1, 1])
 
 
-def head_major_attention(cfg, H, G, order_log=None):
+def head_major_attention(cfg, H, G, order_log=None, triton_lists=True):
     """An outside attention kernel as SGLang's FlashInfer path uses it: every (row, KV head) is a request
     with one KV head over the flat token list of head_token_index, attended in list order."""
 
     def attend(q, kc, vc, plan, head_pages):
         p, D_ = cfg.page_size, q.shape[-1]
         n = plan.row_tokens.tolist()
-        out_idx = torch.full((sum(n) * H + 1,), -7, dtype=torch.int32, device=q.device)
-        head_token_index(plan, head_pages, p, out_idx)
+        out_idx = torch.full((sum(n) * H,), -7, dtype=torch.int32, device=q.device)
+        (head_token_index if triton_lists else naive_head_token_index)(head_pages, plan.row_tokens, plan.row_start,
+                                                                         p, out_idx)
         k_flat, v_flat = kc.reshape(-1, D_), vc.reshape(-1, D_)
         o, pos = torch.empty_like(q), 0
         for b, nb in enumerate(n):
@@ -381,8 +383,9 @@ def test_head_major_token_lists_match_oracle(tau):
                   attention=head_major_attention(cfg, 2, 3))
 
 
+@pytest.mark.parametrize("triton_lists", [True, False])
 @pytest.mark.parametrize("page_size", [16, 32])
-def test_head_major_lists_are_the_context_in_order_when_the_budget_covers_it(page_size):
+def test_head_major_lists_are_the_context_in_order_when_the_budget_covers_it(page_size, triton_lists):
     """With every page selected, each (row, head) list is the whole context in token order: the order an
     order-sensitive kernel (FlashInfer) reads full attention in, so both round alike."""
     p = page_size
@@ -407,7 +410,7 @@ def test_head_major_lists_are_the_context_in_order_when_the_budget_covers_it(pag
             kv = (torch.tensor(lens, dtype=torch.float32) - 1)[:, None, None] + 1000 * torch.arange(H)[None, :, None]
             kv = kv.expand(len(lens), H, D).contiguous().to(DEV)
             eng.attend(plan, layer, torch.randn(len(lens), H * G, D, device=DEV), kv, kv,
-                       attention=head_major_attention(cfg, H, G, log) if layer else None)
+                       attention=head_major_attention(cfg, H, G, log, triton_lists) if layer else None)
         eng.end_step()
         for b, h, rows in log:
             got = eng.k_cache[1].reshape(-1, D)[rows, 0].cpu()
