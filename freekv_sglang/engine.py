@@ -136,9 +136,9 @@ class FreeKVEngine:
 
         self.collect_stats = collect_stats
         z = dict(dtype=torch.float64, device=self.device)
-        self._stat_flags = torch.zeros(L, **z)  # flagged (row, KV head) checks
-        self._stat_cos = torch.zeros(L, **z)  # sum of group-mean cosine similarities
-        self._stat_cos_n = torch.zeros(L, **z)
+        # Per layer, accumulated by query_similarity: flagged (row, KV head) checks, the sum of group-mean
+        # cosine similarities of rows with a previous query, and their count.
+        self._stat_sim = torch.zeros(L, 3, **z)
         self._stat_recall_now = torch.zeros(L, **z)  # (page, head) chunks recalled before attention
         self._stat_recall_later = torch.zeros(L, **z)
         self._stat_checks = 0  # (row, KV head) checks per sparse layer
@@ -311,10 +311,9 @@ class FreeKVEngine:
         st = self.streams
         kc[plan.sparse_loc] = k
         vc[plan.sparse_loc] = v
-        if self.collect_stats:
-            self._record_cosine(plan, layer, q)
         flags = ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
-                                     self.shape.group)
+                                     self.shape.group, self._stat_sim[layer] if self.collect_stats else None,
+                                     self.pad_slot)
         if self.retrieval:
             e_q = st.record()
             with st.on("select"):
@@ -380,7 +379,6 @@ class FreeKVEngine:
         self._now_heads[layer][:B].copy_(heads)
         self._later_now[layer][:B].copy_(changed & ~now)
         if self.collect_stats:
-            self._stat_flags[layer] += (flags & plan.row_valid[:, None]).sum()
             self._stat_recall_now[layer] += (now & plan.row_valid[:, None, None]).sum()
 
     def _select_later(self, plan: StepPlan, layer: int) -> None:
@@ -394,14 +392,6 @@ class FreeKVEngine:
         if self.collect_stats:
             self._stat_recall_later[layer] += (later & plan.row_valid[:, None, None]).sum()
 
-    def _record_cosine(self, plan: StepPlan, layer: int, q: torch.Tensor) -> None:
-        r = plan.req_slots.long()
-        cos = torch.nn.functional.cosine_similarity(q.float(), self.prev_q[layer, r].float(), dim=-1, eps=1e-12)
-        cos = cos.view(q.shape[0], -1, self.shape.group).mean(-1)
-        counted = (plan.row_valid & self.has_prev[layer, r])[:, None]
-        self._stat_cos[layer] += (cos * counted).sum()
-        self._stat_cos_n[layer] += counted.sum() * cos.shape[1]
-
     def end_step(self) -> None:
         self.streams.join()
 
@@ -413,7 +403,7 @@ class FreeKVEngine:
         layers = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
         checks = max(self._stat_checks, 1)
         chunk = 2 * self.cfg.page_size * self.shape.head_dim * self.k_cache[0].element_size()
-        flags, cos, cos_n = self._stat_flags.tolist(), self._stat_cos.tolist(), self._stat_cos_n.tolist()
+        flags, cos, cos_n = self._stat_sim.T.tolist()
         now, later = self._stat_recall_now.tolist(), self._stat_recall_later.tolist()
         return {
             "steps": self._stat_steps,

@@ -14,14 +14,25 @@ def naive_query_similarity(
     has_prev: torch.Tensor,
     tau: float,
     group: int,
+    stats: torch.Tensor | None = None,
+    pad_slot: int = -1,
 ) -> torch.Tensor:
+    """stats, when given ([3] float64), accumulates over rows whose slot is not pad_slot: flagged KV heads,
+    the sum of the group-mean cosines of rows that had a previous query, and how many such (row, head)."""
     B, Hq, D = q.shape
     slots = req_slots.long()
     prev = prev_q[slots].float()  # a copy: read before the rows are overwritten below
     qf = q.float()
     cos = (qf * prev).sum(-1) / (qf.norm(dim=-1) * prev.norm(dim=-1)).clamp_min(EPS)  # [B, Hq]
     mean = cos.view(B, Hq // group, group).mean(-1)
-    flags = (mean < tau) & (tau > 0) | (tau >= 1) | ~has_prev[slots][:, None]
+    had = has_prev[slots]
+    flags = (mean < tau) & (tau > 0) | (tau >= 1) | ~had[:, None]
+    if stats is not None:
+        real = (req_slots != pad_slot)[:, None]
+        counted = real & had[:, None]
+        stats[0] += (flags & real).sum()
+        stats[1] += (mean.double() * counted).sum()
+        stats[2] += counted.sum() * mean.shape[1]
     prev_q[slots] = q.to(prev_q.dtype)
     has_prev[slots] = True
     return flags

@@ -13,13 +13,14 @@ from .naive import EPS
 
 @triton.jit
 def _query_similarity_kernel(
-    q_ptr, prev_ptr, slots_ptr, has_prev_ptr, flags_ptr,
-    tau, H,
+    q_ptr, prev_ptr, slots_ptr, has_prev_ptr, flags_ptr, stats_ptr,
+    tau, H, pad_slot,
     sq_b, sq_h, sq_d,
     sp_r, sp_h, sp_d,
     s_slot, s_has,
     sf_b, sf_h,
     G: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
+    STATS: tl.constexpr,
 ):
     """One program per batch row: all Hq heads as [HP, GP, D] (KV head, head in group, dim)."""
     b = tl.program_id(0).to(tl.int64)
@@ -40,6 +41,12 @@ def _query_similarity_kernel(
     mean = tl.sum(dot / tl.maximum(norms, EPS), axis=1) / G  # padded heads have dot == 0
     flags = ((mean < tau) & (tau > 0)) | (tau >= 1) | (has == 0)
     tl.store(flags_ptr + b * sf_b + h.to(tl.int64) * sf_h, flags, mask=h < H)
+    if STATS:
+        if slot != pad_slot:  # statistics count real rows only
+            tl.atomic_add(stats_ptr, tl.sum((flags & (h < H)).to(tl.float64)))
+            if has != 0:
+                tl.atomic_add(stats_ptr + 1, tl.sum(tl.where(h < H, mean, 0.0).to(tl.float64)))
+                tl.atomic_add(stats_ptr + 2, H.to(tl.float64))
     # Other threads of this program may still be reading prev_q elements that the stores below overwrite.
     tl.debug_barrier()
     tl.store(p_ptrs, q.to(prev_ptr.dtype.element_ty), mask=mask)
@@ -53,18 +60,23 @@ def query_similarity(
     has_prev: torch.Tensor,
     tau: float,
     group: int,
+    stats: torch.Tensor | None = None,
+    pad_slot: int = -1,
 ) -> torch.Tensor:
     check_device(q, prev_q, req_slots, has_prev)
+    if stats is not None:
+        assert stats.shape == (3,) and stats.dtype == torch.float64 and stats.is_contiguous()
     check_index_vectors(req_slots=req_slots, has_prev=has_prev)
     B, Hq, D = q.shape
     H = Hq // group
     assert Hq == H * group and prev_q.shape[1:] == (Hq, D) and D & (D - 1) == 0
     flags = empty(B, H, dtype=torch.bool, device=q.device)
     _query_similarity_kernel[(B,)](
-        q, prev_q, req_slots, has_prev, flags,
-        float(tau), H,
+        q, prev_q, req_slots, has_prev, flags, flags if stats is None else stats,
+        float(tau), H, pad_slot,
         *q.stride(), *prev_q.stride(), req_slots.stride(0), has_prev.stride(0), *flags.stride(),
         G=group, HP=triton.next_power_of_2(H), GP=triton.next_power_of_2(group), D=D, EPS=EPS,
+        STATS=stats is not None,
         num_warps=8 if Hq * D > 4096 else 4,
     )
     return flags

@@ -35,12 +35,16 @@ def group_mean_cos(q, prev_q, req_slots, G):
     return cos.view(q.shape[0], -1, G).mean(-1)
 
 
-def run_both(q, prev_q, req_slots, has_prev, tau, G):
+def run_both(q, prev_q, req_slots, has_prev, tau, G, pad_slot=-1):
     prev_ref, has_ref = prev_q.clone(), has_prev.clone()
-    ref = naive_query_similarity(q, prev_ref, req_slots, has_ref, tau, G)
+    # Statistics accumulate onto what is already there.
+    stats_ref = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, device=q.device)
+    stats = stats_ref.clone()
+    ref = naive_query_similarity(q, prev_ref, req_slots, has_ref, tau, G, stats_ref, pad_slot)
     with poisoned_outputs():
-        flags = query_similarity(q, prev_q, req_slots, has_prev, tau, G)
+        flags = query_similarity(q, prev_q, req_slots, has_prev, tau, G, stats, pad_slot)
     assert_close("flags", ref, flags)
+    torch.testing.assert_close(stats, stats_ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(prev_q.isnan(), prev_ref.isnan()), "prev_q rows outside the batch were written"
     assert_close("prev_q", prev_ref.nan_to_num(), prev_q.nan_to_num())
     assert_close("has_prev", has_ref, has_prev)
@@ -82,3 +86,21 @@ def test_tau_extremes_and_missing_prev(G):
     # Second step: every request now has a previous query, equal to the current one.
     flags = run_both(q, prev_q, req_slots, has_prev, 0.99, G)
     assert not flags.any()
+
+
+def test_statistics_count_real_rows_only():
+    """Flagged heads, and the cosine sum and count of rows that had a previous query; a padding row counts nothing."""
+    G = 3
+    q, prev_q, req_slots, has_prev = make_inputs(G, 64, torch.float32)
+    tau = 0.5
+    mean = group_mean_cos(q, prev_q, req_slots, G)
+    had = has_prev[req_slots.long()].clone()
+    pad = int(req_slots[3])
+    real = req_slots != pad
+    flags = (mean < tau) | ~had[:, None]
+    stats = torch.zeros(3, dtype=torch.float64, device=q.device)
+    query_similarity(q, prev_q, req_slots, has_prev, tau, G, stats, pad)
+    counted = real & had
+    assert stats[0].item() == (flags & real[:, None]).sum().item()
+    assert abs(stats[1].item() - mean[counted].sum().item()) < 1e-4
+    assert stats[2].item() == counted.sum().item() * H
