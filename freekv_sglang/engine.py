@@ -341,7 +341,7 @@ class FreeKVEngine:
         the row's sink pages, its selected pages sorted by position, its window; the first
         plan.row_pages entries are valid. With every page selected this is the request's whole context
         in order, which an order-sensitive kernel needs to round as full attention does."""
-        logical = self.slot_table[layer, plan.req_slots.long()]  # [B, H, k]; empty slots (-1) sort last
+        logical = self.slot_table[layer, plan.rows]  # [B, H, k]; empty slots (-1) sort last
         order = torch.where(logical >= 0, logical, torch.iinfo(torch.int32).max).sort(dim=-1).indices
         # Slot s's GPU page is slot_pages[s] = slot_pages[0] + s, so the sorted pages are an offset of order.
         sorted_pages = plan.slot_pages[:, :1, None] + order
@@ -358,18 +358,18 @@ class FreeKVEngine:
         new, changed = ops.slot_delta(old, sel)
         if self.cfg.recall == "all":  # ablation: a reselected head recalls all its pages, resident or not
             changed = (new >= 0) & heads[:, :, None]
-        self.slot_table[layer, plan.req_slots.long()] = new
+        self.slot_table[layer, plan.rows] = new
         return new, changed
 
     def _recall(self, plan: StepPlan, layer: int, new: torch.Tensor, which: torch.Tensor) -> None:
         """Recall the (row, head, slot) entries in `which` from the host pages of `new`'s logical pages."""
-        src = self.page_table[plan.req_slots.long()[:, None, None], new.long().clamp(min=0)]
+        src = self.page_table[plan.rows[:, None, None], new.long().clamp(min=0)]
         self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], src.reshape(-1),
                               plan.recall_head, plan.recall_dst, which.reshape(-1).contiguous(), self.cfg.page_size)
 
     def _select_now(self, plan: StepPlan, layer: int, q: torch.Tensor, flags: torch.Tensor) -> None:
         B = q.shape[0]
-        old = self.slot_table[layer, plan.req_slots.long()]
+        old = self.slot_table[layer, plan.rows]
         heads = flags | ((old >= 0).sum(-1) < plan.n_slots[:, None])
         new, changed = self._select(plan, layer, q, heads, old)
         # Flagged heads attend with q_i's selection now; so does every head whose selection grew into an
@@ -384,7 +384,7 @@ class FreeKVEngine:
     def _select_later(self, plan: StepPlan, layer: int) -> None:
         B = plan.req_slots.shape[0]
         heads = self._now_heads[layer][:B]
-        r = plan.req_slots.long()
+        r = plan.rows
         q = self.prev_q[layer, r]  # this step's query, stored by query_similarity
         new, changed = self._select(plan, layer, q, ~heads, self.slot_table[layer, r])
         later = changed | self._later_now[layer][:B]

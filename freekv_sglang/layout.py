@@ -59,6 +59,7 @@ class StepPlan:
     """Device tensors of one decode step, shared by all layers. Rows are batch positions."""
 
     req_slots: torch.Tensor  # [B] int32
+    rows: torch.Tensor  # [B] int64: req_slots as an index (converted once per step, not per layer)
     sparse_loc: torch.Tensor  # [B] int64: token row of the new KV in sparse layers
     dense_loc: torch.Tensor  # [B] int64
     row_table: torch.Tensor  # [B, resident] int32: sink | selected slots | window, partial page last
@@ -156,6 +157,7 @@ def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, p
         recall_head=torch.arange(H, device=dev, dtype=torch.int32)[None, :, None].expand(B, H, k).reshape(-1).contiguous(),
         recall_dst=slot_pages.int()[:, None, :].expand(B, H, k).reshape(-1).contiguous(),
         req_slots=req_slots,
+        rows=r,
         sparse_loc=sparse_page * p + off,
         dense_loc=(dense_first + c) * p + off,
         row_table=row.int(),
