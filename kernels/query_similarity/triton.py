@@ -46,7 +46,8 @@ def _query_similarity_kernel(
             tl.atomic_add(stats_ptr, tl.sum((flags & (h < H)).to(tl.float64)))
             if has != 0:
                 tl.atomic_add(stats_ptr + 1, tl.sum(tl.where(h < H, mean, 0.0).to(tl.float64)))
-                tl.atomic_add(stats_ptr + 2, H.to(tl.float64))
+                # a sum, not H.to(): Triton passes an int argument equal to 1 as a constexpr
+                tl.atomic_add(stats_ptr + 2, tl.sum((h < H).to(tl.float64)))
     # Other threads of this program may still be reading prev_q elements that the stores below overwrite.
     tl.debug_barrier()
     tl.store(p_ptrs, q.to(prev_ptr.dtype.element_ty), mask=mask)
