@@ -9,9 +9,9 @@ batch B send B requests of `context` random tokens at once (streamed, greedy, `o
 Per cell: the decode step time (the span in which the whole batch decodes, per token), TPOT p50 (which
 also counts stalls while the batch's later requests prefill), output throughput, TTFT p50, and for FreeKV the correction rate and the recall
 GB/s during decode (from the server's FreeKV log lines: recalled bytes / decode seconds), beside the
-host-to-GPU copy peak measured by this script on the same GPU. Also the KV capacity each server reports
-at start-up (SGLang's token pool; FreeKV's host arena in pages), i.e. how many requests of this context
-it can hold before queueing.
+host-to-GPU copy peak measured by this script on the same GPU. Also, from each server's start-up lines
+(allocated tensors): its token pool, the GPU KV bytes per decoding request, and the most concurrent requests
+of this context it holds before queueing (FreeKV: the kvstore arena's tokens, at most one per request slot).
 
 Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args says otherwise):
   full        plain SGLang, full KV on the GPU (the baseline)
@@ -52,8 +52,34 @@ CONFIGS = {
 }
 STATS = re.compile(r"FreeKV rank 0: (\d+) decode steps, correction rate ([\d.]+) .*recall ([\d.]+) GB before "
                    r"attention \+ ([\d.]+) GB speculative")
-POOL = re.compile(r"max_total_num_tokens=(\d+)")
 HOST = re.compile(r"(\d+) host pages \(([\d.]+) GB\)")
+KV_ALLOC = re.compile(r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB")
+ROOM = re.compile(r"request slots \(room for (\d+)\)")
+PLAN = re.compile(r"dense layers ([\d.]+) GB \+ staging (\d+) pages ([\d.]+) GB")
+ENGINE = re.compile(r"engine GPU memory ([\d.]+) GB for (\d+) request slots")
+
+
+def memory_cell(log: str, context: int) -> dict:
+    """GPU KV memory from the server's own start-up lines (allocated tensors, not formulas): SGLang's pool, and
+    under FreeKV its split and the engine's pages. Per decoding request: full KV holds `context` tokens in the
+    pool; FreeKV holds its dense layers' `context` tokens in the pool plus one engine slot. Most concurrent
+    requests of this context before queueing: what the token pool holds, and under FreeKV at most as many as the
+    GPU has room for request slots (whatever --max-running-requests this run passed)."""
+    kv, room = KV_ALLOC.search(log), ROOM.search(log)
+    if not kv:
+        return {}
+    tokens, pool_gb = int(kv.group(1)), float(kv.group(2)) + float(kv.group(3))
+    cell = {"gpu_pool_tokens": tokens, "gpu_pool_gb": pool_gb, "max_concurrent": tokens // context}
+    plan, engine = PLAN.search(log), ENGINE.search(log)
+    if plan and engine:
+        dense_gb, slots = float(plan.group(1)), int(engine.group(2))
+        cell.update(staging_gb=float(plan.group(3)), engine_gb=float(engine.group(1)), request_slots=slots,
+                    kv_gb_per_request=round(dense_gb / tokens * context + float(engine.group(1)) / slots, 4))
+        if room:
+            cell["max_concurrent"] = min(cell["max_concurrent"], int(room.group(1)))
+    else:
+        cell["kv_gb_per_request"] = round(pool_gb / tokens * context, 4)
+    return cell
 
 
 def copy_peak_gbps() -> float:
@@ -137,7 +163,7 @@ def print_table(result: dict) -> None:
     full = {c["batch"]: c for c in result["cells"] if c["config"] == "full" and "step_ms" in c}
     print(f"\n{result['gpu']}, {result['shape']}, context {result['context']}, {result['output_len']} new tokens; FreeKV {result['freekv_args']}")
     print(f"{'config':<11} {'batch':>5} {'step ms':>8} {'x full':>7} {'TPOT p50':>9} {'tok/s':>8} {'TTFT s':>7} "
-          f"{'corr':>5} {'recall GB/s':>11} {'pool tok':>9}")
+          f"{'corr':>5} {'recall GB/s':>11} {'pool tok':>9} {'GB/req':>7} {'max conc':>8}")
     for c in result["cells"]:
         if "step_ms" not in c:
             print(f"{c['config']:<11} error: {c.get('error', c.get('errors'))}")
@@ -146,7 +172,8 @@ def print_table(result: dict) -> None:
         print(f"{c['config']:<11} {c['batch']:>5} {c['step_ms']:>8.2f} {ratio:>7.2f} {c['tpot_ms_p50']:>9.2f} "
               f"{c['output_tok_per_s']:>8.1f} "
               f"{c['ttft_s_p50']:>7.2f} {c.get('correction_rate', float('nan')):>5.2f} "
-              f"{c.get('recall_gbps', float('nan')):>11.2f} {c.get('gpu_pool_tokens') or 0:>9}")
+              f"{c.get('recall_gbps', float('nan')):>11.2f} {c.get('gpu_pool_tokens') or 0:>9} "
+              f"{c.get('kv_gb_per_request', float('nan')):>7.3f} {c.get('max_concurrent') or 0:>8}")
 
 
 def main() -> None:
@@ -189,10 +216,9 @@ def main() -> None:
         try:
             up = srv.wait(600)
             log = srv.log.read_text(errors="replace")
-            pool = POOL.search(log)
             host = HOST.search(log)
-            cap = {"startup_s": round(up, 1), "gpu_pool_tokens": int(pool.group(1)) if pool else None,
-                   "host_arena_gb": float(host.group(2)) if host else None}
+            cap = {"startup_s": round(up, 1), "host_arena_gb": float(host.group(2)) if host else None,
+                   **memory_cell(log, args.context + args.output_len)}
             for b in batches:
                 before = srv.stats()
                 cell = {"config": name, **run_batch(srv.url, b, args.context, args.output_len, vocab, seed=b), **cap}

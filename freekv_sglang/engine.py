@@ -63,6 +63,22 @@ Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, torch.
 METHODS = ("freekv", "quest", "streaming")
 
 
+def engine_gpu_bytes(cfg: FreeKVConfig, shape: ModelShape, *, num_slots: int, max_context: int, host_pages: int,
+                     dtype_bytes: int) -> int:
+    """GPU bytes a FreeKVEngine(dense_outside=True) holds with num_slots request slots, including the per-head
+    token lists of SGLang's FlashInfer path: the sizing of a FreeKV server reserves this much."""
+    L, H, Hq, D, p, k = shape.num_layers, shape.num_kv_heads, shape.num_q_heads, shape.head_dim, cfg.page_size, \
+        cfg.select_pages
+    sparse = L - cfg.dense_layers
+    pages = 1 + num_slots * cfg.resident_pages
+    kv = sparse * pages * p * H * D * 2 * dtype_bytes
+    summaries = sparse * host_pages * H * 2 * D * dtype_bytes
+    tables = num_slots * (-(-max_context // p) * 4 + L * H * k * 4 + L * Hq * D * dtype_bytes + L + 8)
+    masks = sparse * num_slots * H * (1 + k)
+    token_lists = num_slots * H * (cfg.resident_pages * p + 2) * 4
+    return kv + summaries + tables + masks + token_lists
+
+
 class FreeKVEngine:
     def __init__(self, cfg: FreeKVConfig, shape: ModelShape, *, max_requests: int, max_context: int,
                  dtype: torch.dtype, device: torch.device | str, host_pool: HostPool | None = None,
@@ -247,6 +263,42 @@ class FreeKVEngine:
             self.prev_q[layer, slot] = q_last
         self.has_prev[layer, slot] = q_last is not None
         self.slot_table[layer, slot] = -1
+
+    def stage_prefill(self, slot: int, num_tokens: int) -> None:
+        """A prompt prefilled outside the engine, chunk by chunk, has grown to num_tokens: reserve its host
+        pages. Its K/V pages arrive through store_staged, one layer at a time."""
+        self._check_slot(slot)
+        p = self.cfg.page_size
+        if not self._len[slot] < num_tokens < self.max_pages * p:
+            raise ValueError(f"slot {slot}: a prompt cannot grow from {self._len[slot]} to {num_tokens} tokens "
+                             f"within max_context {self.max_pages * p} (one token must remain to decode)")
+        updates: list[tuple[int, int, int]] = []
+        self._ensure_host_pages(slot, -(-num_tokens // p), updates)
+        self._upload_page_table(updates)
+        self._len[slot] = num_tokens
+
+    def host_page(self, slot: int, page: int) -> int:
+        """Host page of logical page `page` (past the sink pages) of a slot."""
+        return self._host_pages[slot][page - self.cfg.sink_pages]
+
+    def store_staged(self, layer: int, k_src: torch.Tensor, v_src: torch.Tensor, offload_src: torch.Tensor,
+                     offload_dst: torch.Tensor, offload_valid: torch.Tensor, resident_src: torch.Tensor,
+                     resident_dst: torch.Tensor) -> None:
+        """Take one sparse layer's prompt pages from an outside paged cache k_src/v_src [T, H, D]: summarise
+        pages offload_src and write them to host pages offload_dst; copy pages resident_src to the engine's
+        GPU pages resident_dst (the sink and window of prompts that completed). Runs on the recall stream
+        after the work queued so far, so it overlaps the next layers; end_step joins it."""
+        st, p, D = self.streams, self.cfg.page_size, self.shape.head_dim
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        e = st.record()
+        with st.on("recall"):
+            st.wait(e)
+            self.ops.page_summary(k_src, offload_src, offload_dst, offload_valid, self.summaries[layer], p)
+            self.ops.offload_pages(k_src, v_src, self.host.arena[:, layer], offload_src, offload_dst,
+                                   offload_valid, p)
+            H = self.shape.num_kv_heads
+            kc.view(-1, p, H, D)[resident_dst] = k_src.view(-1, p, H, D)[resident_src]
+            vc.view(-1, p, H, D)[resident_dst] = v_src.view(-1, p, H, D)[resident_src]
 
     # ---- decode ------------------------------------------------------------------------------
 

@@ -271,6 +271,8 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
             "drop --enable-hierarchical-cache: FreeKV already keeps the KV cache in host memory (its kvstore) and "
             "needs the radix cache off"
         )
+    if g("enable_memory_saver", False):
+        problems.append("drop --enable-memory-saver: FreeKV's GPU pages and staging are not in SGLang's memory saver")
     if g("enable_hisparse", False):
         problems.append("drop --enable-hisparse: HiSparse is another sparse-attention scheme; use one of the two")
     if g("enable_mixed_chunk", False):

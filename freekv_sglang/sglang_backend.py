@@ -1,13 +1,16 @@
-"""FreeKV decode attention inside SGLang: a wrapper around the server's Triton or FlashInfer backend.
+"""FreeKV attention inside SGLang: a wrapper around the server's Triton or FlashInfer backend.
 
-Extend (prefill) and the dense first layers run on the wrapped backend over SGLang's full KV pool.
-Sparse layers decode through the FreeKV engine: when a request first reaches decode, its prompt K/V is
-read from SGLang's pool, the pages outside sink and window are summarised and offloaded to the kvstore
-arena, and from then on attention reads sink + recalled slots + window from the engine's GPU pages.
-SGLang's pool keeps the full KV beside them for now (the memory saving is a later step).
+SGLang's token pool (patches/_staging_pool.py) keeps every token's KV only for the dense first layers. The
+sparse layers' buffers hold staging pages for the prefill in flight (freekv_sglang.staging): extend runs on the
+wrapped backend, which writes the chunk's K/V through the pool's page map and reads a chunk's prefix at
+translated locations (the backend's planned prefix indices are translated in place before the first sparse
+layer). After each sparse layer, the pages the chunk filled are summarised and offloaded to the kvstore arena on a
+side stream; when a prompt's last chunk is in, its sink and window pages go to the engine's GPU pages and its
+staging pages are released. Sparse layers then decode through the FreeKV engine alone (sink + recalled slots +
+window), writing nothing to SGLang's pool.
 
-Request identity: the engine's slot is SGLang's req_pool_idx; a new request in a reused slot is
-recognised by ReqToTokenPool.req_generation, and the free hook releases a slot's host pages.
+Request identity: the engine's slot is SGLang's req_pool_idx; a new request in a reused slot is recognised by
+ReqToTokenPool.req_generation, and the free hook releases a slot's host and staging pages.
 Per step, host work (new requests, host pages, lengths) runs in init_forward_metadata_out_graph and
 the device plan in init_forward_metadata_in_graph, so a captured decode graph replays the whole
 FreeKV step: selection, correction, recall and offload included.
@@ -15,11 +18,13 @@ FreeKV step: selection, correction, recall and offload included.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
 import os
 
+import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from .engine import FreeKVEngine, ModelShape
@@ -32,6 +37,19 @@ _ACTIVE: list["FreeKVAttnBackend"] = []
 _INSTANCE = itertools.count()  # kvstore client ids must differ between backends of one process
 # Decode steps between the log lines that report correction rate and recall bytes (reading them syncs).
 STATS_EVERY = int(os.environ.get("FREEKV_STATS_EVERY", "512"))
+
+
+@dataclasses.dataclass
+class StagedPrefill:
+    """Device index vectors of one extend batch: pages to offload (staging page -> host page) and, for prompts
+    this batch completes, sink and window pages to copy (staging page -> engine page)."""
+
+    offload_src: torch.Tensor
+    offload_dst: torch.Tensor
+    offload_valid: torch.Tensor
+    resident_src: torch.Tensor
+    resident_dst: torch.Tensor
+    completed: list[int]
 
 
 def on_request_freed(req_pool_idx: int | None) -> None:
@@ -53,6 +71,9 @@ class FreeKVAttnBackend(AttentionBackend):
         Hq = mc.num_attention_heads // tp_size
         shape = ModelShape(mc.num_hidden_layers, Hq, H, mc.head_dim)
         self.pool = runner.token_to_kv_pool
+        if not hasattr(self.pool, "page_map"):
+            raise RuntimeError("FreeKV's token pool is not in place (patches/kv_pool_build.py did not run)")
+        self.staging = self.pool.staging
         self.req_pool = runner.req_to_token_pool
         dtype = runner.kv_cache_dtype
         if runner.page_size != cfg.page_size:
@@ -87,11 +108,14 @@ class FreeKVAttnBackend(AttentionBackend):
         self._generation: dict[int, int] = {}
         self._freed: set[int] = set()
         self._plan = None
+        self._extend: StagedPrefill | None = None
+        self._translated = False
         self._steps = 0
         gpu_bytes = sum(t.numel() * t.element_size() for t in self.engine.k_cache + self.engine.v_cache)
         gpu_bytes += sum(t.numel() * t.element_size() for t in self.engine.summaries if t is not None)
-        logger.info("FreeKV on rank %d: %s; %d host pages (%.1f GB) at %s; engine GPU memory %.2f GB",
-                    self.rank, cfg, host_pages, host_pages * page_bytes / 1e9, endpoint, gpu_bytes / 1e9)
+        logger.info("FreeKV on rank %d: %s; %d host pages (%.1f GB) at %s; engine GPU memory %.2f GB for %d request "
+                    "slots; %d staging pages", self.rank, cfg, host_pages, host_pages * page_bytes / 1e9, endpoint,
+                    gpu_bytes / 1e9, self.engine.num_slots, self.staging.num_pages)
         _ACTIVE.append(self)
 
     def __getattr__(self, name):
@@ -110,22 +134,79 @@ class FreeKVAttnBackend(AttentionBackend):
         for slot in self._freed:
             if self.engine.is_active(slot):
                 self.engine.remove_request(slot)
+            self.staging.release(slot)  # a prompt aborted mid-prefill
             self._generation.pop(slot, None)
         self._freed.clear()
 
-    def _ingest(self, slot: int, num_tokens: int, generation: int) -> None:
-        """A request's first decode step: hand its prompt (and any tokens decoded so far) to the engine."""
-        eng = self.engine
-        if eng.is_active(slot):
-            eng.remove_request(slot)
-        eng.add_request(slot)
-        eng.begin_prefill(slot, num_tokens)
-        locs = self.req_pool.req_to_token[slot, :num_tokens].long()
-        for layer in range(self.shape.num_layers):
-            if not eng.dense[layer]:
-                eng.prefill_layer(slot, layer, self.pool.get_key_buffer(layer)[locs],
-                                  self.pool.get_value_buffer(layer)[locs])
-        self._generation[slot] = generation
+    def _prepare_extend(self, fb) -> None:
+        """Host side of an extend batch: stage each chunk's new pages, grow the engine's prompts, and list the
+        pages to offload and to keep resident. Prompts start at token 0: FreeKV runs with the radix cache off.
+        Staging pages are mapped before any layer writes, so a chunk's K/V and its prefix land in staging."""
+        self._apply_frees()
+        self._extend, self._translated = None, False
+        slots, raw_bs, done = fb._freekv_req_slots_cpu, fb._freekv_raw_bs, fb._freekv_prefill_done_cpu
+        if slots is None or raw_bs is None:
+            raise RuntimeError("FreeKV needs the extend batch's request slots on the host; the freekv_patches hooks "
+                               "that carry them are not applied")
+        if raw_bs == 0:  # a CUDA-graph capture batch: no request
+            return
+        if done is None or fb.extend_prefix_lens_cpu is None or fb.seq_lens_cpu is None:
+            raise RuntimeError("FreeKV needs each extend row's prefix, length and prefill completion on the host; "
+                               "the freekv_patches hooks that carry them are not applied")
+        eng, p, cfg = self.engine, self.engine.cfg.page_size, self.engine.cfg
+        slots = [int(x) for x in slots[:raw_bs]]
+        gens = self.req_pool.req_generation[slots].tolist()
+        lists: dict[str, list[int]] = {k: [] for k in ("map_slot", "map_col", "map_page", "off_src", "off_dst",
+                                                         "res_src", "res_dst")}
+        completed = []
+        for slot, a, n, fin, gen in zip(slots, fb.extend_prefix_lens_cpu, fb.seq_lens_cpu[:raw_bs].tolist(),
+                                        done, gens):
+            if a == 0:
+                if eng.is_active(slot):
+                    eng.remove_request(slot)
+                self.staging.release(slot)
+                eng.add_request(slot)
+                self._generation[slot] = gen
+            elif not eng.is_active(slot) or self._generation.get(slot) != gen:
+                raise RuntimeError(f"request slot {slot}: a prefill chunk from token {a} continues a prompt FreeKV "
+                                   "has not staged")
+            for j, page in self.staging.grow(slot, -(-n // p)):
+                lists["map_slot"].append(slot)
+                lists["map_col"].append(j * p)
+                lists["map_page"].append(page)
+            eng.stage_prefill(slot, n)
+            staged = self.staging.pages(slot)
+            for j in range(max(a // p, cfg.sink_pages), n // p):  # pages this chunk filled, past the sink
+                lists["off_src"].append(staged[j])
+                lists["off_dst"].append(eng.host_page(slot, j))
+            if fin:
+                c = (n - 1) // p
+                for j in range(c + 1):
+                    if j < cfg.sink_pages or j >= c - cfg.window_pages:
+                        lists["res_src"].append(staged[j])
+                        lists["res_dst"].append(eng.layout.resident_page(slot, j))
+                completed.append(slot)
+        dev = eng.device
+        t = {k: torch.tensor(v, dtype=torch.int32).to(dev, non_blocking=True) for k, v in lists.items()}
+        if lists["map_slot"]:
+            locs = self.req_pool.req_to_token[t["map_slot"].long(), t["map_col"].long()]
+            self.pool.page_map[(locs // p).long()] = t["map_page"]
+        self._extend = StagedPrefill(t["off_src"], t["off_dst"], torch.ones_like(t["off_src"], dtype=torch.bool),
+                                     t["res_src"].long(), t["res_dst"].long(), completed)
+
+    def _translate_prefix_indices(self, fb) -> None:
+        """Point the wrapped backend's planned paged-KV indices of this extend batch at staging rows."""
+        md = self.inner.forward_metadata
+        prefix = sum(fb.extend_prefix_lens_cpu or ())
+        if hasattr(md, "prefill_wrappers"):  # FlashInfer: the paged wrapper reads the prefix, or every token
+            if md.use_ragged and md.extend_no_prefix:
+                return
+            n = prefix if md.use_ragged else int(fb.seq_lens_sum)
+            indices = md.prefill_wrappers[0]._paged_kv_indices_buf
+        else:  # Triton: the prefix only
+            n, indices = prefix, md.kv_indices
+        if n:
+            indices[:n] = self.pool.translate(indices[:n])
 
     def _prepare_decode(self, fb, in_capture: bool, graph: bool) -> None:
         self._apply_frees()
@@ -143,9 +224,9 @@ class FreeKVAttnBackend(AttentionBackend):
         slots = [int(s) for s in slots[:raw_bs]]
         lens = fb.seq_lens_cpu[:raw_bs].tolist()
         gens = self.req_pool.req_generation[slots].tolist()
-        for slot, n, gen in zip(slots, lens, gens):
+        for slot, gen in zip(slots, gens):
             if self._generation.get(slot) != gen or not self.engine.is_active(slot):
-                self._ingest(slot, n - 1, gen)
+                raise RuntimeError(f"request slot {slot} reached decode without its prefill passing through FreeKV")
         self.engine.prepare_step(slots, pad_to=fb.batch_size, lens=lens)
         if self.flashinfer is not None:
             self.flashinfer.plan(lens + [1] * (fb.batch_size - raw_bs), graph=graph)
@@ -167,11 +248,15 @@ class FreeKVAttnBackend(AttentionBackend):
         if forward_batch.forward_mode.is_decode():
             self._prepare_decode(forward_batch, in_capture=False, graph=False)
             self._plan = self.engine.plan(forward_batch.batch_size)
+        elif forward_batch.forward_mode.is_extend():
+            self._prepare_extend(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         if forward_batch.forward_mode.is_decode():
             self._prepare_decode(forward_batch, in_capture, graph=True)
+        elif forward_batch.forward_mode.is_extend():
+            self._prepare_extend(forward_batch)
 
     def init_forward_metadata_in_graph(self, forward_batch):
         self.inner.init_forward_metadata_in_graph(forward_batch)
@@ -188,7 +273,25 @@ class FreeKVAttnBackend(AttentionBackend):
         self.inner.on_after_cuda_graph_warmup()
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        lid = layer.layer_id
+        if not self.pool.is_staged(lid):
+            return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        if not self._translated:
+            self._translate_prefix_indices(forward_batch)
+            self._translated = True
+        o = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        ext = self._extend
+        if ext is not None:
+            self.engine.store_staged(lid, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid),
+                                     ext.offload_src, ext.offload_dst, ext.offload_valid, ext.resident_src,
+                                     ext.resident_dst)
+            if lid == self.last_layer:
+                # Join the offloads before staging pages are reused or the engine decodes these prompts.
+                self.engine.end_step()
+                for slot in ext.completed:
+                    self.staging.release(slot)
+                self._extend = None
+        return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         lid = layer.layer_id
@@ -200,8 +303,6 @@ class FreeKVAttnBackend(AttentionBackend):
                                "(no attention sinks, logit capping or custom scaling)")
         s = self.shape
         k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
-        if save_kv_cache:  # SGLang's pool keeps the full KV beside FreeKV's pages
-            self.pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k3, v3)
         attention = None if self.flashinfer is None else functools.partial(self.flashinfer.attend, layer)
         o = eng.attend(self._plan, lid, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention)
         if lid == self.last_layer:

@@ -8,7 +8,9 @@ CPU int64 mirror of req_pool_indices kept in step by prepare_for_extend, filter_
 puts it on the ForwardBatch, so the attention backend reads request slots without a device-to-host copy:
   forward_batch._freekv_req_slots_cpu: CPU int64 tensor [batch_size], same order as req_pool_indices
       (None when the ScheduleBatch had no usable mirror: the backend must refuse);
-  forward_batch._freekv_raw_bs: the number of real rows (= batch_size here: no padding).
+  forward_batch._freekv_raw_bs: the number of real rows (= batch_size here: no padding);
+  forward_batch._freekv_prefill_done_cpu: for an extend batch, per row, whether this chunk completes the
+      request's prefill (its extend range reaches the end of its fill ids), else None.
 The tensor is borrowed from the ScheduleBatch, not copied (SGLang replaces it, never writes it in place).
 """
 
@@ -19,7 +21,8 @@ from ._common import settings_of
 TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 HOOK_TYPE = "AFTER"
 PARAMS = ("cls", "batch", "model_runner", "capture_hidden_mode", "return_hidden_states_before_norm")
-PURPOSE = "put the batch's CPU request slots on the ForwardBatch (_freekv_req_slots_cpu, _freekv_raw_bs)"
+PURPOSE = ("put the batch's CPU request slots and prefill completion on the ForwardBatch (_freekv_req_slots_cpu, "
+           "_freekv_raw_bs, _freekv_prefill_done_cpu)")
 
 
 def hook(result, cls, batch, model_runner, *args, **kwargs):
@@ -32,4 +35,11 @@ def hook(result, cls, batch, model_runner, *args, **kwargs):
         slots = None  # stale or not a CPU mirror: leave None so the backend refuses loudly
     result._freekv_req_slots_cpu = slots
     result._freekv_raw_bs = bs
+    done = None
+    if result.forward_mode.is_extend():
+        reqs = getattr(batch, "reqs", None) or []
+        done = [r.extend_range is not None and r.extend_range.end >= len(r.full_untruncated_fill_ids) for r in reqs]
+        if len(done) != bs:
+            done = None  # the backend refuses an extend batch without it
+    result._freekv_prefill_done_cpu = done
     return None

@@ -9,7 +9,8 @@ the attention backends are built and the CUDA graphs captured. With FreeKV on it
     view: an MLA backend, hybrid sliding-window pools, a draft worker);
   - takes the kvstore endpoint from $FREEKV_KVSTORE_ENDPOINT if server_args._freekv has none, and refuses without;
   - marks the ReqToTokenPool so the free() hook reports freed slots, and gives ForwardBatch class-level None
-    defaults for _freekv_req_slots_cpu / _freekv_raw_bs (batches no hook saw read None, not AttributeError).
+    defaults for _freekv_req_slots_cpu / _freekv_raw_bs / _freekv_prefill_done_cpu (batches no hook saw read
+    None, not AttributeError).
 (An AROUND hook on run_scheduler_process cannot do this: Engine passes its own reference to the original function to
 mp.Process, and pickling that reference fails once the module attribute is a wrapper.)
 """
@@ -64,7 +65,7 @@ def hook(result, self):
         pool._freekv_enabled = True
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    for name in ("_freekv_req_slots_cpu", "_freekv_raw_bs"):
+    for name in ("_freekv_req_slots_cpu", "_freekv_raw_bs", "_freekv_prefill_done_cpu"):
         if not hasattr(ForwardBatch, name):
             setattr(ForwardBatch, name, None)
     return None

@@ -1,8 +1,10 @@
-"""FreeKVAttnBackend's glue, on CPU: duck-typed SGLang runner, pools and batches, a real kvstore daemon.
+"""FreeKVAttnBackend's glue, on CPU: FreeKV's real token pool (SGLang's MHATokenToKVPool with staging pages for
+the sparse layers), a duck-typed runner, wrapped backend and batches, and a real kvstore daemon.
 
-The backend must decode exactly like an engine fed the same prompts directly, ingest a request once per
-generation of its slot, release freed slots, take the real rows of a padded replay view, delegate dense
-layers to the wrapped backend, and refuse batches that lack the host-side slots the hooks attach.
+Prompts are prefilled in chunks through the wrapped backend: its writes and its prefix reads must land in
+staging, the staging pages must be released when a prompt completes (or is freed mid-prefill), and decoding
+must then match an engine fed the same prompts directly. Batches without the hooks' host-side fields, and
+decode rows FreeKV never prefilled, are refused.
 """
 
 from __future__ import annotations
@@ -21,41 +23,44 @@ from freekv_sglang.sglang_backend import FreeKVAttnBackend, on_request_freed
 
 L, HQ, H, D, P = 3, 6, 2, 16, 16
 CFG = FreeKVConfig(budget=32, sink=16, window=16, page_size=P, tau=0.6, dense_layers=1)
-SIZE, CTX = 6, 512  # request slots 1..SIZE (0 pads), max context
+SIZE, CTX, TOKENS, STAGING = 6, 512, 8192, 40  # request slots 1..SIZE (0 pads), max context, pool tokens
 
 
-class Pool:
-    """The parts of MHATokenToKVPool the backend uses: per-layer NHD token buffers."""
+def make_pool():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    def __init__(self, tokens: int):
-        self.k = [torch.zeros(tokens, H, D) for _ in range(L)]
-        self.v = [torch.zeros(tokens, H, D) for _ in range(L)]
-        self.next = P  # page 0 absorbs padding writes
+    from freekv_patches._staging_pool import staging_pool_class
 
-    def alloc(self, n: int) -> torch.Tensor:
-        locs = torch.arange(self.next, self.next + n)
-        self.next += n
-        return locs
+    return staging_pool_class(MHATokenToKVPool)(
+        TOKENS, page_size=P, dtype=torch.float32, head_num=H, head_dim=D, layer_num=L, device="cpu",
+        enable_memory_saver=False, start_layer=0, end_layer=L, enable_alt_stream=False, enable_kv_cache_copy=False,
+        post_capture_active=False, freekv_dense_layers=CFG.dense_layers, freekv_staging_pages=STAGING)
 
-    def get_key_buffer(self, layer: int):
-        return self.k[layer]
 
-    def get_value_buffer(self, layer: int):
-        return self.v[layer]
+class Mode:
+    def __init__(self, decode: bool):
+        self.decode = decode
 
-    def set_kv_buffer(self, layer, loc, k, v):
-        self.k[layer.layer_id][loc] = k
-        self.v[layer.layer_id][loc] = v
+    def is_decode(self):
+        return self.decode
+
+    def is_extend(self):
+        return not self.decode
 
 
 class Inner:
-    """The wrapped backend: records what reaches it."""
+    """The wrapped backend, Triton-like: plans the prefix locations of an extend batch, writes the chunk through
+    the pool and reads the prefix at the (by then translated) planned locations."""
 
-    def __init__(self):
-        self.calls = []
+    def __init__(self, runner):
+        self.runner, self.calls, self.prefix_reads = runner, [], []
 
     def init_forward_metadata(self, fb):
         self.calls.append("meta")
+        if fb.forward_mode.is_extend():
+            rt = self.runner.req_to_token_pool.req_to_token
+            rows = [rt[s, :a].long() for s, a in zip(fb._freekv_req_slots_cpu.tolist(), fb.extend_prefix_lens_cpu)]
+            self.forward_metadata = SimpleNamespace(kv_indices=torch.cat(rows))
 
     def init_forward_metadata_out_graph(self, fb, in_capture=False):
         self.calls.append("out_graph")
@@ -63,19 +68,21 @@ class Inner:
     def init_forward_metadata_in_graph(self, fb):
         self.calls.append("in_graph")
 
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kw):
+        pool = self.runner.token_to_kv_pool
+        pool.set_kv_buffer(layer, fb.out_cache_loc, k.view(-1, H, D), v.view(-1, H, D))
+        idx = self.forward_metadata.kv_indices
+        self.prefix_reads.append((layer.layer_id, pool.get_key_buffer(layer.layer_id)[idx].clone()))
+        return torch.zeros_like(q)
+
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kw):
         self.calls.append(("decode", layer.layer_id))
         return torch.zeros_like(q)
 
 
-class Mode:
-    def is_decode(self):
-        return True
-
-
 @pytest.fixture(scope="module")
 def daemon():
-    handle = start_embedded(arena_gb=0.05)
+    handle = start_embedded(arena_gb=0.1)  # every test keeps its backend connected
     yield handle
     handle.stop()
 
@@ -85,10 +92,11 @@ def make_backend(daemon):
                                    get_num_kv_heads=lambda tp: H // tp)
     req_pool = SimpleNamespace(size=SIZE, req_to_token=torch.zeros(SIZE + 1, CTX, dtype=torch.int32),
                                req_generation=torch.zeros(SIZE + 1, dtype=torch.int64))
-    runner = SimpleNamespace(model_config=model_config, tp_size=1, tp_rank=0, token_to_kv_pool=Pool(8192),
-                             req_to_token_pool=req_pool, kv_cache_dtype=torch.float32, page_size=P, device="cpu")
+    runner = SimpleNamespace(model_config=model_config, tp_size=1, tp_rank=0, token_to_kv_pool=make_pool(),
+                             req_to_token_pool=req_pool, kv_cache_dtype=torch.float32, page_size=P, device="cpu",
+                             next_page=1)  # page 0 absorbs padding writes
     settings = FreeKVServerSettings(config=CFG, kvstore_endpoint=daemon.endpoint, kvstore_arena_gb=0.01)
-    return FreeKVAttnBackend(runner, Inner(), settings), runner
+    return FreeKVAttnBackend(runner, Inner(runner), settings), runner
 
 
 def layers():
@@ -96,34 +104,61 @@ def layers():
 
 
 class Request:
-    """A request as SGLang holds it: token locations in the pool and a length."""
+    """A request as SGLang holds it: page-aligned token locations, a prompt, and how much of it is prefilled."""
 
     def __init__(self, runner, slot: int, n: int):
-        self.slot, self.n = slot, n
-        pool, rp = runner.token_to_kv_pool, runner.req_to_token_pool
+        self.slot, self.prompt, self.n = slot, n, 0
+        rp = runner.req_to_token_pool
         rp.req_generation[slot] += 1
-        locs = pool.alloc(n)
-        rp.req_to_token[slot, :n] = locs.int()
+        pages = -(-CTX // P)
+        rp.req_to_token[slot] = torch.arange(runner.next_page * P, (runner.next_page + pages) * P)[:CTX].int()
+        runner.next_page += pages
+        self.locs = rp.req_to_token[slot].long()
         self.k = [torch.randn(n, H, D) for _ in range(L)]
         self.v = [torch.randn(n, H, D) for _ in range(L)]
-        for layer in range(L):
-            pool.k[layer][locs], pool.v[layer][locs] = self.k[layer], self.v[layer]
-
-    def append(self, runner) -> int:
-        loc = int(runner.token_to_kv_pool.alloc(1))
-        runner.req_to_token_pool.req_to_token[self.slot, self.n] = loc
-        self.n += 1
-        return loc
 
 
-def decode_batch(reqs, runner, pad_to=None):
+def extend_batch(reqs, chunk: int):
+    """The next chunk of each request (SGLang's chunked prefill); returns the batch and its rows' ranges."""
+    ranges = [(r.n, min(r.n + chunk, r.prompt)) for r in reqs]
+    fb = SimpleNamespace(
+        forward_mode=Mode(decode=False), batch_size=len(reqs),
+        seq_lens_cpu=torch.tensor([b for _, b in ranges]), extend_prefix_lens_cpu=[a for a, _ in ranges],
+        seq_lens_sum=sum(b for _, b in ranges),
+        out_cache_loc=torch.cat([r.locs[a:b] for r, (a, b) in zip(reqs, ranges)]),
+        _freekv_req_slots_cpu=torch.tensor([r.slot for r in reqs]), _freekv_raw_bs=len(reqs),
+        _freekv_prefill_done_cpu=[b == r.prompt for r, (_, b) in zip(reqs, ranges)])
+    return fb, ranges
+
+
+def prefill(backend, reqs, chunk: int):
+    """Prefill every prompt in chunks, checking that each sparse layer's prefix reads see the prompt's keys."""
+    while any(r.n < r.prompt for r in reqs):
+        batch = [r for r in reqs if r.n < r.prompt]
+        fb, ranges = extend_batch(batch, chunk)
+        backend.init_forward_metadata(fb)
+        backend.inner.prefix_reads.clear()
+        for layer in layers():
+            rows = torch.cat([r.k[layer.layer_id][a:b] for r, (a, b) in zip(batch, ranges)])
+            v = torch.cat([r.v[layer.layer_id][a:b] for r, (a, b) in zip(batch, ranges)])
+            backend.forward_extend(torch.randn(len(rows), HQ * D), rows.reshape(len(rows), -1),
+                                   v.reshape(len(rows), -1), layer, fb)
+        for lid, read in backend.inner.prefix_reads:
+            want = torch.cat([r.k[lid][:a] for r, (a, _) in zip(batch, ranges)])
+            torch.testing.assert_close(read, want, atol=0, rtol=0)
+        for r, (_, b) in zip(batch, ranges):
+            r.n = b
+
+
+def decode_batch(reqs, pad_to=None):
     """The ForwardBatch of one decode step (lengths include the new token)."""
-    locs = [r.append(runner) for r in reqs]
+    for r in reqs:
+        r.n += 1
     bs = pad_to or len(reqs)
     slots = torch.tensor([r.slot for r in reqs] + [0] * (bs - len(reqs)))
     lens = torch.tensor([r.n for r in reqs] + [1] * (bs - len(reqs)))
-    return SimpleNamespace(forward_mode=Mode(), batch_size=bs, seq_lens_cpu=lens,
-                           out_cache_loc=torch.tensor(locs + [0] * (bs - len(reqs))),
+    return SimpleNamespace(forward_mode=Mode(decode=True), batch_size=bs, seq_lens_cpu=lens,
+                           out_cache_loc=torch.tensor([int(r.locs[r.n - 1]) for r in reqs] + [0] * (bs - len(reqs))),
                            _freekv_req_slots_cpu=slots, _freekv_raw_bs=len(reqs))
 
 
@@ -133,64 +168,93 @@ def reference_engine(reqs):
     slots = []
     for r in reqs:
         s = eng.add_request()
-        eng.begin_prefill(s, r.n)
+        eng.begin_prefill(s, r.prompt)
         for layer in range(L):
             eng.prefill_layer(s, layer, r.k[layer], r.v[layer])
         slots.append(s)
     return eng, slots
 
 
-def test_backend_decodes_like_the_engine_and_tracks_requests(daemon):
+@pytest.mark.parametrize("chunk", [1000, 37, 16])
+def test_chunked_prefill_stages_then_decodes_like_the_engine(daemon, chunk):
     backend, runner = make_backend(daemon)
+    pool = runner.token_to_kv_pool
     reqs = [Request(runner, 3, 150), Request(runner, 5, 70)]
+    prefill(backend, reqs, chunk)
+    assert pool.staging.free_pages == STAGING  # every prompt completed: its staging pages are back
     ref, ref_slots = reference_engine(reqs)
     lay = layers()
     for step in range(20):
-        fb = decode_batch(reqs, runner, pad_to=4 if step % 2 else None)  # odd steps: a padded replay view
+        fb = decode_batch(reqs, pad_to=4 if step % 2 else None)  # odd steps: a padded replay view
         backend.init_forward_metadata(fb)
         plan = ref.begin_step(ref_slots)
         for layer in lay:
-            q, k, v = torch.randn(fb.batch_size, HQ * D), torch.randn(fb.batch_size, H * D), torch.randn(fb.batch_size, H * D)
+            bs = fb.batch_size
+            q, k, v = torch.randn(bs, HQ * D), torch.randn(bs, H * D), torch.randn(bs, H * D)
+            staged = [b.clone() for b in pool.k_buffer[1:]]
             out = backend.forward_decode(q, k, v, layer, fb)
+            assert all(torch.equal(a, b) for a, b in zip(staged, pool.k_buffer[1:]))  # decode writes no staging
             if layer.layer_id < CFG.dense_layers:
                 assert backend.inner.calls[-1] == ("decode", layer.layer_id)
                 continue
             want = ref.attend(plan, layer.layer_id, q[:2].view(2, HQ, D), k[:2].view(2, H, D), v[:2].view(2, H, D))
             torch.testing.assert_close(out[:2], want.reshape(2, HQ * D), atol=1e-6, rtol=1e-6)
-            # SGLang's pool keeps the full KV beside FreeKV's pages
-            torch.testing.assert_close(runner.token_to_kv_pool.k[layer.layer_id][fb.out_cache_loc[:2]],
-                                       k[:2].view(2, H, D))
         ref.end_step()
     eng = backend.engine
     assert eng.seq_len(3) == reqs[0].n and eng.seq_len(5) == reqs[1].n
 
-    # Finish request 3: its slot is released at the next step; a new request in slot 3 is ingested afresh.
+    # Finish request 3: its slot is released at the next step; a new request in slot 3 is prefilled afresh.
     on_request_freed(3)
-    fb = decode_batch(reqs[1:], runner)
+    fb = decode_batch(reqs[1:])
     backend.init_forward_metadata(fb)
     assert not eng.is_active(3)
     for layer in lay:
         backend.forward_decode(torch.randn(1, HQ * D), torch.randn(1, H * D), torch.randn(1, H * D), layer, fb)
     new = Request(runner, 3, 40)
-    fb = decode_batch([new, reqs[1]], runner)
-    backend.init_forward_metadata(fb)
+    prefill(backend, [new], chunk)
+    backend.init_forward_metadata(decode_batch([new, reqs[1]]))
     assert eng.is_active(3) and eng.seq_len(3) == new.n
+
+
+def test_a_prompt_freed_mid_prefill_releases_its_staging(daemon):
+    backend, runner = make_backend(daemon)
+    staging = runner.token_to_kv_pool.staging
+    r = Request(runner, 2, 200)
+    fb, _ = extend_batch([r], 64)
+    backend.init_forward_metadata(fb)
+    for layer in layers():
+        backend.forward_extend(torch.randn(64, HQ * D), torch.randn(64, H * D), torch.randn(64, H * D), layer, fb)
+    assert staging.free_pages == STAGING - 4
+    on_request_freed(2)
+    other = Request(runner, 4, 30)
+    prefill(backend, [other], 64)
+    assert staging.free_pages == STAGING and not backend.engine.is_active(2)
 
 
 def test_a_reused_slot_is_recognised_by_its_generation(daemon):
     backend, runner = make_backend(daemon)
     first = Request(runner, 2, 60)
-    backend.init_forward_metadata(decode_batch([first], runner))
-    # No free hook fired (e.g. it was lost): a new generation in the same slot still means a new request.
+    prefill(backend, [first], 64)
+    # No free hook fired (e.g. it was lost): a new prompt from token 0 in the same slot is a new request.
     second = Request(runner, 2, 90)
-    backend.init_forward_metadata(decode_batch([second], runner))
-    assert backend.engine.seq_len(2) == second.n
+    prefill(backend, [second], 64)
+    assert backend.engine.seq_len(2) == second.prompt
+    # A decode row whose prompt FreeKV never saw is refused, not served from empty pages.
+    third = Request(runner, 2, 40)
+    third.n = third.prompt
+    with pytest.raises(RuntimeError, match="without its prefill"):
+        backend.init_forward_metadata(decode_batch([third]))
 
 
-def test_batches_without_host_slots_are_refused(daemon):
+def test_batches_without_host_fields_are_refused(daemon):
     backend, runner = make_backend(daemon)
     r = Request(runner, 1, 40)
-    fb = decode_batch([r], runner)
+    fb, _ = extend_batch([r], 64)
+    fb._freekv_prefill_done_cpu = None
+    with pytest.raises(RuntimeError, match="hooks"):
+        backend.init_forward_metadata(fb)
+    prefill(backend, [r], 64)
+    fb = decode_batch([r])
     fb._freekv_req_slots_cpu = None
     with pytest.raises(RuntimeError, match="hooks"):
         backend.init_forward_metadata(fb)

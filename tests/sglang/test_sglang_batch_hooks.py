@@ -209,34 +209,93 @@ def test_dummy_and_prefill_capture_batches_have_no_real_rows(plugins):
     assert fb._freekv_req_slots_cpu.tolist() == [0, 1, 2] and fb._freekv_raw_bs == 0
 
 
-def test_token_pool_is_capped_at_the_arena(plugins):
-    """Admission counts host memory: SGLang's pool never holds more tokens than the kvstore arena can take."""
-    from freekv_patches.model_runner_alloc_pool import hook
+def test_init_new_marks_prefill_completion(plugins):
+    from freekv_patches.forward_batch_init_new import hook
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    def req(end, total):
+        return SimpleNamespace(extend_range=SimpleNamespace(end=end), full_untruncated_fill_ids=[0] * total)
+
+    fb = _forward_batch()
+    fb.forward_mode = ForwardMode.EXTEND
+    batch = SimpleNamespace(req_pool_indices_cpu=torch.tensor([5, 2, 7]), reqs=[req(90, 90), req(64, 200), req(7, 7)])
+    hook(fb, None, batch, SimpleNamespace(server_args=ON))
+    assert fb._freekv_prefill_done_cpu == [True, False, True]
+    batch.reqs = batch.reqs[:2]  # not one per row: None, the backend refuses
+    hook(fb, None, batch, SimpleNamespace(server_args=ON))
+    assert fb._freekv_prefill_done_cpu is None
+    decode = _forward_batch()
+    hook(decode, None, batch, SimpleNamespace(server_args=ON))
+    assert decode._freekv_prefill_done_cpu is None
+
+
+class _Configurator:
+    """Like SGLang's KVCacheConfigurator, it takes no attributes beyond its slots."""
+
+    __slots__ = ("server_args", "model_config", "kv_cache_dtype", "_profile_available_bytes")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def _configurator(settings, available_gb=60.0, max_running_requests=None, max_total_tokens=None, tp=1):
+    mc = SimpleNamespace(num_hidden_layers=32, num_attention_heads=32, head_dim=128, context_len=32768,
+                         get_num_kv_heads=lambda t: 8 // t)
+    args = SimpleNamespace(_freekv=settings, tp_size=tp, max_prefill_tokens=16384, chunked_prefill_size=8192,
+                           max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
+                           mem_fraction_static=0.8)
+    return _Configurator(server_args=args, model_config=mc, kv_cache_dtype=torch.bfloat16,
+                         _profile_available_bytes=lambda pre: int(available_gb * 1e9))
+
+
+def test_pool_is_sized_by_the_arena_and_the_gpu(plugins):
+    """Admission counts host memory (tokens = what the arena holds); request slots are what the GPU has room for."""
+    from freekv_patches.kv_pool_config import hook
     from freekv_sglang.server_args import host_page_capacity
 
-    mc = SimpleNamespace(num_hidden_layers=32, head_dim=128, get_num_kv_heads=lambda tp: 8 // tp)
     cfg = FreeKVConfig(page_size=32)
     settings = FreeKVServerSettings(config=cfg, kvstore_endpoint="ipc:///x", kvstore_arena_gb=36)
-    page_bytes = 32 * 8 * 2 * 32 * 128 * 2
-    assert host_page_capacity(settings, num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2) == \
-        int(36e9) // page_bytes == 8583  # what the H200 server logged with these settings
+    assert host_page_capacity(settings, num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2) == 8583
+    orig = lambda self, pre: "sglang's own"  # noqa: E731
 
-    def runner(max_total_tokens, tp=1, s=settings):
-        args = SimpleNamespace(_freekv=s, max_total_tokens=max_total_tokens)
-        return SimpleNamespace(server_args=args, model_config=mc, kv_cache_dtype=torch.bfloat16, tp_size=tp)
-
-    r = runner(None)
-    hook(r)
-    assert r.server_args.max_total_tokens == 8583 * 32
-    r = runner(10_000)  # a smaller user cap stays
-    hook(r)
-    assert r.server_args.max_total_tokens == 10_000
-    r = runner(None, tp=2)  # each rank: half the arena, half the heads: the same tokens
-    hook(r)
-    assert r.server_args.max_total_tokens == 8583 * 32
+    c = _configurator(settings)
+    config = hook(orig, c, 0)
+    plan = c.server_args._freekv_plan
+    assert config.max_total_num_tokens == plan.tokens == 8583 * 32
+    assert config.max_running_requests == plan.max_requests
+    used = plan.dense_bytes + plan.staging_bytes + plan.engine_bytes
+    assert used <= 60e9 < used + 0.5e9  # the GPU share is spent on request slots (~0.35 GB each here)
+    small = hook(orig, _configurator(settings, max_running_requests=16, max_total_tokens=100_000), 0)
+    assert small.max_running_requests == 16 and small.max_total_num_tokens == 100_000 // 32 * 32
+    tp2 = hook(orig, _configurator(settings, tp=2), 0)  # each rank: half the arena, half the heads
+    assert tp2.max_total_num_tokens == 8583 * 32
+    with pytest.raises(FreeKVArgsError, match="--mem-fraction-static"):
+        hook(orig, _configurator(settings, available_gb=2.0), 0)
     tiny = FreeKVServerSettings(config=cfg, kvstore_endpoint="ipc:///x", kvstore_arena_gb=0.001)
     with pytest.raises(FreeKVArgsError, match="--kvstore-arena-gb"):
-        hook(runner(None, s=tiny))
-    off = SimpleNamespace(server_args=SimpleNamespace(max_total_tokens=None))
-    hook(off)
-    assert off.server_args.max_total_tokens is None
+        hook(orig, _configurator(tiny), 0)
+    assert hook(orig, SimpleNamespace(server_args=OFF), 0) == "sglang's own"
+
+
+def test_pool_build_uses_freekv_pool(plugins):
+    from freekv_patches.kv_pool_build import hook
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    built = {}
+
+    def orig(self, *, max_total_num_tokens, mha_pool_class, quant_method=None):
+        built["pool"] = mha_pool_class(max_total_num_tokens, page_size=16, dtype=torch.float32, head_num=2,
+                                       head_dim=16, layer_num=3, device="cpu", enable_memory_saver=False,
+                                       start_layer=0, end_layer=3, enable_alt_stream=False,
+                                       enable_kv_cache_copy=False, post_capture_active=False)
+        return built["pool"]
+
+    settings = FreeKVServerSettings(config=FreeKVConfig(page_size=16, dense_layers=1), kvstore_endpoint="ipc:///x")
+    conf = SimpleNamespace(server_args=SimpleNamespace(_freekv=settings, _freekv_plan=SimpleNamespace(staging_pages=5)))
+    pool = hook(orig, conf, max_total_num_tokens=1024, mha_pool_class=MHATokenToKVPool)
+    assert [tuple(b.shape) for b in pool.k_buffer] == [(1040, 2, 16), (96, 2, 16), (96, 2, 16)]
+    assert sum(pool.get_kv_size_bytes()) == 2 * 4 * 2 * 16 * (1040 + 96 + 96)  # SGLang logs the real bytes
+    with pytest.raises(RuntimeError, match="token pool"):
+        hook(orig, SimpleNamespace(server_args=SimpleNamespace(_freekv=settings)), max_total_num_tokens=1024,
+             mha_pool_class=MHATokenToKVPool)

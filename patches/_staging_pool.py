@@ -1,0 +1,59 @@
+"""FreeKV's SGLang token pool (written against sglang 0.5.16's MHATokenToKVPool).
+
+SGLang's token locations keep their meaning, but only the dense layers get a buffer row per location. The
+sparse layers' buffers hold the staging pages (freekv_sglang.staging) of the prefill in flight, and every write
+to a sparse layer goes through page_map; the attention backend reads sparse layers only at translated locations
+(freekv_sglang.sglang_backend). get_kv_size_bytes() sums the real buffers, so SGLang's log of the pool is true.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def staging_pool_class(base: type) -> type:
+    from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
+
+    from freekv_sglang.server_args import FreeKVArgsError
+    from freekv_sglang.staging import StagingPages, translate
+
+    class FreeKVTokenToKVPool(base):
+        def __init__(self, *args, freekv_dense_layers: int, freekv_staging_pages: int, **kwargs):
+            if kwargs.get("post_capture_active"):
+                raise FreeKVArgsError("FreeKV sizes SGLang's KV pool itself: unset SGLANG_ENABLE_POST_CAPTURE_KV_SIZING")
+            self.freekv_dense_layers = freekv_dense_layers
+            self.staging = StagingPages(freekv_staging_pages)
+            super().__init__(*args, **kwargs)
+            pages = (self.size + self.page_size) // self.page_size
+            self.page_map = torch.full((pages,), self.staging.trash, dtype=torch.int32, device=self.device)
+
+        def is_staged(self, layer_id: int) -> bool:
+            return layer_id >= self.freekv_dense_layers
+
+        def _create_buffers(self):
+            if self.is_quantized_kv_cache or self.kv_cache_layout != "nhd":
+                raise FreeKVArgsError(f"FreeKV needs an unquantized NHD KV cache (got {self.kv_cache_layout}, "
+                                      f"{self.dtype}): drop --kv-cache-dtype and SGLANG_USE_HND_KVCACHE")
+            self.k_scale_buffer = self.v_scale_buffer = self.dq_k_buffer = self.dq_v_buffer = None
+            rows = [(self.staging.num_pages + 1) * self.page_size if self.is_staged(layer) else self.size + self.page_size
+                    for layer in range(self.start_layer, self.start_layer + self.layer_num)]
+            kw = dict(dtype=self.store_dtype, device=self.device)
+            self.k_buffer = [torch.zeros((n, self.head_num, self.head_dim), **kw) for n in rows]
+            self.v_buffer = [torch.zeros((n, self.head_num, self.v_head_dim), **kw) for n in rows]
+            self._kv_buffer_descs = self._build_kv_buffer_descs()
+            self._init_data_ptrs_and_strides()
+
+        def translate(self, loc: torch.Tensor) -> torch.Tensor:
+            return translate(self.page_map, loc, self.page_size)
+
+        def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
+            layer_id = kwargs.get("layer_id_override")
+            if self.is_staged(layer.layer_id if layer_id is None else layer_id):
+                loc_info = self.translate(unwrap_write_loc(loc_info)[0])
+            return super().set_kv_buffer(layer, loc_info, cache_k, cache_v, *args, **kwargs)
+
+    FreeKVTokenToKVPool.__name__ = FreeKVTokenToKVPool.__qualname__ = f"FreeKV{base.__name__}"
+    return FreeKVTokenToKVPool
