@@ -311,9 +311,12 @@ class FreeKVEngine:
         st = self.streams
         kc[plan.sparse_loc] = k
         vc[plan.sparse_loc] = v
+        # With retrieval, also which heads select before attention (flagged, or with slots to fill).
+        heads = self._now_heads[layer][:q.shape[0]] if self.retrieval else None
         flags = ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
                                      self.shape.group, self._stat_sim[layer] if self.collect_stats else None,
-                                     self.pad_slot)
+                                     self.pad_slot, self.slot_table[layer] if self.retrieval else None,
+                                     plan.n_slots if self.retrieval else None, heads)
         if self.retrieval:
             e_q = st.record()
             with st.on("select"):
@@ -370,13 +373,12 @@ class FreeKVEngine:
     def _select_now(self, plan: StepPlan, layer: int, q: torch.Tensor, flags: torch.Tensor) -> None:
         B = q.shape[0]
         old = self.slot_table[layer, plan.rows]
-        heads = flags | ((old >= 0).sum(-1) < plan.n_slots[:, None])
+        heads = self._now_heads[layer][:B]  # written by query_similarity
         new, changed = self._select(plan, layer, q, heads, old)
         # Flagged heads attend with q_i's selection now; so does every head whose selection grew into an
         # empty slot: attention must not miss pages it could hold. Evictions of the latter wait.
         now = changed & (flags[:, :, None] | (old < 0))
         self._recall(plan, layer, new, now)
-        self._now_heads[layer][:B].copy_(heads)
         self._later_now[layer][:B].copy_(changed & ~now)
         if self.collect_stats:
             self._stat_recall_now[layer] += (now & plan.row_valid[:, None, None]).sum()
