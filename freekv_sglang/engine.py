@@ -34,6 +34,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 
 from .config import FreeKVConfig
 from .host_pool import HostPool, LocalHostPool
@@ -350,17 +351,20 @@ class FreeKVEngine:
         sorted_pages = plan.slot_pages[:, :1, None] + order
         return torch.where(plan.in_slots, torch.gather(sorted_pages, 2, plan.slot_pick), plan.row_table[:, None, :])
 
-    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, heads: torch.Tensor, old: torch.Tensor):
-        """Select with q for `heads` [B, H] (the others keep their slots); `old` is the batch rows' slot
-        table. Stores and returns the new table and the changed slots."""
-        ops, n_s = self.ops, self.cfg.sink_pages
-        cand_end = torch.where(heads, plan.cand_end[:, None], n_s).int()  # a skipped head has no candidates
-        scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, n_s, cand_end,
-                                 self.scale, self.pooling)
-        sel = torch.where(heads[:, :, None], ops.select_pages(scores, self.cfg.select_pages), old)
+    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, old: torch.Tensor):
+        """Select with q for the heads of `phase` (PHASE_NOW: heads with _now_heads set, PHASE_LATER: the
+        others; the rest keep their slots); `old` is the batch rows' slot table. q is this step's query,
+        by batch row before attention, by request slot (prev_q) after. Stores and returns the new table and
+        the changed slots."""
+        ops, n_s, B = self.ops, self.cfg.sink_pages, plan.req_slots.shape[0]
+        heads = self._now_heads[layer][:B]
+        scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, n_s, plan.cand_end,
+                                 self.scale, self.pooling, heads, phase, phase == PHASE_LATER)
+        mine = heads if phase == PHASE_NOW else ~heads
+        sel = torch.where(mine[:, :, None], ops.select_pages(scores, self.cfg.select_pages), old)
         new, changed = ops.slot_delta(old, sel)
         if self.cfg.recall == "all":  # ablation: a reselected head recalls all its pages, resident or not
-            changed = (new >= 0) & heads[:, :, None]
+            changed = (new >= 0) & mine[:, :, None]
         self.slot_table[layer, plan.rows] = new
         return new, changed
 
@@ -373,8 +377,7 @@ class FreeKVEngine:
     def _select_now(self, plan: StepPlan, layer: int, q: torch.Tensor, flags: torch.Tensor) -> None:
         B = q.shape[0]
         old = self.slot_table[layer, plan.rows]
-        heads = self._now_heads[layer][:B]  # written by query_similarity
-        new, changed = self._select(plan, layer, q, heads, old)
+        new, changed = self._select(plan, layer, q, PHASE_NOW, old)
         # Flagged heads attend with q_i's selection now; so does every head whose selection grew into an
         # empty slot: attention must not miss pages it could hold. Evictions of the latter wait.
         now = changed & (flags[:, :, None] | (old < 0))
@@ -385,10 +388,8 @@ class FreeKVEngine:
 
     def _select_later(self, plan: StepPlan, layer: int) -> None:
         B = plan.req_slots.shape[0]
-        heads = self._now_heads[layer][:B]
-        r = plan.rows
-        q = self.prev_q[layer, r]  # this step's query, stored by query_similarity
-        new, changed = self._select(plan, layer, q, ~heads, self.slot_table[layer, r])
+        # this step's query, stored by query_similarity
+        new, changed = self._select(plan, layer, self.prev_q[layer], PHASE_LATER, self.slot_table[layer, plan.rows])
         later = changed | self._later_now[layer][:B]
         self._recall(plan, layer, new, later)
         if self.collect_stats:

@@ -5,6 +5,15 @@ from __future__ import annotations
 import torch
 
 POOLINGS = ("mean_softmax", "max")
+# The engine's two selection phases: heads[b, h] True selects before attention, False after it.
+PHASE_NOW, PHASE_LATER = 1, 2
+
+
+def in_phase(heads: torch.Tensor | None, phase: int) -> torch.Tensor | None:
+    """[B, H] bool: the heads that select in `phase` (None: every head)."""
+    if phase not in (PHASE_NOW, PHASE_LATER):
+        raise ValueError(f"phase must be {PHASE_NOW} (now) or {PHASE_LATER} (later), got {phase!r}")
+    return None if heads is None else heads == (phase == PHASE_NOW)
 
 
 def naive_score_pages(
@@ -16,24 +25,31 @@ def naive_score_pages(
     cand_end: torch.Tensor,
     scale: float,
     pooling: str = "mean_softmax",
+    heads: torch.Tensor | None = None,
+    phase: int = PHASE_NOW,
+    q_by_slot: bool = False,
 ) -> torch.Tensor:
+    """Rows of the heads that do not select in `phase` are left unwritten (NaN here)."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-    B, Hq, D = q.shape
-    H = summaries.shape[1]
-    G = Hq // H
+    mine = in_phase(heads, phase)
+    B, H = req_slots.shape[0], summaries.shape[1]
+    G = q.shape[1] // H
     M = page_table.shape[1]
-    scores = torch.full((B, H, M), float("-inf"), dtype=torch.float32, device=q.device)
-    ends = (cand_end[:, None].expand(B, H) if cand_end.dim() == 1 else cand_end).tolist()
+    scores = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
     for b, slot in enumerate(req_slots.tolist()):
+        qb = q[slot if q_by_slot else b]
+        end = min(int(cand_end[b]), M)
         for h in range(H):
-            end = min(ends[b][h], M)
+            if mine is not None and not mine[b, h]:
+                continue
+            scores[b, h] = float("-inf")
             if end <= cand_start:
                 continue
             pages = page_table[slot, cand_start:end].long()
             kmin = summaries[pages, h, 0].float()  # [n, D]
             kmax = summaries[pages, h, 1].float()
-            qh = q[b, h * G:(h + 1) * G].float()[:, None]  # [G, 1, D]
+            qh = qb[h * G:(h + 1) * G].float()[:, None]  # [G, 1, D]
             s = scale * torch.maximum(qh * kmin, qh * kmax).sum(-1)  # [G, n]
             pooled = s.amax(dim=0) if pooling == "max" else torch.softmax(s, dim=-1).mean(dim=0)
             scores[b, h, cand_start:end] = pooled

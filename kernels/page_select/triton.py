@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors
-from .naive import POOLINGS
+from .naive import PHASE_NOW, POOLINGS, in_phase
 
 # Sortable int32 key of -inf (see _topk_kernel): keys at or below it are -inf (or padding) and select nothing.
 _NEG_INF_KEY = -2139095041
@@ -23,33 +23,39 @@ _NEG_INF_KEY = -2139095041
 
 @triton.jit
 def _page_logits_kernel(
-    q_ptr, summ_ptr, pt_ptr, slots_ptr, cend_ptr, logits_ptr, stats_ptr, scores_ptr,
+    q_ptr, summ_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, logits_ptr, stats_ptr, scores_ptr,
     cand_start, M, NB, scale,
     sq_b, sq_h, sq_d,
     ss_p, ss_h, ss_mm, ss_d,
     spt_r, spt_m,
-    s_slot, s_cend, s_cend_h,
+    s_slot, s_cend,
+    sh_b, sh_h,
     sl_b, sl_h, sl_m,
     st_part, st_b,
     so_b, so_h, so_m,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_PAGES: tl.constexpr,
-    POOL_MAX: tl.constexpr,
+    POOL_MAX: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr,
 ):
     """Scaled logits s[j, g] of the G query heads of KV head h over one block of candidate pages.
 
     mean_softmax: writes logits[b, h, j, g] (scratch, g contiguous) for candidate j and the block's statistics
     stats[0/1, b, h*G+g, blk] (max, sum of exp(logit - max)); blocks without candidates write nothing (the
     pooling kernel skips them). max: writes scores[b, h, j] for every j of the block directly.
+    HEADS: only heads with heads[b, h] == WANT are scored; the others' programs exit, writing nothing.
     """
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
+            return
     blk = tl.program_id(2)
     j0 = blk * BLOCK_PAGES
     j = j0 + tl.arange(0, BLOCK_PAGES)
-    end = tl.minimum(tl.load(cend_ptr + b * s_cend + h * s_cend_h), M)
+    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
     neg_inf = float("-inf")
     if (j0 < end) & (j0 + BLOCK_PAGES > cand_start):
         slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
+        q_row = slot if Q_BY_SLOT else b
         d = tl.arange(0, D)
         g = tl.arange(0, GP)
         g_ok = g < G
@@ -64,7 +70,7 @@ def _page_logits_kernel(
         hi = tl.maximum(kmin, kmax).to(tl.float32)
         s = tl.zeros([BLOCK_PAGES, GP], tl.float32)
         for gg in tl.static_range(G):
-            qg = tl.load(q_ptr + b * sq_b + (h * G + gg) * sq_h + d * sq_d).to(tl.float32)
+            qg = tl.load(q_ptr + q_row * sq_b + (h * G + gg) * sq_h + d * sq_d).to(tl.float32)
             sg = tl.sum(tl.maximum(qg, 0.0)[None, :] * hi + tl.minimum(qg, 0.0)[None, :] * lo, axis=1)
             s = tl.where(g[None, :] == gg, sg[:, None], s)
         ok = is_cand[:, None] & g_ok[None, :]
@@ -88,14 +94,15 @@ def _page_logits_kernel(
 
 @triton.jit
 def _pool_scores_kernel(
-    logits_ptr, stats_ptr, cend_ptr, scores_ptr,
+    logits_ptr, stats_ptr, cend_ptr, heads_ptr, scores_ptr,
     cand_start, M, NB,
     sl_b, sl_h, sl_m,
     st_part, st_b,
-    s_cend, s_cend_h,
+    s_cend,
+    sh_b, sh_h,
     so_b, so_h, so_m,
     G: tl.constexpr, GP: tl.constexpr, STATS_PAGES: tl.constexpr, STATS_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
 ):
     """scores[b, h, block of pages]: mean over the G query heads of the softmax over the row's candidates.
 
@@ -104,8 +111,11 @@ def _pool_scores_kernel(
     """
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
+            return
     j = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    end = tl.minimum(tl.load(cend_ptr + b * s_cend + h * s_cend_h), M)
+    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
     g = tl.arange(0, GP)
     g_ok = g < G
     neg_inf = float("-inf")
@@ -144,39 +154,45 @@ TOPK_SINGLE = 1024  # rows up to this many pages take one stage
 TOPK_SINGLE_WARPS = 8
 
 
-def _cend_strides(cand_end: torch.Tensor) -> tuple[int, int]:
-    """cand_end is per row [B] (every KV head alike) or per KV head [B, H]."""
-    return (cand_end.stride(0), 0) if cand_end.dim() == 1 else (cand_end.stride(0), cand_end.stride(1))
+def _heads_args(heads: torch.Tensor | None, phase: int, like: torch.Tensor) -> tuple:
+    """(pointer, strides, HEADS, WANT) of the phase's head mask: heads[b, h] == WANT selects in this phase."""
+    mine = in_phase(heads, phase)  # validates phase
+    if mine is None:
+        return like, (0, 0), False, 1
+    return heads, heads.stride(), True, int(phase == PHASE_NOW)
 
 
-def _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, scale, pool_max, logits, stats,
-                   scores, block_pages, num_warps):
-    B, Hq, D = q.shape
-    H = summaries.shape[1]
-    G = Hq // H
+def _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, heads_args, q_by_slot, scale,
+                   pool_max, logits, stats, scores, block_pages, num_warps):
+    B, H = req_slots.shape[0], summaries.shape[1]
+    G = q.shape[1] // H
+    D = q.shape[2]
     M = page_table.shape[1]
     NB = triton.cdiv(M, block_pages)
     gp = triton.next_power_of_2(G)
+    heads, heads_strides, with_heads, want = heads_args
     _page_logits_kernel[(B, H, NB)](
-        q, summaries, page_table, req_slots, cand_end, logits, stats, scores,
+        q, summaries, page_table, req_slots, cand_end, heads, logits, stats, scores,
         cand_start, M, NB, scale,
-        *q.stride(), *summaries.stride(), *page_table.stride(), req_slots.stride(0), *_cend_strides(cand_end),
-        *logits.stride()[:3], stats.stride(0), stats.stride(1), *scores.stride(),
-        G=G, GP=gp, D=D, BLOCK_PAGES=block_pages, POOL_MAX=pool_max,
+        *q.stride(), *summaries.stride(), *page_table.stride(), req_slots.stride(0), cand_end.stride(0),
+        *heads_strides, *logits.stride()[:3], stats.stride(0), stats.stride(1), *scores.stride(),
+        G=G, GP=gp, D=D, BLOCK_PAGES=block_pages, POOL_MAX=pool_max, HEADS=with_heads, WANT=want,
+        Q_BY_SLOT=q_by_slot,
         num_warps=num_warps,
     )
 
 
-def _launch_pool(logits, stats, cand_end, scores, cand_start, stats_pages, block_m, num_warps):
+def _launch_pool(logits, stats, cand_end, heads_args, scores, cand_start, stats_pages, block_m, num_warps):
     B, H, M = scores.shape
     G = logits.shape[3]
     NB = stats.shape[-1]
+    heads, heads_strides, with_heads, want = heads_args
     _pool_scores_kernel[(B, H, triton.cdiv(M, block_m))](
-        logits, stats, cand_end, scores,
+        logits, stats, cand_end, heads, scores,
         cand_start, M, NB,
-        *logits.stride()[:3], stats.stride(0), stats.stride(1), *_cend_strides(cand_end), *scores.stride(),
+        *logits.stride()[:3], stats.stride(0), stats.stride(1), cand_end.stride(0), *heads_strides, *scores.stride(),
         G=G, GP=triton.next_power_of_2(G), STATS_PAGES=stats_pages, STATS_BLOCK=min(1024, triton.next_power_of_2(NB)),
-        BLOCK_M=block_m,
+        BLOCK_M=block_m, HEADS=with_heads, WANT=want,
         num_warps=num_warps,
     )
 
@@ -190,27 +206,35 @@ def score_pages(
     cand_end: torch.Tensor,
     scale: float,
     pooling: str = "mean_softmax",
+    heads: torch.Tensor | None = None,
+    phase: int = PHASE_NOW,
+    q_by_slot: bool = False,
 ) -> torch.Tensor:
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     check_device(q, summaries, page_table, req_slots, cand_end)
-    check_index_vectors(req_slots=req_slots)
-    B, Hq, D = q.shape
+    check_index_vectors(req_slots=req_slots, cand_end=cand_end)
+    B, Hq, D = req_slots.shape[0], q.shape[1], q.shape[2]
     H = summaries.shape[1]
     M = page_table.shape[1]
     assert Hq % H == 0 and summaries.shape[2:] == (2, D) and D >= 16 and D & (D - 1) == 0
+    assert q_by_slot or q.shape[0] == B
+    heads_args = _heads_args(heads, phase, req_slots)
+    if heads is not None:
+        check_device(heads)
+        assert heads.shape == (B, H) and heads.dtype == torch.bool
     block_pages = min(LOGITS_BLOCK_PAGES, triton.next_power_of_2(M))
     scores = empty(B, H, M, dtype=torch.float32, device=q.device)
     if pooling == "max":
-        _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, scale, True, scores[..., None],
-                       scores.view(1, -1, 1), scores, block_pages, LOGITS_WARPS)
+        _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, heads_args, q_by_slot, scale, True,
+                       scores[..., None], scores.view(1, -1, 1), scores, block_pages, LOGITS_WARPS)
         return scores
     # Scratch: only candidate entries / blocks are written and read; poisoned like outputs in tests.
     logits = empty(B, H, M, Hq // H, dtype=torch.float32, device=q.device)  # [b, h, page, g]
     stats = empty(2, B, Hq, triton.cdiv(M, block_pages), dtype=torch.float32, device=q.device)
-    _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, scale, False, logits, stats, scores,
-                   block_pages, LOGITS_WARPS)
-    _launch_pool(logits, stats, cand_end, scores, cand_start, block_pages,
+    _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, heads_args, q_by_slot, scale, False,
+                   logits, stats, scores, block_pages, LOGITS_WARPS)
+    _launch_pool(logits, stats, cand_end, heads_args, scores, cand_start, block_pages,
                  max(16, min(POOL_BLOCK, triton.next_power_of_2(M))), POOL_WARPS)
     return scores
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from freekv_kernels.page_select import (
+    PHASE_LATER,
+    PHASE_NOW,
     naive_score_pages,
     naive_select_pages,
     naive_slot_delta,
@@ -20,7 +22,7 @@ B, H, R = 5, 2, 7
 CAND_START = 2
 
 
-def make_score_inputs(G, page_size, D, M, dtype):
+def make_score_inputs(G, page_size, D, M, dtype, H=H):
     """Random q, min/max summaries of random keys, distinct host pages per request, varied candidate ranges.
 
     Built on CPU so every device sees the same values.
@@ -63,24 +65,31 @@ def test_score_pages_matches_reference(G, page_size, D, M, pooling, dtype):
         torch.testing.assert_close(sums, expect, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
 @pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
-@pytest.mark.parametrize("G,page_size,D,M", SCORE_SHAPES[:2])
-def test_score_pages_per_head_candidates(G, page_size, D, M, pooling):
-    """cand_end [B, H]: each KV head its own range (the engine's per-head phases); a head with no candidates
-    is all -inf, the others equal the per-row call with that head's range."""
-    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, page_size, D, M, torch.float32)
-    per_head = cand_end[:, None].repeat(1, H)
-    per_head[:, 0] = CAND_START  # head 0 skipped everywhere
-    per_head[0, 1:] = M  # row 0: the other heads see every page
+@pytest.mark.parametrize("H_,G,page_size,D,M", [(1, 8, 16, 64, 37), (2, 3, 32, 128, 300), (3, 4, 16, 64, 150)])
+def test_score_pages_heads_of_a_phase(H_, G, page_size, D, M, pooling, phase):
+    """heads [B, H] and a phase: only the phase's heads (heads == True before attention, False after) are
+    scored, exactly as without a mask; the other heads' rows stay unwritten. q_by_slot reads q[req_slots[b]]."""
+    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, page_size, D, M, torch.float32, H_)
+    heads = torch.rand(B, H_) < 0.5
+    heads[0] = True
+    heads[1] = False
+    heads = heads.to(q.device)
+    mine = heads if phase == PHASE_NOW else ~heads
     scale = 1 / math.sqrt(D)
-    with poisoned_outputs():
-        out = score_pages(q, summaries, page_table, req_slots, CAND_START, per_head, scale, pooling)
-    ref = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, per_head, scale, pooling)
-    assert_close("scores", ref, out, atol=1e-5 if pooling == "mean_softmax" else 1e-4, rtol=1e-4)
-    assert torch.isinf(out[:, 0]).all()
-    row = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, per_head[:, 1].contiguous(), scale,
-                            pooling)
-    torch.testing.assert_close(out[:, 1:].cpu(), row[:, 1:].cpu(), atol=1e-4, rtol=1e-4)
+    full = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling)
+    ref = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling, heads, phase)
+    assert torch.equal(ref[mine], full[mine]) and ref[~mine].isnan().all()
+    # q by request slot: rows of q that no batch row maps to are NaN (never read).
+    q_slots = torch.full((R, H_ * G, D), float("nan"), device=q.device)
+    q_slots[req_slots.long()] = q
+    for qq, by_slot in ((q, False), (q_slots, True)):
+        with poisoned_outputs():
+            out = score_pages(qq, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling, heads, phase,
+                              by_slot)
+        assert out[~mine].isnan().all(), "a head outside the phase was written"
+        assert_close("scores", ref[mine], out[mine], atol=1e-5 if pooling == "mean_softmax" else 1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
