@@ -124,11 +124,12 @@ class FreeKVEngine:
         # Step inputs live in static buffers so a captured step replays with new values.
         self._step_slots = torch.full((R,), self.pad_slot, dtype=torch.int32, device=self.device)
         self._step_lens = torch.ones(R, dtype=torch.int32, device=self.device)
-        # Per sparse layer: which heads the select stream handled this step and their deferred recalls.
+        # Per sparse layer, by batch row: which heads select before attention (query_similarity writes it), and
+        # the phase in which each (head, slot) is recalled this step (select_slots writes it; 0: not recalled).
         self._now_heads = [None if d else torch.zeros(R, H, dtype=torch.bool, device=self.device)
                            for d in self.dense]
-        self._later_now = [None if d else torch.zeros(R, H, k, dtype=torch.bool, device=self.device)
-                           for d in self.dense]
+        self._recall = [None if d else torch.zeros(R, H, k, dtype=torch.int8, device=self.device)
+                        for d in self.dense]
         self._free_slots = [s for s in range(R - 1, -1, -1) if s != self.pad_slot]
         self._len = [0] * R
         self._host_pages: list[list[int]] = [[] for _ in range(R)]
@@ -140,8 +141,8 @@ class FreeKVEngine:
         # Per layer, accumulated by query_similarity: flagged (row, KV head) checks, the sum of group-mean
         # cosine similarities of rows with a previous query, and their count.
         self._stat_sim = torch.zeros(L, 3, **z)
-        self._stat_recall_now = torch.zeros(L, **z)  # (page, head) chunks recalled before attention
-        self._stat_recall_later = torch.zeros(L, **z)
+        # Per layer, accumulated by select_slots: (page, head) chunks recalled before attention, and after it.
+        self._stat_recall = torch.zeros(L, 2, **z)
         self._stat_checks = 0  # (row, KV head) checks per sparse layer
         self._stat_steps = 0
 
@@ -322,7 +323,7 @@ class FreeKVEngine:
             e_q = st.record()
             with st.on("select"):
                 st.wait(e_q)
-                self._select_now(plan, layer, q, flags)
+                self._select(plan, layer, q, PHASE_NOW, flags)
                 e_now = st.record()
             st.wait(e_now)
         if attention is None:
@@ -334,7 +335,7 @@ class FreeKVEngine:
         with st.on("recall"):
             st.wait(e_attn)
             if self.retrieval:
-                self._select_later(plan, layer)
+                self._select(plan, layer, self.prev_q[layer], PHASE_LATER)  # q_i, stored by query_similarity
             ops.page_summary(kc, plan.offload_src, plan.offload_dst, plan.offload_valid, self.summaries[layer], p)
             ops.offload_pages(kc, vc, self.host.arena[:, layer], plan.offload_src, plan.offload_dst,
                               plan.offload_valid, p)
@@ -351,49 +352,19 @@ class FreeKVEngine:
         sorted_pages = plan.slot_pages[:, :1, None] + order
         return torch.where(plan.in_slots, torch.gather(sorted_pages, 2, plan.slot_pick), plan.row_table[:, None, :])
 
-    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, old: torch.Tensor):
-        """Select with q for the heads of `phase` (PHASE_NOW: heads with _now_heads set, PHASE_LATER: the
-        others; the rest keep their slots); `old` is the batch rows' slot table. q is this step's query,
-        by batch row before attention, by request slot (prev_q) after. Stores and returns the new table and
-        the changed slots."""
-        ops, n_s, B = self.ops, self.cfg.sink_pages, plan.req_slots.shape[0]
-        heads = self._now_heads[layer][:B]
-        scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, n_s, plan.cand_end,
-                                 self.scale, self.pooling, heads, phase, phase == PHASE_LATER)
-        mine = heads if phase == PHASE_NOW else ~heads
-        sel = torch.where(mine[:, :, None], ops.select_pages(scores, self.cfg.select_pages), old)
-        new, changed = ops.slot_delta(old, sel)
-        if self.cfg.recall == "all":  # ablation: a reselected head recalls all its pages, resident or not
-            changed = (new >= 0) & mine[:, :, None]
-        self.slot_table[layer, plan.rows] = new
-        return new, changed
-
-    def _recall(self, plan: StepPlan, layer: int, new: torch.Tensor, which: torch.Tensor) -> None:
-        """Recall the (row, head, slot) entries in `which` from the host pages of `new`'s logical pages."""
-        src = self.page_table[plan.rows[:, None, None], new.long().clamp(min=0)]
-        self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], src.reshape(-1),
-                              plan.recall_head, plan.recall_dst, which.reshape(-1).contiguous(), self.cfg.page_size)
-
-    def _select_now(self, plan: StepPlan, layer: int, q: torch.Tensor, flags: torch.Tensor) -> None:
-        B = q.shape[0]
-        old = self.slot_table[layer, plan.rows]
-        new, changed = self._select(plan, layer, q, PHASE_NOW, old)
-        # Flagged heads attend with q_i's selection now; so does every head whose selection grew into an
-        # empty slot: attention must not miss pages it could hold. Evictions of the latter wait.
-        now = changed & (flags[:, :, None] | (old < 0))
-        self._recall(plan, layer, new, now)
-        self._later_now[layer][:B].copy_(changed & ~now)
-        if self.collect_stats:
-            self._stat_recall_now[layer] += (now & plan.row_valid[:, None, None]).sum()
-
-    def _select_later(self, plan: StepPlan, layer: int) -> None:
-        B = plan.req_slots.shape[0]
-        # this step's query, stored by query_similarity
-        new, changed = self._select(plan, layer, self.prev_q[layer], PHASE_LATER, self.slot_table[layer, plan.rows])
-        later = changed | self._later_now[layer][:B]
-        self._recall(plan, layer, new, later)
-        if self.collect_stats:
-            self._stat_recall_later[layer] += (later & plan.row_valid[:, None, None]).sum()
+    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
+        """Select with q for the heads of `phase` (PHASE_NOW: those with _now_heads set, PHASE_LATER: the others,
+        with q by request slot), commit their slots, and recall what this phase recalls: before attention the
+        changed slots of flagged heads and the empty slots being filled, after it every other changed slot."""
+        ops, B = self.ops, plan.req_slots.shape[0]
+        heads, recall = self._now_heads[layer][:B], self._recall[layer][:B]
+        scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, self.cfg.sink_pages,
+                                 plan.cand_end, self.scale, self.pooling, heads, phase, phase == PHASE_LATER)
+        ops.select_slots(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
+                         self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
+                         self.pad_slot)
+        ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
+                         self.slot_table[layer], plan.req_slots, plan.slot_pages, recall, phase, self.cfg.page_size)
 
     def end_step(self) -> None:
         self.streams.join()
@@ -407,7 +378,7 @@ class FreeKVEngine:
         checks = max(self._stat_checks, 1)
         chunk = 2 * self.cfg.page_size * self.shape.head_dim * self.k_cache[0].element_size()
         flags, cos, cos_n = self._stat_sim.T.tolist()
-        now, later = self._stat_recall_now.tolist(), self._stat_recall_later.tolist()
+        now, later = self._stat_recall.T.tolist()
         return {
             "steps": self._stat_steps,
             "correction_rate": {layer: flags[layer] / checks for layer in layers},

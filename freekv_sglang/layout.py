@@ -77,11 +77,9 @@ class StepPlan:
     offload_dst: torch.Tensor  # [B] int32: its host page
     offload_valid: torch.Tensor  # [B] bool
     row_valid: torch.Tensor  # [B] bool: False for padding rows
-    # Per-step constants of every sparse layer's selection, recall and token lists (computed once here).
+    # Per-step constants of every sparse layer's token lists (computed once here).
     slot_pick: torch.Tensor  # [B, H, resident] int64: where in_slots, entry i of a head's row (head_pages) is
     in_slots: torch.Tensor  # [B, 1, resident] bool: its sorted slot slot_pick[i]; elsewhere row_table[i]
-    recall_head: torch.Tensor  # [B * H * k] int32: KV head of each (row, head, slot) recall entry
-    recall_dst: torch.Tensor  # [B * H * k] int32: its GPU page
 
 
 def row_tokens(cfg: FreeKVConfig, n: int, retrieval: bool = True) -> int:
@@ -154,8 +152,6 @@ def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, p
     return StepPlan(
         slot_pick=mid.clamp(0, k - 1)[:, None, :].expand(B, H, rp).contiguous(),
         in_slots=((mid >= 0) & (mid < n_slots[:, None]))[:, None, :],
-        recall_head=torch.arange(H, device=dev, dtype=torch.int32)[None, :, None].expand(B, H, k).reshape(-1).contiguous(),
-        recall_dst=slot_pages.int()[:, None, :].expand(B, H, k).reshape(-1).contiguous(),
         req_slots=req_slots,
         rows=r,
         sparse_loc=sparse_page * p + off,

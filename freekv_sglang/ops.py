@@ -11,8 +11,7 @@ _OPS = {
     "recall_pages": ("recall", "recall_pages"),
     "query_similarity": ("query_similarity", "query_similarity"),
     "score_pages": ("page_select", "score_pages"),
-    "select_pages": ("page_select", "select_pages"),
-    "slot_delta": ("page_select", "slot_delta"),
+    "select_slots": ("page_select", "select_slots"),
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
 }
 
