@@ -9,10 +9,14 @@ POOLINGS = ("mean_softmax", "max")
 PHASE_NOW, PHASE_LATER = 1, 2
 
 
-def in_phase(heads: torch.Tensor | None, phase: int) -> torch.Tensor | None:
-    """[B, H] bool: the heads that select in `phase` (None: every head)."""
+def check_phase(phase: int) -> None:
     if phase not in (PHASE_NOW, PHASE_LATER):
         raise ValueError(f"phase must be {PHASE_NOW} (now) or {PHASE_LATER} (later), got {phase!r}")
+
+
+def in_phase(heads: torch.Tensor | None, phase: int) -> torch.Tensor | None:
+    """[B, H] bool: the heads that select in `phase` (None: every head)."""
+    check_phase(phase)
     return None if heads is None else heads == (phase == PHASE_NOW)
 
 

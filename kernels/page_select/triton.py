@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors
-from .naive import PHASE_NOW, POOLINGS, in_phase
+from .naive import PHASE_NOW, POOLINGS, check_phase
 
 # Sortable int32 key of -inf (see _topk_kernel): keys at or below it are -inf (or padding) and select nothing.
 _NEG_INF_KEY = -2139095041
@@ -158,8 +158,8 @@ TOPK_SINGLE_WARPS = 8
 
 def _heads_args(heads: torch.Tensor | None, phase: int, like: torch.Tensor) -> tuple:
     """(pointer, strides, HEADS, WANT) of the phase's head mask: heads[b, h] == WANT selects in this phase."""
-    mine = in_phase(heads, phase)  # validates phase
-    if mine is None:
+    check_phase(phase)
+    if heads is None:
         return like, (0, 0), False, 1
     return heads, heads.stride(), True, int(phase == PHASE_NOW)
 
@@ -358,7 +358,7 @@ def select_slots(
 ) -> None:
     """Rows of up to TOPK_SINGLE pages (rounded up to a power of two) take one launch; longer rows are cut into
     chunks of TOPK_CHUNK pages whose winners a further stage reduces, until one stage covers the rest."""
-    in_phase(heads, phase)  # validates phase
+    check_phase(phase)
     check_device(scores, slots, req_slots, heads, recall)
     check_index_vectors(req_slots=req_slots)
     B, H, M = scores.shape
