@@ -260,7 +260,7 @@ class FreeKVEngine:
     def plan(self, batch: int) -> StepPlan:
         """Device-side planning from the static step buffers: capturable in a CUDA graph."""
         return plan_step(self.layout, self._step_slots[:batch], self._step_lens[:batch], self.page_table,
-                         self.pad_slot, self.retrieval, self.shape.num_kv_heads)
+                         self.pad_slot, self.retrieval)
 
     def prepare_step(self, slots: list[int], pad_to: int | None = None, lens: list[int] | None = None) -> None:
         """Host bookkeeping of a step (host pages, lengths) and upload into the static step buffers.
@@ -306,21 +306,20 @@ class FreeKVEngine:
         if self.dense[layer]:
             if self.dense_outside:
                 raise ValueError(f"layer {layer} is dense and served outside the engine")
-            kc[plan.dense_loc] = k
-            vc[plan.dense_loc] = v
+            ops.write_kv(k, v, kc, vc, plan.dense_loc)
             return ops.sparse_decode_attention(q, kc, vc, plan.dense_table, plan.dense_pages, plan.last_page_len,
                                                self.scale, p)
         st = self.streams
-        kc[plan.sparse_loc] = k
-        vc[plan.sparse_loc] = v
         # With retrieval, also which heads select before attention (flagged, or with slots to fill).
         heads = self._now_heads[layer][:q.shape[0]] if self.retrieval else None
         flags = ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
                                      self.shape.group, self._stat_sim[layer] if self.collect_stats else None,
                                      self.pad_slot, self.slot_table[layer] if self.retrieval else None,
                                      plan.n_slots if self.retrieval else None, heads)
+        e_q = st.record()
+        # The KV write overlaps the selection: it writes a sink or window page, recall only slot pages.
+        ops.write_kv(k, v, kc, vc, plan.sparse_loc)
         if self.retrieval:
-            e_q = st.record()
             with st.on("select"):
                 st.wait(e_q)
                 self._select(plan, layer, q, PHASE_NOW, flags)
@@ -346,11 +345,8 @@ class FreeKVEngine:
         the row's sink pages, its selected pages sorted by position, its window; the first
         plan.row_pages entries are valid. With every page selected this is the request's whole context
         in order, which an order-sensitive kernel needs to round as full attention does."""
-        logical = self.slot_table[layer, plan.rows]  # [B, H, k]; empty slots (-1) sort last
-        order = torch.where(logical >= 0, logical, torch.iinfo(torch.int32).max).sort(dim=-1).indices
-        # Slot s's GPU page is slot_pages[s] = slot_pages[0] + s, so the sorted pages are an offset of order.
-        sorted_pages = plan.slot_pages[:, :1, None] + order
-        return torch.where(plan.in_slots, torch.gather(sorted_pages, 2, plan.slot_pick), plan.row_table[:, None, :])
+        return self.ops.head_pages(self.slot_table[layer], plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots,
+                                   plan.slot_pages)
 
     def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
         """Select with q for the heads of `phase` (PHASE_NOW: those with _now_heads set, PHASE_LATER: the others,

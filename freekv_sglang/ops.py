@@ -6,6 +6,7 @@ import importlib
 from types import SimpleNamespace
 
 _OPS = {
+    "write_kv": ("kv_write", "write_kv"),
     "page_summary": ("page_summary", "page_summary"),
     "offload_pages": ("offload", "offload_pages"),
     "recall_pages": ("recall", "recall_pages"),
@@ -13,6 +14,7 @@ _OPS = {
     "score_pages": ("page_select", "score_pages"),
     "select_slots": ("page_select", "select_slots"),
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
+    "head_pages": ("token_index", "head_pages"),
 }
 
 BACKENDS = ("triton", "torch")
