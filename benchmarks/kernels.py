@@ -4,7 +4,8 @@ Measures, in one run:
   link   the host<->GPU link peak: one large pinned copy_ each way; the device-memory copy bandwidth;
   recall recall_pages gathering random 16 KiB (page, head) chunks straight from a pinned host arena (GB/s, % of peak),
          every (row, head, slot) of a batch recalled, the slot and page tables read by the kernel;
-  offload offload_pages writing whole GPU pages into the pinned arena (GB/s, % of the GPU->host peak);
+  offload offload_pages writing whole GPU pages into the pinned arena, summaries included (GB/s, % of the GPU->host
+         peak);
   select score_pages + select_slots latency per layer (eager and CUDA-graph replay, each op alone in a graph,
          and the floor: reading the summaries once at the measured device-copy bandwidth).
 Recall/offload are timed twice: "eager" events around one call on an idle GPU, which include the host's launch of
@@ -103,14 +104,17 @@ def check_correctness() -> dict:
     odst = torch.randperm(P, device=DEVICE)[:17].int()
     ovalid = torch.rand(17, device=DEVICE) < 0.8
     osrc, odst = (torch.where(ovalid, t, -1) for t in (osrc, odst))
-    arenas = {}
+    arenas, summaries = {}, {}
     for name, fn in (("naive", naive_offload_pages), ("triton", offload_pages)):
         arena = torch.full((P, H, 2, PAGE, D), float("nan"), dtype=DTYPE).pin_memory()
-        fn(k, v, arena, osrc, odst, ovalid, PAGE)
+        summ = torch.full((P, H, 2, D), float("nan"), dtype=DTYPE, device=DEVICE)
+        fn(k, v, arena, summ, osrc, odst, ovalid, PAGE)
         torch.cuda.synchronize()
-        arenas[name] = arena
-    offload_ok = torch.equal(arenas["naive"].isnan(), arenas["triton"].isnan()) and torch.equal(
-        arenas["naive"].nan_to_num(), arenas["triton"].nan_to_num()
+        arenas[name], summaries[name] = arena, summ
+    offload_ok = all(
+        torch.equal(out["naive"].isnan(), out["triton"].isnan())
+        and torch.equal(out["naive"].nan_to_num(), out["triton"].nan_to_num())
+        for out in (arenas, summaries)
     )
     result = {"recall_ok": recall_ok, "offload_ok": offload_ok}
     print(f"correctness vs torch reference: {result}")
@@ -163,7 +167,9 @@ def bench_offload(host_layer: torch.Tensor, sizes: list[int], peak: float, repea
     gpu_pages, P = max(sizes), host_layer.shape[0]
     k, v = torch.randn(2, gpu_pages * PAGE, H, D, dtype=DTYPE, device=DEVICE)
     page_bytes = H * CHUNK_BYTES
-    print(f"\noffload_pages: whole GPU pages (all {H} heads, {page_bytes // 1024} KiB) into random host pages")
+    summaries = torch.empty(P, H, 2, D, dtype=DTYPE, device=DEVICE)
+    print(f"\noffload_pages: whole GPU pages (all {H} heads, {page_bytes // 1024} KiB) into random host pages, "
+          f"summaries included")
     print(f"{'pages':>8} {'MiB':>8} {'ms':>9} {'GB/s':>8} {'% peak':>7} {'gpu ms':>9} {'gpu GB/s':>9} {'gpu %':>7}")
     rows = []
     for n in sizes:
@@ -175,7 +181,9 @@ def bench_offload(host_layer: torch.Tensor, sizes: list[int], peak: float, repea
         valid = torch.ones(n, dtype=torch.bool, device=DEVICE)
         row = {"pages": n, "bytes": n * page_bytes}
         for off, pre, hide in ((0, "", False), (calls, "gpu_", True)):
-            ms = time_ms(lambda i: offload_pages(k, v, host_layer, *sets[off + i], valid, PAGE), repeats, warmup, hide)
+            ms = time_ms(lambda i, off=off, sets=sets, valid=valid: offload_pages(k, v, host_layer, summaries,
+                                                                                   *sets[off + i], valid, PAGE),
+                         repeats, warmup, hide)
             row[pre + "ms"], row[pre + "gbps"] = ms, gbps(n * page_bytes, ms)
             row[pre + "pct_peak"] = 100 * row[pre + "gbps"] / peak
         rows.append(row)

@@ -243,8 +243,7 @@ class FreeKVEngine:
             dst = self.page_table[slot, src.long()]
             valid = torch.ones(len(offload), dtype=torch.bool, device=self.device)
             kv = k[:n // p * p].contiguous(), v[:n // p * p].contiguous()
-            self.ops.page_summary(kv[0], src, dst, valid, self.summaries[layer], p)
-            self.ops.offload_pages(kv[0], kv[1], self.host.arena[:, layer], src, dst, valid, p)
+            self.ops.offload_pages(kv[0], kv[1], self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p)
         if q_last is not None:
             self.prev_q[layer, slot] = q_last
         self.has_prev[layer, slot] = q_last is not None
@@ -335,9 +334,8 @@ class FreeKVEngine:
             st.wait(e_attn)
             if self.retrieval:
                 self._select(plan, layer, self.prev_q[layer], PHASE_LATER)  # q_i, stored by query_similarity
-            ops.page_summary(kc, plan.offload_src, plan.offload_dst, plan.offload_valid, self.summaries[layer], p)
-            ops.offload_pages(kc, vc, self.host.arena[:, layer], plan.offload_src, plan.offload_dst,
-                              plan.offload_valid, p)
+            ops.offload_pages(kc, vc, self.host.arena[:, layer], self.summaries[layer], plan.offload_src,
+                              plan.offload_dst, plan.offload_valid, p)
         return out
 
     def head_pages(self, plan: StepPlan, layer: int) -> torch.Tensor:

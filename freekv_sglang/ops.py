@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 _OPS = {
     "write_kv": ("kv_write", "write_kv"),
-    "page_summary": ("page_summary", "page_summary"),
     "offload_pages": ("offload", "offload_pages"),
     "recall_pages": ("recall", "recall_pages"),
     "query_similarity": ("query_similarity", "query_similarity"),
