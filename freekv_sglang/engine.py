@@ -5,16 +5,20 @@ batch and join or leave between steps. A decode step is `begin_step` (host bookk
 uploads, outside any CUDA graph), then `attend` once per layer (device work only, capturable), then
 `end_step` (joins the side streams).
 
-Per sparse layer l of a step, in stream order (see streams.py):
-  compute: write the new K/V; cosine similarity of q_i and q_{i-1} per KV head -> correction flags;
-           record E_q
-  select:  wait E_q; for the heads that need it now -- flagged, or holding fewer pages than there are
-           candidates (a new request, a context still shorter than the budget) -- score + select with
-           q_i, delta against the resident slots, recall the changed slots of flagged heads and the
-           empty slots being filled; record E_now (the other heads' kernels exit at once)
-  compute: wait E_now; attention over sink | slots | window; record E_attn
-  recall:  wait E_attn; select with q_i for the remaining heads (speculative, used by step i+1) and
-           recall every other changed slot; summarise and offload the page leaving the window
+Per sparse layer l of a step, in stream order (see streams.py), one launch per line item:
+  compute: query_similarity: cosine similarity of q_i and q_{i-1} per KV head -> correction flags,
+           and the heads that select now -- flagged, or holding fewer pages than there are candidates
+           (a new request, a context still shorter than the budget); record E_q; write_kv (the new
+           K/V, overlapping the selection: a sink or window page, never a slot page)
+  select:  wait E_q; for the heads that select now (the other heads' programs exit at once):
+           score_pages with q_i (two launches for mean_softmax pooling), select_slots (top-k, delta
+           against the resident slots, commit, recall codes), recall_pages of the changed slots of
+           flagged heads and the empty slots being filled; record E_now
+  compute: wait E_now; attention over sink | slots | window (an outside kernel: head_pages,
+           head_token_index and the kernel); record E_attn
+  recall:  wait E_attn; score_pages + select_slots with q_i for the remaining heads (speculative,
+           used by step i+1) and recall_pages of every other changed slot; offload_pages summarises
+           and offloads the page leaving the window
   end_step: compute joins both side streams.
 So only flagged heads' selection and recall sit on the critical path, as in the paper. Recall never
 writes a slot this step's attention reads: the speculative recall waits for E_attn (ordering, not
@@ -22,9 +26,10 @@ double buffering), and the join orders it before the next step's correction reca
 write that reuses the ring page being offloaded. Speculative work of layer l overlaps layers l+1.. of
 the same step; only the last layer's is exposed at the join.
 Tensors that cross streams are either consumed before the consumer's event is waited on by their
-producer stream, or live in persistent buffers (the current query in prev_q, the heads handled
-before attention and their deferred recalls), so the caching allocator never hands a block to one
-stream while another still reads it.
+producer stream (the flags), or live in persistent buffers: the current query in prev_q, the heads that
+select before attention (_now_heads, written on compute, read by both side streams) and the recall code
+of every (row, head, slot) (_recall, written by the select stream, completed and read by the recall
+stream), so the caching allocator never hands a block to one stream while another still reads it.
 """
 
 from __future__ import annotations
