@@ -320,7 +320,7 @@ class FreeKVEngine:
                                      self.shape.group, self._stat_sim[layer] if self.collect_stats else None,
                                      self.pad_slot, self.slot_table[layer] if self.retrieval else None,
                                      plan.n_slots if self.retrieval else None, heads)
-        e_q = st.record()
+        e_q = st.record() if self.retrieval else None
         # The KV write overlaps the selection: it writes a sink or window page, recall only slot pages.
         ops.write_kv(k, v, kc, vc, plan.sparse_loc)
         if self.retrieval:
@@ -353,8 +353,10 @@ class FreeKVEngine:
 
     def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
         """Select with q for the heads of `phase` (PHASE_NOW: those with _now_heads set, PHASE_LATER: the others,
-        with q by request slot), commit their slots, and recall what this phase recalls: before attention the
-        changed slots of flagged heads and the empty slots being filled, after it every other changed slot."""
+        with q by request slot), commit their slots, and recall what this phase recalls. Before attention:
+        flagged heads attend with q_i's selection, and so does every head whose selection grew into an empty
+        slot (attention must not miss pages it could hold), so those slots are recalled now; the other changed
+        slots (the latter heads' evictions) wait for the recall after attention, with the speculative heads'."""
         ops, B = self.ops, plan.req_slots.shape[0]
         heads, recall = self._now_heads[layer][:B], self._recall[layer][:B]
         scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, self.cfg.sink_pages,
