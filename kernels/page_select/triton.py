@@ -19,7 +19,7 @@ from .._alloc import empty
 from .._utils import check_device, check_index_vectors
 from .naive import PHASE_NOW, POOLINGS, check_phase
 
-# Sortable int32 key of -inf (see _topk_kernel): keys at or below it are -inf (or padding) and select nothing.
+# Sortable int32 key of -inf (see _sort_keys): keys at or below it are -inf (or padding) and select nothing.
 _NEG_INF_KEY = -2139095041
 
 
