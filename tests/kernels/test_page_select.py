@@ -63,13 +63,17 @@ def test_score_pages_matches_reference(G, page_size, D, M, pooling, dtype):
         torch.testing.assert_close(sums, expect, atol=1e-5, rtol=0)
 
 
+HEADS_SHAPES = [(1, 8, 16, 64, 37, torch.bfloat16), (2, 3, 32, 128, 300, torch.float32),
+                (3, 4, 16, 64, 150, torch.bfloat16), (2, 1, 32, 64, 20, torch.float32)]
+
+
 @pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
 @pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
-@pytest.mark.parametrize("H_,G,page_size,D,M", [(1, 8, 16, 64, 37), (2, 3, 32, 128, 300), (3, 4, 16, 64, 150)])
-def test_score_pages_heads_of_a_phase(H_, G, page_size, D, M, pooling, phase):
+@pytest.mark.parametrize("H_,G,page_size,D,M,dtype", HEADS_SHAPES)
+def test_score_pages_heads_of_a_phase(H_, G, page_size, D, M, dtype, pooling, phase):
     """heads [B, H] and a phase: only the phase's heads (heads == True before attention, False after) are
     scored, exactly as without a mask; the other heads' rows stay unwritten. q_by_slot reads q[req_slots[b]]."""
-    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, page_size, D, M, torch.float32, H_)
+    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, page_size, D, M, dtype, H_)
     heads = torch.rand(B, H_) < 0.5
     heads[0] = True
     heads[1] = False
@@ -80,7 +84,7 @@ def test_score_pages_heads_of_a_phase(H_, G, page_size, D, M, pooling, phase):
     ref = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling, heads, phase)
     assert torch.equal(ref[mine], full[mine]) and ref[~mine].isnan().all()
     # q by request slot: rows of q that no batch row maps to are NaN (never read).
-    q_slots = torch.full((R, H_ * G, D), float("nan"), device=q.device)
+    q_slots = torch.full((R, H_ * G, D), float("nan"), dtype=dtype, device=q.device)
     q_slots[req_slots.long()] = q
     for qq, by_slot in ((q, False), (q_slots, True)):
         with poisoned_outputs():
