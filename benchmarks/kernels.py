@@ -2,9 +2,11 @@
 
 Measures, in one run:
   link   the host<->GPU link peak: one large pinned copy_ each way; the device-memory copy bandwidth;
-  recall recall_pages gathering random 16 KiB (page, head) chunks straight from a pinned host arena (GB/s, % of peak);
-  offload offload_pages writing whole GPU pages into the pinned arena (GB/s, % of the GPU->host peak);
-  select score_pages + select_pages latency per layer (eager and CUDA-graph replay, each op alone in a graph,
+  recall recall_pages gathering random 16 KiB (page, head) chunks straight from a pinned host arena (GB/s, % of peak),
+         every (row, head, slot) of a batch recalled, the slot and page tables read by the kernel;
+  offload offload_pages writing whole GPU pages into the pinned arena, summaries included (GB/s, % of the GPU->host
+         peak);
+  select score_pages + select_slots latency per layer (eager and CUDA-graph replay, each op alone in a graph,
          and the floor: reading the summaries once at the measured device-copy bandwidth).
 Recall/offload are timed twice: "eager" events around one call on an idle GPU, which include the host's launch of
 the Triton kernel (~20+ us of Python), and "gpu" with that launch hidden behind a short spin kernel, i.e. the GPU
@@ -35,6 +37,7 @@ GiB = 1 << 30
 # Llama-3.1-8B: 32 query heads over 8 KV heads, head dim 128, bf16; FreeKV page size 32.
 HQ, H, D, PAGE, DTYPE = 32, 8, 128, 32, torch.bfloat16
 CHUNK_BYTES = 2 * PAGE * D * DTYPE.itemsize  # one (page, head): K then V, 16 KiB
+SLOTS = 64  # selection slots per (row, head): a 2048-token budget
 
 
 def pinned_empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -64,29 +67,33 @@ def gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
-def random_entries(n: int, src_pages: int, dst_pages: int, sets: int) -> list[tuple[torch.Tensor, ...]]:
-    """`sets` independent draws of n recall entries: random host page and head, distinct (dst page, head) pairs.
-    A fresh draw per timed call keeps earlier calls' chunks from being served out of the GPU's L2."""
-    out = []
-    for _ in range(sets):
-        pair = torch.randperm(dst_pages * H, device=DEVICE)[:n]
-        src = torch.randint(0, src_pages, (n,), dtype=torch.int32, device=DEVICE)
-        out.append((src, (pair % H).int(), (pair // H).int()))
-    return out
+def recall_set(n: int, src_pages: int, phase: int = 1) -> tuple[torch.Tensor, ...]:
+    """recall_pages inputs for n (row, head, slot) chunks: rows of H heads and SLOTS slots, the first n entries
+    coded `phase` (the rest 0), random host pages behind random logical pages, row b's slots on GPU pages
+    b*SLOTS .. b*SLOTS+SLOTS-1. A fresh draw per timed call keeps earlier calls' chunks out of the GPU's L2."""
+    B, M = -(-n // (H * SLOTS)), 4 * SLOTS
+    page_table = torch.randint(0, src_pages, (B, M), dtype=torch.int32, device=DEVICE)
+    slots = torch.randint(0, M, (B, H, SLOTS), dtype=torch.int32, device=DEVICE)
+    req_slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
+    slot_pages = torch.arange(B * SLOTS, dtype=torch.int32, device=DEVICE).view(B, SLOTS)
+    recall = torch.zeros(B * H * SLOTS, dtype=torch.int8, device=DEVICE)
+    recall[:n] = phase
+    return page_table, slots, req_slots, slot_pages, recall.view(B, H, SLOTS)
 
 
 def check_correctness() -> dict:
-    """recall_pages / offload_pages against the torch references on this GPU, with pinned memory and invalid
-    entries carrying -1 indices. Raises on a mismatch: there is no point timing a wrong kernel."""
-    P, gpu_pages, n = 61, 37, 203
+    """recall_pages / offload_pages against the torch references on this GPU, with pinned memory and entries of
+    another phase carrying garbage indices. Raises on a mismatch: there is no point timing a wrong kernel."""
+    P, n = 61, 3 * H * SLOTS - 77
     host_layer = torch.randn(P, 3, H, 2, PAGE, D, dtype=DTYPE).pin_memory()[:, 1]  # a strided layer view
-    src, head, dst = random_entries(n, P, gpu_pages, 1)[0]
-    valid = torch.rand(n, device=DEVICE) < 0.8
-    src, head, dst = (torch.where(valid, t, -1) for t in (src, head, dst))
+    page_table, slots, req_slots, slot_pages, recall = recall_set(n, P, phase=2)
+    recall.view(-1)[torch.rand(recall.numel(), device=DEVICE) < 0.3] = 1  # the other phase's entries ...
+    slots[recall.view(slots.shape) != 2] = 1 << 28  # ... and unused ones name no valid page
+    gpu_pages = slot_pages.numel()
     caches = {}
     for name, fn in (("naive", naive_recall_pages), ("triton", recall_pages)):
         k, v = torch.full((2, gpu_pages * PAGE, H, D), float("nan"), dtype=DTYPE, device=DEVICE)
-        fn(host_layer, k, v, src, head, dst, valid, PAGE)
+        fn(host_layer, k, v, page_table, slots, req_slots, slot_pages, recall, 2, PAGE)
         caches[name] = torch.stack([k, v])
     recall_ok = torch.equal(caches["naive"].isnan(), caches["triton"].isnan()) and torch.equal(
         caches["naive"].nan_to_num(), caches["triton"].nan_to_num()
@@ -97,14 +104,17 @@ def check_correctness() -> dict:
     odst = torch.randperm(P, device=DEVICE)[:17].int()
     ovalid = torch.rand(17, device=DEVICE) < 0.8
     osrc, odst = (torch.where(ovalid, t, -1) for t in (osrc, odst))
-    arenas = {}
+    arenas, summaries = {}, {}
     for name, fn in (("naive", naive_offload_pages), ("triton", offload_pages)):
         arena = torch.full((P, H, 2, PAGE, D), float("nan"), dtype=DTYPE).pin_memory()
-        fn(k, v, arena, osrc, odst, ovalid, PAGE)
+        summ = torch.full((P, H, 2, D), float("nan"), dtype=DTYPE, device=DEVICE)
+        fn(k, v, arena, summ, osrc, odst, ovalid, PAGE)
         torch.cuda.synchronize()
-        arenas[name] = arena
-    offload_ok = torch.equal(arenas["naive"].isnan(), arenas["triton"].isnan()) and torch.equal(
-        arenas["naive"].nan_to_num(), arenas["triton"].nan_to_num()
+        arenas[name], summaries[name] = arena, summ
+    offload_ok = all(
+        torch.equal(out["naive"].isnan(), out["triton"].isnan())
+        and torch.equal(out["naive"].nan_to_num(), out["triton"].nan_to_num())
+        for out in (arenas, summaries)
     )
     result = {"recall_ok": recall_ok, "offload_ok": offload_ok}
     print(f"correctness vs torch reference: {result}")
@@ -132,7 +142,7 @@ def bench_link(gib: float, repeats: int) -> dict:
 
 
 def bench_recall(host_layer: torch.Tensor, sizes: list[int], peak: float, repeats: int, warmup: int) -> list[dict]:
-    gpu_pages = max(sizes) // H  # every (page, head) of the GPU cache can be a destination
+    gpu_pages = -(-max(sizes) // (H * SLOTS)) * SLOTS  # every (page, head) of the GPU cache can be a destination
     k, v = torch.empty(2, gpu_pages * PAGE, H, D, dtype=DTYPE, device=DEVICE)
     print(f"\nrecall_pages: random {CHUNK_BYTES // 1024} KiB (page, head) chunks from a "
           f"{host_layer.shape[0] * H * CHUNK_BYTES / GiB:.1f} GiB pinned arena into a {gpu_pages}-page GPU cache")
@@ -140,11 +150,11 @@ def bench_recall(host_layer: torch.Tensor, sizes: list[int], peak: float, repeat
     rows = []
     for n in sizes:
         calls = warmup + repeats
-        sets = random_entries(n, host_layer.shape[0], gpu_pages, 2 * calls)  # fresh draws for each pass
-        valid = torch.ones(n, dtype=torch.bool, device=DEVICE)
+        sets = [recall_set(n, host_layer.shape[0]) for _ in range(2 * calls)]  # fresh draws for each pass
         row = {"chunks": n, "bytes": n * CHUNK_BYTES}
         for off, pre, hide in ((0, "", False), (calls, "gpu_", True)):
-            ms = time_ms(lambda i: recall_pages(host_layer, k, v, *sets[off + i], valid, PAGE), repeats, warmup, hide)
+            ms = time_ms(lambda i, off=off, sets=sets: recall_pages(host_layer, k, v, *sets[off + i], 1, PAGE),
+                         repeats, warmup, hide)
             row[pre + "ms"], row[pre + "gbps"] = ms, gbps(n * CHUNK_BYTES, ms)
             row[pre + "pct_peak"] = 100 * row[pre + "gbps"] / peak
         rows.append(row)
@@ -157,7 +167,9 @@ def bench_offload(host_layer: torch.Tensor, sizes: list[int], peak: float, repea
     gpu_pages, P = max(sizes), host_layer.shape[0]
     k, v = torch.randn(2, gpu_pages * PAGE, H, D, dtype=DTYPE, device=DEVICE)
     page_bytes = H * CHUNK_BYTES
-    print(f"\noffload_pages: whole GPU pages (all {H} heads, {page_bytes // 1024} KiB) into random host pages")
+    summaries = torch.empty(P, H, 2, D, dtype=DTYPE, device=DEVICE)
+    print(f"\noffload_pages: whole GPU pages (all {H} heads, {page_bytes // 1024} KiB) into random host pages, "
+          f"summaries included")
     print(f"{'pages':>8} {'MiB':>8} {'ms':>9} {'GB/s':>8} {'% peak':>7} {'gpu ms':>9} {'gpu GB/s':>9} {'gpu %':>7}")
     rows = []
     for n in sizes:
@@ -169,7 +181,9 @@ def bench_offload(host_layer: torch.Tensor, sizes: list[int], peak: float, repea
         valid = torch.ones(n, dtype=torch.bool, device=DEVICE)
         row = {"pages": n, "bytes": n * page_bytes}
         for off, pre, hide in ((0, "", False), (calls, "gpu_", True)):
-            ms = time_ms(lambda i: offload_pages(k, v, host_layer, *sets[off + i], valid, PAGE), repeats, warmup, hide)
+            ms = time_ms(lambda i, off=off, sets=sets, valid=valid: offload_pages(k, v, host_layer, summaries,
+                                                                                   *sets[off + i], valid, PAGE),
+                         repeats, warmup, hide)
             row[pre + "ms"], row[pre + "gbps"] = ms, gbps(n * page_bytes, ms)
             row[pre + "pct_peak"] = 100 * row[pre + "gbps"] / peak
         rows.append(row)
@@ -196,13 +210,13 @@ def bench_select(
     contexts: list[int], batches: list[int], budget: int, repeats: int, warmup: int, copy_gbps: float
 ) -> dict | list[dict]:
     try:
-        from freekv_kernels.page_select import score_pages, select_pages
+        from freekv_kernels.page_select import PHASE_NOW, score_pages, select_slots
     except ImportError as e:
         print(f"\nselection: skipped, freekv_kernels.page_select is not importable ({e})")
         return {"skipped": str(e)}
     k = budget // PAGE
-    print(f"\nselection per layer: score_pages + select_pages, {HQ} q heads / {H} KV heads, D={D}, p={PAGE}, "
-          f"k={k} pages ({budget} tokens), every page of every row a candidate; graph: one call of both ops "
+    print(f"\nselection per layer: score_pages + select_slots (top-k, slot delta, commit), {HQ} q heads / {H} KV "
+          f"heads, D={D}, p={PAGE}, k={k} pages ({budget} tokens), every page of every row a candidate; graph: one call of both ops "
           f"captured and replayed (score / select: each op alone); floor: the bf16 summaries read once at "
           f"{copy_gbps / 1e3:.2f} TB/s")
     print(f"{'context':>8} {'batch':>6} {'pooling':>13} {'eager us':>9} {'graph us':>9} {'score us':>9} "
@@ -216,11 +230,16 @@ def bench_select(
             req_slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
             cand_end = torch.full((B,), M, dtype=torch.int32, device=DEVICE)
             q = torch.randn(B, HQ, D, dtype=DTYPE, device=DEVICE)
+            slots = torch.full((B, H, k), -1, dtype=torch.int32, device=DEVICE)
+            heads = torch.ones(B, H, dtype=torch.bool, device=DEVICE)  # every head selects (and is flagged)
+            recall = torch.zeros(B, H, k, dtype=torch.int8, device=DEVICE)
             for pooling in ("mean_softmax", "max"):
 
+                def select(scores, slots=slots, req_slots=req_slots, heads=heads, recall=recall):
+                    select_slots(scores, slots, req_slots, heads, PHASE_NOW, heads, recall)
+
                 def run():
-                    scores = score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling)
-                    return select_pages(scores, k)
+                    select(score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling))
 
                 scores = score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling)
                 row = {"context": ctx, "batch": B, "pages_per_row": M, "k": k, "pooling": pooling}
@@ -231,7 +250,7 @@ def bench_select(
                     row["score_graph_us"] = 1e3 * graph_replay_ms(
                         lambda: score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling),
                         repeats)
-                    row["select_graph_us"] = 1e3 * graph_replay_ms(lambda: select_pages(scores, k), repeats)
+                    row["select_graph_us"] = 1e3 * graph_replay_ms(lambda: select(scores), repeats)
                 except Exception as e:  # report, keep going: capture is a bonus measurement
                     row["graph_error"] = f"{type(e).__name__}: {e}"
                 rows.append(row)

@@ -5,16 +5,20 @@ batch and join or leave between steps. A decode step is `begin_step` (host bookk
 uploads, outside any CUDA graph), then `attend` once per layer (device work only, capturable), then
 `end_step` (joins the side streams).
 
-Per sparse layer l of a step, in stream order (see streams.py):
-  compute: write the new K/V; cosine similarity of q_i and q_{i-1} per KV head -> correction flags;
-           record E_q
-  select:  wait E_q; for the heads that need it now -- flagged, or holding fewer pages than there are
-           candidates (a new request, a context still shorter than the budget) -- score + select with
-           q_i, delta against the resident slots, recall the changed slots of flagged heads and the
-           empty slots being filled; record E_now (the other heads' kernels exit at once)
-  compute: wait E_now; attention over sink | slots | window; record E_attn
-  recall:  wait E_attn; select with q_i for the remaining heads (speculative, used by step i+1) and
-           recall every other changed slot; summarise and offload the page leaving the window
+Per sparse layer l of a step, in stream order (see streams.py), one launch per line item:
+  compute: query_similarity: cosine similarity of q_i and q_{i-1} per KV head -> correction flags,
+           and the heads that select now -- flagged, or holding fewer pages than there are candidates
+           (a new request, a context still shorter than the budget); record E_q; write_kv (the new
+           K/V, overlapping the selection: a sink or window page, never a slot page)
+  select:  wait E_q; for the heads that select now (the other heads' programs exit at once):
+           score_pages with q_i (two launches for mean_softmax pooling), select_slots (top-k, delta
+           against the resident slots, commit, recall codes), recall_pages of the changed slots of
+           flagged heads and the empty slots being filled; record E_now
+  compute: wait E_now; attention over sink | slots | window (an outside kernel: head_pages,
+           head_token_index and the kernel); record E_attn
+  recall:  wait E_attn; score_pages + select_slots with q_i for the remaining heads (speculative,
+           used by step i+1) and recall_pages of every other changed slot; offload_pages summarises
+           and offloads the page leaving the window
   end_step: compute joins both side streams.
 So only flagged heads' selection and recall sit on the critical path, as in the paper. Recall never
 writes a slot this step's attention reads: the speculative recall waits for E_attn (ordering, not
@@ -22,9 +26,10 @@ double buffering), and the join orders it before the next step's correction reca
 write that reuses the ring page being offloaded. Speculative work of layer l overlaps layers l+1.. of
 the same step; only the last layer's is exposed at the join.
 Tensors that cross streams are either consumed before the consumer's event is waited on by their
-producer stream, or live in persistent buffers (the current query in prev_q, the heads handled
-before attention and their deferred recalls), so the caching allocator never hands a block to one
-stream while another still reads it.
+producer stream (the flags), or live in persistent buffers: the current query in prev_q, the heads that
+select before attention (_now_heads, written on compute, read by both side streams) and the recall code
+of every (row, head, slot) (_recall, written by the select stream, completed and read by the recall
+stream), so the caching allocator never hands a block to one stream while another still reads it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 
 from .config import FreeKVConfig
 from .host_pool import HostPool, LocalHostPool
@@ -139,11 +145,12 @@ class FreeKVEngine:
         # Step inputs live in static buffers so a captured step replays with new values.
         self._step_slots = torch.full((R,), self.pad_slot, dtype=torch.int32, device=self.device)
         self._step_lens = torch.ones(R, dtype=torch.int32, device=self.device)
-        # Per sparse layer: which heads the select stream handled this step and their deferred recalls.
+        # Per sparse layer, by batch row: which heads select before attention (query_similarity writes it), and
+        # the phase in which each (head, slot) is recalled this step (select_slots writes it; 0: not recalled).
         self._now_heads = [None if d else torch.zeros(R, H, dtype=torch.bool, device=self.device)
                            for d in self.dense]
-        self._later_now = [None if d else torch.zeros(R, H, k, dtype=torch.bool, device=self.device)
-                           for d in self.dense]
+        self._recall = [None if d else torch.zeros(R, H, k, dtype=torch.int8, device=self.device)
+                        for d in self.dense]
         self._free_slots = [s for s in range(R - 1, -1, -1) if s != self.pad_slot]
         self._len = [0] * R
         self._host_pages: list[list[int]] = [[] for _ in range(R)]
@@ -155,8 +162,8 @@ class FreeKVEngine:
         # Per layer, accumulated by query_similarity: flagged (row, KV head) checks, the sum of group-mean
         # cosine similarities of rows with a previous query, and their count.
         self._stat_sim = torch.zeros(L, 3, **z)
-        self._stat_recall_now = torch.zeros(L, **z)  # (page, head) chunks recalled before attention
-        self._stat_recall_later = torch.zeros(L, **z)
+        # Per layer, accumulated by select_slots: (page, head) chunks recalled before attention, and after it.
+        self._stat_recall = torch.zeros(L, 2, **z)
         self._stat_checks = 0  # (row, KV head) checks per sparse layer
         self._stat_steps = 0
 
@@ -257,8 +264,7 @@ class FreeKVEngine:
             dst = self.page_table[slot, src.long()]
             valid = torch.ones(len(offload), dtype=torch.bool, device=self.device)
             kv = k[:n // p * p].contiguous(), v[:n // p * p].contiguous()
-            self.ops.page_summary(kv[0], src, dst, valid, self.summaries[layer], p)
-            self.ops.offload_pages(kv[0], kv[1], self.host.arena[:, layer], src, dst, valid, p)
+            self.ops.offload_pages(kv[0], kv[1], self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p)
         if q_last is not None:
             self.prev_q[layer, slot] = q_last
         self.has_prev[layer, slot] = q_last is not None
@@ -293,9 +299,8 @@ class FreeKVEngine:
         e = st.record()
         with st.on("recall"):
             st.wait(e)
-            self.ops.page_summary(k_src, offload_src, offload_dst, offload_valid, self.summaries[layer], p)
-            self.ops.offload_pages(k_src, v_src, self.host.arena[:, layer], offload_src, offload_dst,
-                                   offload_valid, p)
+            self.ops.offload_pages(k_src, v_src, self.host.arena[:, layer], self.summaries[layer], offload_src,
+                                   offload_dst, offload_valid, p)
             H = self.shape.num_kv_heads
             kc.view(-1, p, H, D)[resident_dst] = k_src.view(-1, p, H, D)[resident_src]
             vc.view(-1, p, H, D)[resident_dst] = v_src.view(-1, p, H, D)[resident_src]
@@ -310,7 +315,7 @@ class FreeKVEngine:
     def plan(self, batch: int) -> StepPlan:
         """Device-side planning from the static step buffers: capturable in a CUDA graph."""
         return plan_step(self.layout, self._step_slots[:batch], self._step_lens[:batch], self.page_table,
-                         self.pad_slot, self.retrieval, self.shape.num_kv_heads)
+                         self.pad_slot, self.retrieval)
 
     def prepare_step(self, slots: list[int], pad_to: int | None = None, lens: list[int] | None = None) -> None:
         """Host bookkeeping of a step (host pages, lengths) and upload into the static step buffers.
@@ -356,21 +361,23 @@ class FreeKVEngine:
         if self.dense[layer]:
             if self.dense_outside:
                 raise ValueError(f"layer {layer} is dense and served outside the engine")
-            kc[plan.dense_loc] = k
-            vc[plan.dense_loc] = v
+            ops.write_kv(k, v, kc, vc, plan.dense_loc)
             return ops.sparse_decode_attention(q, kc, vc, plan.dense_table, plan.dense_pages, plan.last_page_len,
                                                self.scale, p)
         st = self.streams
-        kc[plan.sparse_loc] = k
-        vc[plan.sparse_loc] = v
+        # With retrieval, also which heads select before attention (flagged, or with slots to fill).
+        heads = self._now_heads[layer][:q.shape[0]] if self.retrieval else None
         flags = ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
                                      self.shape.group, self._stat_sim[layer] if self.collect_stats else None,
-                                     self.pad_slot)
+                                     self.pad_slot, self.slot_table[layer] if self.retrieval else None,
+                                     plan.n_slots if self.retrieval else None, heads)
+        e_q = st.record() if self.retrieval else None
+        # The KV write overlaps the selection: it writes a sink or window page, recall only slot pages.
+        ops.write_kv(k, v, kc, vc, plan.sparse_loc)
         if self.retrieval:
-            e_q = st.record()
             with st.on("select"):
                 st.wait(e_q)
-                self._select_now(plan, layer, q, flags)
+                self._select(plan, layer, q, PHASE_NOW, flags)
                 e_now = st.record()
             st.wait(e_now)
         if attention is None:
@@ -382,10 +389,9 @@ class FreeKVEngine:
         with st.on("recall"):
             st.wait(e_attn)
             if self.retrieval:
-                self._select_later(plan, layer)
-            ops.page_summary(kc, plan.offload_src, plan.offload_dst, plan.offload_valid, self.summaries[layer], p)
-            ops.offload_pages(kc, vc, self.host.arena[:, layer], plan.offload_src, plan.offload_dst,
-                              plan.offload_valid, p)
+                self._select(plan, layer, self.prev_q[layer], PHASE_LATER)  # q_i, stored by query_similarity
+            ops.offload_pages(kc, vc, self.host.arena[:, layer], self.summaries[layer], plan.offload_src,
+                              plan.offload_dst, plan.offload_valid, p)
         return out
 
     def head_pages(self, plan: StepPlan, layer: int) -> torch.Tensor:
@@ -393,56 +399,24 @@ class FreeKVEngine:
         the row's sink pages, its selected pages sorted by position, its window; the first
         plan.row_pages entries are valid. With every page selected this is the request's whole context
         in order, which an order-sensitive kernel needs to round as full attention does."""
-        logical = self.slot_table[layer, plan.rows]  # [B, H, k]; empty slots (-1) sort last
-        order = torch.where(logical >= 0, logical, torch.iinfo(torch.int32).max).sort(dim=-1).indices
-        # Slot s's GPU page is slot_pages[s] = slot_pages[0] + s, so the sorted pages are an offset of order.
-        sorted_pages = plan.slot_pages[:, :1, None] + order
-        return torch.where(plan.in_slots, torch.gather(sorted_pages, 2, plan.slot_pick), plan.row_table[:, None, :])
+        return self.ops.head_pages(self.slot_table[layer], plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots,
+                                   plan.slot_pages)
 
-    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, heads: torch.Tensor, old: torch.Tensor):
-        """Select with q for `heads` [B, H] (the others keep their slots); `old` is the batch rows' slot
-        table. Stores and returns the new table and the changed slots."""
-        ops, n_s = self.ops, self.cfg.sink_pages
-        cand_end = torch.where(heads, plan.cand_end[:, None], n_s).int()  # a skipped head has no candidates
-        scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, n_s, cand_end,
-                                 self.scale, self.pooling)
-        sel = torch.where(heads[:, :, None], ops.select_pages(scores, self.cfg.select_pages), old)
-        new, changed = ops.slot_delta(old, sel)
-        if self.cfg.recall == "all":  # ablation: a reselected head recalls all its pages, resident or not
-            changed = (new >= 0) & heads[:, :, None]
-        self.slot_table[layer, plan.rows] = new
-        return new, changed
-
-    def _recall(self, plan: StepPlan, layer: int, new: torch.Tensor, which: torch.Tensor) -> None:
-        """Recall the (row, head, slot) entries in `which` from the host pages of `new`'s logical pages."""
-        src = self.page_table[plan.rows[:, None, None], new.long().clamp(min=0)]
-        self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], src.reshape(-1),
-                              plan.recall_head, plan.recall_dst, which.reshape(-1).contiguous(), self.cfg.page_size)
-
-    def _select_now(self, plan: StepPlan, layer: int, q: torch.Tensor, flags: torch.Tensor) -> None:
-        B = q.shape[0]
-        old = self.slot_table[layer, plan.rows]
-        heads = flags | ((old >= 0).sum(-1) < plan.n_slots[:, None])
-        new, changed = self._select(plan, layer, q, heads, old)
-        # Flagged heads attend with q_i's selection now; so does every head whose selection grew into an
-        # empty slot: attention must not miss pages it could hold. Evictions of the latter wait.
-        now = changed & (flags[:, :, None] | (old < 0))
-        self._recall(plan, layer, new, now)
-        self._now_heads[layer][:B].copy_(heads)
-        self._later_now[layer][:B].copy_(changed & ~now)
-        if self.collect_stats:
-            self._stat_recall_now[layer] += (now & plan.row_valid[:, None, None]).sum()
-
-    def _select_later(self, plan: StepPlan, layer: int) -> None:
-        B = plan.req_slots.shape[0]
-        heads = self._now_heads[layer][:B]
-        r = plan.rows
-        q = self.prev_q[layer, r]  # this step's query, stored by query_similarity
-        new, changed = self._select(plan, layer, q, ~heads, self.slot_table[layer, r])
-        later = changed | self._later_now[layer][:B]
-        self._recall(plan, layer, new, later)
-        if self.collect_stats:
-            self._stat_recall_later[layer] += (later & plan.row_valid[:, None, None]).sum()
+    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
+        """Select with q for the heads of `phase` (PHASE_NOW: those with _now_heads set, PHASE_LATER: the others,
+        with q by request slot), commit their slots, and recall what this phase recalls. Before attention:
+        flagged heads attend with q_i's selection, and so does every head whose selection grew into an empty
+        slot (attention must not miss pages it could hold), so those slots are recalled now; the other changed
+        slots (the latter heads' evictions) wait for the recall after attention, with the speculative heads'."""
+        ops, B = self.ops, plan.req_slots.shape[0]
+        heads, recall = self._now_heads[layer][:B], self._recall[layer][:B]
+        scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, self.cfg.sink_pages,
+                                 plan.cand_end, self.scale, self.pooling, heads, phase, phase == PHASE_LATER)
+        ops.select_slots(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
+                         self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
+                         self.pad_slot)
+        ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
+                         self.slot_table[layer], plan.req_slots, plan.slot_pages, recall, phase, self.cfg.page_size)
 
     def end_step(self) -> None:
         self.streams.join()
@@ -456,7 +430,7 @@ class FreeKVEngine:
         checks = max(self._stat_checks, 1)
         chunk = 2 * self.cfg.page_size * self.shape.head_dim * self.k_cache[0].element_size()
         flags, cos, cos_n = self._stat_sim.T.tolist()
-        now, later = self._stat_recall_now.tolist(), self._stat_recall_later.tolist()
+        now, later = self._stat_recall.T.tolist()
         return {
             "steps": self._stat_steps,
             "correction_rate": {layer: flags[layer] / checks for layer in layers},

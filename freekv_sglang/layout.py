@@ -59,7 +59,6 @@ class StepPlan:
     """Device tensors of one decode step, shared by all layers. Rows are batch positions."""
 
     req_slots: torch.Tensor  # [B] int32
-    rows: torch.Tensor  # [B] int64: req_slots as an index (converted once per step, not per layer)
     sparse_loc: torch.Tensor  # [B] int64: token row of the new KV in sparse layers
     dense_loc: torch.Tensor  # [B] int64
     row_table: torch.Tensor  # [B, resident] int32: sink | selected slots | window, partial page last
@@ -76,12 +75,6 @@ class StepPlan:
     offload_src: torch.Tensor  # [B] int32: ring page leaving the window after this step
     offload_dst: torch.Tensor  # [B] int32: its host page
     offload_valid: torch.Tensor  # [B] bool
-    row_valid: torch.Tensor  # [B] bool: False for padding rows
-    # Per-step constants of every sparse layer's selection, recall and token lists (computed once here).
-    slot_pick: torch.Tensor  # [B, H, resident] int64: where in_slots, entry i of a head's row (head_pages) is
-    in_slots: torch.Tensor  # [B, 1, resident] bool: its sorted slot slot_pick[i]; elsewhere row_table[i]
-    recall_head: torch.Tensor  # [B * H * k] int32: KV head of each (row, head, slot) recall entry
-    recall_dst: torch.Tensor  # [B * H * k] int32: its GPU page
 
 
 def row_tokens(cfg: FreeKVConfig, n: int, retrieval: bool = True) -> int:
@@ -104,7 +97,7 @@ def head_indptr(cfg: FreeKVConfig, lens: list[int], num_kv_heads: int) -> torch.
 
 
 def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor,
-              pad_slot: int, retrieval: bool, num_kv_heads: int) -> StepPlan:
+              pad_slot: int, retrieval: bool) -> StepPlan:
     """Index tensors for a step in which row b holds seq_lens[b] tokens, the newest being this step's.
 
     Pure tensor arithmetic on the device: no host synchronisation, so it can run inside a CUDA graph.
@@ -148,16 +141,9 @@ def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, p
     leaving_c = torch.clamp(leaving, min=0, max=layout.max_pages - 1)
     offload_dst = page_table[r, leaving_c]
 
-    B, H = req_slots.shape[0], num_kv_heads
-    mid = i - n_sink[:, None]  # [B, rp]
     slot_pages = base[:, None] + n_s + torch.arange(k, device=dev)[None, :]
     return StepPlan(
-        slot_pick=mid.clamp(0, k - 1)[:, None, :].expand(B, H, rp).contiguous(),
-        in_slots=((mid >= 0) & (mid < n_slots[:, None]))[:, None, :],
-        recall_head=torch.arange(H, device=dev, dtype=torch.int32)[None, :, None].expand(B, H, k).reshape(-1).contiguous(),
-        recall_dst=slot_pages.int()[:, None, :].expand(B, H, k).reshape(-1).contiguous(),
         req_slots=req_slots,
-        rows=r,
         sparse_loc=sparse_page * p + off,
         dense_loc=(dense_first + c) * p + off,
         row_table=row.int(),
@@ -174,5 +160,4 @@ def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, p
         offload_src=torch.where(offload_valid, ring(leaving), 0).int(),
         offload_dst=torch.where(offload_valid, offload_dst, 0).int(),
         offload_valid=offload_valid,
-        row_valid=req_slots != pad_slot,
     )

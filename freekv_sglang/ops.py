@@ -6,14 +6,14 @@ import importlib
 from types import SimpleNamespace
 
 _OPS = {
-    "page_summary": ("page_summary", "page_summary"),
+    "write_kv": ("kv_write", "write_kv"),
     "offload_pages": ("offload", "offload_pages"),
     "recall_pages": ("recall", "recall_pages"),
     "query_similarity": ("query_similarity", "query_similarity"),
     "score_pages": ("page_select", "score_pages"),
-    "select_pages": ("page_select", "select_pages"),
-    "slot_delta": ("page_select", "slot_delta"),
+    "select_slots": ("page_select", "select_slots"),
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
+    "head_pages": ("token_index", "head_pages"),
 }
 
 BACKENDS = ("triton", "torch")

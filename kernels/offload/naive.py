@@ -1,4 +1,4 @@
-"""Torch reference for offload_pages: copy whole GPU pages (all heads) into the HND host arena."""
+"""Torch reference for offload_pages: copy whole GPU pages (all heads) into the HND host arena and summarise them."""
 
 from __future__ import annotations
 
@@ -9,20 +9,24 @@ def naive_offload_pages(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     host_layer: torch.Tensor,
+    summaries: torch.Tensor,
     src: torch.Tensor,
     dst: torch.Tensor,
     valid: torch.Tensor,
     page_size: int,
 ) -> None:
-    """For each valid i: host_layer[dst[i], :, 0 / 1] <- rows src[i]*p .. +p of k_cache / v_cache, NHD -> HND.
+    """For each valid i: host_layer[dst[i], :, 0 / 1] <- rows src[i]*p .. +p of k_cache / v_cache, NHD -> HND, and
+    summaries[dst[i], :, 0 / 1] = the elementwise min / max over those rows of k_cache.
 
-    A source page that runs past the last row (a prefill tensor whose length is not a multiple of p) copies only
-    the rows that exist; the rest of that host page is left as it was.
+    A source page that runs past the last row (a prefill tensor whose length is not a multiple of p) copies and
+    summarises only the rows that exist; the rest of that host page is left as it was.
     """
     p = page_size
     for s, d, ok in zip(src.tolist(), dst.tolist(), valid.tolist()):
         if ok:
-            k = k_cache[s * p : (s + 1) * p].transpose(0, 1)  # [H, rows, D]
-            v = v_cache[s * p : (s + 1) * p].transpose(0, 1)
-            host_layer[d, :, 0, : k.shape[1]].copy_(k)
-            host_layer[d, :, 1, : v.shape[1]].copy_(v)
+            k = k_cache[s * p : (s + 1) * p]  # [rows, H, D]
+            v = v_cache[s * p : (s + 1) * p]
+            host_layer[d, :, 0, : k.shape[0]].copy_(k.transpose(0, 1))
+            host_layer[d, :, 1, : v.shape[0]].copy_(v.transpose(0, 1))
+            summaries[d, :, 0] = k.amin(dim=0)
+            summaries[d, :, 1] = k.amax(dim=0)

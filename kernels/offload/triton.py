@@ -1,4 +1,5 @@
-"""Offload: write whole GPU pages (every head) into the HND host arena, NHD -> HND fused into the copy.
+"""Offload: write whole GPU pages (every head) into the HND host arena, NHD -> HND fused into the copy, and
+summarise them (per-head elementwise min / max of the keys) from the same read.
 
 On CUDA `host_layer` is pinned (or cudaHostRegister'ed) host memory that the kernel writes directly over UVA.
 """
@@ -17,6 +18,7 @@ def _offload_pages_kernel(
     k_ptr,
     v_ptr,
     host_ptr,
+    summ_ptr,
     src_ptr,
     dst_ptr,
     valid_ptr,
@@ -29,6 +31,9 @@ def _offload_pages_kernel(
     s_hh,
     s_hkv,
     s_ht,
+    s_sp,
+    s_sh,
+    s_smm,
     PAGE: tl.constexpr,
     D: tl.constexpr,
 ):
@@ -44,30 +49,39 @@ def _offload_pages_kernel(
     d = tl.arange(0, D)[None, :]
     k = tl.load(k_ptr + rows[:, None] * s_kt + h * s_kh + d, mask=m)
     v = tl.load(v_ptr + rows[:, None] * s_vt + h * s_vh + d, mask=m)
-    chunk = host_ptr + tl.load(dst_ptr + i).to(tl.int64) * s_hp + h * s_hh + t * s_ht + d
+    dst = tl.load(dst_ptr + i).to(tl.int64)
+    chunk = host_ptr + dst * s_hp + h * s_hh + t * s_ht + d
     tl.store(chunk, k, mask=m)
     tl.store(chunk + s_hkv, v, mask=m)
+    # min / max in fp32 are exact for every cache dtype, and so is the cast back.
+    kf = k.to(tl.float32)
+    summ = summ_ptr + dst * s_sp + h * s_sh + tl.arange(0, D)
+    tl.store(summ, tl.min(tl.where(m, kf, float("inf")), axis=0).to(summ_ptr.dtype.element_ty))
+    tl.store(summ + s_smm, tl.max(tl.where(m, kf, float("-inf")), axis=0).to(summ_ptr.dtype.element_ty))
 
 
 def offload_pages(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     host_layer: torch.Tensor,
+    summaries: torch.Tensor,
     src: torch.Tensor,
     dst: torch.Tensor,
     valid: torch.Tensor,
     page_size: int,
 ) -> None:
-    """For each valid i: host_layer[dst[i], :, 0 / 1] <- rows src[i]*p .. +p of k_cache / v_cache, NHD -> HND.
+    """For each valid i: host_layer[dst[i], :, 0 / 1] <- rows src[i]*p .. +p of k_cache / v_cache, NHD -> HND, and
+    summaries[dst[i], :, 0 / 1] = the elementwise min / max over those rows of k_cache.
 
-    A source page that runs past the last row (a prefill tensor whose length is not a multiple of p) copies only
-    the rows that exist; the rest of that host page is left as it was.
+    A source page that runs past the last row (a prefill tensor whose length is not a multiple of p) copies and
+    summarises only the rows that exist; the rest of that host page is left as it was.
     """
-    check_device(k_cache, v_cache, host_layer, src, dst, valid)
+    check_device(k_cache, v_cache, host_layer, summaries, src, dst, valid)
     check_index_vectors(src=src, dst=dst, valid=valid)
     n = src.shape[0]
     T, H, D = k_cache.shape
     assert v_cache.shape == k_cache.shape and host_layer.shape[1:] == (H, 2, page_size, D)
+    assert summaries.shape[1:] == (H, 2, D) and summaries.stride(-1) == 1
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if n == 0:
         return
@@ -75,6 +89,7 @@ def offload_pages(
         k_cache,
         v_cache,
         host_layer,
+        summaries,
         src,
         dst,
         valid,
@@ -87,6 +102,9 @@ def offload_pages(
         host_layer.stride(1),
         host_layer.stride(2),
         host_layer.stride(3),
+        summaries.stride(0),
+        summaries.stride(1),
+        summaries.stride(2),
         PAGE=page_size,
         D=D,
         num_warps=4,

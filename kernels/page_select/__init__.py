@@ -1,13 +1,14 @@
-"""Page scoring (FreeKV group-consistent MeanS, or Quest-style max pooling), top-k selection, slot assignment."""
+"""Page scoring (FreeKV group-consistent MeanS, or Quest-style max pooling), then top-k selection, slot assignment
+and commit in one op."""
 
-from .naive import naive_score_pages, naive_select_pages, naive_slot_delta
-from .triton import score_pages, select_pages, slot_delta
+from .naive import PHASE_LATER, PHASE_NOW, naive_score_pages, naive_select_slots
+from .triton import score_pages, select_slots
 
 __all__ = [
-    "score_pages",
-    "select_pages",
-    "slot_delta",
+    "PHASE_LATER",
+    "PHASE_NOW",
     "naive_score_pages",
-    "naive_select_pages",
-    "naive_slot_delta",
+    "naive_select_slots",
+    "score_pages",
+    "select_slots",
 ]

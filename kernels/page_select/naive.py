@@ -5,6 +5,19 @@ from __future__ import annotations
 import torch
 
 POOLINGS = ("mean_softmax", "max")
+# The engine's two selection phases: heads[b, h] True selects before attention, False after it.
+PHASE_NOW, PHASE_LATER = 1, 2
+
+
+def check_phase(phase: int) -> None:
+    if phase not in (PHASE_NOW, PHASE_LATER):
+        raise ValueError(f"phase must be {PHASE_NOW} (now) or {PHASE_LATER} (later), got {phase!r}")
+
+
+def in_phase(heads: torch.Tensor | None, phase: int) -> torch.Tensor | None:
+    """[B, H] bool: the heads that select in `phase` (None: every head)."""
+    check_phase(phase)
+    return None if heads is None else heads == (phase == PHASE_NOW)
 
 
 def naive_score_pages(
@@ -16,49 +29,90 @@ def naive_score_pages(
     cand_end: torch.Tensor,
     scale: float,
     pooling: str = "mean_softmax",
+    heads: torch.Tensor | None = None,
+    phase: int = PHASE_NOW,
+    q_by_slot: bool = False,
 ) -> torch.Tensor:
+    """Rows of the heads that do not select in `phase` are left unwritten (NaN here)."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-    B, Hq, D = q.shape
-    H = summaries.shape[1]
-    G = Hq // H
+    mine = in_phase(heads, phase)
+    B, H = req_slots.shape[0], summaries.shape[1]
+    G = q.shape[1] // H
     M = page_table.shape[1]
-    scores = torch.full((B, H, M), float("-inf"), dtype=torch.float32, device=q.device)
-    ends = (cand_end[:, None].expand(B, H) if cand_end.dim() == 1 else cand_end).tolist()
+    scores = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
     for b, slot in enumerate(req_slots.tolist()):
+        qb = q[slot if q_by_slot else b]
+        end = min(int(cand_end[b]), M)
         for h in range(H):
-            end = min(ends[b][h], M)
+            if mine is not None and not mine[b, h]:
+                continue
+            scores[b, h] = float("-inf")
             if end <= cand_start:
                 continue
             pages = page_table[slot, cand_start:end].long()
             kmin = summaries[pages, h, 0].float()  # [n, D]
             kmax = summaries[pages, h, 1].float()
-            qh = q[b, h * G:(h + 1) * G].float()[:, None]  # [G, 1, D]
+            qh = qb[h * G:(h + 1) * G].float()[:, None]  # [G, 1, D]
             s = scale * torch.maximum(qh * kmin, qh * kmax).sum(-1)  # [G, n]
             pooled = s.amax(dim=0) if pooling == "max" else torch.softmax(s, dim=-1).mean(dim=0)
             scores[b, h, cand_start:end] = pooled
     return scores
 
 
-def naive_select_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
-    # A stable descending sort breaks ties by the lower page id.
-    vals, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
-    sel = torch.full((*scores.shape[:-1], k), -1, dtype=torch.int32, device=scores.device)
-    n = min(k, scores.shape[-1])
-    sel[..., :n] = torch.where(vals[..., :n] == float("-inf"), -1, idx[..., :n]).to(torch.int32)
-    return sel
+def _top_k(scores: torch.Tensor, k: int) -> list[int]:
+    """The k best pages of one row of scores, best first, ties by the lower page id; -1 for -inf or missing."""
+    vals, idx = torch.sort(scores, descending=True, stable=True)  # stable: ties keep the lower page first
+    top = [j if v != float("-inf") else -1 for v, j in zip(vals[:k].tolist(), idx[:k].tolist())]
+    return top + [-1] * (k - len(top))
 
 
-def naive_slot_delta(old: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    B, H, k = old.shape
-    new = torch.full_like(old, -1)
-    for b in range(B):
-        for h in range(H):
-            o, s = old[b, h].tolist(), sel[b, h].tolist()
-            wanted = {p for p in s if p != -1}
-            kept = [p if p in wanted else -1 for p in o]
-            incoming = iter([p for p in s if p != -1 and p not in kept])
-            row = [p if p != -1 else next(incoming, -1) for p in kept]
-            new[b, h] = torch.tensor(row, dtype=old.dtype)
-    changed = (new != -1) & (new != old)
-    return new, changed
+def _slot_delta(old: list[int], sel: list[int]) -> list[int]:
+    """Resident pages stay in their slot; the selected pages not resident fill the other slots in selection
+    order, in increasing slot order; slots left over get -1."""
+    wanted = {p for p in sel if p != -1}
+    kept = [p if p in wanted else -1 for p in old]
+    incoming = iter([p for p in sel if p != -1 and p not in kept])
+    return [p if p != -1 else next(incoming, -1) for p in kept]
+
+
+def naive_select_slots(
+    scores: torch.Tensor,
+    slots: torch.Tensor,
+    req_slots: torch.Tensor,
+    heads: torch.Tensor,
+    phase: int,
+    flags: torch.Tensor | None,
+    recall: torch.Tensor,
+    recall_all: bool = False,
+    stats: torch.Tensor | None = None,
+    pad_slot: int = -1,
+) -> None:
+    """Top-k selection, slot assignment and commit for the heads of `phase`, and the recall plan of every head.
+
+    Per (row b, KV head h), with r = req_slots[b] and old = slots[r, h]: a head of the phase selects the top
+    k = slots.shape[2] pages of scores[b, h] and stores them in slots[r, h] (resident pages keep their slot);
+    a slot is changed when it now holds a page it did not (recall_all: every filled slot of the head).
+    PHASE_NOW: recall[b, h, s] = PHASE_NOW for changed slots of flagged heads or slots that were empty,
+    PHASE_LATER for the other changed slots, 0 elsewhere -- for every head. PHASE_LATER: the phase's heads
+    set recall[b, h] = PHASE_LATER where changed, 0 elsewhere; the other heads' entries stay.
+    stats ([2] float64), for rows with r != pad_slot: stats[phase - 1] += entries equal to `phase` afterwards.
+    """
+    mine = in_phase(heads, phase).tolist()
+    flagged = flags.tolist() if phase == PHASE_NOW else None
+    k = slots.shape[2]
+    for b, r in enumerate(req_slots.tolist()):
+        for h in range(slots.shape[1]):
+            old = slots[r, h].tolist()
+            new = old
+            if mine[b][h]:
+                new = _slot_delta(old, _top_k(scores[b, h], k))
+                slots[r, h] = torch.tensor(new, dtype=slots.dtype)
+            changed = [mine[b][h] and n != -1 and (recall_all or n != o) for n, o in zip(new, old)]
+            if phase == PHASE_NOW:
+                codes = [(PHASE_NOW if flagged[b][h] or o < 0 else PHASE_LATER) if c else 0 for c, o in zip(changed, old)]
+                recall[b, h] = torch.tensor(codes, dtype=recall.dtype)
+            elif mine[b][h]:
+                recall[b, h] = torch.tensor([PHASE_LATER if c else 0 for c in changed], dtype=recall.dtype)
+            if stats is not None and r != pad_slot:
+                stats[phase - 1] += int((recall[b, h] == phase).sum())

@@ -1,10 +1,12 @@
-"""Triton page scoring and selection, both page-parallel, and slot assignment.
+"""Triton page scoring, and selection with its slot assignment and commit.
 
 score_pages: one kernel computes the logits of a block of candidate pages for the G query heads of a KV head and,
 for mean_softmax, that block's softmax statistics (max and sum of exponentials per query head); a second kernel
 combines the per-block statistics of a row (a few hundred floats) and pools a block of pages. Max pooling needs no
-statistics and pools in the first kernel. select_pages: a bitonic top-k (tl.topk) over (score, page) keys packed into
-int64, in chunks, then over the chunks' winners; the packing makes the order total (ties by lower page id).
+statistics and pools in the first kernel. select_slots: a bitonic top-k (tl.topk) over (score, page) keys packed into
+int64 (the packing makes the order total: ties by lower page id), in chunks for long rows, then over the chunks'
+winners; the last stage also assigns the selected pages to slots, commits them to the slot table and writes the
+recall codes, one program per (row, KV head).
 """
 
 from __future__ import annotations
@@ -15,41 +17,47 @@ import triton.language as tl
 
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors
-from .naive import POOLINGS
+from .naive import PHASE_NOW, POOLINGS, check_phase
 
-# Sortable int32 key of -inf (see _topk_kernel): keys at or below it are -inf (or padding) and select nothing.
+# Sortable int32 key of -inf (see _sort_keys): keys at or below it are -inf (or padding) and select nothing.
 _NEG_INF_KEY = -2139095041
 
 
 @triton.jit
 def _page_logits_kernel(
-    q_ptr, summ_ptr, pt_ptr, slots_ptr, cend_ptr, logits_ptr, stats_ptr, scores_ptr,
+    q_ptr, summ_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, logits_ptr, stats_ptr, scores_ptr,
     cand_start, M, NB, scale,
     sq_b, sq_h, sq_d,
     ss_p, ss_h, ss_mm, ss_d,
     spt_r, spt_m,
-    s_slot, s_cend, s_cend_h,
+    s_slot, s_cend,
+    sh_b, sh_h,
     sl_b, sl_h, sl_m,
     st_part, st_b,
     so_b, so_h, so_m,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BLOCK_PAGES: tl.constexpr,
-    POOL_MAX: tl.constexpr,
+    POOL_MAX: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr,
 ):
     """Scaled logits s[j, g] of the G query heads of KV head h over one block of candidate pages.
 
     mean_softmax: writes logits[b, h, j, g] (scratch, g contiguous) for candidate j and the block's statistics
     stats[0/1, b, h*G+g, blk] (max, sum of exp(logit - max)); blocks without candidates write nothing (the
     pooling kernel skips them). max: writes scores[b, h, j] for every j of the block directly.
+    HEADS: only heads with heads[b, h] == WANT are scored; the others' programs exit, writing nothing.
     """
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
+            return
     blk = tl.program_id(2)
     j0 = blk * BLOCK_PAGES
     j = j0 + tl.arange(0, BLOCK_PAGES)
-    end = tl.minimum(tl.load(cend_ptr + b * s_cend + h * s_cend_h), M)
+    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
     neg_inf = float("-inf")
     if (j0 < end) & (j0 + BLOCK_PAGES > cand_start):
         slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
+        q_row = slot if Q_BY_SLOT else b
         d = tl.arange(0, D)
         g = tl.arange(0, GP)
         g_ok = g < G
@@ -64,7 +72,7 @@ def _page_logits_kernel(
         hi = tl.maximum(kmin, kmax).to(tl.float32)
         s = tl.zeros([BLOCK_PAGES, GP], tl.float32)
         for gg in tl.static_range(G):
-            qg = tl.load(q_ptr + b * sq_b + (h * G + gg) * sq_h + d * sq_d).to(tl.float32)
+            qg = tl.load(q_ptr + q_row * sq_b + (h * G + gg) * sq_h + d * sq_d).to(tl.float32)
             sg = tl.sum(tl.maximum(qg, 0.0)[None, :] * hi + tl.minimum(qg, 0.0)[None, :] * lo, axis=1)
             s = tl.where(g[None, :] == gg, sg[:, None], s)
         ok = is_cand[:, None] & g_ok[None, :]
@@ -88,14 +96,15 @@ def _page_logits_kernel(
 
 @triton.jit
 def _pool_scores_kernel(
-    logits_ptr, stats_ptr, cend_ptr, scores_ptr,
+    logits_ptr, stats_ptr, cend_ptr, heads_ptr, scores_ptr,
     cand_start, M, NB,
     sl_b, sl_h, sl_m,
     st_part, st_b,
-    s_cend, s_cend_h,
+    s_cend,
+    sh_b, sh_h,
     so_b, so_h, so_m,
     G: tl.constexpr, GP: tl.constexpr, STATS_PAGES: tl.constexpr, STATS_BLOCK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
 ):
     """scores[b, h, block of pages]: mean over the G query heads of the softmax over the row's candidates.
 
@@ -104,8 +113,11 @@ def _pool_scores_kernel(
     """
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
+            return
     j = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-    end = tl.minimum(tl.load(cend_ptr + b * s_cend + h * s_cend_h), M)
+    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
     g = tl.arange(0, GP)
     g_ok = g < G
     neg_inf = float("-inf")
@@ -144,39 +156,45 @@ TOPK_SINGLE = 1024  # rows up to this many pages take one stage
 TOPK_SINGLE_WARPS = 8
 
 
-def _cend_strides(cand_end: torch.Tensor) -> tuple[int, int]:
-    """cand_end is per row [B] (every KV head alike) or per KV head [B, H]."""
-    return (cand_end.stride(0), 0) if cand_end.dim() == 1 else (cand_end.stride(0), cand_end.stride(1))
+def _heads_args(heads: torch.Tensor | None, phase: int, like: torch.Tensor) -> tuple:
+    """(pointer, strides, HEADS, WANT) of the phase's head mask: heads[b, h] == WANT selects in this phase."""
+    check_phase(phase)
+    if heads is None:
+        return like, (0, 0), False, 1
+    return heads, heads.stride(), True, int(phase == PHASE_NOW)
 
 
-def _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, scale, pool_max, logits, stats,
-                   scores, block_pages, num_warps):
-    B, Hq, D = q.shape
-    H = summaries.shape[1]
-    G = Hq // H
+def _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, heads_args, q_by_slot, scale,
+                   pool_max, logits, stats, scores, block_pages, num_warps):
+    B, H = req_slots.shape[0], summaries.shape[1]
+    G = q.shape[1] // H
+    D = q.shape[2]
     M = page_table.shape[1]
     NB = triton.cdiv(M, block_pages)
     gp = triton.next_power_of_2(G)
+    heads, heads_strides, with_heads, want = heads_args
     _page_logits_kernel[(B, H, NB)](
-        q, summaries, page_table, req_slots, cand_end, logits, stats, scores,
+        q, summaries, page_table, req_slots, cand_end, heads, logits, stats, scores,
         cand_start, M, NB, scale,
-        *q.stride(), *summaries.stride(), *page_table.stride(), req_slots.stride(0), *_cend_strides(cand_end),
-        *logits.stride()[:3], stats.stride(0), stats.stride(1), *scores.stride(),
-        G=G, GP=gp, D=D, BLOCK_PAGES=block_pages, POOL_MAX=pool_max,
+        *q.stride(), *summaries.stride(), *page_table.stride(), req_slots.stride(0), cand_end.stride(0),
+        *heads_strides, *logits.stride()[:3], stats.stride(0), stats.stride(1), *scores.stride(),
+        G=G, GP=gp, D=D, BLOCK_PAGES=block_pages, POOL_MAX=pool_max, HEADS=with_heads, WANT=want,
+        Q_BY_SLOT=q_by_slot,
         num_warps=num_warps,
     )
 
 
-def _launch_pool(logits, stats, cand_end, scores, cand_start, stats_pages, block_m, num_warps):
+def _launch_pool(logits, stats, cand_end, heads_args, scores, cand_start, stats_pages, block_m, num_warps):
     B, H, M = scores.shape
     G = logits.shape[3]
     NB = stats.shape[-1]
+    heads, heads_strides, with_heads, want = heads_args
     _pool_scores_kernel[(B, H, triton.cdiv(M, block_m))](
-        logits, stats, cand_end, scores,
+        logits, stats, cand_end, heads, scores,
         cand_start, M, NB,
-        *logits.stride()[:3], stats.stride(0), stats.stride(1), *_cend_strides(cand_end), *scores.stride(),
+        *logits.stride()[:3], stats.stride(0), stats.stride(1), cand_end.stride(0), *heads_strides, *scores.stride(),
         G=G, GP=triton.next_power_of_2(G), STATS_PAGES=stats_pages, STATS_BLOCK=min(1024, triton.next_power_of_2(NB)),
-        BLOCK_M=block_m,
+        BLOCK_M=block_m, HEADS=with_heads, WANT=want,
         num_warps=num_warps,
     )
 
@@ -190,50 +208,46 @@ def score_pages(
     cand_end: torch.Tensor,
     scale: float,
     pooling: str = "mean_softmax",
+    heads: torch.Tensor | None = None,
+    phase: int = PHASE_NOW,
+    q_by_slot: bool = False,
 ) -> torch.Tensor:
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     check_device(q, summaries, page_table, req_slots, cand_end)
-    check_index_vectors(req_slots=req_slots)
-    B, Hq, D = q.shape
+    check_index_vectors(req_slots=req_slots, cand_end=cand_end)
+    B, Hq, D = req_slots.shape[0], q.shape[1], q.shape[2]
     H = summaries.shape[1]
     M = page_table.shape[1]
     assert Hq % H == 0 and summaries.shape[2:] == (2, D) and D >= 16 and D & (D - 1) == 0
+    assert q_by_slot or q.shape[0] == B
+    heads_args = _heads_args(heads, phase, req_slots)
+    if heads is not None:
+        check_device(heads)
+        assert heads.shape == (B, H) and heads.dtype == torch.bool
     block_pages = min(LOGITS_BLOCK_PAGES, triton.next_power_of_2(M))
     scores = empty(B, H, M, dtype=torch.float32, device=q.device)
     if pooling == "max":
-        _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, scale, True, scores[..., None],
-                       scores.view(1, -1, 1), scores, block_pages, LOGITS_WARPS)
+        _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, heads_args, q_by_slot, scale, True,
+                       scores[..., None], scores.view(1, -1, 1), scores, block_pages, LOGITS_WARPS)
         return scores
     # Scratch: only candidate entries / blocks are written and read; poisoned like outputs in tests.
     logits = empty(B, H, M, Hq // H, dtype=torch.float32, device=q.device)  # [b, h, page, g]
     stats = empty(2, B, Hq, triton.cdiv(M, block_pages), dtype=torch.float32, device=q.device)
-    _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, scale, False, logits, stats, scores,
-                   block_pages, LOGITS_WARPS)
-    _launch_pool(logits, stats, cand_end, scores, cand_start, block_pages,
+    _launch_logits(q, summaries, page_table, req_slots, cand_start, cand_end, heads_args, q_by_slot, scale, False,
+                   logits, stats, scores, block_pages, LOGITS_WARPS)
+    _launch_pool(logits, stats, cand_end, heads_args, scores, cand_start, block_pages,
                  max(16, min(POOL_BLOCK, triton.next_power_of_2(M))), POOL_WARPS)
     return scores
 
 
 @triton.jit
-def _topk_kernel(
-    in_ptr, out_ptr, n, H,
-    si_b, si_h, si_j,
-    so_b, so_h, so_j,
-    K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, FINAL: tl.constexpr,
-    NEG_INF_KEY: tl.constexpr,
-):
-    """Top KP of one CHUNK of row (b, h) of `in` (scores, or packed keys of an earlier stage).
+def _sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr,
+               NEG_INF_KEY: tl.constexpr):
+    """Chunk c of row (b, h) of `in` as int64 keys whose descending order is descending score, ties by lower page.
 
-    A score x at page j packs into the int64 (key(x) << 32) | (2^31 - 1 - j), key(x) an int32 that orders like x:
-    descending packed order is descending score, ties by lower page. FINAL writes the first K page ids (-1 where
-    the score is -inf or the slot is padding) to out[b, h, :K]; otherwise the KP packed winners go to
-    out[b, h, chunk*KP : chunk*KP + KP].
-    """
-    r = tl.program_id(0)
-    c = tl.program_id(1)
-    b = (r // H).to(tl.int64)
-    h = (r % H).to(tl.int64)
+    A score x at page j packs into (key(x) << 32) | (2^31 - 1 - j), key(x) an int32 that orders like x. Packed
+    input (the winners of an earlier stage) is read as is; lanes past n are padding, below every real key."""
     j = c * CHUNK + tl.arange(0, CHUNK)
     ok = j < n
     src = in_ptr + b * si_b + h * si_h + j.to(tl.int64) * si_j
@@ -246,92 +260,137 @@ def _topk_kernel(
         bits = f.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
         x = (key.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)
-    top = tl.topk(x, KP)
-    i = tl.arange(0, KP)
-    if FINAL:
-        page = 0x7FFFFFFF - top.to(tl.int32)  # the low word (truncation)
-        sel = tl.where((top >> 32).to(tl.int32) <= NEG_INF_KEY, -1, page)
-        tl.store(out_ptr + b * so_b + h * so_h + i.to(tl.int64) * so_j, sel, mask=i < K)
-    else:
-        tl.store(out_ptr + b * so_b + h * so_h + (c * KP + i).to(tl.int64) * so_j, top)
-
-
-def _select(scores: torch.Tensor, k: int, chunk: int, num_warps: int, single: int, single_warps: int) -> torch.Tensor:
-    """Rows of up to `single` pages (rounded up to a power of two) in one stage; longer rows in chunks of `chunk`
-    pages, then over the chunks' winners, until one stage covers the rest."""
-    check_device(scores)
-    B, H, M = scores.shape
-    sel = empty(B, H, k, dtype=torch.int32, device=scores.device)
-    if B * H == 0 or k == 0:
-        return sel
-    kp = max(2, triton.next_power_of_2(k))  # tl.topk of one element would reduce to a scalar
-    chunk = max(chunk, 2 * kp)  # each stage keeps at most half of its input
-    x, n, packed = scores, M, False
-    while True:
-        width = max(triton.next_power_of_2(max(n, 1)), kp)
-        if width <= max(single, chunk):
-            _topk_kernel[(B * H, 1)](
-                x, sel, n, H, *x.stride(), *sel.stride(),
-                K=k, KP=kp, CHUNK=width, PACKED_IN=packed, FINAL=True, NEG_INF_KEY=_NEG_INF_KEY,
-                num_warps=single_warps if width > chunk else num_warps,
-            )
-            return sel
-        n_chunks = triton.cdiv(n, chunk)
-        cand = torch.empty(B, H, n_chunks * kp, dtype=torch.int64, device=scores.device)
-        _topk_kernel[(B * H, n_chunks)](
-            x, cand, n, H, *x.stride(), *cand.stride(),
-            K=kp, KP=kp, CHUNK=chunk, PACKED_IN=packed, FINAL=False, NEG_INF_KEY=_NEG_INF_KEY,
-            num_warps=num_warps,
-        )
-        x, n, packed = cand, n_chunks * kp, True
-
-
-def select_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
-    return _select(scores, k, TOPK_CHUNK, TOPK_WARPS, TOPK_SINGLE, TOPK_SINGLE_WARPS)
+    return x
 
 
 @triton.jit
-def _slot_delta_kernel(
-    old_ptr, sel_ptr, new_ptr, changed_ptr,
-    so_b, so_h, so_k,
-    ss_b, ss_h, ss_k,
-    sn_b, sn_h, sn_k,
-    sc_b, sc_h, sc_k,
-    K: tl.constexpr, KP: tl.constexpr,
+def _topk_kernel(
+    in_ptr, out_ptr, heads_ptr, n, H,
+    si_b, si_h, si_j,
+    so_b, so_h, so_j,
+    sh_b, sh_h,
+    KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, WANT: tl.constexpr, NEG_INF_KEY: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
+    """An early stage of a long row's top-k: the KP best packed keys of chunk c of row (b, h) go to
+    out[b, h, c*KP : c*KP + KP]. Heads outside the phase (heads[b, h] != WANT) exit."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    b = (r // H).to(tl.int64)
+    h = (r % H).to(tl.int64)
+    if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
+        return
+    top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
+    i = tl.arange(0, KP)
+    tl.store(out_ptr + b * so_b + h * so_h + (c * KP + i).to(tl.int64) * so_j, top)
+
+
+@triton.jit
+def _select_slots_kernel(
+    in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr,
+    n, H, K, pad_slot,
+    si_b, si_h, si_j,
+    st_r, st_h, st_k,
+    s_req, sh_b, sh_h, sf_b, sf_h,
+    sr_b, sr_h, sr_k,
+    KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, PHASE: tl.constexpr, WANT: tl.constexpr,
+    RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr,
+):
+    """One program per (row b, KV head h): the last top-k stage, the slot delta against the resident pages,
+    the commit into slots[req_slots[b], h] and the recall codes (see naive_select_slots)."""
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    r = tl.load(req_ptr + b * s_req).to(tl.int64)
     i = tl.arange(0, KP)
     ok = i < K
     i64 = i.to(tl.int64)
-    old = tl.load(old_ptr + b * so_b + h * so_h + i64 * so_k, mask=ok, other=-1)
-    sel = tl.load(sel_ptr + b * ss_b + h * ss_h + i64 * ss_k, mask=ok, other=-1)
-    # eq[s, t]: slot s already holds selected page t (padding lanes are -1 and never match).
-    eq = (old[:, None] == sel[None, :]) & (sel != -1)[None, :]
-    resident = tl.max(eq.to(tl.int32), axis=1) > 0  # per slot
-    incoming = (sel != -1) & (tl.max(eq.to(tl.int32), axis=0) == 0)  # per selected page
-    free = ok & ~resident
-    # The r-th incoming page (in sel order) goes to the r-th free slot (in slot order).
-    in_rank = tl.cumsum(incoming.to(tl.int32), axis=0) - 1
-    free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
-    match = free[:, None] & incoming[None, :] & (free_rank[:, None] == in_rank[None, :])
-    filled = tl.max(match.to(tl.int32), axis=1) > 0
-    placed = tl.sum(tl.where(match, sel[None, :], 0), axis=1)
-    new = tl.where(resident, old, tl.where(filled, placed, -1))
-    tl.store(new_ptr + b * sn_b + h * sn_h + i64 * sn_k, new, mask=ok)
-    tl.store(changed_ptr + b * sc_b + h * sc_h + i64 * sc_k, (new != -1) & (new != old), mask=ok)
+    slot_ptrs = slots_ptr + r * st_r + h * st_h + i64 * st_k
+    old = tl.load(slot_ptrs, mask=ok, other=-1)
+    mine = tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) == WANT
+    changed = i < 0
+    if mine:
+        top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
+        page = 0x7FFFFFFF - top.to(tl.int32)  # the low word (truncation)
+        # sel[t]: the t-th best page, -1 where its score is -inf (or padding) and past k.
+        sel = tl.where(((top >> 32).to(tl.int32) <= NEG_INF_KEY) | (i >= K), -1, page)
+        # eq[s, t]: slot s already holds selected page t (padding lanes are -1 and never match).
+        eq = (old[:, None] == sel[None, :]) & (sel != -1)[None, :]
+        resident = tl.max(eq.to(tl.int32), axis=1) > 0  # per slot
+        incoming = (sel != -1) & (tl.max(eq.to(tl.int32), axis=0) == 0)  # per selected page
+        free = ok & ~resident
+        # The r-th incoming page (in selection order) goes to the r-th free slot (in slot order).
+        in_rank = tl.cumsum(incoming.to(tl.int32), axis=0) - 1
+        free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
+        match = free[:, None] & incoming[None, :] & (free_rank[:, None] == in_rank[None, :])
+        filled = tl.max(match.to(tl.int32), axis=1) > 0
+        placed = tl.sum(tl.where(match, sel[None, :], 0), axis=1)
+        new = tl.where(resident, old, tl.where(filled, placed, -1))
+        tl.store(slot_ptrs, new, mask=ok)
+        if RECALL_ALL:
+            changed = new != -1
+        else:
+            changed = (new != -1) & (new != old)
+    rec_ptrs = recall_ptr + b * sr_b + h * sr_h + i64 * sr_k
+    if PHASE == 1:
+        flagged = tl.load(flags_ptr + b * sf_b + h * sf_h).to(tl.int32) != 0
+        code = tl.where(changed & (flagged | (old < 0)), 1, tl.where(changed, 2, 0))
+        tl.store(rec_ptrs, code.to(tl.int8), mask=ok)
+    else:
+        before = tl.load(rec_ptrs, mask=ok, other=0).to(tl.int32)
+        code = tl.where(changed, 2, tl.where(mine, 0, before))
+        tl.store(rec_ptrs, code.to(tl.int8), mask=ok & mine)
+    if STATS:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if r != pad_slot:  # statistics count real rows only
+            tl.atomic_add(stats_ptr + (PHASE - 1), tl.sum(((code == PHASE) & ok).to(tl.float64)))
 
 
-def slot_delta(old: torch.Tensor, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    check_device(old, sel)
-    B, H, K = old.shape
-    assert sel.shape == old.shape
-    new = empty(B, H, K, dtype=torch.int32, device=old.device)
-    changed = empty(B, H, K, dtype=torch.bool, device=old.device)
-    KP = triton.next_power_of_2(K)
-    _slot_delta_kernel[(B, H)](
-        old, sel, new, changed,
-        *old.stride(), *sel.stride(), *new.stride(), *changed.stride(),
-        K=K, KP=KP, num_warps=8 if KP >= 128 else 4,
+def select_slots(
+    scores: torch.Tensor,
+    slots: torch.Tensor,
+    req_slots: torch.Tensor,
+    heads: torch.Tensor,
+    phase: int,
+    flags: torch.Tensor | None,
+    recall: torch.Tensor,
+    recall_all: bool = False,
+    stats: torch.Tensor | None = None,
+    pad_slot: int = -1,
+) -> None:
+    """Rows of up to TOPK_SINGLE pages (rounded up to a power of two) take one launch; longer rows are cut into
+    chunks of TOPK_CHUNK pages whose winners a further stage reduces, until one stage covers the rest."""
+    check_phase(phase)
+    check_device(scores, slots, req_slots, heads, recall)
+    check_index_vectors(req_slots=req_slots)
+    B, H, M = scores.shape
+    k = slots.shape[2]
+    assert slots.dim() == 3 and slots.shape[1] == H and slots.dtype == torch.int32 and req_slots.shape == (B,)
+    assert heads.shape == (B, H) and recall.shape == (B, H, k) and recall.dtype == torch.int8
+    if phase == PHASE_NOW:
+        check_device(flags)
+        assert flags.shape == (B, H)
+    if stats is not None:
+        assert stats.shape == (2,) and stats.dtype == torch.float64 and stats.is_contiguous()
+    if B * H == 0 or k == 0:
+        return
+    want = int(phase == PHASE_NOW)
+    kp = max(2, triton.next_power_of_2(k))  # tl.topk of one element would reduce to a scalar
+    chunk = max(TOPK_CHUNK, 2 * kp)  # each stage keeps at most half of its input
+    x, n, packed = scores, M, False
+    while (width := max(triton.next_power_of_2(max(n, 1)), kp)) > max(TOPK_SINGLE, chunk):
+        n_chunks = triton.cdiv(n, chunk)
+        cand = torch.empty(B, H, n_chunks * kp, dtype=torch.int64, device=scores.device)  # scratch
+        _topk_kernel[(B * H, n_chunks)](
+            x, cand, heads, n, H, *x.stride(), *cand.stride(), *heads.stride(),
+            KP=kp, CHUNK=chunk, PACKED_IN=packed, WANT=want, NEG_INF_KEY=_NEG_INF_KEY,
+            num_warps=TOPK_WARPS,
+        )
+        x, n, packed = cand, n_chunks * kp, True
+    _select_slots_kernel[(B * H,)](
+        x, slots, req_slots, heads, heads if flags is None else flags, recall, recall if stats is None else stats,
+        n, H, k, pad_slot,
+        *x.stride(), *slots.stride(), req_slots.stride(0), *heads.stride(),
+        *(heads.stride() if flags is None else flags.stride()), *recall.stride(),
+        KP=kp, CHUNK=width, PACKED_IN=packed, PHASE=phase, WANT=want, RECALL_ALL=recall_all,
+        STATS=stats is not None, NEG_INF_KEY=_NEG_INF_KEY,
+        num_warps=TOPK_SINGLE_WARPS if width > chunk else TOPK_WARPS,
     )
-    return new, changed

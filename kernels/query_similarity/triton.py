@@ -13,14 +13,17 @@ from .naive import EPS
 
 @triton.jit
 def _query_similarity_kernel(
-    q_ptr, prev_ptr, slots_ptr, has_prev_ptr, flags_ptr, stats_ptr,
-    tau, H, pad_slot,
+    q_ptr, prev_ptr, slots_ptr, has_prev_ptr, flags_ptr, stats_ptr, table_ptr, nslots_ptr, heads_ptr,
+    tau, H, K, pad_slot,
     sq_b, sq_h, sq_d,
     sp_r, sp_h, sp_d,
     s_slot, s_has,
     sf_b, sf_h,
+    st_r, st_h, st_k,
+    s_ns,
+    sh_b, sh_h,
     G: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
-    STATS: tl.constexpr,
+    STATS: tl.constexpr, HEADS: tl.constexpr, KP: tl.constexpr,
 ):
     """One program per batch row: all Hq heads as [HP, GP, D] (KV head, head in group, dim)."""
     b = tl.program_id(0).to(tl.int64)
@@ -41,6 +44,13 @@ def _query_similarity_kernel(
     mean = tl.sum(dot / tl.maximum(norms, EPS), axis=1) / G  # padded heads have dot == 0
     flags = ((mean < tau) & (tau > 0)) | (tau >= 1) | (has == 0)
     tl.store(flags_ptr + b * sf_b + h.to(tl.int64) * sf_h, flags, mask=h < H)
+    if HEADS:
+        # Heads holding fewer pages than the row has slots to fill select before attention too.
+        i = tl.arange(0, KP)
+        held = tl.load(table_ptr + slot * st_r + h.to(tl.int64)[:, None] * st_h + i[None, :].to(tl.int64) * st_k,
+                       mask=(h < H)[:, None] & (i < K)[None, :], other=-1)
+        short = tl.sum((held >= 0).to(tl.int32), axis=1) < tl.load(nslots_ptr + b * s_ns)
+        tl.store(heads_ptr + b * sh_b + h.to(tl.int64) * sh_h, flags | short, mask=h < H)
     if STATS:
         if slot != pad_slot:  # statistics count real rows only
             tl.atomic_add(stats_ptr, tl.sum((flags & (h < H)).to(tl.float64)))
@@ -63,6 +73,9 @@ def query_similarity(
     group: int,
     stats: torch.Tensor | None = None,
     pad_slot: int = -1,
+    slots: torch.Tensor | None = None,
+    n_slots: torch.Tensor | None = None,
+    heads: torch.Tensor | None = None,
 ) -> torch.Tensor:
     check_device(q, prev_q, req_slots, has_prev)
     if stats is not None:
@@ -72,12 +85,21 @@ def query_similarity(
     H = Hq // group
     assert Hq == H * group and prev_q.shape[1:] == (Hq, D) and D & (D - 1) == 0
     flags = empty(B, H, dtype=torch.bool, device=q.device)
+    with_heads = heads is not None
+    if with_heads:
+        check_device(slots, n_slots, heads)
+        assert slots.dim() == 3 and slots.shape[1] == H and n_slots.shape == (B,) and heads.shape == (B, H)
+        assert heads.dtype == torch.bool
+    K = slots.shape[2] if with_heads else 1
     _query_similarity_kernel[(B,)](
         q, prev_q, req_slots, has_prev, flags, flags if stats is None else stats,
-        float(tau), H, pad_slot,
+        slots if with_heads else flags, n_slots if with_heads else flags, heads if with_heads else flags,
+        float(tau), H, K, pad_slot,
         *q.stride(), *prev_q.stride(), req_slots.stride(0), has_prev.stride(0), *flags.stride(),
+        *(slots.stride() if with_heads else (0, 0, 0)), n_slots.stride(0) if with_heads else 0,
+        *(heads.stride() if with_heads else (0, 0)),
         G=group, HP=triton.next_power_of_2(H), GP=triton.next_power_of_2(group), D=D, EPS=EPS,
-        STATS=stats is not None,
+        STATS=stats is not None, HEADS=with_heads, KP=triton.next_power_of_2(K),
         num_warps=8 if Hq * D > 4096 else 4,
     )
     return flags

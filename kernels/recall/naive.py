@@ -1,4 +1,5 @@
-"""Torch reference for recall_pages: copy selected (page, head) chunks from the HND host arena into NHD GPU pages."""
+"""Torch reference for recall_pages: copy the (page, head) chunks a selection phase recalls from the HND host arena
+into the NHD GPU pages of their slots."""
 
 from __future__ import annotations
 
@@ -9,15 +10,21 @@ def naive_recall_pages(
     host_layer: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    src: torch.Tensor,
-    head: torch.Tensor,
-    dst: torch.Tensor,
-    valid: torch.Tensor,
+    page_table: torch.Tensor,
+    slots: torch.Tensor,
+    req_slots: torch.Tensor,
+    slot_pages: torch.Tensor,
+    recall: torch.Tensor,
+    phase: int,
     page_size: int,
 ) -> None:
-    """For each valid i: rows dst[i]*p .. +p, head head[i] of k_cache / v_cache <- host_layer[src[i], head[i], 0/1]."""
+    """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
+    page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache."""
     p = page_size
-    for s, h, d, ok in zip(src.tolist(), head.tolist(), dst.tolist(), valid.tolist()):
-        if ok:
-            k_cache[d * p : (d + 1) * p, h].copy_(host_layer[s, h, 0])
-            v_cache[d * p : (d + 1) * p, h].copy_(host_layer[s, h, 1])
+    rows = req_slots.tolist()
+    for b, h, s in (recall == phase).nonzero().tolist():
+        r = rows[b]
+        src = int(page_table[r, int(slots[r, h, s])])
+        dst = int(slot_pages[b, s])
+        k_cache[dst * p:(dst + 1) * p, h].copy_(host_layer[src, h, 0])
+        v_cache[dst * p:(dst + 1) * p, h].copy_(host_layer[src, h, 1])

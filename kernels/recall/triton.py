@@ -1,4 +1,5 @@
-"""Recall: gather (page, head) chunks from the host arena into GPU pages, HND -> NHD, in one zero-copy kernel.
+"""Recall: gather the (page, head) chunks a selection phase recalls from the host arena into the GPU pages of their
+slots, HND -> NHD, in one zero-copy kernel that reads the slot and page tables itself.
 
 On CUDA `host_layer` is pinned (or cudaHostRegister'ed) host memory; the kernel dereferences it over UVA, so the
 gather and the layout transpose cost one PCIe read of each chunk and no staging buffer.
@@ -15,31 +16,28 @@ from .._utils import check_device, check_index_vectors
 
 @triton.jit
 def _recall_pages_kernel(
-    host_ptr,
-    k_ptr,
-    v_ptr,
-    src_ptr,
-    head_ptr,
-    dst_ptr,
-    valid_ptr,
-    s_hp,
-    s_hh,
-    s_hkv,
-    s_ht,
-    s_kt,
-    s_kh,
-    s_vt,
-    s_vh,
-    PAGE: tl.constexpr,
-    D: tl.constexpr,
+    host_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, req_ptr, spages_ptr, recall_ptr,
+    H, K,
+    s_hp, s_hh, s_hkv, s_ht,
+    s_kt, s_kh, s_vt, s_vh,
+    spt_r, spt_m,
+    st_r, st_h, st_k,
+    s_req,
+    sg_b, sg_k,
+    sr_b, sr_h, sr_k,
+    PHASE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
 ):
-    i = tl.program_id(0)
-    # Invalid entries may carry garbage indices: decide before reading any of them.
-    if not tl.load(valid_ptr + i):
+    """One program per (row b, head h, slot s), s fastest; entries of other phases exit before reading any index."""
+    pid = tl.program_id(0)
+    s = (pid % K).to(tl.int64)
+    h = ((pid // K) % H).to(tl.int64)
+    b = (pid // K // H).to(tl.int64)
+    if tl.load(recall_ptr + b * sr_b + h * sr_h + s * sr_k).to(tl.int32) != PHASE:
         return
-    src = tl.load(src_ptr + i).to(tl.int64)
-    h = tl.load(head_ptr + i).to(tl.int64)
-    row0 = tl.load(dst_ptr + i).to(tl.int64) * PAGE
+    r = tl.load(req_ptr + b * s_req).to(tl.int64)
+    page = tl.load(slots_ptr + r * st_r + h * st_h + s * st_k).to(tl.int64)
+    src = tl.load(pt_ptr + r * spt_r + page * spt_m).to(tl.int64)
+    row0 = tl.load(spages_ptr + b * sg_b + s * sg_k).to(tl.int64) * PAGE
     t = tl.arange(0, PAGE).to(tl.int64)[:, None]
     d = tl.arange(0, D)[None, :]
     # One [PAGE, D] tile per K and V: both loads are issued before either store, so each program keeps the whole
@@ -55,39 +53,32 @@ def recall_pages(
     host_layer: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    src: torch.Tensor,
-    head: torch.Tensor,
-    dst: torch.Tensor,
-    valid: torch.Tensor,
+    page_table: torch.Tensor,
+    slots: torch.Tensor,
+    req_slots: torch.Tensor,
+    slot_pages: torch.Tensor,
+    recall: torch.Tensor,
+    phase: int,
     page_size: int,
 ) -> None:
-    """For each valid i: rows dst[i]*p .. +p, head head[i] of k_cache / v_cache <- host_layer[src[i], head[i], 0/1]."""
-    check_device(host_layer, k_cache, v_cache, src, head, dst, valid)
-    check_index_vectors(src=src, head=head, dst=dst, valid=valid)
-    n = src.shape[0]
+    """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
+    page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache."""
+    check_device(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall)
+    check_index_vectors(req_slots=req_slots)
+    B, H, K = recall.shape
     D = host_layer.shape[-1]
-    assert v_cache.shape == k_cache.shape and k_cache.shape[1:] == (host_layer.shape[1], D)
+    assert v_cache.shape == k_cache.shape and k_cache.shape[1:] == (host_layer.shape[1], D) and H == k_cache.shape[1]
     assert host_layer.shape[2:] == (2, page_size, D)
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    if n == 0:
+    assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
+    if B * H * K == 0:
         return
-    _recall_pages_kernel[(n,)](
-        host_layer,
-        k_cache,
-        v_cache,
-        src,
-        head,
-        dst,
-        valid,
-        host_layer.stride(0),
-        host_layer.stride(1),
-        host_layer.stride(2),
-        host_layer.stride(3),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        PAGE=page_size,
-        D=D,
+    _recall_pages_kernel[(B * H * K,)](
+        host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall,
+        H, K,
+        host_layer.stride(0), host_layer.stride(1), host_layer.stride(2), host_layer.stride(3),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        *page_table.stride(), *slots.stride(), req_slots.stride(0), *slot_pages.stride(), *recall.stride(),
+        PHASE=phase, PAGE=page_size, D=D,
         num_warps=4,
     )

@@ -1,4 +1,5 @@
-"""offload_pages against its torch reference: whole GPU pages (every head) into host pages dst[i], nothing else."""
+"""offload_pages against its torch reference: whole GPU pages (every head) into host pages dst[i] and their key
+summaries into summary rows dst[i], exactly (copies and min/max); nothing else is written."""
 
 import pytest
 import torch
@@ -24,41 +25,50 @@ def entries(n, n_invalid, gpu_pages, P):
 
 
 def offload_into(fn, k_cache, v_cache, idx, P, p, layers=1, layer=0):
-    """Run `fn` into a NaN host layer [P, H, 2, p, D]: layer `layer` of a [P + 2*GUARD, layers, H, 2, p, D] arena
-    (pinned on CUDA; a non-contiguous view when layers > 1). Returns that layer's pages, guards included."""
+    """Run `fn` into a NaN host layer [P, H, 2, p, D] and NaN summaries [P, H, 2, D]: layer `layer` of a
+    [P + 2*GUARD, layers, H, 2, p, D] arena (pinned on CUDA) and of a [P + 2*GUARD, layers, H, 2, D] buffer
+    (non-contiguous views when layers > 1). Returns that layer's pages and summary rows, guards included."""
     _, H, D = k_cache.shape
     arena = torch.full((P + 2 * GUARD, layers, H, 2, p, D), float("nan"), dtype=k_cache.dtype)
     if DEV.type == "cuda":
         arena = arena.pin_memory()
-    fn(k_cache, v_cache, arena[GUARD : GUARD + P, layer], *idx, p)
+    summ = torch.full((P + 2 * GUARD, layers, H, 2, D), float("nan"), dtype=k_cache.dtype, device=DEV)
+    fn(k_cache, v_cache, arena[GUARD : GUARD + P, layer], summ[GUARD : GUARD + P, layer], *idx, p)
     if DEV.type == "cuda":
         torch.cuda.synchronize()
     others = torch.arange(layers) != layer
     assert arena[:, others].isnan().all(), f"{fn.__name__} wrote into another layer"
-    return arena[:, layer]
+    assert summ[:, others.to(DEV)].isnan().all(), f"{fn.__name__} wrote summaries of another layer"
+    return arena[:, layer], summ[:, layer].cpu()
 
 
 def expected(k_cache, v_cache, idx, P, p):
-    """The guarded host layer built straight from the contract (NaN where nothing is written): rows of a page
-    past the end of k_cache (a partial last prefill page) are not written."""
+    """The guarded host layer and summaries built straight from the contract (NaN where nothing is written):
+    rows of a page past the end of k_cache (a partial last prefill page) are neither written nor summarised."""
     _, H, D = k_cache.shape
     exp = torch.full((P + 2 * GUARD, H, 2, p, D), float("nan"), dtype=k_cache.dtype)
+    summ = torch.full((P + 2 * GUARD, H, 2, D), float("nan"), dtype=k_cache.dtype)
     src, dst, valid = idx
     for s, d, ok in zip(src.tolist(), dst.tolist(), valid.tolist()):
         if ok:
             rows = min(p, k_cache.shape[0] - s * p)
-            exp[GUARD + d, :, 0, :rows] = k_cache[s * p : s * p + rows].transpose(0, 1).cpu()
+            keys = k_cache[s * p : s * p + rows].cpu()
+            exp[GUARD + d, :, 0, :rows] = keys.transpose(0, 1)
             exp[GUARD + d, :, 1, :rows] = v_cache[s * p : s * p + rows].transpose(0, 1).cpu()
-    return exp
+            summ[GUARD + d, :, 0] = keys.amin(dim=0)
+            summ[GUARD + d, :, 1] = keys.amax(dim=0)
+    return exp, summ
 
 
 def check_offload(k_cache, v_cache, idx, P, p, layers=1, layer=0):
     exp = expected(k_cache, v_cache, idx, P, p)
-    mask = ~exp.isnan()
     for name, fn in (("naive", naive_offload_pages), ("triton", offload_pages)):
         out = offload_into(fn, k_cache, v_cache, idx, P, p, layers, layer)
-        assert torch.equal(~out.isnan(), mask), f"{name}: {int((~out.isnan() ^ mask).sum())} elements written wrongly"
-        assert_close(f"{name} host_layer", exp[mask], out[mask], atol=0, rtol=0)
+        for what, e, o in zip(("host_layer", "summaries"), exp, out):
+            mask = ~e.isnan()
+            wrong = int((~o.isnan() ^ mask).sum())
+            assert wrong == 0, f"{name} {what}: {wrong} elements written wrongly"
+            assert_close(f"{name} {what}", e[mask], o[mask], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -72,7 +82,8 @@ def test_offload_pages(H, D, p, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_offload_pages_prefill_partial_page(dtype):
-    """A prefill tensor of 4*p + 5 tokens: its last page holds 5 rows, only those reach the host page."""
+    """A prefill tensor of 4*p + 5 tokens: its last page holds 5 rows, only those reach the host page and its
+    summary."""
     n_tokens, P, H, D, p = 4 * 16 + 5, 8, 3, 64, 16
     k_cache, v_cache = torch.randn(2, n_tokens, H, D, dtype=dtype, device=DEV)
     src, dst = torch.arange(5, dtype=torch.int32), torch.tensor([6, 0, 3, 7, 2], dtype=torch.int32)
@@ -82,8 +93,8 @@ def test_offload_pages_prefill_partial_page(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_offload_pages_layer_view(dtype):
-    """Writes host_kv[:, layer] of a [P, L, H, 2, p, D] arena from K/V caches interleaved in one [T, 2, H, D]
-    buffer: all strides come from the tensors, other layers stay untouched."""
+    """Writes host_kv[:, layer] of a [P, L, H, 2, p, D] arena and one layer of [P, L, H, 2, D] summaries from K/V
+    caches interleaved in one [T, 2, H, D] buffer: all strides come from the tensors, other layers stay untouched."""
     gpu_pages, P, H, D, p = 5, 7, 3, 64, 16
     kv = torch.randn(gpu_pages * p, 2, H, D, dtype=dtype, device=DEV)
     idx = entries(5, 2, gpu_pages, P)

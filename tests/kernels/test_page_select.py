@@ -1,4 +1,4 @@
-"""score_pages / select_pages / slot_delta against their torch references, plus semantic properties."""
+"""score_pages / select_slots against their torch references, plus semantic properties."""
 
 import math
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from freekv_kernels.page_select import (
+    PHASE_LATER,
+    PHASE_NOW,
     naive_score_pages,
-    naive_select_pages,
-    naive_slot_delta,
+    naive_select_slots,
     score_pages,
-    select_pages,
-    slot_delta,
+    select_slots,
 )
 from freekv_kernels.page_select import triton as page_select_triton
 from freekv_kernels.testing import assert_close, device, poisoned_outputs
@@ -20,7 +20,7 @@ B, H, R = 5, 2, 7
 CAND_START = 2
 
 
-def make_score_inputs(G, page_size, D, M, dtype):
+def make_score_inputs(G, page_size, D, M, dtype, H=H):
     """Random q, min/max summaries of random keys, distinct host pages per request, varied candidate ranges.
 
     Built on CPU so every device sees the same values.
@@ -63,24 +63,35 @@ def test_score_pages_matches_reference(G, page_size, D, M, pooling, dtype):
         torch.testing.assert_close(sums, expect, atol=1e-5, rtol=0)
 
 
+HEADS_SHAPES = [(1, 8, 16, 64, 37, torch.bfloat16), (2, 3, 32, 128, 300, torch.float32),
+                (3, 4, 16, 64, 150, torch.bfloat16), (2, 1, 32, 64, 20, torch.float32)]
+
+
+@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
 @pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
-@pytest.mark.parametrize("G,page_size,D,M", SCORE_SHAPES[:2])
-def test_score_pages_per_head_candidates(G, page_size, D, M, pooling):
-    """cand_end [B, H]: each KV head its own range (the engine's per-head phases); a head with no candidates
-    is all -inf, the others equal the per-row call with that head's range."""
-    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, page_size, D, M, torch.float32)
-    per_head = cand_end[:, None].repeat(1, H)
-    per_head[:, 0] = CAND_START  # head 0 skipped everywhere
-    per_head[0, 1:] = M  # row 0: the other heads see every page
+@pytest.mark.parametrize("H_,G,page_size,D,M,dtype", HEADS_SHAPES)
+def test_score_pages_heads_of_a_phase(H_, G, page_size, D, M, dtype, pooling, phase):
+    """heads [B, H] and a phase: only the phase's heads (heads == True before attention, False after) are
+    scored, exactly as without a mask; the other heads' rows stay unwritten. q_by_slot reads q[req_slots[b]]."""
+    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, page_size, D, M, dtype, H_)
+    heads = torch.rand(B, H_) < 0.5
+    heads[0] = True
+    heads[1] = False
+    heads = heads.to(q.device)
+    mine = heads if phase == PHASE_NOW else ~heads
     scale = 1 / math.sqrt(D)
-    with poisoned_outputs():
-        out = score_pages(q, summaries, page_table, req_slots, CAND_START, per_head, scale, pooling)
-    ref = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, per_head, scale, pooling)
-    assert_close("scores", ref, out, atol=1e-5 if pooling == "mean_softmax" else 1e-4, rtol=1e-4)
-    assert torch.isinf(out[:, 0]).all()
-    row = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, per_head[:, 1].contiguous(), scale,
-                            pooling)
-    torch.testing.assert_close(out[:, 1:].cpu(), row[:, 1:].cpu(), atol=1e-4, rtol=1e-4)
+    full = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling)
+    ref = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling, heads, phase)
+    assert torch.equal(ref[mine], full[mine]) and ref[~mine].isnan().all()
+    # q by request slot: rows of q that no batch row maps to are NaN (never read).
+    q_slots = torch.full((R, H_ * G, D), float("nan"), dtype=dtype, device=q.device)
+    q_slots[req_slots.long()] = q
+    for qq, by_slot in ((q, False), (q_slots, True)):
+        with poisoned_outputs():
+            out = score_pages(qq, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling, heads, phase,
+                              by_slot)
+        assert out[~mine].isnan().all(), "a head outside the phase was written"
+        assert_close("scores", ref[mine], out[mine], atol=1e-5 if pooling == "mean_softmax" else 1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
@@ -109,23 +120,65 @@ def test_max_pooling_is_max_of_raw_scores():
     torch.testing.assert_close(out[b, :, j], raw.amax(-1), atol=1e-4, rtol=1e-5)
 
 
+def run_select(fn, scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1):
+    """fn on copies of the in-place tensors, recall as the view [:B] of its buffer (stats start non-zero: they
+    accumulate); returns the slot table, the whole recall buffer and the stats."""
+    slots, recall = slots.clone(), recall.clone()
+    stats = torch.tensor([5.0, 7.0], dtype=torch.float64, device=scores.device)
+    fn(scores, slots, req_slots, heads, phase, flags, recall[:req_slots.shape[0]], recall_all, stats, pad_slot)
+    return slots, recall, stats
+
+
+def check_select(scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1):
+    """select_slots equals the reference on every output, and writes only the batch's slot-table rows and
+    recall rows [:B] (rows past B of the recall buffer are sentinels)."""
+    B = req_slots.shape[0]
+    ref = run_select(naive_select_slots, scores, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot)
+    with poisoned_outputs():
+        out = run_select(select_slots, scores, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot)
+    assert_close("slots", ref[0], out[0])
+    assert_close("recall", ref[1], out[1])
+    assert torch.equal(out[1][B:], recall[B:]), "recall rows past the batch were written"
+    torch.testing.assert_close(out[2], ref[2], atol=0, rtol=0)
+    return ref
+
+
+def fresh_table(k, R=R, H_=H):
+    """A slot table of new requests (every slot empty), with sentinel rows for the requests outside the batch."""
+    return torch.full((R, H_, k), -1, dtype=torch.int32, device=device())
+
+
 @pytest.mark.parametrize("k", [1, 7, 37, 40])
-def test_select_pages_matches_reference(k):
+def test_select_slots_top_k_of_new_requests(k):
+    """Empty slots take the top k pages in score order (ties by lower page), -1 where scores run out."""
     M = 37
     # Distinct scores (a permutation) with -inf holes, and a row that is all -inf.
     scores = torch.stack([torch.randperm(M).float() for _ in range(B * H)]).view(B, H, M)
     scores[torch.rand(B, H, M) < 0.3] = float("-inf")
     scores[1] = float("-inf")
     scores = scores.to(device())
-    with poisoned_outputs():
-        sel = select_pages(scores, k)
-    assert_close("sel", naive_select_pages(scores, k), sel)
+    req_slots = torch.randperm(R)[:B].int().to(device())
+    table = fresh_table(k)
+    heads = torch.ones(B, H, dtype=torch.bool, device=device())
+    flags = torch.rand(B, H, device=device()) < 0.5
+    recall = torch.full((B + 1, H, k), 9, dtype=torch.int8, device=device())
+    slots, codes, _ = check_select(scores, table, req_slots, heads, PHASE_NOW, flags, recall)
+    order = torch.sort(scores.cpu(), dim=-1, descending=True, stable=True)
+    for b, r in enumerate(req_slots.tolist()):
+        for h in range(H):
+            want = [j if v != float("-inf") else -1 for v, j in zip(order.values[b, h, :k].tolist(),
+                                                                     order.indices[b, h, :k].tolist())]
+            want += [-1] * (k - len(want))
+            assert slots[r, h].tolist() == want
+            # every slot was empty: each filled one is recalled before attention
+            assert codes[b, h].tolist() == [PHASE_NOW if p != -1 else 0 for p in want]
 
 
 @pytest.mark.parametrize("chunk", [8, 32])
 @pytest.mark.parametrize("k", [1, 3, 16])
-def test_select_pages_chunked_with_ties(monkeypatch, chunk, k):
-    """Several top-k stages (chunks, then the chunks' winners) equal the reference, ties by lower page included."""
+def test_select_slots_chunked_with_ties(monkeypatch, chunk, k):
+    """Several top-k stages (chunks, then the chunks' winners) equal the reference, ties by lower page included;
+    a head outside the phase has a NaN score row that no stage may read."""
     monkeypatch.setattr(page_select_triton, "TOPK_CHUNK", chunk)
     monkeypatch.setattr(page_select_triton, "TOPK_SINGLE", chunk)
     M = 150
@@ -135,57 +188,106 @@ def test_select_pages_chunked_with_ties(monkeypatch, chunk, k):
     scores[1] = float("-inf")
     scores[3, 1] = torch.randn(M) * 1e3  # distinct values of both signs
     scores[4, 0, : M - 5] = float("-inf")  # fewer finite scores than k
-    scores = scores.to(device())
-    with poisoned_outputs():
-        sel = page_select_triton.select_pages(scores, k)
-    assert_close("sel", naive_select_pages(scores, k), sel)
+    heads = torch.ones(B, H, dtype=torch.bool)
+    heads[2, 1] = False
+    scores[2, 1] = float("nan")
+    dev = device()
+    scores, heads = scores.to(dev), heads.to(dev)
+    req_slots = torch.randperm(R)[:B].int().to(dev)
+    table = fresh_table(k)
+    table[req_slots[2].long(), 1] = torch.arange(k, dtype=torch.int32)  # kept: the head selects later
+    recall = torch.zeros(B, H, k, dtype=torch.int8, device=dev)
+    flags = torch.zeros(B, H, dtype=torch.bool, device=dev)
+    slots, _, _ = check_select(scores, table, req_slots, heads, PHASE_NOW, flags, recall)
+    assert slots[req_slots[2].long(), 1].tolist() == list(range(k))
 
 
-@pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
-def test_every_candidate_selected_when_k_covers_them(pooling):
-    G, D, M = 4, 64, 37
-    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, 32, D, M, torch.bfloat16)
-    with poisoned_outputs():
-        scores = score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, 0.125, pooling)
-        sel = select_pages(scores, M - CAND_START)
+def make_slot_inputs(k, n_pages, H_=H):
+    """old slot rows: distinct pages with -1 holes; scores whose top k (-inf beyond) are distinct pages that
+    overlap the resident ones about half the time."""
+    old = torch.full((B, H_, k), -1, dtype=torch.int32)
+    scores = torch.full((B, H_, n_pages), float("-inf"))
+    sel = torch.full((B, H_, k), -1, dtype=torch.int32)
     for b in range(B):
-        want = set(range(CAND_START, max(int(cand_end[b]), CAND_START)))
-        for h in range(H):
-            row = sel[b, h].tolist()
-            assert set(row) - {-1} == want and row.count(-1) == len(row) - len(want)
-
-
-def make_slot_inputs(k, n_pages):
-    """old: distinct pages with -1 holes; sel: distinct pages overlapping old, -1 padded at the end."""
-    old = torch.full((B, H, k), -1, dtype=torch.int32)
-    sel = torch.full((B, H, k), -1, dtype=torch.int32)
-    for b in range(B):
-        for h in range(H):
+        for h in range(H_):
             pages = torch.randperm(n_pages)
             old[b, h] = pages[:k].to(torch.int32)
             old[b, h][torch.rand(k) < 0.2] = -1
             n_sel = [k, 0, k // 2, k - 1, 1][b]
             sel[b, h, :n_sel] = pages[torch.randperm(2 * k)[:n_sel]].to(torch.int32)  # about half resident
     old[0, 0, k // 2] = -1  # an empty slot and a full selection
-    resident = old[2, 1][old[2, 1] != -1].flip(0)  # re-selecting exactly the resident pages changes nothing
-    sel[2, 1] = -1
-    sel[2, 1, : len(resident)] = resident
-    return old.to(device()), sel.to(device())
-
-
-@pytest.mark.parametrize("k", [1, 5, 16, 37, 256])
-def test_slot_delta(k):
-    old, sel = make_slot_inputs(k, 3 * k + 4)
-    with poisoned_outputs():
-        new, changed = slot_delta(old, sel)
-    ref_new, ref_changed = naive_slot_delta(old, sel)
-    assert_close("new", ref_new, new)
-    assert_close("changed", ref_changed, changed)
+    resident = old[2, 0][old[2, 0] != -1].flip(0)  # re-selecting exactly the resident pages changes nothing
+    sel[2, 0] = -1
+    sel[2, 0, : len(resident)] = resident
     for b in range(B):
+        for h in range(H_):
+            chosen = sel[b, h][sel[b, h] != -1].long()
+            scores[b, h, chosen] = torch.arange(len(chosen), 0, -1).float()  # in selection order
+    return old, sel, scores
+
+
+@pytest.mark.parametrize("recall_all", [False, True])
+@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
+@pytest.mark.parametrize("H_,k", [(1, 5), (2, 1), (2, 16), (3, 37), (2, 256)])
+def test_select_slots_delta_commit_and_recall_codes(H_, k, phase, recall_all):
+    """Resident pages keep their slot, new ones fill the free slots in selection order; the phase's heads commit
+    to the slot table, the recall codes and statistics follow the contract (a padding row counts nothing)."""
+    old, sel, scores = make_slot_inputs(k, 3 * k + 4, H_)
+    dev = device()
+    req_slots = torch.randperm(R)[:B].int()
+    pad = int(req_slots[4])
+    table = torch.randint(0, 99, (R, H_, k), dtype=torch.int32)  # rows outside the batch: must stay
+    table[req_slots.long()] = old
+    heads = torch.rand(B, H_) < 0.5
+    heads[0], heads[2] = True, phase == PHASE_NOW
+    flags = heads & (torch.rand(B, H_) < 0.5)
+    scores[~(heads if phase == PHASE_NOW else ~heads)] = float("nan")  # rows outside the phase: unwritten
+    recall = torch.randint(0, 3, (B + 2, H_, k), dtype=torch.int8)  # last step's codes, then 2 sentinel rows
+    args = [t.to(dev) for t in (scores, table, req_slots, heads)]
+    slots, codes, stats = check_select(*args, phase, flags.to(dev), recall.to(dev), recall_all, pad)
+    mine = heads if phase == PHASE_NOW else ~heads
+    before = recall[:B]
+    now = later = 0
+    for b, r in enumerate(req_slots.tolist()):
+        for h in range(H_):
+            o, n = old[b, h].tolist(), slots[r, h].tolist()
+            if not mine[b, h]:
+                assert n == o
+                changed = [False] * k
+            else:
+                wanted = set(sel[b, h].tolist()) - {-1}
+                assert all(n[i] == o[i] for i in range(k) if o[i] in wanted), "a resident page moved"
+                assert set(n) - {-1} == wanted and n.count(-1) == k - len(wanted)
+                changed = [p != -1 and (recall_all or p != q) for p, q in zip(n, o)]
+            if phase == PHASE_NOW:
+                want = [(PHASE_NOW if flags[b, h] or q < 0 else PHASE_LATER) if c else 0 for c, q in zip(changed, o)]
+            else:
+                want = [PHASE_LATER if c else 0 for c in changed] if mine[b, h] else before[b, h].tolist()
+            assert codes[b, h].tolist() == want
+            if r != pad:
+                now += want.count(PHASE_NOW)
+                later += want.count(PHASE_LATER)
+    assert stats.tolist() == [5.0 + (now if phase == PHASE_NOW else 0), 7.0 + (later if phase == PHASE_LATER else 0)]
+    others = torch.ones(R, dtype=torch.bool)
+    others[req_slots.long()] = False
+    assert torch.equal(slots[others.to(dev)], table[others].to(dev))
+    if not recall_all and mine[2, 0]:
+        assert (codes[2, 0] == 0).all()  # re-selecting the resident pages recalls nothing
+
+
+@pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
+def test_every_candidate_selected_when_k_covers_them(pooling):
+    G, D, M = 4, 64, 37
+    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, 32, D, M, torch.bfloat16)
+    k = M - CAND_START
+    table = fresh_table(k)
+    heads = torch.ones(B, H, dtype=torch.bool, device=q.device)
+    recall = torch.zeros(B, H, k, dtype=torch.int8, device=q.device)
+    with poisoned_outputs():
+        scores = score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, 0.125, pooling)
+        select_slots(scores, table, req_slots, heads, PHASE_NOW, heads, recall)
+    for b, r in enumerate(req_slots.tolist()):
+        want = set(range(CAND_START, max(int(cand_end[b]), CAND_START)))
         for h in range(H):
-            o, s, n = old[b, h].tolist(), sel[b, h].tolist(), new[b, h].tolist()
-            wanted = set(s) - {-1}
-            assert all(n[i] == o[i] for i in range(k) if o[i] in wanted), "a resident page moved"
-            assert set(n) - {-1} == wanted and n.count(-1) == k - len(wanted)
-            assert changed[b, h].tolist() == [n[i] != -1 and n[i] != o[i] for i in range(k)]
-    assert not changed[2, 1].any()
+            row = table[r, h].tolist()
+            assert set(row) - {-1} == want and row.count(-1) == len(row) - len(want)

@@ -104,3 +104,43 @@ def test_statistics_count_real_rows_only():
     assert stats[0].item() == (flags & real[:, None]).sum().item()
     assert abs(stats[1].item() - mean[counted].sum().item()) < 1e-4
     assert stats[2].item() == counted.sum().item() * H
+
+
+@pytest.mark.parametrize("H_,G,k", [(1, 8, 5), (3, 1, 16), (3, 3, 1), (2, 4, 37), (8, 4, 7)])
+def test_heads_that_select_before_attention(H_, G, k):
+    """heads[b, h] = flagged, or fewer pages held than the row's slots to fill; only [:B, :H] of the buffer is
+    written (checked with both fills), and the slot table is only read."""
+    D, Hq = 64, H_ * G
+    dev = device()
+    req_slots = torch.randperm(R)[:B].to(torch.int32)
+    pad = int(req_slots[4])
+    prev_q = torch.randn(R, Hq, D)
+    q = torch.where(torch.rand(B, Hq, 1) < 0.5, prev_q[req_slots.long()], torch.randn(B, Hq, D))
+    has_prev = torch.rand(R) < 0.8
+    table = torch.randint(0, 50, (R, H_, k), dtype=torch.int32)
+    table[torch.rand(R, H_, k) < 0.3] = -1
+    table[req_slots[0].long()] = -1  # a new request: every slot empty
+    n_slots = torch.randint(0, k + 1, (B,), dtype=torch.int32)
+    n_slots[1] = k
+    args = [t.to(dev) for t in (q, prev_q, req_slots, has_prev)]
+    table, n_slots = table.to(dev), n_slots.to(dev)
+    ref_heads = torch.zeros(B, H_, dtype=torch.bool, device=dev)
+    ref_prev, ref_has = args[1].clone(), args[3].clone()
+    flags_ref = naive_query_similarity(args[0], ref_prev, args[2], ref_has, 0.9, G, None, pad, table, n_slots,
+                                       ref_heads)
+    held = (table[req_slots.long().to(dev)] >= 0).sum(-1)
+    assert torch.equal(ref_heads, flags_ref | (held < n_slots[:, None]))
+    for fill in (False, True):
+        buf = torch.full((B + 2, H_ + 1), fill, dtype=torch.bool, device=dev)
+        prev, has = args[1].clone(), args[3].clone()
+        table_before = table.clone()
+        with poisoned_outputs():
+            flags = query_similarity(args[0], prev, args[2], has, 0.9, G, None, pad, table, n_slots, buf[1:B + 1, :H_])
+        assert_close("flags", flags_ref, flags)
+        assert_close("heads", ref_heads, buf[1:B + 1, :H_])
+        untouched = torch.ones_like(buf)
+        untouched[1:B + 1, :H_] = False
+        assert (buf[untouched] == fill).all(), "heads written outside [:B, :H]"
+        assert torch.equal(table, table_before)
+        assert_close("prev_q", ref_prev, prev)
+        assert_close("has_prev", ref_has, has)

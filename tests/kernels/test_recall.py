@@ -1,4 +1,5 @@
-"""recall_pages against its torch reference: only head head[i] of GPU page dst[i] is written, nothing else."""
+"""recall_pages against its torch reference: for the entries of one phase, head h of the slot's GPU page gets the
+host page its slot holds; nothing else is written, and entries of other phases are never dereferenced."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ DEV = device()
 GUARD = 2  # NaN pages around the GPU cache: a write through a garbage index lands there and is caught
 SHAPES = [(H, D, p) for H in (1, 3, 8) for D in (64, 128) for p in (16, 32)]
 DTYPES = [torch.bfloat16, torch.float32]
+GARBAGE = 1 << 28  # an index far outside every table: reading through it would fault (or hit NaN guards)
 
 
 def host_randn(*shape, dtype):
@@ -18,19 +20,25 @@ def host_randn(*shape, dtype):
     return t.pin_memory() if DEV.type == "cuda" else t
 
 
-def entries(n, n_invalid, src_pages, dst_pages, H):
-    """Valid entries have distinct (dst, head) pairs; invalid ones carry garbage (-1) indices."""
-    pair = torch.randperm(dst_pages * H)[:n]
-    src = torch.randint(0, src_pages, (n,), dtype=torch.int32)
-    head, dst = (pair % H).int(), (pair // H).int()
-    valid = torch.ones(n, dtype=torch.bool)
-    valid[torch.randperm(n)[:n_invalid]] = False
-    for t in (src, head, dst):
-        t[~valid] = -1
-    return [t.to(DEV) for t in (src, head, dst, valid)]
+def entries(B, H, k, R, M, P, pages, phase, n_other=3):
+    """A batch of B rows (distinct request slots) with their slot tables, page tables and recall codes. Entries
+    coded `phase` hold a valid logical page; the others hold garbage, as do the page-table entries they would
+    name. slot_pages: distinct GPU pages per (row, slot), within `pages`."""
+    req_slots = torch.randperm(R)[:B].int()
+    page_table = torch.full((R, M), GARBAGE, dtype=torch.int32)
+    slots = torch.full((R, H, k), GARBAGE, dtype=torch.int32)
+    recall = torch.randint(0, 3, (B, H, k), dtype=torch.int8)
+    for b, r in enumerate(req_slots.tolist()):
+        page_table[r, :M // 2] = torch.randint(0, P, (M // 2,), dtype=torch.int32)
+        for h in range(H):
+            mine = recall[b, h] == phase
+            slots[r, h, mine] = torch.randperm(M // 2)[:int(mine.sum())].int()
+            slots[r, h, (~mine) & (torch.rand(k) < 0.5)] = -1
+    slot_pages = torch.randperm(pages)[:B * k].int().view(B, k)
+    return [t.to(DEV) for t in (page_table, slots, req_slots, slot_pages, recall)]
 
 
-def recall_into(fn, host_layer, idx, p, pages, extra_rows, fused_kv=False):
+def recall_into(fn, host_layer, idx, phase, p, pages, extra_rows, fused_kv=False):
     """Run `fn` into NaN caches of pages*p + extra_rows rows, each inside a NaN buffer with GUARD pages on both
     sides; returns the K and V buffers [rows, H, D]. fused_kv: K and V interleave in one [rows, 2, H, D] buffer,
     so the caches are non-contiguous views."""
@@ -40,72 +48,70 @@ def recall_into(fn, host_layer, idx, p, pages, extra_rows, fused_kv=False):
     buf = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
     kb, vb = buf.unbind(1 if fused_kv else 0)
     live = slice(GUARD * p, GUARD * p + pages * p + extra_rows)
-    fn(host_layer, kb[live], vb[live], *idx, p)
+    fn(host_layer, kb[live], vb[live], *idx, phase, p)
     if DEV.type == "cuda":
         torch.cuda.synchronize()
     return kb.cpu(), vb.cpu()
 
 
-def written_mask(shape, idx, p):
-    """Elements of a guarded [rows, H, D] buffer that the contract says are written."""
-    _, head, dst, valid = idx
-    mask = torch.zeros(shape, dtype=torch.bool)
-    for h, d, ok in zip(head.tolist(), dst.tolist(), valid.tolist()):
-        if ok:
-            mask[(GUARD + d) * p : (GUARD + d + 1) * p, h] = True
-    return mask
+def expected(host_layer, idx, phase, p, shape):
+    """The guarded K and V buffers built straight from the contract (NaN where nothing is written)."""
+    page_table, slots, req_slots, slot_pages, recall = (t.cpu() for t in idx)
+    k_exp, v_exp = torch.full(shape, float("nan"), dtype=host_layer.dtype), torch.full(shape, float("nan"),
+                                                                                        dtype=host_layer.dtype)
+    B, H, K = recall.shape
+    for b in range(B):
+        r = int(req_slots[b])
+        for h in range(H):
+            for s in range(K):
+                if int(recall[b, h, s]) == phase:
+                    src = int(page_table[r, int(slots[r, h, s])])
+                    rows = slice((GUARD + int(slot_pages[b, s])) * p, (GUARD + int(slot_pages[b, s]) + 1) * p)
+                    k_exp[rows, h] = host_layer[src, h, 0].cpu()
+                    v_exp[rows, h] = host_layer[src, h, 1].cpu()
+    return k_exp, v_exp
 
 
-def check_written(name, ref, out, mask):
-    """Exactly `mask` was written (everything else still NaN) and it matches the reference bit for bit."""
-    assert torch.equal(~ref.isnan(), mask), f"{name}: the reference wrote outside the contract"
-    assert torch.equal(~out.isnan(), mask), f"{name}: {int((~out.isnan() ^ mask).sum())} elements written wrongly"
-    assert_close(name, ref[mask], out[mask], atol=0, rtol=0)
+def check_recall(host_layer, idx, phase, p, pages, extra_rows, fused_kv=False):
+    before = [t.clone() for t in idx]
+    ref = recall_into(naive_recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv)
+    out = recall_into(recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv)
+    exp = expected(host_layer, idx, phase, p, ref[0].shape)
+    for name, e, r, o in (("k_cache", exp[0], ref[0], out[0]), ("v_cache", exp[1], ref[1], out[1])):
+        mask = ~e.isnan()
+        assert torch.equal(~r.isnan(), mask), f"{name}: the reference wrote outside the contract"
+        assert torch.equal(~o.isnan(), mask), f"{name}: {int((~o.isnan() ^ mask).sum())} elements written wrongly"
+        assert_close(name, e[mask], o[mask], atol=0, rtol=0)
+        assert_close(name, e[mask], r[mask], atol=0, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, idx)), "an index input was modified"
 
 
-def check_recall(host_layer, idx, p, pages, extra_rows, fused_kv=False):
-    ref = recall_into(naive_recall_pages, host_layer, idx, p, pages, extra_rows, fused_kv)
-    out = recall_into(recall_pages, host_layer, idx, p, pages, extra_rows, fused_kv)
-    mask = written_mask(ref[0].shape, idx, p)
-    check_written("k_cache", ref[0], out[0], mask)
-    check_written("v_cache", ref[1], out[1], mask)
-
-
+@pytest.mark.parametrize("phase", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H,D,p", SHAPES)
-def test_recall_pages(H, D, p, dtype):
-    P, pages = 13, 11
+def test_recall_pages(H, D, p, dtype, phase):
+    R, M, P, B, k, pages = 6, 20, 13, 3, 5, 17
     host_layer = host_randn(P, H, 2, p, D, dtype=dtype)
-    # 9 entries, 3 invalid; T = 11*p + 5: the 5 rows past the last page are never written.
-    check_recall(host_layer, entries(9, 3, P, pages, H), p, pages, extra_rows=5)
+    # T = 17*p + 5: the 5 rows past the last page are never written.
+    check_recall(host_layer, entries(B, H, k, R, M, P, pages, phase), phase, p, pages, extra_rows=5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_recall_pages_layer_view(dtype):
     """The kernel reads host_kv[:, layer] of a [P, L, H, 2, p, D] arena and writes K/V caches that are
     interleaved views of one buffer: all strides come from the tensors."""
-    P, L, H, D, p, pages = 7, 3, 3, 64, 16, 5
+    P, L, H, D, p, pages = 7, 3, 3, 64, 16, 9
     host_kv = host_randn(P, L, H, 2, p, D, dtype=dtype)
-    idx = entries(11, 4, P, pages, H)
+    idx = entries(2, H, 4, 5, 12, P, pages, 1)
     for layer in (0, L - 1):
-        check_recall(host_kv[:, layer], idx, p, pages, extra_rows=0, fused_kv=True)
+        check_recall(host_kv[:, layer], idx, 1, p, pages, extra_rows=0, fused_kv=True)
 
 
-@pytest.mark.parametrize("n,n_invalid", [(0, 0), (5, 5)])
-def test_recall_pages_nothing_valid(n, n_invalid):
-    P, H, D, p, pages = 4, 3, 64, 16, 3
+@pytest.mark.parametrize("B", [0, 2])
+def test_recall_pages_nothing_to_recall(B):
+    """An empty batch, or no entry of the phase (codes of the other phase and 0 only): nothing is written."""
+    P, H, D, p, pages = 4, 3, 64, 16, 6
     host_layer = host_randn(P, H, 2, p, D, dtype=torch.bfloat16)
-    check_recall(host_layer, entries(n, n_invalid, P, pages, H), p, pages, extra_rows=3)
-
-
-def test_recall_pages_refuses_strided_index_vectors():
-    """An expanded index (one KV head: [B, 1, k] -> stride-0 view) must be refused, not read past its storage."""
-    P, H, D, p = 4, 1, 64, 16
-    host_layer = host_randn(P, H, 2, p, D, dtype=torch.bfloat16)
-    k = torch.zeros(8 * p, H, D, dtype=torch.bfloat16, device=DEV)
-    v = torch.zeros_like(k)
-    ok = torch.zeros(6, dtype=torch.int32, device=DEV)
-    head = torch.zeros(1, 1, 1, dtype=torch.int32, device=DEV).expand(2, 1, 3).reshape(-1)
-    assert head.stride() == (0,)
-    with pytest.raises(ValueError, match="head must be a contiguous 1-D"):
-        recall_pages(host_layer, k, v, ok, head, ok + 1, torch.ones(6, dtype=torch.bool, device=DEV), p)
+    idx = entries(B, H, 3, 4, 8, P, pages, 1)
+    idx[-1].clamp_(max=1)  # codes 0 and 1 only
+    check_recall(host_layer, idx, 2, p, pages, extra_rows=3)

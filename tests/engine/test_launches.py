@@ -1,0 +1,136 @@
+"""Device launches per sparse layer of a decode step, counted on any device: every aten op that would launch a
+kernel and every Triton launch inside `attend`, by the stream it is issued on. The decode step of a sparse layer
+is launch-bound, so a glue kernel creeping back in fails here rather than in a GPU profile."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import pytest
+import torch
+from freekv_kernels.page_select import triton as page_select_triton
+from freekv_kernels.testing import device
+from freekv_kernels.token_index import head_token_index
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from freekv_sglang.config import FreeKVConfig
+from freekv_sglang.engine import FreeKVEngine, ModelShape
+
+DEV = device()
+H, G, D, L = 2, 4, 16, 3
+# aten ops that launch nothing on a GPU: views, metadata, allocation.
+NO_LAUNCH = {"view", "_unsafe_view", "reshape", "_reshape_alias", "expand", "slice", "select", "unsqueeze",
+             "squeeze", "as_strided", "t", "alias", "detach", "empty", "empty_strided", "permute", "transpose",
+             "unbind", "split", "is_pinned", "scalar_tensor", "lift_fresh"}
+
+
+class Launches(TorchDispatchMode):
+    """Records (stream, name) of every launch while `on`; Triton's own host work (the interpreter's copies) is
+    not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.on, self.stream = False, "compute"
+        self.seen = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if self.on and name not in NO_LAUNCH:
+            self.seen[(self.stream, "aten." + name)] += 1
+        return func(*args, **(kwargs or {}))
+
+    def triton_run(self, run):
+        def counted(kernel, *args, **kwargs):
+            if self.on:
+                self.seen[(self.stream, kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)] += 1
+            was, self.on = self.on, False
+            try:
+                return run(kernel, *args, **kwargs)
+            finally:
+                self.on = was
+        return counted
+
+    @contextlib.contextmanager
+    def stream_named(self, name):
+        old, self.stream = self.stream, name
+        try:
+            yield
+        finally:
+            self.stream = old
+
+
+def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=0.5):
+    """Launches per sparse layer of the third decode step of two requests (slots filled, some heads flagged)."""
+    cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall)
+    eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=1024, dtype=torch.float32,
+                       device=DEV, backend="triton", method=method, pad_slot=0, dense_outside=True)
+    rec = Launches()
+    kernel_cls = type(page_select_triton._select_slots_kernel)
+    monkeypatch.setattr(kernel_cls, "run", rec.triton_run(kernel_cls.run))
+    monkeypatch.setattr(eng.streams, "on", rec.stream_named)
+    slots = [1, 2]
+    for s, n in zip(slots, [500, 300]):
+        eng.add_request(s)
+        eng.begin_prefill(s, n)
+        for layer in range(1, L):
+            eng.prefill_layer(s, layer, torch.randn(n, H, D, device=DEV), torch.randn(n, H, D, device=DEV),
+                              torch.randn(H * G, D, device=DEV))
+    indices = torch.zeros(4096, dtype=torch.int32, device=DEV)
+    out = torch.zeros(len(slots), H * G, D, device=DEV)
+
+    def attention(q, kc, vc, plan, head_pages):
+        head_token_index(head_pages, plan.row_tokens, plan.row_start, cfg.page_size, indices)
+        return out  # stands for the outside kernel (FlashInfer), one launch more
+
+    with rec:
+        for step in range(3):
+            eng.prepare_step(slots)
+            plan = eng.plan(len(slots))
+            inputs = [[torch.randn(len(slots), n, D, device=DEV) for n in (H * G, H, H)] for _ in range(L)]
+            rec.on = step == 2
+            for layer in range(1, L):
+                eng.attend(plan, layer, *inputs[layer], attention=attention if outside else None)
+            rec.on = False
+            eng.end_step()
+    per_layer = collections.defaultdict(collections.Counter)
+    for (stream, name), n in rec.seen.items():
+        assert n % (L - 1) == 0, (stream, name, n)
+        per_layer[stream][name] = n // (L - 1)
+    return {stream: dict(c) for stream, c in per_layer.items()}
+
+
+SELECT = {"_page_logits_kernel": 1, "_pool_scores_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
+
+
+@pytest.mark.parametrize("recall", ["delta", "all"])
+def test_freekv_layer_launches(monkeypatch, recall):
+    """13 launches per sparse layer: 4 on the compute stream (similarity, KV write, attention and its split
+    combine), 4 on the select stream before attention, 5 on the recall stream; no torch glue anywhere."""
+    got = count_step(monkeypatch, recall=recall)
+    assert got == {
+        "compute": {"_query_similarity_kernel": 1, "_write_kv_kernel": 1, "_sparse_decode_attention_kernel": 1,
+                    "_combine_splits_kernel": 1},
+        "select": SELECT,
+        "recall": {**SELECT, "_offload_pages_kernel": 1},
+    }
+
+
+def test_outside_attention_layer_launches(monkeypatch):
+    """With an outside attention kernel (SGLang's FlashInfer path) the compute stream builds the per-head pages
+    and token lists in one launch each."""
+    got = count_step(monkeypatch, outside=True)
+    assert got["compute"] == {"_query_similarity_kernel": 1, "_write_kv_kernel": 1, "_head_pages_kernel": 1,
+                              "_head_token_index_kernel": 1}
+    assert got["select"] == SELECT
+
+
+def test_quest_and_streaming_layer_launches(monkeypatch):
+    """Quest (max pooling: no pooling kernel) and StreamingLLM (nothing selected: no side-stream selection)."""
+    quest = count_step(monkeypatch, method="quest")
+    no_pool = {k: v for k, v in SELECT.items() if k != "_pool_scores_kernel"}
+    assert quest["select"] == no_pool and quest["recall"] == {**no_pool, "_offload_pages_kernel": 1}
+    streaming = count_step(monkeypatch, method="streaming")
+    assert "select" not in streaming and streaming["recall"] == {"_offload_pages_kernel": 1}
+    assert streaming["compute"] == {"_query_similarity_kernel": 1, "_write_kv_kernel": 1,
+                                    "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1}
