@@ -19,7 +19,8 @@ export PYTHONPATH=/tmp/fkv-src:/tmp/fkv-site${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 rc=0
-python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_engine.py tests/engine/test_cuda_graph.py "$@" \
+python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_engine.py tests/engine/test_cuda_graph.py \
+  tests/engine/test_launches.py "$@" \
   2>&1 | tee "$OUT/gpu-tests.log" | tail -n 25 || rc=1
 python3 benchmarks/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" | tail -n 60 || rc=1
 exit $rc
