@@ -56,4 +56,4 @@ class StagingPages:
 
 def translate(page_map: torch.Tensor, loc: torch.Tensor, page_size: int) -> torch.Tensor:
     """Staging rows of token locations `loc` (same dtype as loc)."""
-    return (page_map[loc // page_size].to(loc.dtype) * page_size + loc % page_size).to(loc.dtype)
+    return page_map[loc // page_size].to(loc.dtype) * page_size + loc % page_size
