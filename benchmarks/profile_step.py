@@ -32,16 +32,23 @@ L, HQ, H, D = 32, 32, 8, 128
 BF = torch.bfloat16
 
 
-def graph_time(fn, reps: int = 50) -> float:
-    """ms per call of fn captured in a CUDA graph (fn must be capturable)."""
+def capture(fn, between=lambda: None) -> torch.cuda.CUDAGraph:
+    """fn warmed up once on a side stream (as CUDA-graph capture requires), then `between`, then captured."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
+    between()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return g
+
+
+def graph_time(fn, reps: int = 50) -> float:
+    """ms per call of fn captured in a CUDA graph (fn must be capturable)."""
+    g = capture(fn)
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
@@ -107,15 +114,7 @@ def main() -> None:
                 advance()
                 step()
             advance()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                step()
-            torch.cuda.current_stream().wait_stream(side)
-            g = torch.cuda.CUDAGraph()
-            advance()
-            with torch.cuda.graph(g):
-                step()
+            g = capture(step, between=advance)
             times = []
             for _ in range(40):
                 advance()
