@@ -57,6 +57,7 @@ KV_ALLOC = re.compile(r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K si
 ROOM = re.compile(r"request slots \(room for (\d+)\)")
 PLAN = re.compile(r"dense layers ([\d.]+) GB \+ staging (\d+) pages ([\d.]+) GB")
 ENGINE = re.compile(r"engine GPU memory ([\d.]+) GB for (\d+) request slots")
+DECODE_LOG = re.compile(r"Decode batch.*?#running-req: (\d+),.*?cuda graph: (\w+).*?#queue-req: (\d+)")
 
 
 def memory_cell(log: str, context: int) -> dict:
@@ -80,6 +81,19 @@ def memory_cell(log: str, context: int) -> dict:
     else:
         cell["kv_gb_per_request"] = round(pool_gb / tokens * context, 4)
     return cell
+
+
+def scheduler_cell(log: Path, offset: int) -> dict:
+    """What SGLang's scheduler logged while a batch ran: the most requests decoding at once, the longest waiting
+    queue, whether every decode step replayed a CUDA graph, and how often it retracted requests (KV pool full)."""
+    with open(log, errors="replace") as f:
+        f.seek(offset)
+        text = f.read()
+    lines = DECODE_LOG.findall(text)
+    if not lines:
+        return {}
+    return {"max_running": max(int(r) for r, _, _ in lines), "max_queued": max(int(q) for _, _, q in lines),
+            "cuda_graph": all(g == "True" for _, g, _ in lines), "retractions": text.count("Retract")}
 
 
 def copy_peak_gbps() -> float:
@@ -163,7 +177,7 @@ def print_table(result: dict) -> None:
     full = {c["batch"]: c for c in result["cells"] if c["config"] == "full" and "step_ms" in c}
     print(f"\n{result['gpu']}, {result['shape']}, context {result['context']}, {result['output_len']} new tokens; FreeKV {result['freekv_args']}")
     print(f"{'config':<11} {'batch':>5} {'step ms':>8} {'x full':>7} {'TPOT p50':>9} {'tok/s':>8} {'TTFT s':>7} "
-          f"{'corr':>5} {'recall GB/s':>11} {'pool tok':>9} {'GB/req':>7} {'max conc':>8}")
+          f"{'corr':>5} {'recall GB/s':>11} {'pool tok':>9} {'GB/req':>7} {'max conc':>8} {'ran/queued':>10}")
     for c in result["cells"]:
         if "step_ms" not in c:
             print(f"{c['config']:<11} error: {c.get('error', c.get('errors'))}")
@@ -173,25 +187,31 @@ def print_table(result: dict) -> None:
               f"{c['output_tok_per_s']:>8.1f} "
               f"{c['ttft_s_p50']:>7.2f} {c.get('correction_rate', float('nan')):>5.2f} "
               f"{c.get('recall_gbps', float('nan')):>11.2f} {c.get('gpu_pool_tokens') or 0:>9} "
-              f"{c.get('kv_gb_per_request', float('nan')):>7.3f} {c.get('max_concurrent') or 0:>8}")
+              f"{c.get('kv_gb_per_request', float('nan')):>7.3f} {c.get('max_concurrent') or 0:>8} "
+              f"{str(c.get('max_running', '-')) + '/' + str(c.get('max_queued', '-')):>10}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama-3.1-8b", help="a shape of scripts/make_dummy_model.py")
     ap.add_argument("--context", type=int, default=32000)
-    ap.add_argument("--batches", default="1,4,8")
+    ap.add_argument("--batches", default="1,4,8", help="requests sent at once, comma-separated; 'max': as many as "
+                    "the server's start-up lines say it holds before queueing (its memory_cell max_concurrent)")
+    ap.add_argument("--max-running", type=int, default=0, help="--max-running-requests (default: the largest batch)")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--configs", default="full,freekv,tau0,tau1,recall-all")
     ap.add_argument("--freekv-args", default="--kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32 "
                     "--kvstore-arena-gb 36")
-    ap.add_argument("--mem-fraction-static", default="0.75")
+    ap.add_argument("--mem-fraction-static", default="0.75", help="'auto': SGLang's own choice for the GPU")
     ap.add_argument("--port", type=int, default=30010)
     ap.add_argument("--out", default="results/decode")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [b if b == "max" else int(b) for b in args.batches.split(",")]
+    numeric = [b for b in batches if b != "max"]
+    if not (args.max_running or numeric):
+        ap.error("--batches max alone needs --max-running")
     model = f"/tmp/dummy-{args.shape}"
     subprocess.run([sys.executable, str(ROOT / "scripts/make_dummy_model.py"), args.shape, model], check=True,
                    stdout=subprocess.DEVNULL)
@@ -203,8 +223,9 @@ def main() -> None:
     print(f"{gpu}; host->GPU copy peak {peak:.1f} GB/s", flush=True)
     common = ["--attention-backend", "flashinfer", "--sampling-backend", "pytorch", "--grammar-backend", "none",
               "--disable-radix-cache", "--page-size", "32", "--context-length", str(args.context + args.output_len + 64),
-              "--max-running-requests", str(max(batches)), "--mem-fraction-static", args.mem_fraction_static,
-              "--chunked-prefill-size", "32768"]
+              "--max-running-requests", str(args.max_running or max(numeric)), "--chunked-prefill-size", "32768"]
+    if args.mem_fraction_static != "auto":
+        common += ["--mem-fraction-static", args.mem_fraction_static]
     env = dict(os.environ, FREEKV_STATS_EVERY="64")
     result = {"gpu": gpu, "copy_peak_gbps": round(peak, 1), "shape": args.shape, "context": args.context,
               "output_len": args.output_len, "freekv_args": args.freekv_args, "cells": []}
@@ -220,10 +241,14 @@ def main() -> None:
             cap = {"startup_s": round(up, 1), "host_arena_gb": float(host.group(2)) if host else None,
                    **memory_cell(log, args.context + args.output_len)}
             for b in batches:
-                before = srv.stats()
+                b = cap.get("max_concurrent", 0) if b == "max" else b
+                if not b:
+                    raise RuntimeError(f"[{name}] --batches max: no concurrency figure in the start-up lines")
+                before, offset = srv.stats(), srv.log.stat().st_size
                 cell = {"config": name, **run_batch(srv.url, b, args.context, args.output_len, vocab, seed=b), **cap}
                 time.sleep(0.5)
                 after = srv.stats()
+                cell.update(scheduler_cell(srv.log, offset))
                 if after and after != before:
                     b0 = before or (0, 0, 0, 0)
                     gb = (after[2] + after[3]) - (b0[2] + b0[3])

@@ -10,7 +10,9 @@ batch and tau, a CUDA-graph-captured step (plan, 31 sparse layers, join) is time
   full-KV          FlashInfer decode over the whole context, 31 layers: what full-KV SGLang pays here.
 Then one eager step under torch.profiler: kernels launched per step and GPU time per kernel, grouped.
 Queries are random (tau 0.9 flags nearly every head) or drift slowly from the previous step's (tau 0.9
-then flags few heads); tau 0 never corrects.
+then flags few heads); tau 0 never corrects; tau 1 with --kv-recall all recalls every selected page of every
+head before attention, every step: the recall-bound case. For each row, the bytes recalled in the profiled step
+over the recall kernels' GPU time, beside the host-to-GPU copy peak measured at the start of the same run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,6 +30,9 @@ import torch
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
 from freekv_sglang.flashinfer_attention import FlashInferHeadAttention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode import copy_peak_gbps
 
 L, HQ, H, D = 32, 32, 8, 128
 BF = torch.bfloat16
@@ -74,10 +80,14 @@ def main() -> None:
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     inner = SimpleNamespace(workspace_buffer=ws, indices_updater_decode=SimpleNamespace(data_type=BF, q_data_type=BF),
                             decode_use_tensor_cores=True, disable_cuda_graph_kv_split=False, decode_split_tile_size=None)
+    peak = copy_peak_gbps()
+    print(f"{torch.cuda.get_device_name()}; host->GPU copy peak {peak:.1f} GB/s", flush=True)
     rows, keep = [], []
     for B in [int(b) for b in args.batches.split(",")]:
-        for tau, drift in [(0.9, False), (0.9, True), (0.0, False)]:
-            cfg = FreeKVConfig(budget=2048, sink=128, window=512, page_size=32, tau=tau, dense_layers=1)
+        for tau, drift, recall in [(0.9, False, "delta"), (0.9, True, "delta"), (0.0, False, "delta"),
+                                   (1.0, False, "all")]:
+            cfg = FreeKVConfig(budget=2048, sink=128, window=512, page_size=32, tau=tau, dense_layers=1,
+                               recall=recall)
             eng = FreeKVEngine(cfg, ModelShape(L, HQ, H, D), max_requests=B + 1, max_context=args.context + 512,
                                dtype=BF, device="cuda", backend="triton", pad_slot=0, dense_outside=True,
                                host_pages=B * (args.context // 32 + 32))
@@ -135,7 +145,7 @@ def main() -> None:
 
             # Torch profiler over one eager step: kernel count and GPU time by kernel.
             advance()
-            torch.cuda.synchronize()
+            before = eng.stats()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 step()
                 torch.cuda.synchronize()
@@ -145,11 +155,18 @@ def main() -> None:
                     key = e.name[:60]
                     by_name[key][0] += 1
                     by_name[key][1] += e.device_time_total / 1e3
+            after = eng.stats()
+            recalled = sum(after[k] - before[k] for k in ("recall_bytes_now", "recall_bytes_speculative"))
+            recall_ms = sum(v[1] for k, v in by_name.items() if k.startswith("_recall_pages_kernel"))
             kernels = sum(v[0] for v in by_name.values())
             gpu_ms = sum(v[1] for v in by_name.values())
             top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
-            row = {"batch": B, "tau": tau, "queries": "drifting" if drift else "random", "correction_rate": round(rate, 3),
-                   "step_ms_graph": round(step_ms, 3), "attention_only_ms": round(attn_ms, 3),
+            row = {"batch": B, "tau": tau, "recall": recall, "queries": "drifting" if drift else "random",
+                   "correction_rate": round(rate, 3), "step_ms_graph": round(step_ms, 3),
+                   "recall_mb_per_step": round(recalled / 1e6, 2), "recall_kernel_ms": round(recall_ms, 3),
+                   "recall_gbps": round(recalled / 1e6 / max(recall_ms, 1e-9), 1),
+                   "recall_share_of_peak": round(recalled / 1e6 / max(recall_ms, 1e-9) / peak, 3),
+                   "attention_only_ms": round(attn_ms, 3),
                    "eager_kernels_per_step": kernels, "eager_gpu_ms_per_step": round(gpu_ms, 3),
                    "top_kernels": [(k, n, round(ms, 3)) for k, (n, ms) in top]}
             rows.append(row)
@@ -174,12 +191,14 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "context": args.context, "rows": rows},
-                                         indent=1))
+    Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_peak_gbps": round(peak, 1),
+                                          "context": args.context, "rows": rows}, indent=1))
     for r in rows:
         if "top_kernels" in r:
-            print(f"\nbatch {r['batch']} tau {r['tau']} {r['queries']}: {r['eager_kernels_per_step']} kernels, "
-                  f"{r['eager_gpu_ms_per_step']} ms GPU per eager step; step {r['step_ms_graph']} ms in a graph")
+            print(f"\nbatch {r['batch']} tau {r['tau']} recall {r['recall']} {r['queries']}: "
+                  f"{r['eager_kernels_per_step']} kernels, {r['eager_gpu_ms_per_step']} ms GPU per eager step; step "
+                  f"{r['step_ms_graph']} ms in a graph; recall {r['recall_mb_per_step']} MB in {r['recall_kernel_ms']} "
+                  f"ms = {r['recall_gbps']} GB/s ({100 * r['recall_share_of_peak']:.0f}% of the {peak:.1f} GB/s peak)")
             for name, cnt, ms in r["top_kernels"]:
                 print(f"  {ms:8.3f} ms {cnt:5d}x {name}")
 
