@@ -52,6 +52,10 @@ class StagedPrefill:
     completed: list[int]
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def on_request_freed(req_pool_idx: int | None) -> None:
     """Called (through a hook) when SGLang frees a request's slot: finish, abort or retract."""
     if req_pool_idx is not None:
@@ -97,6 +101,13 @@ class FreeKVAttnBackend(AttentionBackend):
                                    dense_outside=True)
         self.shape = shape
         self.last_layer = shape.num_layers - 1
+        # In a captured decode graph the side streams join after the whole model forward (logits included), so
+        # the last layer's speculative selection, recall and offload overlap its MLP and the LM head.
+        tail_hooks = getattr(runner, "capture_tail_hooks", None)
+        if tail_hooks is None:
+            raise RuntimeError("FreeKV joins its side streams through ModelRunner.capture_tail_hooks (sglang 0.5.16); "
+                               "this SGLang has none")
+        tail_hooks.append(self._join_after_forward)
         # Wrapping FlashInfer, sparse layers attend through FlashInfer's own decode kernel so they round as
         # the server's full attention does; wrapping Triton, through the engine's split-K kernel.
         self.flashinfer = None
@@ -305,6 +316,10 @@ class FreeKVAttnBackend(AttentionBackend):
         k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
         attention = None if self.flashinfer is None else functools.partial(self.flashinfer.attend, layer)
         o = eng.attend(self._plan, lid, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention)
-        if lid == self.last_layer:
-            eng.end_step()
+        if lid == self.last_layer and not _capturing():
+            eng.end_step()  # eager; a captured graph joins in _join_after_forward
         return o.reshape(-1, s.num_q_heads * s.head_dim)
+
+    def _join_after_forward(self, graph_runner, out, forward_batch, num_tokens) -> None:
+        if forward_batch.forward_mode.is_decode():
+            self.engine.end_step()

@@ -19,6 +19,7 @@ from freekv_kvstore import start_embedded
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
 from freekv_sglang.server_args import FreeKVServerSettings
+from freekv_sglang import sglang_backend
 from freekv_sglang.sglang_backend import FreeKVAttnBackend, on_request_freed
 
 L, HQ, H, D, P = 3, 6, 2, 16, 16
@@ -87,14 +88,16 @@ def daemon():
     handle.stop()
 
 
-def make_backend(daemon):
+def make_backend(daemon, tail_hooks=True):
     model_config = SimpleNamespace(num_hidden_layers=L, num_attention_heads=HQ, head_dim=D,
                                    get_num_kv_heads=lambda tp: H // tp)
     req_pool = SimpleNamespace(size=SIZE, req_to_token=torch.zeros(SIZE + 1, CTX, dtype=torch.int32),
                                req_generation=torch.zeros(SIZE + 1, dtype=torch.int64))
     runner = SimpleNamespace(model_config=model_config, tp_size=1, tp_rank=0, token_to_kv_pool=make_pool(),
                              req_to_token_pool=req_pool, kv_cache_dtype=torch.float32, page_size=P, device="cpu",
-                             next_page=1)  # page 0 absorbs padding writes
+                             next_page=1, capture_tail_hooks=[])  # page 0 absorbs padding writes
+    if not tail_hooks:
+        del runner.capture_tail_hooks
     settings = FreeKVServerSettings(config=CFG, kvstore_endpoint=daemon.endpoint, kvstore_arena_gb=0.01)
     return FreeKVAttnBackend(runner, Inner(runner), settings), runner
 
@@ -258,3 +261,26 @@ def test_batches_without_host_fields_are_refused(daemon):
     fb._freekv_req_slots_cpu = None
     with pytest.raises(RuntimeError, match="hooks"):
         backend.init_forward_metadata(fb)
+
+
+def test_captured_decode_joins_after_the_model_forward(daemon, monkeypatch):
+    """Eager decode joins the side streams at the last layer; under CUDA-graph capture the last layer leaves them
+    running and the hook SGLang calls after the captured forward (capture_tail_hooks) joins them."""
+    backend, runner = make_backend(daemon)
+    assert runner.capture_tail_hooks == [backend._join_after_forward]
+    reqs = [Request(runner, 1, 90)]
+    prefill(backend, reqs, 1000)
+    joins = []
+    monkeypatch.setattr(backend.engine, "end_step", lambda: joins.append(1))
+    for capturing in (False, True):
+        monkeypatch.setattr(sglang_backend, "_capturing", lambda: capturing)
+        fb = decode_batch(reqs)
+        backend.init_forward_metadata(fb)
+        for layer in layers():
+            backend.forward_decode(torch.randn(1, HQ * D), torch.randn(1, H * D), torch.randn(1, H * D), layer, fb)
+        assert len(joins) == (0 if capturing else 1)
+        joins.clear()
+    runner.capture_tail_hooks[0](None, None, fb, 1)
+    assert joins == [1]
+    with pytest.raises(RuntimeError, match="capture_tail_hooks"):
+        make_backend(daemon, tail_hooks=False)

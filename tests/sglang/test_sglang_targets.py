@@ -63,3 +63,16 @@ def test_seam_module_documents_target(seam):
 def test_applied_hooks_are_ours(plugins):
     for seam in SEAMS:
         assert freekv_patches._wraps_hook(freekv_patches.resolve_target(seam.target), seam.hook), seam.target
+
+
+def test_decode_capture_calls_the_tail_hooks():
+    """The FreeKV backend joins its side streams in a ModelRunner.capture_tail_hooks entry: SGLang 0.5.16 creates the
+    list in ModelRunner.__init__ and calls each entry with (graph runner, output, forward batch, tokens) after the
+    captured decode forward."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+    assert "self.capture_tail_hooks = []" in inspect.getsource(ModelRunner.__init__)
+    assert ("for capture_hook in self.model_runner.capture_tail_hooks:\n"
+            in inspect.getsource(DecodeCudaGraphRunner.capture_one_shape))
+    assert "capture_hook(self, out, forward_batch, num_tokens)" in inspect.getsource(DecodeCudaGraphRunner.capture_one_shape)
