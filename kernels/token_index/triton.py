@@ -4,8 +4,9 @@ One program per (row, head), so shapes alone fix the grid (the op is capturable)
 slots by the logical page they hold and scatters each slot's page to its ranked place in the list, so the ordered
 page list is never gathered (nor staged in memory between two kernels); the sink and window pages come straight
 from row_table. Both parts store whole pages as [pages, page_size] tiles. Programs over (row, token block) would
-recompute the ranks in every block, while the latency path (request slot, its slots, the ranks) is the same; at
-batch 1 each of the H programs stores ~10 KB, which its stores issue without waiting.
+each recompute the ranks (and gather pages by rank), on a latency path no shorter: request slot, its slots, the
+ranks, the stores. The stores are what one program adds; at batch 1 each of the H programs stores ~10 KB, a few
+vector stores per thread that do not wait for memory.
 """
 
 from __future__ import annotations
