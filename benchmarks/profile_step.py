@@ -5,8 +5,9 @@
 Llama-3.1-8B attention shape (32 layers, 32 query / 8 KV heads, head dim 128, bf16), the first layer dense
 and left out (as in SGLang, where the wrapped backend runs it), FlashInfer attention as in the server. Per
 batch and tau, a CUDA-graph-captured step (plan, 31 sparse layers, join) is timed by replay, beside:
-  attention only   FlashInfer over the same sink + budget + window tokens per head, 31 layers: the floor
-                   a sparse step cannot beat;
+  attention only   FlashInfer over the same sink + budget + window tokens per head (their token lists
+                   built from the slot tables, one launch per layer), 31 layers: the floor a sparse
+                   step cannot beat;
   full-KV          FlashInfer decode over the whole context, 31 layers: what full-KV SGLang pays here.
 Then one eager step under torch.profiler: kernels launched per step and GPU time per kernel, grouped.
 Queries are random (tau 0.9 flags nearly every head) or drift slowly from the previous step's (tau 0.9
@@ -137,11 +138,10 @@ def main() -> None:
             st = eng.stats()
             rate = sum(st["correction_rate"].values()) / len(st["correction_rate"])
 
-            # Attention only, over the same token lists the last step used.
+            # Attention only, over the selection the last step left in the slot tables.
             plan = eng.plan(B)
-            pages = [eng.head_pages(plan, layer) for layer in range(1, L)]
-            attn_ms = graph_time(lambda: [fi.attend(meta, q[i + 1], eng.k_cache[i + 1], eng.v_cache[i + 1], plan, pages[i])
-                                          for i in range(L - 1)])
+            attn_ms = graph_time(lambda: [fi.attend(meta, q[i], eng.k_cache[i], eng.v_cache[i], plan, eng.slot_table[i])
+                                          for i in range(1, L)])
 
             # Torch profiler over one eager step: kernel count and GPU time by kernel.
             advance()

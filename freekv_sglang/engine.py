@@ -14,8 +14,8 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            score_pages with q_i (two launches for mean_softmax pooling), select_slots (top-k, delta
            against the resident slots, commit, recall codes), recall_pages of the changed slots of
            flagged heads and the empty slots being filled; record E_now
-  compute: wait E_now; attention over sink | slots | window (an outside kernel: head_pages,
-           head_token_index and the kernel); record E_attn
+  compute: wait E_now; attention over sink | slots | window (an outside kernel: head_token_index,
+           which lists each head's tokens straight from the slot table, and the kernel); record E_attn
   recall:  wait E_attn; score_pages + select_slots with q_i for the remaining heads (speculative,
            used by step i+1) and recall_pages of every other changed slot; offload_pages summarises
            and offloads the page leaving the window
@@ -60,7 +60,8 @@ class ModelShape:
         return self.num_q_heads // self.num_kv_heads
 
 
-# An outside attention kernel for sparse layers: (q, k_cache, v_cache, plan, head_pages) -> output.
+# An outside attention kernel for sparse layers: (q, k_cache, v_cache, plan, slots) -> output, where slots is
+# the layer's slot table [R, H, k] (see FreeKVEngine.attend).
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, torch.Tensor], torch.Tensor]
 
 # Selection variants: FreeKV (group-mean softmax, speculative with correction), the Quest-style
@@ -353,9 +354,12 @@ class FreeKVEngine:
                attention: Attention | None = None) -> torch.Tensor:
         """Store this step's K/V [B, H, D] and return the attention output [B, Hq, D] for q [B, Hq, D].
 
-        attention: for a sparse layer, an outside kernel called as attention(q, k_cache, v_cache, plan,
-        head_pages) instead of the engine's own (head_pages: see `head_pages`). SGLang's FlashInfer
-        wrapper uses it so FreeKV attention rounds exactly as the server's full attention does."""
+        attention: for a sparse layer, an outside kernel called as attention(q, k_cache, v_cache, plan, slots)
+        instead of the engine's own, slots being the layer's slot table [R, H, k] (the logical page each
+        selection slot of a request's head holds, -1 if empty). SGLang's FlashInfer wrapper uses it so FreeKV
+        attention rounds exactly as the server's full attention does: freekv_kernels.token_index lists each
+        head's tokens from it in logical order (the request's whole context in order when every page is
+        selected)."""
         p, ops = self.cfg.page_size, self.ops
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         if self.dense[layer]:
@@ -384,7 +388,7 @@ class FreeKVEngine:
             out = ops.sparse_decode_attention(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len,
                                               self.scale, p)
         else:
-            out = attention(q, kc, vc, plan, self.head_pages(plan, layer))
+            out = attention(q, kc, vc, plan, self.slot_table[layer])
         e_attn = st.record()
         with st.on("recall"):
             st.wait(e_attn)
@@ -393,14 +397,6 @@ class FreeKVEngine:
             ops.offload_pages(kc, vc, self.host.arena[:, layer], self.summaries[layer], plan.offload_src,
                               plan.offload_dst, plan.offload_valid, p)
         return out
-
-    def head_pages(self, plan: StepPlan, layer: int) -> torch.Tensor:
-        """[B, H, resident] GPU pages each KV head attends to in a sparse layer, in logical page order:
-        the row's sink pages, its selected pages sorted by position, its window; the first
-        plan.row_pages entries are valid. With every page selected this is the request's whole context
-        in order, which an order-sensitive kernel needs to round as full attention does."""
-        return self.ops.head_pages(self.slot_table[layer], plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots,
-                                   plan.slot_pages)
 
     def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
         """Select with q for the heads of `phase` (PHASE_NOW: those with _now_heads set, PHASE_LATER: the others,

@@ -72,8 +72,10 @@ class FlashInferHeadAttention:
         self.current = wrapper
 
     def attend(self, layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
-               head_pages: torch.Tensor) -> torch.Tensor:
-        head_token_index(head_pages, plan.row_tokens, plan.row_start, self.cfg.page_size, self.indices)
+               slots: torch.Tensor) -> torch.Tensor:
+        """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table."""
+        head_token_index(slots, plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots, plan.slot_pages,
+                         plan.row_tokens, plan.row_start, self.cfg.page_size, self.indices)
         B, D = q.shape[0], self.D
         o = self.current.forward(q.reshape(B * self.H, self.G, D), (k_cache.view(-1, 1, 1, D), v_cache.view(-1, 1, 1, D)),
                                  sm_scale=layer.scaling, logits_soft_cap=layer.logit_cap,

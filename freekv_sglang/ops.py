@@ -13,7 +13,6 @@ _OPS = {
     "score_pages": ("page_select", "score_pages"),
     "select_slots": ("page_select", "select_slots"),
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
-    "head_pages": ("token_index", "head_pages"),
 }
 
 BACKENDS = ("triton", "torch")

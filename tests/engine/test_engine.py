@@ -352,12 +352,13 @@ def head_major_attention(cfg, H, G, order_log=None, triton_lists=True):
     """An outside attention kernel as SGLang's FlashInfer path uses it: every (row, KV head) is a request
     with one KV head over the flat token list of head_token_index, attended in list order."""
 
-    def attend(q, kc, vc, plan, head_pages):
-        p, D_ = cfg.page_size, q.shape[-1]
+    def attend(q, kc, vc, plan, slots):
+        D_ = q.shape[-1]
         n = plan.row_tokens.tolist()
         out_idx = torch.full((sum(n) * H,), -7, dtype=torch.int32, device=q.device)
-        (head_token_index if triton_lists else naive_head_token_index)(head_pages, plan.row_tokens, plan.row_start,
-                                                                         p, out_idx)
+        (head_token_index if triton_lists else naive_head_token_index)(
+            slots, plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots, plan.slot_pages, plan.row_tokens,
+            plan.row_start, cfg.page_size, out_idx)
         k_flat, v_flat = kc.reshape(-1, D_), vc.reshape(-1, D_)
         o, pos = torch.empty_like(q), 0
         for b, nb in enumerate(n):

@@ -79,8 +79,9 @@ def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=
     indices = torch.zeros(4096, dtype=torch.int32, device=DEV)
     out = torch.zeros(len(slots), H * G, D, device=DEV)
 
-    def attention(q, kc, vc, plan, head_pages):
-        head_token_index(head_pages, plan.row_tokens, plan.row_start, cfg.page_size, indices)
+    def attention(q, kc, vc, plan, slots):
+        head_token_index(slots, plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots, plan.slot_pages,
+                         plan.row_tokens, plan.row_start, cfg.page_size, indices)
         return out  # stands for the outside kernel (FlashInfer), one launch more
 
     with rec:
@@ -117,11 +118,10 @@ def test_freekv_layer_launches(monkeypatch, recall):
 
 
 def test_outside_attention_layer_launches(monkeypatch):
-    """With an outside attention kernel (SGLang's FlashInfer path) the compute stream builds the per-head pages
-    and token lists in one launch each."""
+    """With an outside attention kernel (SGLang's FlashInfer path) the compute stream builds the per-head token
+    lists from the slot table in one launch."""
     got = count_step(monkeypatch, outside=True)
-    assert got["compute"] == {"_query_similarity_kernel": 1, "_write_kv_kernel": 1, "_head_pages_kernel": 1,
-                              "_head_token_index_kernel": 1}
+    assert got["compute"] == {"_query_similarity_kernel": 1, "_write_kv_kernel": 1, "_head_token_index_kernel": 1}
     assert got["select"] == SELECT
 
 
