@@ -14,6 +14,7 @@ _OPS = {
     "select_slots": ("page_select", "select_slots"),
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
     "head_pages": ("token_index", "head_pages"),
+    "plan_step": ("plan_step", "plan_step"),
 }
 
 BACKENDS = ("triton", "torch")
