@@ -1,9 +1,10 @@
 """The batched FreeKV decode engine, independent of any serving framework.
 
 State is indexed by request slot, never by batch position, so requests of different lengths share a
-batch and join or leave between steps. A decode step is `begin_step` (host bookkeeping and small
-uploads, outside any CUDA graph), then `attend` once per layer (device work only, capturable), then
-`end_step` (joins the side streams).
+batch and join or leave between steps. A decode step is `prepare_step` (host bookkeeping and small
+uploads, outside any CUDA graph), then `plan` (the step's index tensors, one launch on the compute
+stream) and `attend` once per layer (device work only, capturable), then `end_step` (joins the side
+streams); `begin_step` is prepare_step and plan.
 
 Per sparse layer l of a step, in stream order (see streams.py), one launch per line item:
   compute: query_similarity: cosine similarity of q_i and q_{i-1} per KV head -> correction flags,
@@ -26,7 +27,8 @@ double buffering), and the join orders it before the next step's correction reca
 write that reuses the ring page being offloaded. Speculative work of layer l overlaps layers l+1.. of
 the same step; only the last layer's is exposed at the join.
 Tensors that cross streams are either consumed before the consumer's event is waited on by their
-producer stream (the flags), or live in persistent buffers: the current query in prev_q, the heads that
+producer stream (the flags), or live in persistent buffers: the step plan (written on compute before the
+first layer, read by both side streams until the join), the current query in prev_q, the heads that
 select before attention (_now_heads, written on compute, read by both side streams) and the recall code
 of every (row, head, slot) (_recall, written by the select stream, completed and read by the recall
 stream), so the caching allocator never hands a block to one stream while another still reads it.
@@ -43,7 +45,7 @@ from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 
 from .config import FreeKVConfig
 from .host_pool import HostPool, LocalHostPool
-from .layout import Layout, StepPlan, plan_step
+from .layout import Layout, StepPlan
 from .ops import load_ops
 from .streams import Streams
 
@@ -82,8 +84,9 @@ def engine_gpu_bytes(cfg: FreeKVConfig, shape: ModelShape, *, num_slots: int, ma
     summaries = sparse * host_pages * H * 2 * D * dtype_bytes
     tables = num_slots * (-(-max_context // p) * 4 + L * H * k * 4 + L * Hq * D * dtype_bytes + L + 8)
     masks = sparse * num_slots * H * (1 + k)
+    plan = num_slots * ((cfg.resident_pages + k + 9) * 4 + 8 + 1)  # StepPlan.buffers without the dense fields
     token_lists = num_slots * H * (cfg.resident_pages * p + 2) * 4
-    return kv + summaries + tables + masks + token_lists
+    return kv + summaries + tables + masks + plan + token_lists
 
 
 class FreeKVEngine:
@@ -146,6 +149,8 @@ class FreeKVEngine:
         # Step inputs live in static buffers so a captured step replays with new values.
         self._step_slots = torch.full((R,), self.pad_slot, dtype=torch.int32, device=self.device)
         self._step_lens = torch.ones(R, dtype=torch.int32, device=self.device)
+        # The plan's outputs, written in place every step; the dense ones only if a dense layer runs here.
+        self._plan = StepPlan.buffers(self.layout, self._step_slots, dense=any(self.dense) and not dense_outside)
         # Per sparse layer, by batch row: which heads select before attention (query_similarity writes it), and
         # the phase in which each (head, slot) is recalled this step (select_slots writes it; 0: not recalled).
         self._now_heads = [None if d else torch.zeros(R, H, dtype=torch.bool, device=self.device)
@@ -314,9 +319,12 @@ class FreeKVEngine:
         return self.plan(pad_to or len(slots))
 
     def plan(self, batch: int) -> StepPlan:
-        """Device-side planning from the static step buffers: capturable in a CUDA graph."""
-        return plan_step(self.layout, self._step_slots[:batch], self._step_lens[:batch], self.page_table,
-                         self.pad_slot, self.retrieval)
+        """Device-side planning from the static step buffers into the static plan buffers, one launch: capturable
+        in a CUDA graph. The plan returned is a view, valid until the next plan."""
+        cfg, plan = self.cfg, self._plan.rows(batch)
+        self.ops.plan_step(plan.req_slots, self._step_lens[:batch], self.page_table, cfg.page_size, cfg.sink_pages,
+                           cfg.window_pages, self.pad_slot, self.retrieval, **plan.outputs())
+        return plan
 
     def prepare_step(self, slots: list[int], pad_to: int | None = None, lens: list[int] | None = None) -> None:
         """Host bookkeeping of a step (host pages, lengths) and upload into the static step buffers.

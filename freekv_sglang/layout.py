@@ -56,19 +56,21 @@ class Layout:
 
 @dataclasses.dataclass
 class StepPlan:
-    """Device tensors of one decode step, shared by all layers. Rows are batch positions."""
+    """Device tensors of one decode step, shared by all layers. Rows are batch positions. The engine's plan is a view
+    of the first rows of persistent buffers that the op plan_step (freekv_kernels.plan_step) fills, so a step
+    captured in a CUDA graph and its replays read the same memory."""
 
     req_slots: torch.Tensor  # [B] int32
     sparse_loc: torch.Tensor  # [B] int64: token row of the new KV in sparse layers
-    dense_loc: torch.Tensor  # [B] int64
+    dense_loc: torch.Tensor | None  # [B] int64; the dense fields are None when no dense layer runs in the engine
     row_table: torch.Tensor  # [B, resident] int32: sink | selected slots | window, partial page last
     row_pages: torch.Tensor  # [B] int32
     row_tokens: torch.Tensor  # [B] int32: tokens attended per KV head (row_tokens() on the host)
     row_start: torch.Tensor  # [B] int32: exclusive prefix sum of row_tokens (head_token_index)
     n_sink: torch.Tensor  # [B] int32: row_table[:, :n_sink] are sink pages
     n_slots: torch.Tensor  # [B] int32: then n_slots selection slots, then the window
-    dense_table: torch.Tensor  # [B, M] int32
-    dense_pages: torch.Tensor  # [B] int32
+    dense_table: torch.Tensor | None  # [B, M] int32
+    dense_pages: torch.Tensor | None  # [B] int32
     last_page_len: torch.Tensor  # [B] int32
     cand_end: torch.Tensor  # [B] int32: candidates are [sink_pages, cand_end)
     slot_pages: torch.Tensor  # [B, k] int32: GPU page of each selection slot
@@ -76,9 +78,32 @@ class StepPlan:
     offload_dst: torch.Tensor  # [B] int32: its host page
     offload_valid: torch.Tensor  # [B] bool
 
+    @classmethod
+    def buffers(cls, layout: Layout, req_slots: torch.Tensor, dense: bool) -> StepPlan:
+        """Outputs for as many rows as req_slots has (the static step buffer), allocated once."""
+        R, dev = req_slots.shape[0], req_slots.device
+
+        def zeros(*cols: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.zeros(R, *cols, dtype=dtype, device=dev)
+
+        return cls(req_slots=req_slots, sparse_loc=zeros(dtype=torch.int64),
+                   dense_loc=zeros(dtype=torch.int64) if dense else None, row_table=zeros(layout.resident),
+                   row_pages=zeros(), row_tokens=zeros(), row_start=zeros(), n_sink=zeros(), n_slots=zeros(),
+                   dense_table=zeros(layout.max_pages) if dense else None, dense_pages=zeros() if dense else None,
+                   last_page_len=zeros(), cand_end=zeros(), slot_pages=zeros(layout.cfg.select_pages),
+                   offload_src=zeros(), offload_dst=zeros(), offload_valid=zeros(dtype=torch.bool))
+
+    def rows(self, batch: int) -> StepPlan:
+        """The plan of the first `batch` rows: views, no copy."""
+        return StepPlan(**{name: None if t is None else t[:batch] for name, t in vars(self).items()})
+
+    def outputs(self) -> dict[str, torch.Tensor | None]:
+        """What plan_step writes: every field but req_slots."""
+        return {name: t for name, t in vars(self).items() if name != "req_slots"}
+
 
 def row_tokens(cfg: FreeKVConfig, n: int, retrieval: bool = True) -> int:
-    """Tokens each KV head of a row with n tokens attends to: plan_step's row_tokens, on the host."""
+    """Tokens each KV head of a row with n tokens attends to: the row_tokens of plan_step, on the host."""
     p, n_s, k, n_w = cfg.page_size, cfg.sink_pages, cfg.select_pages, cfg.window_pages
     c = (n - 1) // p
     n_slots = min(max(c - n_w - n_s, 0), k) if retrieval else 0
@@ -94,70 +119,3 @@ def head_indptr(cfg: FreeKVConfig, lens: list[int], num_kv_heads: int) -> torch.
     indptr = torch.zeros(len(lens) * num_kv_heads + 1, dtype=torch.int32)
     indptr[1:] = per_row.repeat_interleave(num_kv_heads).cumsum(0)
     return indptr
-
-
-def plan_step(layout: Layout, req_slots: torch.Tensor, seq_lens: torch.Tensor, page_table: torch.Tensor,
-              pad_slot: int, retrieval: bool) -> StepPlan:
-    """Index tensors for a step in which row b holds seq_lens[b] tokens, the newest being this step's.
-
-    Pure tensor arithmetic on the device: no host synchronisation, so it can run inside a CUDA graph.
-    """
-    cfg, p = layout.cfg, layout.cfg.page_size
-    n_s, k, n_w, rp = cfg.sink_pages, cfg.select_pages, cfg.window_pages, layout.resident
-    dev = seq_lens.device
-    r = req_slots.long()
-    n = seq_lens.long()
-    c = (n - 1) // p
-    off = (n - 1) % p
-    base = 1 + r * rp
-    ring0 = base + n_s + k
-
-    def ring(page: torch.Tensor) -> torch.Tensor:
-        return ring0.view(-1, *[1] * (page.dim() - 1)) + torch.remainder(page - n_s, n_w + 1)
-
-    sparse_page = torch.where(c < n_s, base + c, ring(c))
-    dense_first = 1 + r * layout.max_pages
-
-    n_sink = torch.clamp(c + 1, max=n_s)
-    n_cand = torch.clamp(c - n_w - n_s, min=0)
-    n_slots = torch.clamp(n_cand, max=k) if retrieval else torch.zeros_like(n_cand)
-    win_start = torch.clamp(c - n_w, min=n_s)
-    n_win = torch.clamp(c + 1 - win_start, min=0)
-
-    i = torch.arange(rp, device=dev)[None, :]
-    in_slots = i - n_sink[:, None]
-    in_win = in_slots - n_slots[:, None]
-    row = torch.where(i < n_sink[:, None], base[:, None] + i,
-                      torch.where(in_win < 0, base[:, None] + n_s + in_slots, ring(win_start[:, None] + in_win)))
-    row_pages = n_sink + n_slots + n_win
-    row_tok = (row_pages - 1) * p + off + 1
-    row = torch.where(i < row_pages[:, None], row, 0)
-
-    j = torch.arange(layout.max_pages, device=dev)[None, :]
-    dense_table = torch.where(j <= c[:, None], dense_first[:, None] + j, 0)
-
-    leaving = n // p - n_w - 1
-    offload_valid = (n % p == 0) & (leaving >= n_s) & (req_slots != pad_slot)
-    leaving_c = torch.clamp(leaving, min=0, max=layout.max_pages - 1)
-    offload_dst = page_table[r, leaving_c]
-
-    slot_pages = base[:, None] + n_s + torch.arange(k, device=dev)[None, :]
-    return StepPlan(
-        req_slots=req_slots,
-        sparse_loc=sparse_page * p + off,
-        dense_loc=(dense_first + c) * p + off,
-        row_table=row.int(),
-        row_pages=row_pages.int(),
-        row_tokens=row_tok.int(),
-        row_start=(torch.cumsum(row_tok, 0) - row_tok).int(),
-        n_sink=n_sink.int(),
-        n_slots=n_slots.int(),
-        dense_table=dense_table.int(),
-        dense_pages=(c + 1).int(),
-        last_page_len=(off + 1).int(),
-        cand_end=(c - n_w).int() if retrieval else torch.full_like(c, n_s).int(),
-        slot_pages=slot_pages.int(),
-        offload_src=torch.where(offload_valid, ring(leaving), 0).int(),
-        offload_dst=torch.where(offload_valid, offload_dst, 0).int(),
-        offload_valid=offload_valid,
-    )

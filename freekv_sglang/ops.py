@@ -13,6 +13,7 @@ _OPS = {
     "score_pages": ("page_select", "score_pages"),
     "select_slots": ("page_select", "select_slots"),
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
+    "plan_step": ("plan_step", "plan_step"),
 }
 
 BACKENDS = ("triton", "torch")

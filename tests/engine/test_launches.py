@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
+from freekv_sglang.layout import row_tokens
 
 DEV = device()
 H, G, D, L = 2, 4, 16, 3
@@ -60,15 +61,22 @@ class Launches(TorchDispatchMode):
             self.stream = old
 
 
+def recorder(monkeypatch, eng):
+    """A Launches mode counting every Triton launch (all kernels share one JITFunction class) and aten op of
+    eng, by the stream it is issued on."""
+    rec = Launches()
+    kernel_cls = type(page_select_triton._select_slots_kernel)
+    monkeypatch.setattr(kernel_cls, "run", rec.triton_run(kernel_cls.run))
+    monkeypatch.setattr(eng.streams, "on", rec.stream_named)
+    return rec
+
+
 def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=0.5):
     """Launches per sparse layer of the third decode step of two requests (slots filled, some heads flagged)."""
     cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall)
     eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=1024, dtype=torch.float32,
                        device=DEV, backend="triton", method=method, pad_slot=0, dense_outside=True)
-    rec = Launches()
-    kernel_cls = type(page_select_triton._select_slots_kernel)
-    monkeypatch.setattr(kernel_cls, "run", rec.triton_run(kernel_cls.run))
-    monkeypatch.setattr(eng.streams, "on", rec.stream_named)
+    rec = recorder(monkeypatch, eng)
     slots = [1, 2]
     for s, n in zip(slots, [500, 300]):
         eng.add_request(s)
@@ -134,3 +142,23 @@ def test_quest_and_streaming_layer_launches(monkeypatch):
     assert "select" not in streaming and streaming["recall"] == {"_offload_pages_kernel": 1}
     assert streaming["compute"] == {"_query_similarity_kernel": 1, "_write_kv_kernel": 1,
                                     "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1}
+
+
+@pytest.mark.parametrize("dense_outside", [True, False])
+def test_plan_is_one_launch(monkeypatch, dense_outside):
+    """The step's index tensors, before the first layer, come from one kernel on the compute stream (the dense
+    outputs only when the engine runs the dense layers itself)."""
+    cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, dense_layers=1)
+    eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=1024, dtype=torch.float32,
+                       device=DEV, backend="triton", dense_outside=dense_outside)
+    rec = recorder(monkeypatch, eng)
+    s = eng.add_request()
+    eng.begin_prefill(s, 300)
+    eng.prepare_step([s], pad_to=2)
+    with rec:
+        rec.on = True
+        plan = eng.plan(2)
+        rec.on = False
+    assert rec.seen == {("compute", "_plan_step_kernel"): 1}
+    assert (plan.dense_table is None) == dense_outside
+    assert plan.row_tokens.tolist() == [row_tokens(cfg, 301), 1]

@@ -8,6 +8,7 @@ import torch
 
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape, engine_gpu_bytes
+from freekv_sglang.layout import StepPlan
 from freekv_sglang.memory_plan import plan_memory
 from freekv_sglang.server_args import FreeKVArgsError
 from freekv_sglang.staging import StagingFull, StagingPages, translate
@@ -16,7 +17,8 @@ from freekv_sglang.staging import StagingFull, StagingPages, translate
 def _tensor_bytes(obj) -> int:
     seen, total = set(), 0
     for value in vars(obj).values():
-        for t in value if isinstance(value, list) else [value]:
+        items = value if isinstance(value, list) else vars(value).values() if isinstance(value, StepPlan) else [value]
+        for t in items:
             if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
