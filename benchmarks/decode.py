@@ -203,6 +203,7 @@ def main() -> None:
     ap.add_argument("--freekv-args", default="--kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32 "
                     "--kvstore-arena-gb 36")
     ap.add_argument("--mem-fraction-static", default="0.75", help="'auto': SGLang's own choice for the GPU")
+    ap.add_argument("--chunked-prefill", type=int, default=32768, help="--chunked-prefill-size of every server")
     ap.add_argument("--port", type=int, default=30010)
     ap.add_argument("--out", default="results/decode")
     args = ap.parse_args()
@@ -223,7 +224,7 @@ def main() -> None:
     print(f"{gpu}; host->GPU copy peak {peak:.1f} GB/s", flush=True)
     common = ["--attention-backend", "flashinfer", "--sampling-backend", "pytorch", "--grammar-backend", "none",
               "--disable-radix-cache", "--page-size", "32", "--context-length", str(args.context + args.output_len + 64),
-              "--max-running-requests", str(args.max_running or max(numeric)), "--chunked-prefill-size", "32768"]
+              "--max-running-requests", str(args.max_running or max(numeric)), "--chunked-prefill-size", str(args.chunked_prefill)]
     if args.mem_fraction_static != "auto":
         common += ["--mem-fraction-static", args.mem_fraction_static]
     env = dict(os.environ, FREEKV_STATS_EVERY="64")
