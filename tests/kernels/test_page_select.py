@@ -325,7 +325,7 @@ def test_select_slots_delta_commit_and_recall_codes(H_, k, phase, recall_all):
 
 
 # (G, M, chunk): one stage, or chunks of `chunk` pages (rows without candidates in some chunks).
-POOL_SHAPES = [(1, 37, None), (3, 150, 32), (4, 300, None), (4, 150, 32), (8, 133, 64)]
+POOL_SHAPES = [(1, 37, None), (3, 150, 32), (4, 300, None), (8, 133, 64)]
 
 
 @pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
