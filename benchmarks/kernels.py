@@ -6,9 +6,8 @@ Measures, in one run:
          every (row, head, slot) of a batch recalled, the slot and page tables read by the kernel;
   offload offload_pages writing whole GPU pages into the pinned arena, summaries included (GB/s, % of the GPU->host
          peak);
-  select score_pages (page logits) + select_slots (pooling, top-k, commit) latency per layer (eager and CUDA-graph
-         replay, each op alone in a graph, and the floor: reading the summaries once at the measured device-copy
-         bandwidth).
+  select score_pages + select_slots latency per layer (eager and CUDA-graph replay, each op alone in a graph,
+         and the floor: reading the summaries once at the measured device-copy bandwidth).
 Recall/offload are timed twice: "eager" events around one call on an idle GPU, which include the host's launch of
 the Triton kernel (~20+ us of Python), and "gpu" with that launch hidden behind a short spin kernel, i.e. the GPU
 time a CUDA-graph replay (the engine's decode step) sees.
@@ -216,7 +215,7 @@ def bench_select(
         print(f"\nselection: skipped, freekv_kernels.page_select is not importable ({e})")
         return {"skipped": str(e)}
     k = budget // PAGE
-    print(f"\nselection per layer: score_pages + select_slots (pooling, top-k, slot delta, commit), {HQ} q heads / {H} KV "
+    print(f"\nselection per layer: score_pages + select_slots (top-k, slot delta, commit), {HQ} q heads / {H} KV "
           f"heads, D={D}, p={PAGE}, k={k} pages ({budget} tokens), every page of every row a candidate; graph: one call of both ops "
           f"captured and replayed (score / select: each op alone); floor: the bf16 summaries read once at "
           f"{copy_gbps / 1e3:.2f} TB/s")
@@ -236,14 +235,13 @@ def bench_select(
             recall = torch.zeros(B, H, k, dtype=torch.int8, device=DEVICE)
             for pooling in ("mean_softmax", "max"):
 
-                def select(logits, slots=slots, req_slots=req_slots, heads=heads, recall=recall, cand_end=cand_end,
-                           pooling=pooling):
-                    select_slots(logits, 0, cand_end, pooling, slots, req_slots, heads, PHASE_NOW, heads, recall)
+                def select(scores, slots=slots, req_slots=req_slots, heads=heads, recall=recall):
+                    select_slots(scores, slots, req_slots, heads, PHASE_NOW, heads, recall)
 
                 def run():
                     select(score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling))
 
-                logits = score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling)
+                scores = score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling)
                 row = {"context": ctx, "batch": B, "pages_per_row": M, "k": k, "pooling": pooling}
                 row["floor_us"] = 1e6 * summaries.numel() * summaries.element_size() / copy_gbps / 1e9
                 row["eager_us"] = 1e3 * time_ms(lambda i: run(), repeats, warmup)
@@ -252,7 +250,7 @@ def bench_select(
                     row["score_graph_us"] = 1e3 * graph_replay_ms(
                         lambda: score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling),
                         repeats)
-                    row["select_graph_us"] = 1e3 * graph_replay_ms(lambda: select(logits), repeats)
+                    row["select_graph_us"] = 1e3 * graph_replay_ms(lambda: select(scores), repeats)
                 except Exception as e:  # report, keep going: capture is a bonus measurement
                     row["graph_error"] = f"{type(e).__name__}: {e}"
                 rows.append(row)
@@ -262,7 +260,7 @@ def bench_select(
                 else:
                     graph = f"{'failed':>9} ({row['graph_error']})"
                 print(f"{ctx:>8} {B:>6} {pooling:>13} {row['eager_us']:>9.1f} {graph}")
-            del summaries, page_table, q, logits
+            del summaries, page_table, q, scores
     return rows
 
 

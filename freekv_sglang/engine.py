@@ -12,7 +12,7 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            (a new request, a context still shorter than the budget); record E_q; write_kv (the new
            K/V, overlapping the selection: a sink or window page, never a slot page)
   select:  wait E_q; for the heads that select now (the other heads' programs exit at once):
-           score_pages with q_i (the page logits per query head), select_slots (pooling, top-k, delta
+           score_pages with q_i (two launches for mean_softmax pooling), select_slots (top-k, delta
            against the resident slots, commit, recall codes), recall_pages of the changed slots of
            flagged heads and the empty slots being filled; record E_now
   compute: wait E_now; attention over sink | slots | window (an outside kernel: head_token_index,
@@ -414,11 +414,11 @@ class FreeKVEngine:
         slots (the latter heads' evictions) wait for the recall after attention, with the speculative heads'."""
         ops, B = self.ops, plan.req_slots.shape[0]
         heads, recall = self._now_heads[layer][:B], self._recall[layer][:B]
-        logits = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, self.cfg.sink_pages,
+        scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, self.cfg.sink_pages,
                                  plan.cand_end, self.scale, self.pooling, heads, phase, phase == PHASE_LATER)
-        ops.select_slots(logits, self.cfg.sink_pages, plan.cand_end, self.pooling, self.slot_table[layer],
-                         plan.req_slots, heads, phase, flags, recall, self.cfg.recall == "all",
-                         self._stat_recall[layer] if self.collect_stats else None, self.pad_slot)
+        ops.select_slots(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
+                         self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
+                         self.pad_slot)
         ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
                          self.slot_table[layer], plan.req_slots, plan.slot_pages, recall, phase, self.cfg.page_size)
 

@@ -1,4 +1,4 @@
-"""Page logits, then pooling (FreeKV's group-consistent MeanS, or Quest-style max), top-k selection, slot assignment
+"""Page scoring (FreeKV group-consistent MeanS, or Quest-style max pooling), then top-k selection, slot assignment
 and commit in one op."""
 
 from .naive import PHASE_LATER, PHASE_NOW, naive_score_pages, naive_select_slots

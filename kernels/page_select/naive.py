@@ -1,4 +1,4 @@
-"""Torch references for page logits, and pooling with top-k selection and slot assignment (see docs/kernels.md)."""
+"""Torch references for page scoring, top-k selection and slot assignment (see docs/kernels.md)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,6 @@ import torch
 POOLINGS = ("mean_softmax", "max")
 # The engine's two selection phases: heads[b, h] True selects before attention, False after it.
 PHASE_NOW, PHASE_LATER = 1, 2
-
-
-def check_pooling(pooling: str) -> None:
-    if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
 
 
 def check_phase(phase: int) -> None:
@@ -23,11 +18,6 @@ def in_phase(heads: torch.Tensor | None, phase: int) -> torch.Tensor | None:
     """[B, H] bool: the heads that select in `phase` (None: every head)."""
     check_phase(phase)
     return None if heads is None else heads == (phase == PHASE_NOW)
-
-
-def candidate_range(cand_start: int, cand_end: torch.Tensor, b: int, M: int) -> range:
-    """The candidate logical pages of row b."""
-    return range(cand_start, max(cand_start, min(int(cand_end[b]), M)))
 
 
 def naive_score_pages(
@@ -43,42 +33,30 @@ def naive_score_pages(
     phase: int = PHASE_NOW,
     q_by_slot: bool = False,
 ) -> torch.Tensor:
-    """[B, H, M, C] logits of the candidates: C = G query heads (mean_softmax), or C = 1, their max (max).
-    Entries left unwritten (non-candidates, heads that do not select in `phase`) are NaN here."""
-    check_pooling(pooling)
+    """Rows of the heads that do not select in `phase` are left unwritten (NaN here)."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     mine = in_phase(heads, phase)
     B, H = req_slots.shape[0], summaries.shape[1]
     G = q.shape[1] // H
     M = page_table.shape[1]
-    logits = torch.full((B, H, M, 1 if pooling == "max" else G), float("nan"), dtype=torch.float32, device=q.device)
+    scores = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
     for b, slot in enumerate(req_slots.tolist()):
         qb = q[slot if q_by_slot else b]
-        cands = candidate_range(cand_start, cand_end, b, M)
-        if not cands:
-            continue
-        pages = page_table[slot, cands.start:cands.stop].long()
+        end = min(int(cand_end[b]), M)
         for h in range(H):
             if mine is not None and not mine[b, h]:
                 continue
+            scores[b, h] = float("-inf")
+            if end <= cand_start:
+                continue
+            pages = page_table[slot, cand_start:end].long()
             kmin = summaries[pages, h, 0].float()  # [n, D]
             kmax = summaries[pages, h, 1].float()
             qh = qb[h * G:(h + 1) * G].float()[:, None]  # [G, 1, D]
             s = scale * torch.maximum(qh * kmin, qh * kmax).sum(-1)  # [G, n]
-            logits[b, h, cands.start:cands.stop] = s.amax(dim=0, keepdim=True).T if pooling == "max" else s.T
-    return logits
-
-
-def pooled_scores(logits: torch.Tensor, cand_start: int, cand_end: torch.Tensor, pooling: str, b: int,
-                  h: int) -> torch.Tensor:
-    """[M] fp32 score of each page of row (b, h): over the candidates, the mean over the columns of logits[b, h]
-    of each column's softmax over the candidates (mean_softmax) or the max over the columns (max); -inf for every
-    other page. Only the candidates' logits are read."""
-    M = logits.shape[2]
-    scores = torch.full((M,), float("-inf"), dtype=torch.float32, device=logits.device)
-    cands = candidate_range(cand_start, cand_end, b, M)
-    if cands:
-        x = logits[b, h, cands.start:cands.stop].T.contiguous()  # [C, n]
-        scores[cands.start:cands.stop] = x.amax(dim=0) if pooling == "max" else torch.softmax(x, dim=1).mean(dim=0)
+            pooled = s.amax(dim=0) if pooling == "max" else torch.softmax(s, dim=-1).mean(dim=0)
+            scores[b, h, cand_start:end] = pooled
     return scores
 
 
@@ -99,10 +77,7 @@ def _slot_delta(old: list[int], sel: list[int]) -> list[int]:
 
 
 def naive_select_slots(
-    logits: torch.Tensor,
-    cand_start: int,
-    cand_end: torch.Tensor,
-    pooling: str,
+    scores: torch.Tensor,
     slots: torch.Tensor,
     req_slots: torch.Tensor,
     heads: torch.Tensor,
@@ -113,18 +88,16 @@ def naive_select_slots(
     stats: torch.Tensor | None = None,
     pad_slot: int = -1,
 ) -> None:
-    """Pooling, top-k selection, slot assignment and commit for the heads of `phase`, and the recall plan of
-    every head.
+    """Top-k selection, slot assignment and commit for the heads of `phase`, and the recall plan of every head.
 
     Per (row b, KV head h), with r = req_slots[b] and old = slots[r, h]: a head of the phase selects the top
-    k = slots.shape[2] pages by pooled_scores and stores them in slots[r, h] (resident pages keep their slot);
+    k = slots.shape[2] pages of scores[b, h] and stores them in slots[r, h] (resident pages keep their slot);
     a slot is changed when it now holds a page it did not (recall_all: every filled slot of the head).
     PHASE_NOW: recall[b, h, s] = PHASE_NOW for changed slots of flagged heads or slots that were empty,
     PHASE_LATER for the other changed slots, 0 elsewhere -- for every head. PHASE_LATER: the phase's heads
     set recall[b, h] = PHASE_LATER where changed, 0 elsewhere; the other heads' entries stay.
     stats ([2] float64), for rows with r != pad_slot: stats[phase - 1] += entries equal to `phase` afterwards.
     """
-    check_pooling(pooling)
     mine = in_phase(heads, phase).tolist()
     flagged = flags.tolist() if phase == PHASE_NOW else None
     k = slots.shape[2]
@@ -133,7 +106,7 @@ def naive_select_slots(
             old = slots[r, h].tolist()
             new = old
             if mine[b][h]:
-                new = _slot_delta(old, _top_k(pooled_scores(logits, cand_start, cand_end, pooling, b, h), k))
+                new = _slot_delta(old, _top_k(scores[b, h], k))
                 slots[r, h] = torch.tensor(new, dtype=slots.dtype)
             changed = [mine[b][h] and n != -1 and (recall_all or n != o) for n, o in zip(new, old)]
             if phase == PHASE_NOW:

@@ -109,14 +109,13 @@ def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=
     return {stream: dict(c) for stream, c in per_layer.items()}
 
 
-SELECT = {"_page_logits_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
+SELECT = {"_page_logits_kernel": 1, "_pool_scores_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
 
 
 @pytest.mark.parametrize("recall", ["delta", "all"])
 def test_freekv_layer_launches(monkeypatch, recall):
-    """11 launches per sparse layer: 4 on the compute stream (similarity, KV write, attention and its split
-    combine), 3 on the select stream before attention (page logits, select_slots pooling them, recall), 4 on the
-    recall stream; no torch glue anywhere."""
+    """13 launches per sparse layer: 4 on the compute stream (similarity, KV write, attention and its split
+    combine), 4 on the select stream before attention, 5 on the recall stream; no torch glue anywhere."""
     got = count_step(monkeypatch, recall=recall)
     assert got == {
         "compute": {"_query_similarity_kernel": 1, "_write_kv_kernel": 1, "_sparse_decode_attention_kernel": 1,
@@ -135,10 +134,10 @@ def test_outside_attention_layer_launches(monkeypatch):
 
 
 def test_quest_and_streaming_layer_launches(monkeypatch):
-    """Quest (max pooling: the same launches as FreeKV) and StreamingLLM (nothing selected: no side-stream
-    selection)."""
+    """Quest (max pooling: no pooling kernel) and StreamingLLM (nothing selected: no side-stream selection)."""
     quest = count_step(monkeypatch, method="quest")
-    assert quest["select"] == SELECT and quest["recall"] == {**SELECT, "_offload_pages_kernel": 1}
+    no_pool = {k: v for k, v in SELECT.items() if k != "_pool_scores_kernel"}
+    assert quest["select"] == no_pool and quest["recall"] == {**no_pool, "_offload_pages_kernel": 1}
     streaming = count_step(monkeypatch, method="streaming")
     assert "select" not in streaming and streaming["recall"] == {"_offload_pages_kernel": 1}
     assert streaming["compute"] == {"_query_similarity_kernel": 1, "_write_kv_kernel": 1,

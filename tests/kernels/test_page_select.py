@@ -1,5 +1,4 @@
-"""score_pages (page logits) / select_slots (pooling, top-k, slot delta, commit) against their torch references,
-plus semantic properties."""
+"""score_pages / select_slots against their torch references, plus semantic properties."""
 
 import math
 
@@ -15,7 +14,6 @@ from freekv_kernels.page_select import (
     select_slots,
 )
 from freekv_kernels.page_select import triton as page_select_triton
-from freekv_kernels.page_select.naive import pooled_scores
 from freekv_kernels.testing import assert_close, device, poisoned_outputs
 
 B, H, R = 5, 2, 7
@@ -41,26 +39,8 @@ def make_score_inputs(G, page_size, D, M, dtype, H=H):
     return q.to(dev), summaries.to(dev), page_table.to(dev), req_slots.to(dev), cand_end.to(dev)
 
 
-# (G, page_size, D, M): odd M; M > 64 spans several page blocks, M = 300 several top-k chunks when chunked.
+# (G, page_size, D, M): odd M; M > 64 spans several page blocks, M = 300 several pooling chunks.
 SCORE_SHAPES = [(1, 16, 64, 37), (3, 32, 128, 300), (4, 16, 128, 150), (8, 32, 64, 133)]
-
-
-def candidates(cand_end, M):
-    """[B, M] bool: the candidate pages of each row."""
-    j = torch.arange(M, device=cand_end.device)
-    return (j >= CAND_START) & (j < cand_end[:, None])
-
-
-def check_logits(ref, out, cand, mine=None):
-    """The phase's heads (mine [B, H], None: all) have their candidates' logits equal to the reference's; nothing
-    else is written (NaN from poisoning)."""
-    assert out.shape == ref.shape
-    written = cand[:, None, :, None].expand(out.shape).clone()
-    if mine is not None:
-        written &= mine[:, :, None, None]
-    assert out[~written].isnan().all(), "a non-candidate entry or a head outside the phase was written"
-    assert ref[~written].isnan().all()
-    assert_close("logits", ref[written], out[written], atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -72,20 +52,19 @@ def test_score_pages_matches_reference(G, page_size, D, M, pooling, dtype):
     with poisoned_outputs():
         out = score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling)
     ref = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling)
-    assert ref.shape == (B, H, M, 1 if pooling == "max" else G)
-    check_logits(ref, out, candidates(cand_end, M))
+    assert_close("scores", ref, out, atol=1e-5 if pooling == "mean_softmax" else 1e-4, rtol=1e-4)
+    # Candidates are exactly the finite entries; rows without candidates are all -inf.
+    j = torch.arange(M, device=out.device)
+    is_cand = (j >= CAND_START) & (j < cand_end[:, None])
+    assert torch.equal(torch.isfinite(out), is_cand[:, None, :].expand(B, H, M))
+    if pooling == "mean_softmax":  # a mean of softmaxes sums to 1 over the candidates of a non-empty row
+        sums = torch.where(is_cand[:, None, :], out, 0.0).sum(-1)
+        expect = is_cand.any(-1).float()[:, None].expand(B, H)
+        torch.testing.assert_close(sums, expect, atol=1e-5, rtol=0)
 
 
 HEADS_SHAPES = [(1, 8, 16, 64, 37, torch.bfloat16), (2, 3, 32, 128, 300, torch.float32),
                 (3, 4, 16, 64, 150, torch.bfloat16), (2, 1, 32, 64, 20, torch.float32)]
-
-
-def phase_heads(H_, dev):
-    """A random head mask with a row that selects only before attention and one only after it."""
-    heads = torch.rand(B, H_) < 0.5
-    heads[0] = True
-    heads[1] = False
-    return heads.to(dev)
 
 
 @pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
@@ -95,12 +74,15 @@ def test_score_pages_heads_of_a_phase(H_, G, page_size, D, M, dtype, pooling, ph
     """heads [B, H] and a phase: only the phase's heads (heads == True before attention, False after) are
     scored, exactly as without a mask; the other heads' rows stay unwritten. q_by_slot reads q[req_slots[b]]."""
     q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, page_size, D, M, dtype, H_)
-    heads = phase_heads(H_, q.device)
+    heads = torch.rand(B, H_) < 0.5
+    heads[0] = True
+    heads[1] = False
+    heads = heads.to(q.device)
     mine = heads if phase == PHASE_NOW else ~heads
     scale = 1 / math.sqrt(D)
     full = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling)
     ref = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling, heads, phase)
-    assert torch.equal(ref[mine].nan_to_num(), full[mine].nan_to_num()) and ref[~mine].isnan().all()
+    assert torch.equal(ref[mine], full[mine]) and ref[~mine].isnan().all()
     # q by request slot: rows of q that no batch row maps to are NaN (never read).
     q_slots = torch.full((R, H_ * G, D), float("nan"), dtype=dtype, device=q.device)
     q_slots[req_slots.long()] = q
@@ -108,20 +90,22 @@ def test_score_pages_heads_of_a_phase(H_, G, page_size, D, M, dtype, pooling, ph
         with poisoned_outputs():
             out = score_pages(qq, summaries, page_table, req_slots, CAND_START, cand_end, scale, pooling, heads, phase,
                               by_slot)
-        check_logits(ref, out, candidates(cand_end, M), mine)
+        assert out[~mine].isnan().all(), "a head outside the phase was written"
+        assert_close("scores", ref[mine], out[mine], atol=1e-5 if pooling == "mean_softmax" else 1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
 def test_score_pages_small_blocks(monkeypatch, pooling):
-    """Many logits blocks, candidate ranges starting and ending inside a block."""
+    """Many logits blocks (per-block softmax statistics combined across blocks) and many pooling blocks."""
     mod = page_select_triton
     monkeypatch.setattr(mod, "LOGITS_BLOCK_PAGES", 4)
+    monkeypatch.setattr(mod, "POOL_BLOCK", 32)
     G, page_size, D, M = 4, 32, 128, 150
     q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, page_size, D, M, torch.bfloat16)
     with poisoned_outputs():
         out = mod.score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, 0.1, pooling)
     ref = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, 0.1, pooling)
-    check_logits(ref, out, candidates(cand_end, M))
+    assert_close("scores", ref, out, atol=1e-5 if pooling == "mean_softmax" else 1e-4, rtol=1e-4)
 
 
 def test_max_pooling_is_max_of_raw_scores():
@@ -133,53 +117,25 @@ def test_max_pooling_is_max_of_raw_scores():
     summ = summaries[page_table[req_slots[b], j].long()].float()  # [H, 2, D]
     qb = q[b].float().view(H, G, D)
     raw = 0.5 * torch.maximum(qb * summ[:, None, 0], qb * summ[:, None, 1]).sum(-1)
-    torch.testing.assert_close(out[b, :, j, 0], raw.amax(-1), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out[b, :, j], raw.amax(-1), atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
-def test_pooled_scores_reference(pooling):
-    """The reference pooling: candidates are exactly the finite scores (rows without candidates are all -inf); a
-    mean of softmaxes sums to 1 over the candidates of a non-empty row; max is the column max."""
-    G, M = 4, 37
-    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, 16, 64, M, torch.float32)
-    logits = naive_score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, 0.125, pooling)
-    cand = candidates(cand_end, M)
-    for b in range(B):
-        for h in range(H):
-            s = pooled_scores(logits, CAND_START, cand_end, pooling, b, h)
-            assert torch.equal(torch.isfinite(s), cand[b])
-            if pooling == "max":
-                assert torch.equal(s[cand[b]], logits[b, h, cand[b], 0])
-            elif cand[b].any():
-                torch.testing.assert_close(s[cand[b]].sum(), torch.tensor(1.0, device=s.device), atol=1e-5, rtol=0)
-
-
-def as_logits(scores, cand_start=0, cand_end=None):
-    """Scores [B, H, M] as select_slots' input: one column under max pooling is the column itself; every page is a
-    candidate unless a range is given."""
-    B_, _, M = scores.shape
-    if cand_end is None:
-        cand_end = torch.full((B_,), M, dtype=torch.int32)
-    return scores[..., None], cand_start, cand_end.to(scores.device), "max"
-
-
-def run_select(fn, pooled, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1):
-    """fn on copies of the in-place tensors (pooled: logits, cand_start, cand_end, pooling), recall as the view [:B]
-    of its buffer (stats start non-zero: they accumulate); returns the slot table, the whole recall buffer and the
-    stats."""
+def run_select(fn, scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1):
+    """fn on copies of the in-place tensors, recall as the view [:B] of its buffer (stats start non-zero: they
+    accumulate); returns the slot table, the whole recall buffer and the stats."""
     slots, recall = slots.clone(), recall.clone()
-    stats = torch.tensor([5.0, 7.0], dtype=torch.float64, device=slots.device)
-    fn(*pooled, slots, req_slots, heads, phase, flags, recall[:req_slots.shape[0]], recall_all, stats, pad_slot)
+    stats = torch.tensor([5.0, 7.0], dtype=torch.float64, device=scores.device)
+    fn(scores, slots, req_slots, heads, phase, flags, recall[:req_slots.shape[0]], recall_all, stats, pad_slot)
     return slots, recall, stats
 
 
-def check_select(pooled, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1):
+def check_select(scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1):
     """select_slots equals the reference on every output, and writes only the batch's slot-table rows and
     recall rows [:B] (rows past B of the recall buffer are sentinels)."""
     B = req_slots.shape[0]
-    ref = run_select(naive_select_slots, pooled, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot)
+    ref = run_select(naive_select_slots, scores, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot)
     with poisoned_outputs():
-        out = run_select(select_slots, pooled, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot)
+        out = run_select(select_slots, scores, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot)
     assert_close("slots", ref[0], out[0])
     assert_close("recall", ref[1], out[1])
     assert torch.equal(out[1][B:], recall[B:]), "recall rows past the batch were written"
@@ -194,24 +150,20 @@ def fresh_table(k, R=R, H_=H):
 
 @pytest.mark.parametrize("k", [1, 7, 37, 40])
 def test_select_slots_top_k_of_new_requests(k):
-    """Empty slots take the top k candidates in score order (ties by lower page), -1 where scores run out;
-    non-candidates (NaN here) are never read."""
+    """Empty slots take the top k pages in score order (ties by lower page), -1 where scores run out."""
     M = 37
     # Distinct scores (a permutation) with -inf holes, and a row that is all -inf.
     scores = torch.stack([torch.randperm(M).float() for _ in range(B * H)]).view(B, H, M)
     scores[torch.rand(B, H, M) < 0.3] = float("-inf")
     scores[1] = float("-inf")
-    cand_end = torch.tensor([M, M, M - 5, CAND_START, M + 3], dtype=torch.int32)
-    is_cand = candidates(cand_end, M)[:, None, :].expand(B, H, M)
     scores = scores.to(device())
     req_slots = torch.randperm(R)[:B].int().to(device())
     table = fresh_table(k)
     heads = torch.ones(B, H, dtype=torch.bool, device=device())
     flags = torch.rand(B, H, device=device()) < 0.5
     recall = torch.full((B + 1, H, k), 9, dtype=torch.int8, device=device())
-    pooled = as_logits(torch.where(is_cand.to(device()), scores, float("nan")), CAND_START, cand_end)
-    slots, codes, _ = check_select(pooled, table, req_slots, heads, PHASE_NOW, flags, recall)
-    order = torch.sort(torch.where(is_cand, scores.cpu(), float("-inf")), dim=-1, descending=True, stable=True)
+    slots, codes, _ = check_select(scores, table, req_slots, heads, PHASE_NOW, flags, recall)
+    order = torch.sort(scores.cpu(), dim=-1, descending=True, stable=True)
     for b, r in enumerate(req_slots.tolist()):
         for h in range(H):
             want = [j if v != float("-inf") else -1 for v, j in zip(order.values[b, h, :k].tolist(),
@@ -246,7 +198,7 @@ def test_select_slots_chunked_with_ties(monkeypatch, chunk, k):
     table[req_slots[2].long(), 1] = torch.arange(k, dtype=torch.int32)  # kept: the head selects later
     recall = torch.zeros(B, H, k, dtype=torch.int8, device=dev)
     flags = torch.zeros(B, H, dtype=torch.bool, device=dev)
-    slots, _, _ = check_select(as_logits(scores), table, req_slots, heads, PHASE_NOW, flags, recall)
+    slots, _, _ = check_select(scores, table, req_slots, heads, PHASE_NOW, flags, recall)
     assert slots[req_slots[2].long(), 1].tolist() == list(range(k))
 
 
@@ -291,9 +243,8 @@ def test_select_slots_delta_commit_and_recall_codes(H_, k, phase, recall_all):
     flags = heads & (torch.rand(B, H_) < 0.5)
     scores[~(heads if phase == PHASE_NOW else ~heads)] = float("nan")  # rows outside the phase: unwritten
     recall = torch.randint(0, 3, (B + 2, H_, k), dtype=torch.int8)  # last step's codes, then 2 sentinel rows
-    args = [t.to(dev) for t in (table, req_slots, heads)]
-    slots, codes, stats = check_select(as_logits(scores.to(dev)), *args, phase, flags.to(dev), recall.to(dev),
-                                       recall_all, pad)
+    args = [t.to(dev) for t in (scores, table, req_slots, heads)]
+    slots, codes, stats = check_select(*args, phase, flags.to(dev), recall.to(dev), recall_all, pad)
     mine = heads if phase == PHASE_NOW else ~heads
     before = recall[:B]
     now = later = 0
@@ -324,33 +275,6 @@ def test_select_slots_delta_commit_and_recall_codes(H_, k, phase, recall_all):
         assert (codes[2, 0] == 0).all()  # re-selecting the resident pages recalls nothing
 
 
-# (G, M, chunk): one stage, or chunks of `chunk` pages (rows without candidates in some chunks).
-POOL_SHAPES = [(1, 37, None), (3, 150, 32), (4, 300, None), (8, 133, 64)]
-
-
-@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
-@pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
-@pytest.mark.parametrize("G,M,chunk", POOL_SHAPES)
-def test_select_slots_pools_the_logits(monkeypatch, G, M, chunk, pooling, phase):
-    """On score_pages' logits (NaN wherever it writes nothing: non-candidates, heads outside the phase), the pooled
-    selection equals the reference's: in one stage the softmax statistics come from the row's tile, in chunks from
-    a pass over the row."""
-    if chunk is not None:
-        monkeypatch.setattr(page_select_triton, "TOPK_CHUNK", chunk)
-        monkeypatch.setattr(page_select_triton, "TOPK_SINGLE", chunk)
-    q, summaries, page_table, req_slots, cand_end = make_score_inputs(G, 16, 64, M, torch.bfloat16)
-    heads = phase_heads(H, q.device)
-    with poisoned_outputs():
-        logits = score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, 0.125, pooling, heads, phase)
-    k = 5
-    table = torch.stack([torch.randperm(M)[:k] for _ in range(R * H)]).view(R, H, k).int()  # resident pages
-    table[torch.rand(R, H, k) < 0.2] = -1
-    table = table.to(q.device)
-    flags = heads & (torch.rand(B, H, device=q.device) < 0.5)
-    recall = torch.randint(0, 3, (B + 1, H, k), dtype=torch.int8, device=q.device)
-    check_select((logits, CAND_START, cand_end, pooling), table, req_slots, heads, phase, flags, recall)
-
-
 @pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
 def test_every_candidate_selected_when_k_covers_them(pooling):
     G, D, M = 4, 64, 37
@@ -360,8 +284,8 @@ def test_every_candidate_selected_when_k_covers_them(pooling):
     heads = torch.ones(B, H, dtype=torch.bool, device=q.device)
     recall = torch.zeros(B, H, k, dtype=torch.int8, device=q.device)
     with poisoned_outputs():
-        logits = score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, 0.125, pooling)
-        select_slots(logits, CAND_START, cand_end, pooling, table, req_slots, heads, PHASE_NOW, heads, recall)
+        scores = score_pages(q, summaries, page_table, req_slots, CAND_START, cand_end, 0.125, pooling)
+        select_slots(scores, table, req_slots, heads, PHASE_NOW, heads, recall)
     for b, r in enumerate(req_slots.tolist()):
         want = set(range(CAND_START, max(int(cand_end[b]), CAND_START)))
         for h in range(H):
