@@ -1,0 +1,41 @@
+"""benchmarks/decode.py reads its memory and concurrency figures from the servers' own log lines. Fed the lines
+kept from the H100 concurrency run, its parsers must give the figures that run recorded in decode.json."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ROOT / "docs/results/concurrency-h100"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import decode  # noqa: E402
+
+
+@pytest.mark.parametrize("config", ["full", "freekv"])
+def test_parsers_reproduce_the_recorded_run(config, tmp_path):
+    result = json.loads((RUN / "decode.json").read_text())
+    cell = next(c for c in result["cells"] if c["config"] == config)
+    log = tmp_path / "server.log"
+    log.write_text((RUN / f"server-{config}-lines.txt").read_text())
+    memory = decode.memory_cell(log.read_text(), result["context"] + result["output_len"])
+    assert memory == {k: cell[k] for k in memory}
+    assert memory["max_concurrent"] == cell["batch"] == (22 if config == "freekv" else 13)
+    sched = decode.scheduler_cell(log, 0)
+    assert sched == {"max_running": cell["batch"], "max_queued": 0, "cuda_graph": True, "retractions": 0}
+
+
+def test_scheduler_cell_reads_only_after_the_offset(tmp_path):
+    line = ("[t] Decode batch, #running-req: {}, #token: 9, token usage: 0.50, cuda graph: {}, gen throughput "
+            "(token/s): 1.00, #queue-req: {}\n")
+    log = tmp_path / "server.log"
+    log.write_text(line.format(30, "True", 7))
+    offset = log.stat().st_size
+    with open(log, "a") as f:
+        f.write(line.format(3, "False", 1) + "KV cache pool is full. Retract requests.\n")
+    assert decode.scheduler_cell(log, offset) == {"max_running": 3, "max_queued": 1, "cuda_graph": False,
+                                                  "retractions": 1}
+    assert decode.scheduler_cell(log, log.stat().st_size) == {}
