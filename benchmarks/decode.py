@@ -31,16 +31,15 @@ import json
 import os
 import random
 import re
-import signal
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import one_request
+from server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -114,41 +113,10 @@ def copy_peak_gbps() -> float:
     return best
 
 
-class Server:
-    def __init__(self, name: str, model: str, args: list[str], log: Path, port: int, env: dict):
-        self.name, self.log, self.url = name, log, f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
-               "--port", str(port), *args]
-        print(f"[{name}] {' '.join(cmd)}", flush=True)
-        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=env)
-
-    def wait(self, timeout: float) -> float:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"[{self.name}] exited: {self.tail()}")
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2)
-                return time.time() - t0
-            except Exception:
-                time.sleep(2)
-        raise RuntimeError(f"[{self.name}] not healthy after {timeout} s: {self.tail()}")
-
-    def tail(self, n: int = 25) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
+class Server(ServerProcess):
     def stats(self) -> tuple | None:
         found = STATS.findall(self.log.read_text(errors="replace"))
         return tuple(float(x) for x in found[-1]) if found else None
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def run_batch(url: str, batch: int, context: int, output_len: int, vocab: int, seed: int) -> dict:
@@ -234,7 +202,8 @@ def main() -> None:
         extra = CONFIGS[name] + (args.freekv_args.split() if name != "full" else [])
         subprocess.run(["pkill", "-9", "-f", "sglang.launch_server"], check=False)
         time.sleep(2)
-        srv = Server(name, model, common + extra, out / f"server-{name}.log", args.port, env)
+        srv = Server(name, args.port, ["--model-path", model, "--load-format", "dummy", *common, *extra],
+                     out / f"server-{name}.log", env)
         try:
             up = srv.wait(600)
             log = srv.log.read_text(errors="replace")

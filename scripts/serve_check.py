@@ -19,12 +19,13 @@ import concurrent.futures as cf
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from server_process import ServerProcess
 
 COMMON = ["--disable-radix-cache", "--page-size", "32", "--sampling-backend", "pytorch", "--grammar-backend", "none",
           "--max-running-requests", "32", "--mem-fraction-static", "0.25", "--log-level", "info"]
@@ -36,30 +37,7 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
         return json.loads(r.read())
 
 
-class Server:
-    def __init__(self, name: str, model: str, port: int, extra: list[str], log_dir: Path):
-        self.name, self.port = name, port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log_dir / f"server-{name}.log"
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--port", str(port), *COMMON, *extra]
-        print(f"[{name}] {' '.join(cmd)}", flush=True)
-        self.proc = subprocess.Popen(cmd, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_healthy(self, timeout: float) -> float:
-        t0 = time.time()
-        while time.time() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"[{self.name}] exited with {self.proc.returncode}; tail:\n{self.tail()}")
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2)
-                return time.time() - t0
-            except Exception:
-                time.sleep(1)
-        raise RuntimeError(f"[{self.name}] not healthy after {timeout} s; tail:\n{self.tail()}")
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
+class Server(ServerProcess):
     def generate(self, ids: list[int], max_new: int, margins: list | None = None) -> list[int]:
         """Greedy token ids; with `margins`, also appends the top-1 minus top-2 logprob per position."""
         out = post(self.url + "/generate", {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
@@ -68,14 +46,6 @@ class Server:
         if margins is not None:
             margins.append([t[0][0] - t[1][0] for t in out["meta_info"]["output_top_logprobs"]])
         return [t[1] for t in out["meta_info"]["output_token_logprobs"]]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def prompts(model: str, n: int, seed: int) -> list[list[int]]:
@@ -117,9 +87,9 @@ def main() -> None:
         # One after the other: servers that profile GPU memory at the same time see each other's buffers.
         for name, port, extra in (("plain", 30000, common),
                                   ("freekv", 30001, common + ["--kv-retrieval", "freekv", *args.freekv_args.split()])):
-            s = Server(name, args.model, port, extra, out)
+            s = Server(name, port, ["--model-path", args.model, *COMMON, *extra], out / f"server-{name}.log")
             servers.append(s)
-            result[f"{s.name}_healthy_s"] = round(s.wait_healthy(600), 1)
+            result[f"{s.name}_healthy_s"] = round(s.wait(600), 1)
             print(f"[{s.name}] healthy after {result[f'{s.name}_healthy_s']} s", flush=True)
         ps = prompts(args.model, args.prompts, seed=0)
         result["prompt_tokens"] = [len(p) for p in ps]
