@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 
 
 @pytest.mark.parametrize("tau", [0.0, 0.8, 1.0])
-def test_graph_replay_equals_eager(tau):
+def test_graph_replay_equals_eager(tau, prefill_alike):
     H, G, D, L, bs = 2, 4, 64, 3, 4
     cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=tau, dense_layers=1)
     shape = ModelShape(L, H * G, H, D)
@@ -20,17 +20,7 @@ def test_graph_replay_equals_eager(tau):
                             backend="triton") for _ in range(2)]
     eager, graphed = engines
     lens = [700, 1031, 300]  # 3 real rows in a bucket of 4: one padding row
-    slots = []
-    for n in lens:
-        data = [(torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16),
-                 torch.randn(H * G, D, device="cuda", dtype=torch.bfloat16)) for _ in range(L)]
-        for e in engines:
-            s = e.add_request()
-            e.begin_prefill(s, n)
-            for layer in range(L):
-                e.prefill_layer(s, layer, *data[layer])
-        slots.append(s)
+    slots = prefill_alike(engines, lens, dtype=torch.bfloat16, device="cuda")
 
     q = torch.zeros(L, bs, H * G, D, device="cuda", dtype=torch.bfloat16)
     k = torch.zeros(L, bs, H, D, device="cuda", dtype=torch.bfloat16)

@@ -463,23 +463,14 @@ def test_head_indptr_matches_the_device_token_lists():
 
 
 @pytest.mark.parametrize("method,recall", [("freekv", "all"), ("quest", "delta"), ("streaming", "delta")])
-def test_triton_backend_equals_torch_backend(method, recall):
+def test_triton_backend_equals_torch_backend(method, recall, prefill_alike):
     """The recall-all ablation and the Quest / StreamingLLM baselines: the Triton kernels and the torch references
     give the same outputs, slot tables and recall statistics step by step (a padding row included)."""
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, recall=recall)
     H, G, L, lens = 2, 3, 2, [150, 97]
     engines = [make_engine(cfg, H, G, L, method=method, backend=b) for b in ("torch", "triton")]
     torch.manual_seed(5)
-    slots = []
-    for n in lens:
-        data = [(torch.randn(n, H, D, device=DEV), torch.randn(n, H, D, device=DEV),
-                 torch.randn(H * G, D, device=DEV)) for _ in range(L)]
-        for e in engines:
-            s = e.add_request()
-            e.begin_prefill(s, n)
-            for layer in range(L):
-                e.prefill_layer(s, layer, *data[layer])
-        slots.append(s)
+    slots = prefill_alike(engines, lens, device=DEV)
     for _ in range(10):
         q = torch.randn(L, len(lens) + 1, H * G, D, device=DEV)
         kv = torch.randn(2, L, len(lens) + 1, H, D, device=DEV)
