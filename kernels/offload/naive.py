@@ -14,12 +14,14 @@ def naive_offload_pages(
     dst: torch.Tensor,
     valid: torch.Tensor,
     page_size: int,
+    programs: int = 0,
 ) -> None:
     """For each valid i: host_layer[dst[i], :, 0 / 1] <- rows src[i]*p .. +p of k_cache / v_cache, NHD -> HND, and
     summaries[dst[i], :, 0 / 1] = the elementwise min / max over those rows of k_cache.
 
     A source page that runs past the last row (a prefill tensor whose length is not a multiple of p) copies and
-    summarises only the rows that exist; the rest of that host page is left as it was.
+    summarises only the rows that exist; the rest of that host page is left as it was. `programs` shapes the
+    Triton launch only.
     """
     p = page_size
     for s, d, ok in zip(src.tolist(), dst.tolist(), valid.tolist()):

@@ -23,6 +23,7 @@ def _offload_pages_kernel(
     dst_ptr,
     valid_ptr,
     T,
+    N,
     s_kt,
     s_kh,
     s_vt,
@@ -34,30 +35,34 @@ def _offload_pages_kernel(
     s_sp,
     s_sh,
     s_smm,
+    H: tl.constexpr,
     PAGE: tl.constexpr,
     D: tl.constexpr,
 ):
-    i = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    # Invalid entries may carry garbage indices: decide before reading any of them.
-    if not tl.load(valid_ptr + i):
-        return
-    rows = tl.load(src_ptr + i).to(tl.int64) * PAGE + tl.arange(0, PAGE).to(tl.int64)
-    # A prefill tensor's last page may be partial: rows past T are neither read nor written.
-    m = (rows < T)[:, None]
+    """Work item w = (entry w // H, head w % H); programs stride over the N * H items."""
     t = tl.arange(0, PAGE).to(tl.int64)[:, None]
     d = tl.arange(0, D)[None, :]
-    k = tl.load(k_ptr + rows[:, None] * s_kt + h * s_kh + d, mask=m)
-    v = tl.load(v_ptr + rows[:, None] * s_vt + h * s_vh + d, mask=m)
-    dst = tl.load(dst_ptr + i).to(tl.int64)
-    chunk = host_ptr + dst * s_hp + h * s_hh + t * s_ht + d
-    tl.store(chunk, k, mask=m)
-    tl.store(chunk + s_hkv, v, mask=m)
-    # min / max in fp32 are exact for every cache dtype, and so is the cast back.
-    kf = k.to(tl.float32)
-    summ = summ_ptr + dst * s_sp + h * s_sh + tl.arange(0, D)
-    tl.store(summ, tl.min(tl.where(m, kf, float("inf")), axis=0).to(summ_ptr.dtype.element_ty))
-    tl.store(summ + s_smm, tl.max(tl.where(m, kf, float("-inf")), axis=0).to(summ_ptr.dtype.element_ty))
+    for w in range(tl.program_id(0), N * H, tl.num_programs(0)):
+        i = w // H
+        h = w % H  # h * (any head stride) stays far below 2**31
+        # Invalid entries may carry garbage indices: every access through them is masked off.
+        ok = tl.load(valid_ptr + i) != 0
+        rows = tl.load(src_ptr + i).to(tl.int64) * PAGE + t
+        # A prefill tensor's last page may be partial: rows past T are neither read nor written.
+        m = (rows < T) & ok
+        k = tl.load(k_ptr + rows * s_kt + h * s_kh + d, mask=m)
+        v = tl.load(v_ptr + rows * s_vt + h * s_vh + d, mask=m)
+        dst = tl.load(dst_ptr + i).to(tl.int64)
+        chunk = host_ptr + dst * s_hp + h * s_hh + t * s_ht + d
+        tl.store(chunk, k, mask=m)
+        tl.store(chunk + s_hkv, v, mask=m)
+        # min / max in fp32 are exact for every cache dtype, and so is the cast back.
+        kf = k.to(tl.float32)
+        summ = summ_ptr + dst * s_sp + h * s_sh + tl.arange(0, D)
+        d_ok = ok & (tl.arange(0, D) < D)
+        tl.store(summ, tl.min(tl.where(m, kf, float("inf")), axis=0).to(summ_ptr.dtype.element_ty), mask=d_ok)
+        tl.store(summ + s_smm, tl.max(tl.where(m, kf, float("-inf")), axis=0).to(summ_ptr.dtype.element_ty),
+                 mask=d_ok)
 
 
 def offload_pages(
@@ -69,12 +74,16 @@ def offload_pages(
     dst: torch.Tensor,
     valid: torch.Tensor,
     page_size: int,
+    programs: int = 0,
 ) -> None:
     """For each valid i: host_layer[dst[i], :, 0 / 1] <- rows src[i]*p .. +p of k_cache / v_cache, NHD -> HND, and
     summaries[dst[i], :, 0 / 1] = the elementwise min / max over those rows of k_cache.
 
     A source page that runs past the last row (a prefill tensor whose length is not a multiple of p) copies and
     summarises only the rows that exist; the rest of that host page is left as it was.
+
+    programs > 0 caps the programs launched (each strides over the (page, head) items): a prefill offload running
+    beside the model's GEMMs then holds a few SMs instead of one CTA per item (benchmarks/prefill_offload.py).
     """
     check_device(k_cache, v_cache, host_layer, summaries, src, dst, valid)
     check_index_vectors(src=src, dst=dst, valid=valid)
@@ -85,7 +94,7 @@ def offload_pages(
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if n == 0:
         return
-    _offload_pages_kernel[(n, H)](
+    _offload_pages_kernel[(min(n * H, programs) if programs > 0 else n * H,)](
         k_cache,
         v_cache,
         host_layer,
@@ -94,6 +103,7 @@ def offload_pages(
         dst,
         valid,
         T,
+        n,
         k_cache.stride(0),
         k_cache.stride(1),
         v_cache.stride(0),
@@ -105,6 +115,7 @@ def offload_pages(
         summaries.stride(0),
         summaries.stride(1),
         summaries.stride(2),
+        H=H,
         PAGE=page_size,
         D=D,
         num_warps=4,

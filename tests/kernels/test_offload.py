@@ -1,9 +1,10 @@
 """offload_pages against its torch reference: whole GPU pages (every head) into host pages dst[i] and their key
 summaries into summary rows dst[i], exactly (copies and min/max); nothing else is written."""
 
+import functools
+
 import pytest
 import torch
-
 from freekv_kernels.offload import naive_offload_pages, offload_pages
 from freekv_kernels.testing import assert_close, device
 
@@ -33,12 +34,13 @@ def offload_into(fn, k_cache, v_cache, idx, P, p, layers=1, layer=0):
     if DEV.type == "cuda":
         arena = arena.pin_memory()
     summ = torch.full((P + 2 * GUARD, layers, H, 2, D), float("nan"), dtype=k_cache.dtype, device=DEV)
+    name = getattr(fn, "__name__", None) or fn.func.__name__
     fn(k_cache, v_cache, arena[GUARD : GUARD + P, layer], summ[GUARD : GUARD + P, layer], *idx, p)
     if DEV.type == "cuda":
         torch.cuda.synchronize()
     others = torch.arange(layers) != layer
-    assert arena[:, others].isnan().all(), f"{fn.__name__} wrote into another layer"
-    assert summ[:, others.to(DEV)].isnan().all(), f"{fn.__name__} wrote summaries of another layer"
+    assert arena[:, others].isnan().all(), f"{name} wrote into another layer"
+    assert summ[:, others.to(DEV)].isnan().all(), f"{name} wrote summaries of another layer"
     return arena[:, layer], summ[:, layer].cpu()
 
 
@@ -60,10 +62,10 @@ def expected(k_cache, v_cache, idx, P, p):
     return exp, summ
 
 
-def check_offload(k_cache, v_cache, idx, P, p, layers=1, layer=0):
+def check_offload(k_cache, v_cache, idx, P, p, layers=1, layer=0, programs=0):
     exp = expected(k_cache, v_cache, idx, P, p)
     for name, fn in (("naive", naive_offload_pages), ("triton", offload_pages)):
-        out = offload_into(fn, k_cache, v_cache, idx, P, p, layers, layer)
+        out = offload_into(functools.partial(fn, programs=programs), k_cache, v_cache, idx, P, p, layers, layer)
         for what, e, o in zip(("host_layer", "summaries"), exp, out):
             mask = ~e.isnan()
             wrong = int((~o.isnan() ^ mask).sum())
@@ -78,6 +80,15 @@ def test_offload_pages(H, D, p, dtype):
     # T = 9*p + 3: the 3 rows past the last page are never read.
     k_cache, v_cache = torch.randn(2, gpu_pages * p + 3, H, D, dtype=dtype, device=DEV)
     check_offload(k_cache, v_cache, entries(7, 2, gpu_pages, P), P, p)
+
+
+@pytest.mark.parametrize("programs", [1, 3, 16])
+@pytest.mark.parametrize("H,p", [(3, 16), (8, 32)])
+def test_offload_pages_few_programs(H, p, programs):
+    """Fewer programs than (page, head) items: each strides over several, invalid entries among them."""
+    gpu_pages, P = 11, 17
+    k_cache, v_cache = torch.randn(2, gpu_pages * p + 5, H, 64, dtype=torch.bfloat16, device=DEV)
+    check_offload(k_cache, v_cache, entries(9, 3, gpu_pages, P), P, p, programs=programs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
