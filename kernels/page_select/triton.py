@@ -146,9 +146,9 @@ def _pool_scores_kernel(
 
 
 # Launch settings (benchmarks/NOTES.md has the sweep they come from).
-LOGITS_BLOCK_PAGES = 16
-LOGITS_WARPS = 2
-POOL_BLOCK = 512
+LOGITS_BLOCK_PAGES = 8
+LOGITS_WARPS = 1
+POOL_BLOCK = 256
 POOL_WARPS = 4
 TOPK_CHUNK = 512  # pages per chunk of a multi-stage top-k
 TOPK_WARPS = 4
