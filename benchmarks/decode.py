@@ -202,7 +202,8 @@ def main() -> None:
         extra = CONFIGS[name] + (args.freekv_args.split() if name != "full" else [])
         subprocess.run(["pkill", "-9", "-f", "sglang.launch_server"], check=False)
         time.sleep(2)
-        srv = Server(name, args.port, ["--model-path", model, "--load-format", "dummy", *common, *extra],
+        srv = Server(name, args.port, ["--model-path", model, "--tokenizer-path", f"{model}/tokenizer",
+                                       "--load-format", "dummy", *common, *extra],
                      out / f"server-{name}.log", env)
         try:
             up = srv.wait(600)

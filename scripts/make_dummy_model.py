@@ -3,7 +3,8 @@
     python3 scripts/make_dummy_model.py llama-3.1-8b /tmp/llama8b
     python3 scripts/make_dummy_model.py qwen2.5-7b /tmp/qwen7b
 
-A word-level tokenizer over the full vocabulary lets SGLang and bench_serving (random-ids) run offline.
+A word-level tokenizer over the full vocabulary lets SGLang and bench_serving (random-ids) run offline; serve with
+--tokenizer-path OUT/tokenizer (see below).
 """
 
 from __future__ import annotations
@@ -37,8 +38,13 @@ def main() -> None:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, cfg.vocab_size)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                            model_max_length=cfg.max_position_embeddings).save_pretrained(out)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   model_max_length=cfg.max_position_embeddings)
+    fast.save_pretrained(out)
+    # Beside a config.json, transformers picks the tokenizer class by model type (Qwen2's BPE tokenizer encodes
+    # every word of this vocabulary to nothing); OUT/tokenizer has no config.json, so --tokenizer-path there
+    # loads this word-level tokenizer for every shape.
+    fast.save_pretrained(f"{out}/tokenizer")
     print(f"wrote {out}: {sys.argv[1]} shapes, dummy weights")
 
 
