@@ -12,7 +12,8 @@ batch and tau, a CUDA-graph-captured step (plan, 31 sparse layers, join) is time
 Then one eager step under torch.profiler: kernels launched per step and GPU time per kernel, grouped.
 Queries are random (tau 0.9 flags nearly every head) or drift slowly from the previous step's (tau 0.9
 then flags few heads); tau 0 never corrects; tau 1 with --kv-recall all recalls every selected page of every
-head before attention, every step: the recall-bound case. For each row, the bytes recalled in the profiled step
+head before attention, every step: the recall-bound case; tau 1 with drifting queries selects every head before
+attention but recalls few pages, as random weights do in the server (benchmarks/decode.py). For each row, the bytes recalled in the profiled step
 over the recall kernels' GPU time, beside the host-to-GPU copy peak measured at the start of the same run.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import sys
 import time
@@ -74,6 +76,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--context", type=int, default=32000)
+    ap.add_argument("--rows", default="0.9:random:delta,0.9:drifting:delta,0:random:delta,1:random:all,"
+                    "1:drifting:delta", help="tau:queries:recall per row")
     ap.add_argument("--out", default="results/profile-step.json")
     args = ap.parse_args()
     import flashinfer
@@ -85,8 +89,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; host->GPU copy peak {peak:.1f} GB/s", flush=True)
     rows, keep = [], []
     for B in [int(b) for b in args.batches.split(",")]:
-        for tau, drift, recall in [(0.9, False, "delta"), (0.9, True, "delta"), (0.0, False, "delta"),
-                                   (1.0, False, "all")]:
+        for spec in args.rows.split(","):
+            tau_s, queries, recall = spec.split(":")
+            tau, drift = float(tau_s), queries == "drifting"
+            if queries not in ("random", "drifting"):
+                raise SystemExit(f"--rows: queries must be random or drifting, got {queries!r}")
             cfg = FreeKVConfig(budget=2048, sink=128, window=512, page_size=32, tau=tau, dense_layers=1,
                                recall=recall)
             eng = FreeKVEngine(cfg, ModelShape(L, HQ, H, D), max_requests=B + 1, max_context=args.context + 512,
@@ -172,6 +179,9 @@ def main() -> None:
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "top_kernels"}), flush=True)
             keep.append(fi)  # see tests/engine/test_flashinfer_attention.py: freed graph wrappers upset FlashInfer
+            # Free this engine's pinned host pages before the next row allocates its own (B x context each).
+            del g, step, advance, eng
+            gc.collect()
             torch.cuda.empty_cache()
 
         # Full-KV FlashInfer decode over the whole context, 31 layers (tensor cores, as SGLang uses for G=4).
