@@ -59,10 +59,8 @@ def _offload_pages_kernel(
         # min / max in fp32 are exact for every cache dtype, and so is the cast back.
         kf = k.to(tl.float32)
         summ = summ_ptr + dst * s_sp + h * s_sh + tl.arange(0, D)
-        d_ok = ok & (tl.arange(0, D) < D)
-        tl.store(summ, tl.min(tl.where(m, kf, float("inf")), axis=0).to(summ_ptr.dtype.element_ty), mask=d_ok)
-        tl.store(summ + s_smm, tl.max(tl.where(m, kf, float("-inf")), axis=0).to(summ_ptr.dtype.element_ty),
-                 mask=d_ok)
+        tl.store(summ, tl.min(tl.where(m, kf, float("inf")), axis=0).to(summ_ptr.dtype.element_ty), mask=ok)
+        tl.store(summ + s_smm, tl.max(tl.where(m, kf, float("-inf")), axis=0).to(summ_ptr.dtype.element_ty), mask=ok)
 
 
 def offload_pages(

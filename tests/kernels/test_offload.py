@@ -1,8 +1,6 @@
 """offload_pages against its torch reference: whole GPU pages (every head) into host pages dst[i] and their key
 summaries into summary rows dst[i], exactly (copies and min/max); nothing else is written."""
 
-import functools
-
 import pytest
 import torch
 from freekv_kernels.offload import naive_offload_pages, offload_pages
@@ -25,7 +23,7 @@ def entries(n, n_invalid, gpu_pages, P):
     return [t.to(DEV) for t in (src, dst, valid)]
 
 
-def offload_into(fn, k_cache, v_cache, idx, P, p, layers=1, layer=0):
+def offload_into(fn, k_cache, v_cache, idx, P, p, layers=1, layer=0, programs=0):
     """Run `fn` into a NaN host layer [P, H, 2, p, D] and NaN summaries [P, H, 2, D]: layer `layer` of a
     [P + 2*GUARD, layers, H, 2, p, D] arena (pinned on CUDA) and of a [P + 2*GUARD, layers, H, 2, D] buffer
     (non-contiguous views when layers > 1). Returns that layer's pages and summary rows, guards included."""
@@ -34,13 +32,12 @@ def offload_into(fn, k_cache, v_cache, idx, P, p, layers=1, layer=0):
     if DEV.type == "cuda":
         arena = arena.pin_memory()
     summ = torch.full((P + 2 * GUARD, layers, H, 2, D), float("nan"), dtype=k_cache.dtype, device=DEV)
-    name = getattr(fn, "__name__", None) or fn.func.__name__
-    fn(k_cache, v_cache, arena[GUARD : GUARD + P, layer], summ[GUARD : GUARD + P, layer], *idx, p)
+    fn(k_cache, v_cache, arena[GUARD : GUARD + P, layer], summ[GUARD : GUARD + P, layer], *idx, p, programs=programs)
     if DEV.type == "cuda":
         torch.cuda.synchronize()
     others = torch.arange(layers) != layer
-    assert arena[:, others].isnan().all(), f"{name} wrote into another layer"
-    assert summ[:, others.to(DEV)].isnan().all(), f"{name} wrote summaries of another layer"
+    assert arena[:, others].isnan().all(), f"{fn.__name__} wrote into another layer"
+    assert summ[:, others.to(DEV)].isnan().all(), f"{fn.__name__} wrote summaries of another layer"
     return arena[:, layer], summ[:, layer].cpu()
 
 
@@ -65,7 +62,7 @@ def expected(k_cache, v_cache, idx, P, p):
 def check_offload(k_cache, v_cache, idx, P, p, layers=1, layer=0, programs=0):
     exp = expected(k_cache, v_cache, idx, P, p)
     for name, fn in (("naive", naive_offload_pages), ("triton", offload_pages)):
-        out = offload_into(functools.partial(fn, programs=programs), k_cache, v_cache, idx, P, p, layers, layer)
+        out = offload_into(fn, k_cache, v_cache, idx, P, p, layers, layer, programs)
         for what, e, o in zip(("host_layer", "summaries"), exp, out):
             mask = ~e.isnan()
             wrong = int((~o.isnan() ^ mask).sum())
