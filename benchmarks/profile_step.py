@@ -93,9 +93,9 @@ def main() -> None:
     for B in [int(b) for b in args.batches.split(",")]:
         for spec in args.rows.split(","):
             tau_s, queries, recall = spec.split(":")
-            tau, drift = float(tau_s), queries == "drifting"
             if queries not in ("random", "drifting"):
                 raise SystemExit(f"--rows: queries must be random or drifting, got {queries!r}")
+            tau, drift = float(tau_s), queries == "drifting"
             cfg = FreeKVConfig(budget=2048, sink=128, window=512, page_size=32, tau=tau, dense_layers=1,
                                recall=recall)
             eng = FreeKVEngine(cfg, ModelShape(L, HQ, H, D), max_requests=B + 1, max_context=args.context + 512,
