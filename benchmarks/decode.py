@@ -19,6 +19,7 @@ Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args s
   tau0        pure speculation (tau 0): no correction recall before attention
   tau1        no speculation (tau 1): every head reselected and recalled before attention
   recall-all  speculation without delta recall (--kv-recall all)
+A configuration may add server flags after its name, e.g. --configs "full,freekv,freekv --kv-recall-programs 0".
 Random weights make adjacent queries nearly uncorrelated, so at tau 0.9 almost every head is flagged;
 tau0 and tau1 bracket what a real model's correction rate gives.
 """
@@ -167,7 +168,8 @@ def main() -> None:
                     "the server's start-up lines say it holds before queueing (its memory_cell max_concurrent)")
     ap.add_argument("--max-running", type=int, default=0, help="--max-running-requests (default: the largest batch)")
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--configs", default="full,freekv,tau0,tau1,recall-all")
+    ap.add_argument("--configs", default="full,freekv,tau0,tau1,recall-all",
+                    help="comma-separated; each a name above, optionally followed by more server flags")
     ap.add_argument("--freekv-args", default="--kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32 "
                     "--kvstore-arena-gb 36")
     ap.add_argument("--mem-fraction-static", default="0.75", help="'auto': SGLang's own choice for the GPU")
@@ -178,6 +180,10 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batches = [b if b == "max" else int(b) for b in args.batches.split(",")]
+    configs = [spec.strip() for spec in args.configs.split(",")]
+    for spec in configs:
+        if not spec or spec.split()[0] not in CONFIGS:
+            ap.error(f"--configs: unknown configuration {spec!r} (known: {', '.join(CONFIGS)})")
     numeric = [b for b in batches if b != "max"]
     if not (args.max_running or numeric):
         ap.error("--batches max alone needs --max-running")
@@ -198,13 +204,14 @@ def main() -> None:
     env = dict(os.environ, FREEKV_STATS_EVERY="64")
     result = {"gpu": gpu, "copy_peak_gbps": round(peak, 1), "shape": args.shape, "context": args.context,
               "output_len": args.output_len, "freekv_args": args.freekv_args, "cells": []}
-    for name in args.configs.split(","):
-        extra = CONFIGS[name] + (args.freekv_args.split() if name != "full" else [])
+    for name in configs:
+        base, *more = name.split()
+        extra = CONFIGS[base] + (args.freekv_args.split() if base != "full" else []) + more
         subprocess.run(["pkill", "-9", "-f", "sglang.launch_server"], check=False)
         time.sleep(2)
         srv = Server(name, args.port, ["--model-path", model, "--tokenizer-path", f"{model}/tokenizer",
                                        "--load-format", "dummy", *common, *extra],
-                     out / f"server-{name}.log", env)
+                     out / f"server-{re.sub(r'[^\w.-]+', '_', name)}.log", env)
         try:
             up = srv.wait(600)
             log = srv.log.read_text(errors="replace")

@@ -26,6 +26,9 @@ class FreeKVConfig:
     dense_layers: the first layers attend densely over the whole context.
     recall: "delta" recalls only the pages a new selection adds to a head's slots; "all" recalls every
         selected page of a reselected head (an ablation: what delta recall saves).
+    recall_programs: GPU programs of the speculative recall, which reads host memory beside the model's GEMMs
+        (each program strides over the pages to recall); 0 launches one per (request, head, slot), which holds
+        an SM slot per page through its PCIe round trip. The recall before attention always uses one per page.
     """
 
     budget: int = 2048
@@ -35,6 +38,7 @@ class FreeKVConfig:
     tau: float = 0.9
     dense_layers: int = 1
     recall: str = "delta"
+    recall_programs: int = 32
 
     def __post_init__(self) -> None:
         p = self.page_size
@@ -54,6 +58,8 @@ class FreeKVConfig:
             raise ValueError(f"dense_layers must be a non-negative integer, got {self.dense_layers!r}")
         if self.recall not in RECALL_MODES:
             raise ValueError(f"recall must be one of {', '.join(RECALL_MODES)}, got {self.recall!r}")
+        if not _is_int(self.recall_programs) or self.recall_programs < 0:
+            raise ValueError(f"recall_programs must be a non-negative integer, got {self.recall_programs!r}")
 
     @property
     def sink_pages(self) -> int:

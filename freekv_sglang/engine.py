@@ -424,7 +424,8 @@ class FreeKVEngine:
                          self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
                          self.pad_slot)
         ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
-                         self.slot_table[layer], plan.req_slots, plan.slot_pages, recall, phase, self.cfg.page_size)
+                         self.slot_table[layer], plan.req_slots, plan.slot_pages, recall, phase, self.cfg.page_size,
+                         programs=self.cfg.recall_programs if phase == PHASE_LATER else 0)
 
     def end_step(self) -> None:
         self.streams.join()

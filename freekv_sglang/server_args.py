@@ -49,6 +49,7 @@ _KNOB_FLAGS = {
     "kv_correction_threshold": ("--kv-correction-threshold", "tau"),
     "kv_dense_layers": ("--kv-dense-layers", "dense_layers"),
     "kv_recall": ("--kv-recall", "recall"),
+    "kv_recall_programs": ("--kv-recall-programs", "recall_programs"),
 }
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb")
@@ -131,6 +132,9 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-recall", choices=RECALL_MODES, default=None,
                    help="'delta' recalls only pages a reselection adds; 'all' recalls every selected page of a "
                         f"reselected head, an ablation (default {_DEFAULTS.recall})")
+    g.add_argument("--kv-recall-programs", type=int, default=None, metavar="N",
+                   help="GPU programs of the speculative recall, which runs beside the model's GEMMs; 0 = one per "
+                        f"page recalled (default {_DEFAULTS.recall_programs})")
     g.add_argument("--kvstore-endpoint", default=None, metavar="URL",
                    help="an already running kvstore daemon (ipc://<path> or tcp://<host>:<port>; a tcp daemon's "
                         "token comes from $FREEKV_KVSTORE_TOKEN). Default: start an embedded daemon with this "

@@ -122,7 +122,7 @@ def test_check_model_refuses_too_many_dense_layers():
         FreeKVConfig(dense_layers=31).check_model(num_layers=30, num_q_heads=9, num_kv_heads=3)
 
 
-@pytest.mark.parametrize("field", ["page_size", "budget", "sink", "window", "dense_layers"])
+@pytest.mark.parametrize("field", ["page_size", "budget", "sink", "window", "dense_layers", "recall_programs"])
 def test_bool_is_not_an_integer(field):
     with pytest.raises(ValueError, match=field):
         FreeKVConfig(**{field: True})
@@ -132,3 +132,10 @@ def test_recall_modes():
     assert FreeKVConfig(recall="all").recall == "all"
     with pytest.raises(ValueError, match="recall must be one of delta, all"):
         FreeKVConfig(recall="some")
+
+
+def test_recall_programs():
+    assert FreeKVConfig(recall_programs=0).recall_programs == 0  # one program per page
+    for bad in (-1, 2.0, "8"):
+        with pytest.raises(ValueError, match="^recall_programs must be a non-negative integer"):
+            FreeKVConfig(recall_programs=bad)

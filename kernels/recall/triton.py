@@ -17,7 +17,7 @@ from .._utils import check_device, check_index_vectors
 @triton.jit
 def _recall_pages_kernel(
     host_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, req_ptr, spages_ptr, recall_ptr,
-    H, K,
+    B, H, K,
     s_hp, s_hh, s_hkv, s_ht,
     s_kt, s_kh, s_vt, s_vh,
     spt_r, spt_m,
@@ -27,26 +27,27 @@ def _recall_pages_kernel(
     sr_b, sr_h, sr_k,
     PHASE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
 ):
-    """One program per (row b, head h, slot s), s fastest; entries of other phases exit before reading any index."""
-    pid = tl.program_id(0)
-    s = (pid % K).to(tl.int64)
-    h = ((pid // K) % H).to(tl.int64)
-    b = (pid // K // H).to(tl.int64)
-    if tl.load(recall_ptr + b * sr_b + h * sr_h + s * sr_k).to(tl.int32) != PHASE:
-        return
-    r = tl.load(req_ptr + b * s_req).to(tl.int64)
-    page = tl.load(slots_ptr + r * st_r + h * st_h + s * st_k).to(tl.int64)
-    src = tl.load(pt_ptr + r * spt_r + page * spt_m).to(tl.int64)
-    row0 = tl.load(spages_ptr + b * sg_b + s * sg_k).to(tl.int64) * PAGE
+    """Work item w = (row b, head h, slot s), s fastest; programs stride over the B * H * K items. Entries of other
+    phases carry garbage indices: they are skipped before any of those is read."""
     t = tl.arange(0, PAGE).to(tl.int64)[:, None]
     d = tl.arange(0, D)[None, :]
-    # One [PAGE, D] tile per K and V: both loads are issued before either store, so each program keeps the whole
-    # 2*PAGE*D chunk in flight over PCIe (wide vector loads, several per thread).
-    chunk = host_ptr + src * s_hp + h * s_hh + t * s_ht + d
-    k = tl.load(chunk)
-    v = tl.load(chunk + s_hkv)
-    tl.store(k_ptr + (row0 + t) * s_kt + h * s_kh + d, k)
-    tl.store(v_ptr + (row0 + t) * s_vt + h * s_vh + d, v)
+    for w in range(tl.program_id(0), B * H * K, tl.num_programs(0)):
+        s = w % K
+        h = (w // K) % H  # b, h, s times their (index-table or head) strides stay far below 2**31
+        b = w // K // H
+        # A branch, not masks: an item of another phase (most of them) costs one byte load.
+        if tl.load(recall_ptr + b * sr_b + h * sr_h + s * sr_k).to(tl.int32) == PHASE:
+            r = tl.load(req_ptr + b * s_req).to(tl.int64)
+            page = tl.load(slots_ptr + r * st_r + h * st_h + s * st_k).to(tl.int64)
+            src = tl.load(pt_ptr + r * spt_r + page * spt_m).to(tl.int64)
+            row0 = tl.load(spages_ptr + b * sg_b + s * sg_k).to(tl.int64) * PAGE
+            # One [PAGE, D] tile per K and V: both loads are issued before either store, so each item keeps the
+            # whole 2*PAGE*D chunk in flight over PCIe (wide vector loads, several per thread).
+            chunk = host_ptr + src * s_hp + h * s_hh + t * s_ht + d
+            k = tl.load(chunk)
+            v = tl.load(chunk + s_hkv)
+            tl.store(k_ptr + (row0 + t) * s_kt + h * s_kh + d, k)
+            tl.store(v_ptr + (row0 + t) * s_vt + h * s_vh + d, v)
 
 
 def recall_pages(
@@ -60,9 +61,14 @@ def recall_pages(
     recall: torch.Tensor,
     phase: int,
     page_size: int,
+    programs: int = 0,
 ) -> None:
     """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
-    page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache."""
+    page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache.
+
+    programs > 0 caps the programs launched (each strides over the (b, h, s) items): a speculative recall running
+    beside the model's GEMMs then holds a few SMs during its PCIe reads instead of one CTA per item.
+    """
     check_device(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall)
     check_index_vectors(req_slots=req_slots)
     B, H, K = recall.shape
@@ -71,11 +77,12 @@ def recall_pages(
     assert host_layer.shape[2:] == (2, page_size, D)
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
-    if B * H * K == 0:
+    n = B * H * K
+    if n == 0:
         return
-    _recall_pages_kernel[(B * H * K,)](
+    _recall_pages_kernel[(min(n, programs) if programs > 0 else n,)](
         host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall,
-        H, K,
+        B, H, K,
         host_layer.stride(0), host_layer.stride(1), host_layer.stride(2), host_layer.stride(3),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *page_table.stride(), *slots.stride(), req_slots.stride(0), *slot_pages.stride(), *recall.stride(),

@@ -38,7 +38,7 @@ def entries(B, H, k, R, M, P, pages, phase, n_other=3):
     return [t.to(DEV) for t in (page_table, slots, req_slots, slot_pages, recall)]
 
 
-def recall_into(fn, host_layer, idx, phase, p, pages, extra_rows, fused_kv=False):
+def recall_into(fn, host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0):
     """Run `fn` into NaN caches of pages*p + extra_rows rows, each inside a NaN buffer with GUARD pages on both
     sides; returns the K and V buffers [rows, H, D]. fused_kv: K and V interleave in one [rows, 2, H, D] buffer,
     so the caches are non-contiguous views."""
@@ -48,7 +48,7 @@ def recall_into(fn, host_layer, idx, phase, p, pages, extra_rows, fused_kv=False
     buf = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
     kb, vb = buf.unbind(1 if fused_kv else 0)
     live = slice(GUARD * p, GUARD * p + pages * p + extra_rows)
-    fn(host_layer, kb[live], vb[live], *idx, phase, p)
+    fn(host_layer, kb[live], vb[live], *idx, phase, p, programs=programs)
     if DEV.type == "cuda":
         torch.cuda.synchronize()
     return kb.cpu(), vb.cpu()
@@ -72,10 +72,10 @@ def expected(host_layer, idx, phase, p, shape):
     return k_exp, v_exp
 
 
-def check_recall(host_layer, idx, phase, p, pages, extra_rows, fused_kv=False):
+def check_recall(host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0):
     before = [t.clone() for t in idx]
-    ref = recall_into(naive_recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv)
-    out = recall_into(recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv)
+    ref = recall_into(naive_recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv, programs)
+    out = recall_into(recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv, programs)
     exp = expected(host_layer, idx, phase, p, ref[0].shape)
     for name, e, r, o in (("k_cache", exp[0], ref[0], out[0]), ("v_cache", exp[1], ref[1], out[1])):
         mask = ~e.isnan()
@@ -96,6 +96,18 @@ def test_recall_pages(H, D, p, dtype, phase):
     check_recall(host_layer, entries(B, H, k, R, M, P, pages, phase), phase, p, pages, extra_rows=5)
 
 
+@pytest.mark.parametrize("programs", [1, 3, 16])
+@pytest.mark.parametrize("phase", [1, 2])
+@pytest.mark.parametrize("H,p", [(1, 16), (8, 32)])
+def test_recall_pages_few_programs(H, p, phase, programs):
+    """Fewer programs than (row, head, slot) items: each strides over many (3 programs and H = 8: 40 each), the
+    entries of both phases and code 0 interleaved among them."""
+    R, M, P, B, k, pages = 6, 20, 13, 3, 5, 17
+    host_layer = host_randn(P, H, 2, p, 64, dtype=torch.bfloat16)
+    check_recall(host_layer, entries(B, H, k, R, M, P, pages, phase), phase, p, pages, extra_rows=5,
+                 programs=programs)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_recall_pages_layer_view(dtype):
     """The kernel reads host_kv[:, layer] of a [P, L, H, 2, p, D] arena and writes K/V caches that are
@@ -103,15 +115,16 @@ def test_recall_pages_layer_view(dtype):
     P, L, H, D, p, pages = 7, 3, 3, 64, 16, 9
     host_kv = host_randn(P, L, H, 2, p, D, dtype=dtype)
     idx = entries(2, H, 4, 5, 12, P, pages, 1)
-    for layer in (0, L - 1):
-        check_recall(host_kv[:, layer], idx, 1, p, pages, extra_rows=0, fused_kv=True)
+    for layer, programs in ((0, 0), (L - 1, 5)):
+        check_recall(host_kv[:, layer], idx, 1, p, pages, extra_rows=0, fused_kv=True, programs=programs)
 
 
+@pytest.mark.parametrize("programs", [0, 4])
 @pytest.mark.parametrize("B", [0, 2])
-def test_recall_pages_nothing_to_recall(B):
+def test_recall_pages_nothing_to_recall(B, programs):
     """An empty batch, or no entry of the phase (codes of the other phase and 0 only): nothing is written."""
     P, H, D, p, pages = 4, 3, 64, 16, 6
     host_layer = host_randn(P, H, 2, p, D, dtype=torch.bfloat16)
     idx = entries(B, H, 3, 4, 8, P, pages, 1)
     idx[-1].clamp_(max=1)  # codes 0 and 1 only
-    check_recall(host_layer, idx, 2, p, pages, extra_rows=3)
+    check_recall(host_layer, idx, 2, p, pages, extra_rows=3, programs=programs)

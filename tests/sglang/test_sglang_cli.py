@@ -39,8 +39,9 @@ def test_help_lists_every_flag():
 def test_freekv_settings_reach_server_args(prepare):
     sa = prepare([*FREEKV, "--kv-budget", "1024", "--kv-sink", "64", "--kv-window", "256", "--kv-page-size", "64",
                   "--kv-correction-threshold", "0.8", "--kv-dense-layers", "2", "--kv-recall", "all",
-                  "--kvstore-arena-gb", "4"])
-    want = FreeKVConfig(budget=1024, sink=64, window=256, page_size=64, tau=0.8, dense_layers=2, recall="all")
+                  "--kv-recall-programs", "64", "--kvstore-arena-gb", "4"])
+    want = FreeKVConfig(budget=1024, sink=64, window=256, page_size=64, tau=0.8, dense_layers=2, recall="all",
+                        recall_programs=64)
     assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0)
     assert sa.page_size == 64
     assert sa.attention_backend == "triton"  # named for the user, before SGLang picks its own default
@@ -98,6 +99,7 @@ REFUSED = [
     (["--kv-page-size", "24"], "--kv-page-size"),
     (["--kv-correction-threshold", "1.5"], "--kv-correction-threshold"),
     (["--kv-dense-layers", "-1"], "--kv-dense-layers"),
+    (["--kv-recall-programs", "-1"], "--kv-recall-programs"),
     (["--kvstore-arena-gb", "0"], "--kvstore-arena-gb"),
     (["--kvstore-endpoint", "http://host:1"], "--kvstore-endpoint"),
 ]
