@@ -130,16 +130,25 @@ def run_batch(url: str, batch: int, context: int, output_len: int, vocab: int, s
     ok = [r for r in results if r["ok"]]
     out = {"batch": batch, "completed": len(ok), "errors": [r["error"] for r in results if not r["ok"]],
            "wall_s": round(wall, 2)}
-    if ok:
-        out["tpot_ms_p50"] = round(1000 * statistics.median(r["tpot_s"] for r in ok), 3)
-        out["ttft_s_p50"] = round(statistics.median(r["ttft_s"] for r in ok), 3)
-        # Decode throughput: tokens after the first, over the span in which all requests decode together.
-        decode_s = max(r["latency_s"] for r in ok) - max(r["ttft_s"] for r in ok)
-        out["decode_s"] = round(decode_s, 3)
+    return {**out, **batch_figures(ok, output_len)} if ok else out
+
+
+def batch_figures(ok: list[dict], output_len: int) -> dict:
+    """Figures of the requests that completed (sent at once, so their times share an origin). The decode span
+    runs from the last first token to the last token; `decoding_together` counts the requests still decoding
+    when it begins: fewer than the batch (long prompts prefill one after another while earlier requests finish
+    their output) means step_ms and tok/s are not a decode step of this batch."""
+    last_first = max(r["ttft_s"] for r in ok)
+    decode_s = max(r["latency_s"] for r in ok) - last_first
+    return {
+        "tpot_ms_p50": round(1000 * statistics.median(r["tpot_s"] for r in ok), 3),
+        "ttft_s_p50": round(statistics.median(r["ttft_s"] for r in ok), 3),
+        "decode_s": round(decode_s, 3),
+        "decoding_together": sum(r["latency_s"] > last_first for r in ok),
         # TPOT p50 counts the stalls while later requests of the batch prefill; this is the pure decode step.
-        out["step_ms"] = round(1000 * decode_s / max(output_len - 1, 1), 3)
-        out["output_tok_per_s"] = round(len(ok) * (output_len - 1) / max(decode_s, 1e-9), 1)
-    return out
+        "step_ms": round(1000 * decode_s / max(output_len - 1, 1), 3),
+        "output_tok_per_s": round(len(ok) * (output_len - 1) / max(decode_s, 1e-9), 1),
+    }
 
 
 def print_table(result: dict) -> None:
@@ -152,6 +161,10 @@ def print_table(result: dict) -> None:
             print(f"{c['config']:<11} error: {c.get('error', c.get('errors'))}")
             continue
         ratio = c["step_ms"] / full[c["batch"]]["step_ms"] if c["batch"] in full else float("nan")
+        if c.get("decoding_together", c["batch"]) < c["batch"]:
+            print(f"{c['config']:<11} {c['batch']:>5} only {c['decoding_together']} requests decoded together: "
+                  "no step of this batch (raise --output-len past the other prompts' prefill)")
+            continue
         print(f"{c['config']:<11} {c['batch']:>5} {c['step_ms']:>8.2f} {ratio:>7.2f} {c['tpot_ms_p50']:>9.2f} "
               f"{c['output_tok_per_s']:>8.1f} "
               f"{c['ttft_s_p50']:>7.2f} {c.get('correction_rate', float('nan')):>5.2f} "
@@ -207,11 +220,12 @@ def main() -> None:
     for name in configs:
         base, *more = name.split()
         extra = CONFIGS[base] + (args.freekv_args.split() if base != "full" else []) + more
+        log_name = re.sub(r"[^\w.-]+", "_", name)
         subprocess.run(["pkill", "-9", "-f", "sglang.launch_server"], check=False)
         time.sleep(2)
         srv = Server(name, args.port, ["--model-path", model, "--tokenizer-path", f"{model}/tokenizer",
                                        "--load-format", "dummy", *common, *extra],
-                     out / f"server-{re.sub(r'[^\w.-]+', '_', name)}.log", env)
+                     out / f"server-{log_name}.log", env)
         try:
             up = srv.wait(600)
             log = srv.log.read_text(errors="replace")

@@ -39,3 +39,16 @@ def test_scheduler_cell_reads_only_after_the_offset(tmp_path):
     assert decode.scheduler_cell(log, offset) == {"max_running": 3, "max_queued": 1, "cuda_graph": False,
                                                   "retractions": 1}
     assert decode.scheduler_cell(log, log.stat().st_size) == {}
+
+
+def test_batch_figures_flag_a_batch_that_never_decoded_together():
+    """Four 128K prompts prefill one after another, each decoding 128 tokens in about 1.1 s: each request has
+    finished before the next one's first token, so the decode span holds one request, not a batch of four."""
+    def req(ttft, decode_s=1.1, n=128):
+        return {"ttft_s": ttft, "latency_s": ttft + decode_s, "tpot_s": decode_s / (n - 1)}
+
+    staggered = decode.batch_figures([req(20.1), req(35.8), req(51.5), req(67.2)], 128)
+    assert staggered["decoding_together"] == 1
+    together = decode.batch_figures([req(9.8), req(9.9), req(10.0, 1.3), req(10.1, 1.2)], 128)
+    assert together["decoding_together"] == 4
+    assert together["decode_s"] == round(10.0 + 1.3 - 10.1, 3) and together["ttft_s_p50"] == 9.95
