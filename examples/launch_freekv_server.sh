@@ -37,6 +37,9 @@ args=(
   --kv-dense-layers 1
   # Recall only the pages a reselection adds (delta); "all" recalls every selected page, an ablation.
   --kv-recall delta
+  # GPU programs of the speculative recall, which reads host memory beside the model's GEMMs; each strides
+  # over many pages so the recall does not take SMs from the GEMMs (0 = one program per page).
+  --kv-recall-programs 32
   # Host-memory budget (GiB) of the embedded kvstore daemon that holds every request's full KV cache.
   # It starts with the server and stops with it; it must fit in RAM and /dev/shm (containers: --shm-size).
   --kvstore-arena-gb "${ARENA_GB:-16}"
