@@ -56,14 +56,16 @@ HOST = re.compile(r"(\d+) host pages \(([\d.]+) GB\)")
 KV_ALLOC = re.compile(r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB")
 ROOM = re.compile(r"request slots \(room for (\d+)\)")
 PLAN = re.compile(r"dense layers ([\d.]+) GB \+ staging (\d+) pages ([\d.]+) GB")
-ENGINE = re.compile(r"engine GPU memory ([\d.]+) GB for (\d+) request slots")
+ENGINE = re.compile(r"engine GPU memory ([\d.]+) GB for (\d+) request slots(?: \(page summaries ([\d.]+) GB\))?")
+PAGE = re.compile(r"FreeKVConfig\(.*?page_size=(\d+)")
 DECODE_LOG = re.compile(r"Decode batch.*?#running-req: (\d+),.*?cuda graph: (\w+).*?#queue-req: (\d+)")
 
 
 def memory_cell(log: str, context: int) -> dict:
     """GPU KV memory from the server's own start-up lines (allocated tensors, not formulas): SGLang's pool, and
     under FreeKV its split and the engine's pages. Per decoding request: full KV holds `context` tokens in the
-    pool; FreeKV holds its dense layers' `context` tokens in the pool plus one engine slot. Most concurrent
+    pool; FreeKV holds its dense layers' `context` tokens in the pool, one engine slot's pages and the summaries of
+    its own pages (servers that log the summaries' size; older lines give the engine's bytes per slot). Most concurrent
     requests of this context before queueing: what the token pool holds, and under FreeKV at most as many as the
     GPU has room for request slots (whatever --max-running-requests this run passed)."""
     kv, room = KV_ALLOC.search(log), ROOM.search(log)
@@ -73,9 +75,16 @@ def memory_cell(log: str, context: int) -> dict:
     cell = {"gpu_pool_tokens": tokens, "gpu_pool_gb": pool_gb, "max_concurrent": tokens // context}
     plan, engine = PLAN.search(log), ENGINE.search(log)
     if plan and engine:
-        dense_gb, slots = float(plan.group(1)), int(engine.group(2))
-        cell.update(staging_gb=float(plan.group(3)), engine_gb=float(engine.group(1)), request_slots=slots,
-                    kv_gb_per_request=round(dense_gb / tokens * context + float(engine.group(1)) / slots, 4))
+        dense_gb, engine_gb, slots = float(plan.group(1)), float(engine.group(1)), int(engine.group(2))
+        per_slot = engine_gb / slots
+        host, page = HOST.search(log), PAGE.search(log)
+        if engine.group(3) and host and page:
+            # Summaries cover every arena page; a request's share is its own pages' (one slot absorbs padding).
+            summaries_gb = float(engine.group(3))
+            per_slot = (engine_gb - summaries_gb) / slots + summaries_gb * -(-context // int(page.group(1))) / int(
+                host.group(1))
+        cell.update(staging_gb=float(plan.group(3)), engine_gb=engine_gb, request_slots=slots,
+                    kv_gb_per_request=round(dense_gb / tokens * context + per_slot, 4))
         if room:
             cell["max_concurrent"] = min(cell["max_concurrent"], int(room.group(1)))
     else:

@@ -122,11 +122,12 @@ class FreeKVAttnBackend(AttentionBackend):
         self._extend: StagedPrefill | None = None
         self._translated = False
         self._steps = 0
-        gpu_bytes = sum(t.numel() * t.element_size() for t in self.engine.k_cache + self.engine.v_cache)
-        gpu_bytes += sum(t.numel() * t.element_size() for t in self.engine.summaries if t is not None)
+        summary_bytes = sum(t.numel() * t.element_size() for t in self.engine.summaries if t is not None)
+        gpu_bytes = summary_bytes + sum(t.numel() * t.element_size() for t in self.engine.k_cache + self.engine.v_cache)
         logger.info("FreeKV on rank %d: %s; %d host pages (%.1f GB) at %s; engine GPU memory %.2f GB for %d request "
-                    "slots; %d staging pages", self.rank, cfg, host_pages, host_pages * page_bytes / 1e9, endpoint,
-                    gpu_bytes / 1e9, self.engine.num_slots, self.staging.num_pages)
+                    "slots (page summaries %.2f GB); %d staging pages", self.rank, cfg, host_pages,
+                    host_pages * page_bytes / 1e9, endpoint, gpu_bytes / 1e9, self.engine.num_slots,
+                    summary_bytes / 1e9, self.staging.num_pages)
         _ACTIVE.append(self)
 
     def __getattr__(self, name):

@@ -52,3 +52,21 @@ def test_batch_figures_flag_a_batch_that_never_decoded_together():
     together = decode.batch_figures([req(9.8), req(9.9), req(10.0, 1.3), req(10.1, 1.2)], 128)
     assert together["decoding_together"] == 4
     assert together["decode_s"] == round(10.0 + 1.3 - 10.1, 3) and together["ttft_s_p50"] == 9.95
+
+
+def test_memory_cell_counts_a_lone_requests_summaries(tmp_path):
+    """The 128K FreeKV server of the sixth session: one request slot plus the padding slot, and page summaries for
+    the whole 24 GB arena. Without the summaries' size in its line the engine's bytes are split over both slots;
+    with it, the request gets one slot's pages and the summaries of its own 4067 pages of 5722."""
+    lines = [line for line in (ROOT / "docs/results/decode-h200-session6/server-lines.txt").read_text().splitlines()
+             if "183104" in line or "24.0 GB" in line]
+    assert len(lines) == 3
+    # SGLang's own pool line was not kept; the run's decode.json cell recorded 183104 tokens in 19.98 GB.
+    lines.append("KV Cache is allocated. dtype: torch.bfloat16, #tokens: 183104, K size: 9.99 GB, V size: 9.99 GB")
+    context = 130000 + 128
+    old = decode.memory_cell("\n".join(lines), context)
+    assert old["kv_gb_per_request"] == round(0.75 / 183104 * context + 1.42 / 2, 4)
+    new = decode.memory_cell("\n".join(lines).replace("2 request slots;", "2 request slots (page summaries 0.73 GB);"),
+                             context)
+    want = 0.75 / 183104 * context + (1.42 - 0.73) / 2 + 0.73 * 4067 / 5722
+    assert new["kv_gb_per_request"] == round(want, 4) and 1.39 < want < 1.40
