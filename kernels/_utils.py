@@ -24,3 +24,9 @@ def check_index_vectors(**tensors: torch.Tensor) -> None:
     for name, t in tensors.items():
         if t.dim() != 1 or (t.numel() > 1 and t.stride(0) != 1):
             raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def capped_grid(items: int, programs: int) -> tuple[int]:
+    """A 1-D grid over `items` work items: one program per item, or with programs > 0 at most that many, each
+    striding over the items (a kernel beside the model's GEMMs then holds a few SMs, not one CTA per item)."""
+    return (min(items, programs) if programs > 0 else items,)

@@ -68,6 +68,7 @@ def test_waits_for_health_then_stops_the_session(tmp_path, fake_env):
         time.sleep(0.1)
     assert gone(child), "stop() left the server's child process running"
 
+
 def test_an_early_exit_raises_with_the_log_tail(tmp_path, fake_env):
     srv = ServerProcess("fake", free_port(), ["--fail"], tmp_path / "server.log", fake_env)
     with pytest.raises(RuntimeError, match=r"(?s)exited with 3.*fake server"):

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import check_device, check_index_vectors
+from .._utils import capped_grid, check_device, check_index_vectors
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def offload_pages(
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if n == 0:
         return
-    _offload_pages_kernel[(min(n * H, programs) if programs > 0 else n * H,)](
+    _offload_pages_kernel[capped_grid(n * H, programs)](
         k_cache,
         v_cache,
         host_layer,

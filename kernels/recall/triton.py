@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._utils import check_device, check_index_vectors
+from .._utils import capped_grid, check_device, check_index_vectors
 
 
 @triton.jit
@@ -77,10 +77,9 @@ def recall_pages(
     assert host_layer.shape[2:] == (2, page_size, D)
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
-    n = B * H * K
-    if n == 0:
+    if B * H * K == 0:
         return
-    _recall_pages_kernel[(min(n, programs) if programs > 0 else n,)](
+    _recall_pages_kernel[capped_grid(B * H * K, programs)](
         host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall,
         B, H, K,
         host_layer.stride(0), host_layer.stride(1), host_layer.stride(2), host_layer.stride(3),
