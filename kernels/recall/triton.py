@@ -25,29 +25,39 @@ def _recall_pages_kernel(
     s_req,
     sg_b, sg_k,
     sr_b, sr_h, sr_k,
-    PHASE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+    PHASE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
 ):
-    """Work item w = (row b, head h, slot s), s fastest; programs stride over the B * H * K items. Entries of other
-    phases carry garbage indices: they are skipped before any of those is read."""
+    """Work item w = (row b, head h, block of SB slots), blocks fastest; programs stride over the B * H * ceil(K/SB)
+    items. Entries of other phases carry garbage indices: they are skipped before any of those is read."""
     t = tl.arange(0, PAGE).to(tl.int64)[:, None]
     d = tl.arange(0, D)[None, :]
-    for w in range(tl.program_id(0), B * H * K, tl.num_programs(0)):
-        s = w % K
-        h = (w // K) % H  # b, h, s times their (index-table or head) strides stay far below 2**31
-        b = w // K // H
-        # A branch, not masks: an item of another phase (most of them) costs one byte load.
-        if tl.load(recall_ptr + b * sr_b + h * sr_h + s * sr_k).to(tl.int32) == PHASE:
-            r = tl.load(req_ptr + b * s_req).to(tl.int64)
-            page = tl.load(slots_ptr + r * st_r + h * st_h + s * st_k).to(tl.int64)
-            src = tl.load(pt_ptr + r * spt_r + page * spt_m).to(tl.int64)
-            row0 = tl.load(spages_ptr + b * sg_b + s * sg_k).to(tl.int64) * PAGE
-            # One [PAGE, D] tile per K and V: both loads are issued before either store, so each item keeps the
-            # whole 2*PAGE*D chunk in flight over PCIe (wide vector loads, several per thread).
-            chunk = host_ptr + src * s_hp + h * s_hh + t * s_ht + d
-            k = tl.load(chunk)
-            v = tl.load(chunk + s_hkv)
-            tl.store(k_ptr + (row0 + t) * s_kt + h * s_kh + d, k)
-            tl.store(v_ptr + (row0 + t) * s_vt + h * s_vh + d, v)
+    j_sb = tl.arange(0, SB)
+    NB = tl.cdiv(K, SB)
+    for w in range(tl.program_id(0), B * H * NB, tl.num_programs(0)):
+        s0 = (w % NB) * SB
+        h = (w // NB) % H  # b, h, s times their (index-table or head) strides stay far below 2**31
+        b = w // NB // H
+        # The block's codes in one vector load, and a branch: a block with no entry of the phase (most of them in a
+        # speculative recall) costs that one load, not one dependent byte load per slot.
+        in_k = s0 + j_sb < K
+        codes = tl.load(recall_ptr + b * sr_b + h * sr_h + (s0 + j_sb) * sr_k, mask=in_k, other=0)
+        hit = ((codes.to(tl.int32) == PHASE) & in_k).to(tl.int32)
+        if tl.max(hit, 0) != 0:
+            for j in range(SB):
+                # This slot's flag from the registers, not a second load of its code.
+                if tl.sum(tl.where(j_sb == j, hit, 0), 0) != 0:
+                    s = s0 + j
+                    r = tl.load(req_ptr + b * s_req).to(tl.int64)
+                    page = tl.load(slots_ptr + r * st_r + h * st_h + s * st_k).to(tl.int64)
+                    src = tl.load(pt_ptr + r * spt_r + page * spt_m).to(tl.int64)
+                    row0 = tl.load(spages_ptr + b * sg_b + s * sg_k).to(tl.int64) * PAGE
+                    # One [PAGE, D] tile per K and V: both loads are issued before either store, so each item keeps
+                    # the whole 2*PAGE*D chunk in flight over PCIe (wide vector loads, several per thread).
+                    chunk = host_ptr + src * s_hp + h * s_hh + t * s_ht + d
+                    k = tl.load(chunk)
+                    v = tl.load(chunk + s_hkv)
+                    tl.store(k_ptr + (row0 + t) * s_kt + h * s_kh + d, k)
+                    tl.store(v_ptr + (row0 + t) * s_vt + h * s_vh + d, v)
 
 
 def recall_pages(
@@ -66,8 +76,10 @@ def recall_pages(
     """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
     page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache.
 
-    programs > 0 caps the programs launched (each strides over the (b, h, s) items): a speculative recall running
-    beside the model's GEMMs then holds a few SMs during its PCIe reads instead of one CTA per item.
+    programs == 0: one program per (b, h, s) item, for the recall on the critical path. programs > 0 caps the
+    programs launched, each striding over whole (b, h) rows of K slots: a speculative recall running beside the
+    model's GEMMs then holds a few SMs during its PCIe reads instead of one CTA per item, and a row without an
+    entry of the phase (most of them) costs one vector load of its codes, not K dependent byte loads.
     """
     check_device(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall)
     check_index_vectors(req_slots=req_slots)
@@ -79,12 +91,13 @@ def recall_pages(
     assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
     if B * H * K == 0:
         return
-    _recall_pages_kernel[capped_grid(B * H * K, programs)](
+    sb = triton.next_power_of_2(K) if programs > 0 else 1
+    _recall_pages_kernel[capped_grid(B * H * triton.cdiv(K, sb), programs)](
         host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall,
         B, H, K,
         host_layer.stride(0), host_layer.stride(1), host_layer.stride(2), host_layer.stride(3),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *page_table.stride(), *slots.stride(), req_slots.stride(0), *slot_pages.stride(), *recall.stride(),
-        PHASE=phase, PAGE=page_size, D=D,
+        PHASE=phase, PAGE=page_size, D=D, SB=sb,
         num_warps=4,
     )
