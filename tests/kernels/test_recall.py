@@ -20,14 +20,19 @@ def host_randn(*shape, dtype):
     return t.pin_memory() if DEV.type == "cuda" else t
 
 
-def entries(B, H, k, R, M, P, pages, phase, n_other=3):
+def entries(B, H, k, R, M, P, pages, phase, n_other=3, empty=None):
     """A batch of B rows (distinct request slots) with their slot tables, page tables and recall codes. Entries
     coded `phase` hold a valid logical page; the others hold garbage, as do the page-table entries they would
-    name. slot_pages: distinct GPU pages per (row, slot), within `pages`."""
+    name. slot_pages: distinct GPU pages per (row, slot), within `pages`. empty: a [B, H] bool mask of the
+    (row, head) pairs with no entry of `phase` (theirs become the other phase); the other pairs get `phase` in
+    their first and last slots too."""
     req_slots = torch.randperm(R)[:B].int()
     page_table = torch.full((R, M), GARBAGE, dtype=torch.int32)
     slots = torch.full((R, H, k), GARBAGE, dtype=torch.int32)
     recall = torch.randint(0, 3, (B, H, k), dtype=torch.int8)
+    if empty is not None:
+        recall.masked_fill_(empty[..., None] & (recall == phase), 3 - phase)
+        recall[..., [0, k - 1]] = torch.where(empty[..., None], recall[..., [0, k - 1]], phase).to(torch.int8)
     for b, r in enumerate(req_slots.tolist()):
         page_table[r, :M // 2] = torch.randint(0, P, (M // 2,), dtype=torch.int32)
         for h in range(H):
@@ -105,6 +110,21 @@ def test_recall_pages_few_programs(H, p, phase, programs):
     R, M, P, B, k, pages = 6, 20, 13, 3, 5, 17
     host_layer = host_randn(P, H, 2, p, 64, dtype=torch.bfloat16)
     check_recall(host_layer, entries(B, H, k, R, M, P, pages, phase), phase, p, pages, extra_rows=5,
+                 programs=programs)
+
+
+@pytest.mark.parametrize("programs", [0, 1, 3, 16])
+@pytest.mark.parametrize("phase", [1, 2])
+@pytest.mark.parametrize("H,p", [(1, 16), (8, 32)])
+@pytest.mark.parametrize("k", [5, 37])
+def test_recall_pages_blocks(k, H, p, phase, programs):
+    """programs > 0 scans each (row, head) as one block of next_power_of_2(k) codes, the slots past k masked off
+    (programs 0: one slot per program): every other (row, head) has no entry of the phase (its block is skipped
+    whole), the others hold several, their first and last slots among them."""
+    R, M, P, B = 6, 2 * k, 13, 3
+    empty = (torch.arange(B * H) % 2 == 0).view(B, H)
+    host_layer = host_randn(P, H, 2, p, 64, dtype=torch.bfloat16)
+    check_recall(host_layer, entries(B, H, k, R, M, P, B * k, phase, empty=empty), phase, p, B * k, extra_rows=5,
                  programs=programs)
 
 
