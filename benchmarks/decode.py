@@ -105,6 +105,17 @@ def scheduler_cell(log: Path, offset: int) -> dict:
             "cuda_graph": all(g == "True" for _, g, _ in lines), "retractions": text.count("Retract")}
 
 
+def max_running_requests(given: int, batches: list[int], context: int, chunk: int) -> int:
+    """--max-running-requests of every server: `given`, else the largest batch, plus one slot when a prompt
+    takes several prefill chunks. SGLang 0.5.16 counts a chunked prompt twice, in the prefill batch and among
+    the held request slots (Scheduler.get_num_allocatable_reqs): while the last free slot's prompt is chunked it
+    marks the batch full, and the last request of a batch waits until another finishes (seen at 128K: 3 of 4
+    decoding, one queued, under both full KV and FreeKV)."""
+    if given:
+        return given
+    return max(batches) + (context > chunk)
+
+
 def copy_peak_gbps() -> float:
     """Pinned host -> GPU copy_ of 2 GiB, best of 5: the link's practical peak."""
     import torch
@@ -188,7 +199,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32000)
     ap.add_argument("--batches", default="1,4,8", help="requests sent at once, comma-separated; 'max': as many as "
                     "the server's start-up lines say it holds before queueing (its memory_cell max_concurrent)")
-    ap.add_argument("--max-running", type=int, default=0, help="--max-running-requests (default: the largest batch)")
+    ap.add_argument("--max-running", type=int, default=0, help="--max-running-requests (default: the largest "
+                    "batch, one more when prompts are longer than a prefill chunk; see max_running_requests)")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--configs", default="full,freekv,tau0,tau1,recall-all",
                     help="comma-separated; each a name above, optionally followed by more server flags")
@@ -218,9 +230,10 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     peak = copy_peak_gbps()
     print(f"{gpu}; host->GPU copy peak {peak:.1f} GB/s", flush=True)
+    running = max_running_requests(args.max_running, numeric, args.context, args.chunked_prefill)
     common = ["--attention-backend", "flashinfer", "--sampling-backend", "pytorch", "--grammar-backend", "none",
               "--disable-radix-cache", "--page-size", "32", "--context-length", str(args.context + args.output_len + 64),
-              "--max-running-requests", str(args.max_running or max(numeric)), "--chunked-prefill-size", str(args.chunked_prefill)]
+              "--max-running-requests", str(running), "--chunked-prefill-size", str(args.chunked_prefill)]
     if args.mem_fraction_static != "auto":
         common += ["--mem-fraction-static", args.mem_fraction_static]
     env = dict(os.environ, FREEKV_STATS_EVERY="64")

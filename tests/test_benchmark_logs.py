@@ -70,3 +70,13 @@ def test_memory_cell_counts_a_lone_requests_summaries(tmp_path):
                              context)
     want = 0.75 / 183104 * context + (1.42 - 0.73) / 2 + 0.73 * 4067 / 5722
     assert new["kv_gb_per_request"] == round(want, 4) and 1.39 < want < 1.40
+
+
+@pytest.mark.parametrize("given, batches, context, chunk, expected", [
+    (0, [1, 16], 32000, 32768, 16),  # one chunk per prompt: the largest batch
+    (0, [4], 120000, 32768, 5),  # chunked prompts: one slot more, or the 4th waits for another to finish
+    (0, [1, 4], 32769, 32768, 5),
+    (6, [4], 120000, 32768, 6),  # an explicit --max-running wins
+])
+def test_max_running_requests_leaves_a_slot_for_a_chunked_prompt(given, batches, context, chunk, expected):
+    assert decode.max_running_requests(given, batches, context, chunk) == expected
