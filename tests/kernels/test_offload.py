@@ -3,6 +3,7 @@ summaries into summary rows dst[i], exactly (copies and min/max); nothing else i
 
 import pytest
 import torch
+
 from freekv_kernels.offload import naive_offload_pages, offload_pages
 from freekv_kernels.testing import assert_close, device
 
