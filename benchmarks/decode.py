@@ -110,7 +110,7 @@ def max_running_requests(given: int, batches: list[int], context: int, chunk: in
     takes several prefill chunks. SGLang 0.5.16 counts a chunked prompt twice, in the prefill batch and among
     the held request slots (Scheduler.get_num_allocatable_reqs): while the last free slot's prompt is chunked it
     marks the batch full, and the last request of a batch waits until another finishes (seen at 128K: 3 of 4
-    decoding, one queued, under both full KV and FreeKV)."""
+    decoding, one queued, under both full KV and FreeKV; upstream sgl-project/sglang#35537)."""
     if given:
         return given
     return max(batches) + (context > chunk)
