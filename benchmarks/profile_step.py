@@ -15,8 +15,7 @@ then flags few heads); tau 0 never corrects; tau 1 with --kv-recall all recalls 
 head before attention, every step: the recall-bound case; tau 1 with drifting queries selects every head before
 attention but recalls few pages, as random weights do in the server (benchmarks/decode.py). For each row, the bytes recalled in the profiled step
 over the recall kernels' GPU time, beside the host-to-GPU copy peak measured at the start of the same run.
-Each row's engine pins batch x context x 128 KiB of host memory, which torch rounds up to a power of two: batch 16
-at 32K asked for 128 GB on a 128 GB host and failed; use --context 16000 there.
+Each row's engine registers batch x context x 128 KiB of host memory with CUDA: batch 16 at 32K takes 69 GB.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Protocol
 
 import torch
@@ -29,8 +30,12 @@ class LocalHostPool:
         if num_pages < 1:
             raise ValueError(f"host pool needs at least one page, got num_pages={num_pages}")
         pin = torch.cuda.is_available() if pin is None else pin
-        self.arena = torch.empty(num_pages, num_layers, num_kv_heads, 2, page_size, head_dim, dtype=dtype,
-                                 pin_memory=pin)
+        self.arena = torch.empty(num_pages, num_layers, num_kv_heads, 2, page_size, head_dim, dtype=dtype)
+        if pin:
+            # Registered rather than allocated with pin_memory=True: torch's pinned allocator rounds a block up
+            # to a power of two, so a 69 GB arena would ask a 128 GB host for 128 GB.
+            _cuda_register(self.arena)
+            weakref.finalize(self, _cuda_unregister, self.arena)
         self._free = list(range(num_pages - 1, -1, -1))
         self._owned: dict[int, list[int]] = {}
 
@@ -50,3 +55,16 @@ class LocalHostPool:
         pages = self._owned.pop(owner, [])
         self._free.extend(reversed(pages))
         return len(pages)
+
+
+def _cuda_register(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    # Portable | Mapped: every CUDA context sees the pages as pinned and can address them over UVA.
+    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 3))
+    if err != 0:
+        raise RuntimeError(f"cudaHostRegister of the {nbytes / 2**30:.2f} GiB host KV pool failed: CUDA error {err}")
+
+
+def _cuda_unregister(t: torch.Tensor) -> None:
+    # The finalizer holds `t`, so the memory outlives its registration.
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
