@@ -7,6 +7,8 @@ from typing import Protocol
 
 import torch
 
+from freekv_kvstore import cuda_host
+
 
 class HostPoolFull(RuntimeError):
     pass
@@ -34,8 +36,8 @@ class LocalHostPool:
         if pin:
             # Registered rather than allocated with pin_memory=True: torch's pinned allocator rounds a block up
             # to a power of two, so a 69 GB arena would ask a 128 GB host for 128 GB.
-            _cuda_register(self.arena)
-            weakref.finalize(self, _cuda_unregister, self.arena)
+            cuda_host.register(self.arena.data_ptr(), self.arena.numel() * self.arena.element_size(), "host KV pool")
+            weakref.finalize(self, _unregister, self.arena)
         self._free = list(range(num_pages - 1, -1, -1))
         self._owned: dict[int, list[int]] = {}
 
@@ -57,14 +59,6 @@ class LocalHostPool:
         return len(pages)
 
 
-def _cuda_register(t: torch.Tensor) -> None:
-    nbytes = t.numel() * t.element_size()
-    # Portable | Mapped: every CUDA context sees the pages as pinned and can address them over UVA.
-    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 3))
-    if err != 0:
-        raise RuntimeError(f"cudaHostRegister of the {nbytes / 2**30:.2f} GiB host KV pool failed: CUDA error {err}")
-
-
-def _cuda_unregister(t: torch.Tensor) -> None:
-    # The finalizer holds `t`, so the memory outlives its registration.
-    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+def _unregister(arena: torch.Tensor) -> None:
+    # The finalizer holds `arena`, so the memory outlives its registration.
+    cuda_host.unregister(arena.data_ptr(), "host KV pool")

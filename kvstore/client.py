@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import zmq
 
-from . import codec
+from . import codec, cuda_host
 from .arena import ArenaGeometry, map_segment
 from .config import TOKEN_ENV, GiB, default_endpoint, ipc_path, normalize_endpoint
 from .errors import (
@@ -420,12 +420,7 @@ class KVStoreClient:
                 raise RuntimeError("cuda_register=True but torch sees no CUDA device")
             return
         ptr = self.arena.data_ptr()
-        # Portable | Mapped: every CUDA context sees the pages as pinned and can address them over UVA.
-        err = int(torch.cuda.cudart().cudaHostRegister(ptr, self._hello.arena_bytes, 3))
-        if err != 0:
-            raise RuntimeError(
-                f"cudaHostRegister of the {self._hello.arena_bytes / GiB:.2f} GiB arena failed: CUDA error {err}"
-            )
+        cuda_host.register(ptr, self._hello.arena_bytes, "arena")
         res.cuda_ptr = ptr
 
 
@@ -445,11 +440,7 @@ class _Resources:
             self.heartbeat.stop()
             heartbeat_done = not self.heartbeat.is_alive()
         if self.cuda_ptr is not None:
-            import torch
-
-            err = int(torch.cuda.cudart().cudaHostUnregister(self.cuda_ptr))
-            if err != 0:
-                log.warning("cudaHostUnregister of the arena failed: CUDA error %d", err)
+            cuda_host.unregister(self.cuda_ptr, "arena")
             self.cuda_ptr = None
         if self.mmap is not None:
             try:
