@@ -23,11 +23,12 @@ from freekv_sglang.hf_adapter import FreeKVModel
 from freekv_sglang.hf_models import load_smollm2
 
 
-def recalled(model, cfg: FreeKVConfig, ids: list[int], new: int):
+def generate(model, cfg: FreeKVConfig, ids: list[int], new: int) -> tuple[FreeKVModel, list[int], dict, int]:
+    """The model, its greedy tokens, the engine's stats and the bytes it recalled."""
     fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + new + 16)
     out = fm.generate([ids], new)[0]
     st = fm.engine.stats()
-    return st["recall_bytes_now"] + st["recall_bytes_speculative"], st, out, fm.engine
+    return fm, out, st, st["recall_bytes_now"] + st["recall_bytes_speculative"]
 
 
 def main() -> None:
@@ -50,13 +51,12 @@ def main() -> None:
     ids += tok("\n\nIn short, this paper")["input_ids"]
     cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
                        tau=args.tau, dense_layers=1)
-    base, _, _, _ = recalled(model, cfg, ids, 2)
-    total, st, out, engine = recalled(model, cfg, ids, 2 + args.new)
+    base = generate(model, cfg, ids, 2)[3]
+    fm, out, st, total = generate(model, cfg, ids, 2 + args.new)
 
-    shape = engine.shape
-    page_bytes = 2 * args.page_size * shape.head_dim * engine.k_cache[0].element_size()  # one head's K and V
+    shape = fm.engine.shape
     heads = (shape.num_layers - cfg.dense_layers) * shape.num_kv_heads
-    pages = (total - base) / args.new / page_bytes / heads
+    pages = (total - base) / args.new / st["recall_page_bytes"] / heads
     budget_pages = args.budget // args.page_size
     rates, cosines = list(st["correction_rate"].values()), list(st["mean_cosine"].values())
     row = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": len(ids), "new_tokens": args.new,

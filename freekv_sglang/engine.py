@@ -434,7 +434,8 @@ class FreeKVEngine:
 
     def stats(self) -> dict:
         """Per sparse layer: correction rate (flagged KV-head checks), mean adjacent-query cosine, and
-        recalled bytes (before attention / speculative). Synchronises: call between steps."""
+        recalled bytes (before attention / speculative), counted in pages of one KV head (`recall_page_bytes`
+        each: its K and V). Synchronises: call between steps."""
         layers = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
         checks = max(self._stat_checks, 1)
         chunk = 2 * self.cfg.page_size * self.shape.head_dim * self.k_cache[0].element_size()
@@ -446,4 +447,5 @@ class FreeKVEngine:
             "mean_cosine": {layer: cos[layer] / max(cos_n[layer], 1) for layer in layers},
             "recall_bytes_now": sum(now[layer] for layer in layers) * chunk,
             "recall_bytes_speculative": sum(later[layer] for layer in layers) * chunk,
+            "recall_page_bytes": chunk,
         }

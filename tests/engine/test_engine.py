@@ -177,6 +177,9 @@ def test_speculation_and_correction_match_oracle(tau):
     assert abs(engine_rate - rate) < 1e-9
     assert st["recall_bytes_now"] > 0
     assert (st["recall_bytes_speculative"] > 0) == (tau < 1.0)
+    assert st["recall_page_bytes"] == 2 * 16 * D * 4  # K and V of one head's 16-token fp32 page
+    assert st["recall_bytes_now"] % st["recall_page_bytes"] == 0
+    assert st["recall_bytes_speculative"] % st["recall_page_bytes"] == 0
 
 
 def test_tau_one_selects_with_current_query():
