@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from .._utils import capped_grid, check_device, check_index_vectors
+from ..page_rerank.naive import CODE_BITS, LEVELS, PER_BYTE
 
 
 @triton.jit
@@ -19,6 +20,7 @@ def _offload_pages_kernel(
     v_ptr,
     host_ptr,
     summ_ptr,
+    codes_ptr,
     src_ptr,
     dst_ptr,
     valid_ptr,
@@ -35,9 +37,16 @@ def _offload_pages_kernel(
     s_sp,
     s_sh,
     s_smm,
+    s_cp,
+    s_ch,
+    s_ct,
     H: tl.constexpr,
     PAGE: tl.constexpr,
     D: tl.constexpr,
+    CODES: tl.constexpr,
+    LEVELS: tl.constexpr,
+    BITS: tl.constexpr,
+    PER_BYTE: tl.constexpr,
 ):
     """Work item w = (entry w // H, head w % H); programs stride over the N * H items."""
     t = tl.arange(0, PAGE).to(tl.int64)[:, None]
@@ -61,6 +70,17 @@ def _offload_pages_kernel(
         summ = summ_ptr + dst * s_sp + h * s_sh + tl.arange(0, D)
         tl.store(summ, tl.min(tl.where(m, kf, float("inf")), axis=0).to(summ_ptr.dtype.element_ty), mask=ok)
         tl.store(summ + s_smm, tl.max(tl.where(m, kf, float("-inf")), axis=0).to(summ_ptr.dtype.element_ty), mask=ok)
+        if CODES:
+            # Bins by exact comparisons (no division: every device rounds alike), 4 channels per byte.
+            lo = tl.min(tl.where(m, kf, float("inf")), axis=0)[None, :]
+            span = tl.max(tl.where(m, kf, float("-inf")), axis=0)[None, :] - lo
+            x = 4.0 * (kf - lo)
+            code = (x >= span).to(tl.int32) + (x >= 2.0 * span).to(tl.int32) + (x >= 3.0 * span).to(tl.int32)
+            code = tl.where(span > 0, code, 0)
+            shifts = (tl.arange(0, PER_BYTE) * BITS)[None, None, :]
+            packed = tl.sum(tl.reshape(code, [PAGE, D // PER_BYTE, PER_BYTE]) << shifts, axis=2)
+            j = tl.arange(0, D // PER_BYTE)[None, :]
+            tl.store(codes_ptr + dst * s_cp + h * s_ch + t * s_ct + j, packed.to(tl.uint8), mask=m)
 
 
 def offload_pages(
@@ -73,9 +93,11 @@ def offload_pages(
     valid: torch.Tensor,
     page_size: int,
     programs: int = 0,
+    codes: torch.Tensor | None = None,
 ) -> None:
     """For each valid i: host_layer[dst[i], :, 0 / 1] <- rows src[i]*p .. +p of k_cache / v_cache, NHD -> HND, and
-    summaries[dst[i], :, 0 / 1] = the elementwise min / max over those rows of k_cache.
+    summaries[dst[i], :, 0 / 1] = the elementwise min / max over those rows of k_cache; with codes [P, H, p, D / 4],
+    also the rows' 2-bit key codes in that range (freekv_kernels.page_rerank), from the same read.
 
     A source page that runs past the last row (a prefill tensor whose length is not a multiple of p) copies and
     summarises only the rows that exist; the rest of that host page is left as it was.
@@ -90,6 +112,9 @@ def offload_pages(
     assert v_cache.shape == k_cache.shape and host_layer.shape[1:] == (H, 2, page_size, D)
     assert summaries.shape[1:] == (H, 2, D) and summaries.stride(-1) == 1
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if codes is not None:
+        check_device(codes)
+        assert codes.shape[1:] == (H, page_size, D // PER_BYTE) and codes.dtype == torch.uint8 and codes.stride(-1) == 1
     if n == 0:
         return
     _offload_pages_kernel[capped_grid(n * H, programs)](
@@ -97,6 +122,7 @@ def offload_pages(
         v_cache,
         host_layer,
         summaries,
+        summaries if codes is None else codes,
         src,
         dst,
         valid,
@@ -113,8 +139,13 @@ def offload_pages(
         summaries.stride(0),
         summaries.stride(1),
         summaries.stride(2),
+        *((0, 0, 0) if codes is None else codes.stride()[:3]),
         H=H,
         PAGE=page_size,
         D=D,
+        CODES=codes is not None,
+        LEVELS=LEVELS,
+        BITS=CODE_BITS,
+        PER_BYTE=PER_BYTE,
         num_warps=4,
     )

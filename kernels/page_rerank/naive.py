@@ -1,0 +1,97 @@
+"""Torch references for the key-code sketch and the two-stage rerank (see docs/kernels.md).
+
+Key codes: every key channel of a page is cut into 4 equal bins of the page's own [lo, hi] range (the page
+summary), so a token costs D / 4 bytes per KV head; channels 4j .. 4j+3 sit in byte j, channel 4j + i in bits
+2i..2i+1. The bin is counted with exact comparisons, 4 (k - lo) >= i (hi - lo) for i = 1, 2, 3 (no division, so
+every device rounds alike; a constant channel gets bin 0), and a code decodes to its bin's centre.
+"""
+
+from __future__ import annotations
+
+import torch
+from freekv_kernels.page_select.naive import in_phase
+
+CODE_BITS = 2
+LEVELS = 1 << CODE_BITS
+PER_BYTE = 8 // CODE_BITS
+
+
+def quantize_keys(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """k [..., rows, D] with its page's lo / hi [..., D] -> codes [..., rows, D / 4] uint8."""
+    lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
+    span, x = hi - lo, 4.0 * (k.float() - lo)
+    c = sum((x >= i * span).int() for i in range(1, LEVELS)) * (span > 0)
+    shifts = torch.arange(PER_BYTE, device=k.device) * CODE_BITS
+    return (c.unflatten(-1, (-1, PER_BYTE)) << shifts).sum(-1).to(torch.uint8)
+
+
+def dequantize_keys(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """codes [..., rows, D / 4] -> fp32 keys [..., rows, D] at their bins' centres."""
+    shifts = torch.arange(PER_BYTE, device=codes.device) * CODE_BITS
+    c = ((codes.to(torch.int32).unsqueeze(-1) >> shifts) & (LEVELS - 1)).flatten(-2).float()
+    lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
+    return lo + (c + 0.5) * (hi - lo) / LEVELS
+
+
+def naive_top_pages(
+    scores: torch.Tensor,
+    num: int,
+    heads: torch.Tensor | None = None,
+    phase: int = 1,
+) -> torch.Tensor:
+    """[B, H, num] int32: the num best pages of each row of scores [B, H, M], best first, ties by the lower page;
+    -1 where the score is -inf or the row has fewer pages. Rows of heads outside `phase` stay unwritten."""
+    mine = in_phase(heads, phase)
+    B, H, M = scores.shape
+    out = torch.full((B, H, num), -(2**30) + 7, dtype=torch.int32, device=scores.device)
+    vals, idx = torch.sort(scores.float(), dim=-1, descending=True, stable=True)
+    top = torch.where(vals[..., :num] == float("-inf"), -1, idx[..., :num]).int()
+    if num > M:
+        top = torch.cat([top, top.new_full((B, H, num - M), -1)], dim=-1)
+    for b in range(B):
+        for h in range(H):
+            if mine is None or mine[b, h]:
+                out[b, h] = top[b, h]
+    return out
+
+
+def naive_rerank_pages(
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    codes: torch.Tensor,
+    page_table: torch.Tensor,
+    req_slots: torch.Tensor,
+    cand: torch.Tensor | None,
+    scale: float,
+    heads: torch.Tensor | None = None,
+    phase: int = 1,
+    q_by_slot: bool = False,
+    cand_start: int = 0,
+    cand_end: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """scores [B, H, M] for the candidate pages cand [B, H, C] (logical pages, -1 none) of each (row, KV head), or
+    with cand None every page in [cand_start, cand_end[b]) (the full scan):
+    per query head, the log-sum-exp of the page's decoded-key logits, a softmax over the row's candidates, the
+    mean over the group; -inf at every other page. Rows of heads outside `phase` stay unwritten (NaN)."""
+    mine = in_phase(heads, phase)
+    B, H, M = req_slots.shape[0], summaries.shape[1], page_table.shape[1]
+    G = q.shape[1] // H
+    scores = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
+    for b, slot in enumerate(req_slots.tolist()):
+        qb = q[slot if q_by_slot else b].float()
+        for h in range(H):
+            if mine is not None and not mine[b, h]:
+                continue
+            scores[b, h] = float("-inf")
+            if cand is None:
+                logical = torch.arange(cand_start, max(cand_start, min(int(cand_end[b]), M)), device=q.device)
+            else:
+                logical = cand[b, h][cand[b, h] >= 0].long()
+            if logical.numel() == 0:
+                continue
+            pages = page_table[slot, logical].long()
+            keys = dequantize_keys(codes[pages, h], summaries[pages, h, 0], summaries[pages, h, 1])  # [n, p, D]
+            s = scale * torch.einsum("gd,ntd->gnt", qb[h * G:(h + 1) * G], keys)
+            mass = torch.softmax(torch.logsumexp(s, dim=-1), dim=-1)  # [G, n]
+            scores[b, h, logical] = mass.mean(0)
+    return scores

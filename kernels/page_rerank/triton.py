@@ -1,0 +1,261 @@
+"""Triton top-C candidate pages and their rerank from 2-bit key codes.
+
+top_pages: the staged bitonic top-k of select_slots (same packed keys, same tie order), ending in page ids.
+rerank_pages: one kernel computes, per (row, KV head, block of candidates), each candidate page's log-sum-exp of
+its decoded-key logits for the G query heads: the page's min / max summary and p * D / 4 code bytes, the codes
+times per-page weights on tensor cores (see _rerank_lse_kernel);
+a second kernel per (row, KV head) takes the softmax of those log-sum-exps over the candidates per query head,
+their group mean, and writes the row of scores (-inf off the candidates) that select_slots takes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._alloc import empty
+from .._utils import check_device, check_index_vectors
+from ..page_select.triton import (
+    _NEG_INF_KEY,
+    TOPK_CHUNK,
+    TOPK_SINGLE,
+    TOPK_WARPS,
+    _heads_args,
+    _sort_keys,
+    _topk_kernel,
+)
+from .naive import CODE_BITS, LEVELS, PER_BYTE
+
+
+@triton.jit
+def _top_pages_kernel(
+    in_ptr, out_ptr, heads_ptr, n, H, NUM,
+    si_b, si_h, si_j,
+    so_b, so_h, so_c,
+    sh_b, sh_h,
+    KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
+    NEG_INF_KEY: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
+    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
+            return
+    top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
+    i = tl.arange(0, KP)
+    page = 0x7FFFFFFF - top.to(tl.int32)
+    sel = tl.where(((top >> 32).to(tl.int32) <= NEG_INF_KEY), -1, page)
+    tl.store(out_ptr + b * so_b + h * so_h + i.to(tl.int64) * so_c, sel, mask=i < NUM)
+
+
+def top_pages(scores: torch.Tensor, num: int, heads: torch.Tensor | None = None, phase: int = 1) -> torch.Tensor:
+    """See naive_top_pages."""
+    check_device(scores)
+    B, H, M = scores.shape
+    heads_arg, heads_strides, with_heads, want = _heads_args(heads, phase, scores)
+    out = empty(B, H, num, dtype=torch.int32, device=scores.device)
+    if B * H == 0 or num == 0:
+        return out
+    kp = max(2, triton.next_power_of_2(num))
+    chunk = max(TOPK_CHUNK, 2 * kp)
+    x, n, packed = scores, M, False
+    while (width := max(triton.next_power_of_2(max(n, 1)), kp)) > max(TOPK_SINGLE, chunk):
+        n_chunks = triton.cdiv(n, chunk)
+        cand = torch.empty(B, H, n_chunks * kp, dtype=torch.int64, device=scores.device)  # scratch
+        # Early stages score every head (their kernel has no phase switch); the last stage writes the phase's.
+        _topk_kernel[(B * H, n_chunks)](
+            x, cand, heads_arg if with_heads else torch.ones(B, H, dtype=torch.bool, device=scores.device), n, H,
+            *x.stride(), *cand.stride(), *(heads_strides if with_heads else (H, 1)),
+            KP=kp, CHUNK=chunk, PACKED_IN=packed, WANT=want if with_heads else 1, NEG_INF_KEY=_NEG_INF_KEY,
+            num_warps=TOPK_WARPS,
+        )
+        x, n, packed = cand, n_chunks * kp, True
+    _top_pages_kernel[(B * H,)](
+        x, out, heads_arg, n, H, num, *x.stride(), *out.stride(), *heads_strides,
+        KP=kp, CHUNK=width, PACKED_IN=packed, HEADS=with_heads, WANT=want, NEG_INF_KEY=_NEG_INF_KEY,
+        num_warps=TOPK_WARPS,
+    )
+    return out
+
+
+@triton.jit
+def _rerank_lse_kernel(
+    q_ptr, summ_ptr, codes_ptr, pt_ptr, slots_ptr, cand_ptr, cend_ptr, heads_ptr, lse_ptr,
+    C, cand_start, M, scale,
+    sq_b, sq_h, sq_d,
+    ss_p, ss_h, ss_mm,
+    sc_p, sc_h, sc_t,
+    spt_r, spt_m, s_slot, s_cend,
+    scd_b, scd_h, scd_c,
+    sh_b, sh_h,
+    sl_b, sl_h, sl_c,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr,
+    HEADS: tl.constexpr, WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr, CAND_LIST: tl.constexpr,
+    LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+):
+    """lse[b, h, c, g] for the BLOCK_C candidates c of one block: log-sum-exp over the page's p tokens of the
+    scaled logits of query head g with the decoded keys (-inf for no candidate: -1 in the list, or past the row's
+    end). q . k^ = sum_d c_d w_d + sum_d q_d (lo_d + span_d / 8) with w_d = q_d span_d / 4: the codes, exact small
+    integers in fp16, times the page's weights split into two fp16 parts (fp32-grade), two tensor-core products
+    [p, D] x [D, GP]; each code byte is read once per channel it holds (L1 hits), so nothing is reshaped."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
+            return
+    slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
+    q_row = slot if Q_BY_SLOT else b
+    end = M
+    if not CAND_LIST:
+        end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    t = tl.arange(0, PAGE).to(tl.int64)
+    shift = ((d % PER_BYTE) * BITS)[None, :]
+    qt = tl.load(q_ptr + q_row * sq_b + (h * G + g[None, :]) * sq_h + d[:, None] * sq_d, mask=g[None, :] < G,
+                 other=0.0).to(tl.float32)  # [D, GP]
+    for i in tl.static_range(BLOCK_C):
+        c = tl.program_id(2) * BLOCK_C + i
+        if CAND_LIST:
+            logical = tl.load(cand_ptr + b * scd_b + h * scd_h + c * scd_c, mask=c < C, other=-1)
+        else:
+            logical = tl.where(cand_start + c < end, cand_start + c, -1)
+        if logical >= 0:
+            page = tl.load(pt_ptr + slot * spt_r + logical.to(tl.int64) * spt_m).to(tl.int64)
+            summ = summ_ptr + page * ss_p + h * ss_h + d
+            lo = tl.load(summ).to(tl.float32)
+            span = tl.load(summ + ss_mm).to(tl.float32) - lo
+            w = (span / LEVELS)[:, None] * qt  # [D, GP]
+            w_hi = w.to(tl.float16)
+            w_lo = (w - w_hi.to(tl.float32)).to(tl.float16)
+            byte = tl.load(codes_ptr + page * sc_p + h * sc_h + t[:, None] * sc_t + (d // PER_BYTE)[None, :])
+            code = ((byte.to(tl.int32) >> shift) & (LEVELS - 1)).to(tl.float16)  # [PAGE, D], exact
+            acc = tl.dot(code, w_hi)
+            acc = tl.dot(code, w_lo, acc)
+            base = tl.sum((lo + span / (2 * LEVELS))[:, None] * qt, axis=0)  # [GP]
+            s = (acc + base[None, :]) * scale
+            s = tl.where((g < G)[None, :], s, float("-inf"))
+            m = tl.max(s, axis=0)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            lse = m_safe + tl.log(tl.sum(tl.exp(s - m_safe[None, :]), axis=0))
+            tl.store(lse_ptr + b * sl_b + h * sl_h + c * sl_c + g, lse, mask=g < G)
+        elif c < C:
+            tl.store(lse_ptr + b * sl_b + h * sl_h + c * sl_c + g, tl.full([GP], float("-inf"), tl.float32),
+                     mask=g < G)
+
+
+@triton.jit
+def _rerank_pool_kernel(
+    lse_ptr, cand_ptr, cend_ptr, heads_ptr, scores_ptr,
+    C, cand_start, M,
+    sl_b, sl_h, sl_c,
+    scd_b, scd_h, scd_c, s_cend,
+    sh_b, sh_h,
+    so_b, so_h, so_m,
+    G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
+    CAND_LIST: tl.constexpr,
+):
+    """scores[b, h]: -inf, then at each candidate page the group mean of its softmax (over candidates) mass."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
+            return
+    neg_inf = float("-inf")
+    row = scores_ptr + b * so_b + h * so_h
+    i = tl.arange(0, BLOCK)
+    for m0 in range(0, M, BLOCK):
+        tl.store(row + (m0 + i).to(tl.int64) * so_m, tl.full([BLOCK], neg_inf, tl.float32), mask=m0 + i < M)
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    m_i = tl.full([GP], neg_inf, tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    for c0 in range(0, C, BLOCK):
+        ok = (c0 + i < C)[:, None] & g_ok[None, :]
+        x = tl.load(lse_ptr + b * sl_b + h * sl_h + (c0 + i)[:, None] * sl_c + g[None, :], mask=ok, other=neg_inf)
+        m_new = tl.maximum(m_i, tl.max(x, axis=0))
+        m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(x - m_safe[None, :]), axis=0)
+        m_i = m_new
+    m_safe = tl.where(m_i == neg_inf, 0.0, m_i)
+    inv_l = 1.0 / tl.maximum(l_i, 1.0)  # >= 1 where the head has a candidate
+    tl.debug_barrier()  # the -inf fill above lands before the candidates' scores
+    for c0 in range(0, C, BLOCK):
+        ok = (c0 + i < C)[:, None] & g_ok[None, :]
+        x = tl.load(lse_ptr + b * sl_b + h * sl_h + (c0 + i)[:, None] * sl_c + g[None, :], mask=ok, other=neg_inf)
+        pooled = tl.sum(tl.exp(x - m_safe[None, :]) * inv_l[None, :], axis=1) / G
+        if CAND_LIST:
+            logical = tl.load(cand_ptr + b * scd_b + h * scd_h + (c0 + i) * scd_c, mask=c0 + i < C, other=-1)
+        else:
+            end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
+            logical = tl.where(cand_start + c0 + i < end, cand_start + c0 + i, -1)
+        tl.store(row + logical.to(tl.int64) * so_m, pooled, mask=logical >= 0)
+
+
+RERANK_ROWS = 64  # tokens per program of the log-sum-exp kernel: 64 / p candidate pages
+RERANK_WARPS = 2
+POOL_BLOCK = 128
+POOL_WARPS = 4
+
+
+def rerank_pages(
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    codes: torch.Tensor,
+    page_table: torch.Tensor,
+    req_slots: torch.Tensor,
+    cand: torch.Tensor | None,
+    scale: float,
+    heads: torch.Tensor | None = None,
+    phase: int = 1,
+    q_by_slot: bool = False,
+    cand_start: int = 0,
+    cand_end: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See naive_rerank_pages."""
+    check_device(q, summaries, codes, page_table, req_slots)
+    check_index_vectors(req_slots=req_slots)
+    B, Hq, D = req_slots.shape[0], q.shape[1], q.shape[2]
+    H, M, p = summaries.shape[1], page_table.shape[1], codes.shape[2]
+    assert Hq % H == 0 and summaries.shape[2:] == (2, D) and summaries.stride(-1) == 1
+    assert codes.shape[1] == H and codes.shape[3] * PER_BYTE == D and codes.stride(-1) == 1 and codes.dtype == torch.uint8
+    assert p >= 16 and p & (p - 1) == 0, "tl.dot needs pages of at least 16 tokens"
+    assert q_by_slot or q.shape[0] == B
+    if cand is None:
+        assert cand_end is not None
+        check_device(cand_end)
+        check_index_vectors(cand_end=cand_end)
+        C, cand_args = max(M - cand_start, 0), (req_slots, cand_end, (0, 0, 0), cand_end.stride(0))
+    else:
+        check_device(cand)
+        assert cand.shape[:2] == (B, H) and cand.dtype == torch.int32
+        C, cand_args = cand.shape[2], (cand, req_slots, cand.stride(), 0)
+    G = Hq // H
+    heads_arg, heads_strides, with_heads, want = _heads_args(heads, phase, req_slots)
+    scores = empty(B, H, M, dtype=torch.float32, device=q.device)
+    if B * H == 0:
+        return scores
+    gp = triton.next_power_of_2(G)
+    lse = empty(B, H, max(C, 1), gp, dtype=torch.float32, device=q.device)  # scratch
+    cand_ptr, cend_ptr, cand_strides, cend_stride = cand_args
+    if C:
+        block_c = max(1, RERANK_ROWS // p)
+        _rerank_lse_kernel[(B, H, triton.cdiv(C, block_c))](
+            q, summaries, codes, page_table, req_slots, cand_ptr, cend_ptr, heads_arg, lse,
+            C, cand_start, M, scale,
+            *q.stride(), summaries.stride(0), summaries.stride(1), summaries.stride(2),
+            codes.stride(0), codes.stride(1), codes.stride(2),
+            *page_table.stride(), req_slots.stride(0), cend_stride, *cand_strides, *heads_strides, *lse.stride()[:3],
+            G=G, GP=max(16, gp), D=D, PAGE=p, BLOCK_C=block_c, HEADS=with_heads, WANT=want,
+            Q_BY_SLOT=q_by_slot, CAND_LIST=cand is not None, LEVELS=LEVELS, BITS=CODE_BITS, PER_BYTE=PER_BYTE,
+            num_warps=RERANK_WARPS,
+        )
+    _rerank_pool_kernel[(B, H)](
+        lse, cand_ptr, cend_ptr, heads_arg, scores, C, cand_start, M, *lse.stride()[:3], *cand_strides, cend_stride,
+        *heads_strides, *scores.stride(),
+        G=G, GP=gp, BLOCK=POOL_BLOCK, HEADS=with_heads, WANT=want, CAND_LIST=cand is not None,
+        num_warps=POOL_WARPS,
+    )
+    return scores
