@@ -40,6 +40,10 @@ args=(
   # GPU programs of the speculative recall, which reads host memory beside the model's GEMMs; each strides
   # over many pages so the recall does not take SMs from the GEMMs (0 = one program per page).
   --kv-recall-programs 32
+  # How pages are scored: "rerank" (default) as attention mass from 2-bit key codes, accurate where one token of a
+  # page matters (a needle), head_dim / 4 GPU bytes per token and KV head; "means" (the paper's MeanS over min / max
+  # page summaries) is faster until the rerank kernel is tuned; "quest" the max over the group of those bounds.
+  --kv-selection rerank
   # Host-memory budget (GiB) of the embedded kvstore daemon that holds every request's full KV cache.
   # It starts with the server and stops with it; it must fit in RAM and /dev/shm (containers: --shm-size).
   --kvstore-arena-gb "${ARENA_GB:-16}"

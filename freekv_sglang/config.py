@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 RECALL_MODES = ("delta", "all")
+# Page selectors (freekv_sglang/selectors.py): the servable ones, then the accuracy harness's exact upper bound.
+SERVABLE_SELECTIONS = ("rerank", "means", "quest")
+SELECTIONS = (*SERVABLE_SELECTIONS, "oracle")
 
 
 def _is_int(v) -> bool:
@@ -26,6 +29,15 @@ class FreeKVConfig:
     dense_layers: the first layers attend densely over the whole context.
     recall: "delta" recalls only the pages a new selection adds to a head's slots; "all" recalls every
         selected page of a reselected head (an ablation: what delta recall saves).
+    selection: how pages are scored. "rerank" (default): every candidate page is scored from 2-bit per-channel
+        key codes (head_dim / 4 bytes per token and KV head, in the page's min / max range): per query head the
+        log-sum-exp of the page's logits, softmax over candidates, group mean (with rerank_factor > 0 only MeanS's
+        best rerank_factor x (budget pages) candidates are). "means": the paper's group-consistent MeanS on the summaries alone. "quest": max over the
+        group of the summaries' upper bounds. "oracle": exact attention mass from the host copy of the keys
+        (the accuracy harness's upper bound; not servable).
+    rerank_factor: 0 (default) scores every candidate page from its codes; N > 0 rescores only MeanS's best
+        N x (budget pages) candidates (cheaper, but MeanS drops the needle's page before the codes see it: passkey
+        8K at budget 512 fell from 0.75 to 0.25 on SmolLM2).
     recall_programs: GPU programs of the speculative recall, which reads host memory beside the model's GEMMs
         (each program strides over the pages to recall); 0 launches one per (request, head, slot), which holds
         an SM slot per page through its PCIe round trip. The recall before attention always uses one per page.
@@ -39,6 +51,8 @@ class FreeKVConfig:
     dense_layers: int = 1
     recall: str = "delta"
     recall_programs: int = 32
+    selection: str = "rerank"
+    rerank_factor: int = 0
 
     def __post_init__(self) -> None:
         p = self.page_size
@@ -58,6 +72,13 @@ class FreeKVConfig:
             raise ValueError(f"dense_layers must be a non-negative integer, got {self.dense_layers!r}")
         if self.recall not in RECALL_MODES:
             raise ValueError(f"recall must be one of {', '.join(RECALL_MODES)}, got {self.recall!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
+        if not _is_int(self.rerank_factor) or self.rerank_factor < 0:
+            raise ValueError(f"rerank_factor must be a non-negative integer, got {self.rerank_factor!r}")
+        if self.selection == "rerank" and p < 16:
+            raise ValueError(f"page_size must be at least 16 tokens for selection 'rerank' (its kernel multiplies a "
+                             f"page's decoded keys on tensor cores), got {p}; or choose selection 'means'")
         if not _is_int(self.recall_programs) or self.recall_programs < 0:
             raise ValueError(f"recall_programs must be a non-negative integer, got {self.recall_programs!r}")
 
@@ -78,8 +99,15 @@ class FreeKVConfig:
         """GPU pages a decoding request holds per sparse layer: sink, slots, window ring (window + partial)."""
         return self.sink_pages + self.select_pages + self.window_pages + 1
 
-    def check_model(self, num_layers: int, num_q_heads: int, num_kv_heads: int) -> None:
+    @property
+    def rerank_pages(self) -> int:
+        return self.select_pages * self.rerank_factor
+
+    def check_model(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int | None = None) -> None:
         """Refuse model shapes FreeKV cannot serve, naming the knob to change."""
+        if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
+            raise ValueError(f"FreeKV's kernels (page scoring, attention, and the rerank selection's four 2-bit key "
+                             f"codes per byte) need a power-of-two head dim >= 16; this model's is {head_dim}")
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
             raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
         if self.dense_layers > num_layers:

@@ -12,7 +12,8 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            (a new request, a context still shorter than the budget); record E_q; write_kv (the new
            K/V, overlapping the selection: a sink or window page, never a slot page)
   select:  wait E_q; for the heads that select now (the other heads' programs exit at once):
-           score_pages with q_i (two launches for mean_softmax pooling), select_slots (top-k, delta
+           the selector's scoring with q_i (selectors.py; rerank: rerank_pages, MeanS: score_pages, two
+           launches each), select_slots (top-k, delta
            against the resident slots, commit, recall codes), recall_pages of the changed slots of
            flagged heads and the empty slots being filled; record E_now
   compute: wait E_now; attention over sink | slots | window (an outside kernel: head_token_index,
@@ -47,6 +48,7 @@ from .config import FreeKVConfig
 from .host_pool import HostPool, LocalHostPool
 from .layout import Layout, StepPlan
 from .ops import load_ops
+from .selectors import CandidateKeys, make_selector, sketch_bytes_per_token
 from .streams import Streams
 
 
@@ -66,10 +68,9 @@ class ModelShape:
 # the layer's slot table [R, H, k] (see FreeKVEngine.attend).
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, torch.Tensor], torch.Tensor]
 
-# Selection variants: FreeKV (group-mean softmax, speculative with correction), the Quest-style
-# baseline (max over the group of raw scores, always the current query) and StreamingLLM-style
-# dropping (sink + window only, nothing selected).
-METHODS = ("freekv", "quest", "streaming")
+# FreeKV (selection by cfg.selection, speculative with correction) and StreamingLLM-style dropping (sink + window
+# only, nothing selected).
+METHODS = ("freekv", "streaming")
 # Programs of a prefill's offload, which runs beside the model's GEMMs: one per (page, head) slowed an 8192-token
 # chunk's GEMMs by 8.2% on an H200, 16 by 3.1% at the same 91-93% of the link (benchmarks/prefill_offload.py).
 PREFILL_OFFLOAD_PROGRAMS = 16
@@ -84,12 +85,12 @@ def engine_gpu_bytes(cfg: FreeKVConfig, shape: ModelShape, *, num_slots: int, ma
     sparse = L - cfg.dense_layers
     pages = 1 + num_slots * cfg.resident_pages
     kv = sparse * pages * p * H * D * 2 * dtype_bytes
-    summaries = sparse * host_pages * H * 2 * D * dtype_bytes
+    sketches = sparse * host_pages * p * sketch_bytes_per_token(cfg, H, D, dtype_bytes)  # summaries (+ codes)
     tables = num_slots * (-(-max_context // p) * 4 + L * H * k * 4 + L * Hq * D * dtype_bytes + L + 8)
     masks = sparse * num_slots * H * (1 + k)
     plan = num_slots * ((cfg.resident_pages + k + 9) * 4 + 8 + 1)  # StepPlan.buffers without the dense fields
     token_lists = num_slots * H * (cfg.resident_pages * p + 2) * 4
-    return kv + summaries + tables + masks + plan + token_lists
+    return int(kv + sketches + tables + masks + plan + token_lists)
 
 
 class FreeKVEngine:
@@ -100,7 +101,7 @@ class FreeKVEngine:
         """max_requests request slots. By default one extra slot absorbs padding rows; a framework with
         its own slot ids (SGLang's req_pool_idx) passes pad_slot, the one id it pads with, instead.
         dense_outside: the caller runs the dense layers itself (no dense KV pool here)."""
-        cfg.check_model(shape.num_layers, shape.num_q_heads, shape.num_kv_heads)
+        cfg.check_model(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
         if max_requests < 1 or max_context < 1:
@@ -120,9 +121,8 @@ class FreeKVEngine:
         self.num_slots = R  # including the padding slot
         self.max_requests = R - 1
         self.scale = 1.0 / math.sqrt(D)
-        self.tau = 1.0 if method == "quest" else cfg.tau
+        self.tau = cfg.tau
         self.retrieval = method != "streaming"
-        self.pooling = "max" if method == "quest" else "mean_softmax"
 
         if host_pool is None:
             host_pool = LocalHostPool(host_pages or max_requests * self.max_pages, L, H, p, D, dtype)
@@ -147,6 +147,10 @@ class FreeKVEngine:
         self.slot_table = torch.full((L, R, H, k), -1, dtype=torch.int32, device=self.device)
         self.prev_q = torch.zeros(L, R, Hq, D, **kw)
         self.has_prev = torch.zeros(L, R, dtype=torch.bool, device=self.device)
+        self.selector = make_selector(cfg, self)
+        self.candidate_keys = CandidateKeys(self)  # exact keys for the oracle and diagnostics (eager, on demand)
+        # Eager diagnostics (the accuracy harness): called as probe(layer, plan, q, slots) right after attention.
+        self.probe: Callable | None = None
 
         self.streams = Streams(self.device)
         # Step inputs live in static buffers so a captured step replays with new values.
@@ -274,7 +278,7 @@ class FreeKVEngine:
             valid = torch.ones(len(offload), dtype=torch.bool, device=self.device)
             kv = k[:n // p * p].contiguous(), v[:n // p * p].contiguous()
             self.ops.offload_pages(kv[0], kv[1], self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p,
-                                   programs=PREFILL_OFFLOAD_PROGRAMS)
+                                   programs=PREFILL_OFFLOAD_PROGRAMS, codes=self.selector.codes(layer))
         if q_last is not None:
             self.prev_q[layer, slot] = q_last
         self.has_prev[layer, slot] = q_last is not None
@@ -310,7 +314,8 @@ class FreeKVEngine:
         with st.on("recall"):
             st.wait(e)
             self.ops.offload_pages(k_src, v_src, self.host.arena[:, layer], self.summaries[layer], offload_src,
-                                   offload_dst, offload_valid, p, programs=PREFILL_OFFLOAD_PROGRAMS)
+                                   offload_dst, offload_valid, p, programs=PREFILL_OFFLOAD_PROGRAMS,
+                                   codes=self.selector.codes(layer))
             H = self.shape.num_kv_heads
             kc.view(-1, p, H, D)[resident_dst] = k_src.view(-1, p, H, D)[resident_src]
             vc.view(-1, p, H, D)[resident_dst] = v_src.view(-1, p, H, D)[resident_src]
@@ -401,13 +406,16 @@ class FreeKVEngine:
                                               self.scale, p)
         else:
             out = attention(q, kc, vc, plan, self.slot_table[layer])
+        if self.probe is not None:
+            self.probe(layer, plan, q, self.slot_table[layer])
         e_attn = st.record()
         with st.on("recall"):
             st.wait(e_attn)
             if self.retrieval:
                 self._select(plan, layer, self.prev_q[layer], PHASE_LATER)  # q_i, stored by query_similarity
             ops.offload_pages(kc, vc, self.host.arena[:, layer], self.summaries[layer], plan.offload_src,
-                              plan.offload_dst, plan.offload_valid, p)
+                              plan.offload_dst, plan.offload_valid, p,
+                              codes=self.selector.codes(layer))
         return out
 
     def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
@@ -418,8 +426,7 @@ class FreeKVEngine:
         slots (the latter heads' evictions) wait for the recall after attention, with the speculative heads'."""
         ops, B = self.ops, plan.req_slots.shape[0]
         heads, recall = self._now_heads[layer][:B], self._recall[layer][:B]
-        scores = ops.score_pages(q, self.summaries[layer], self.page_table, plan.req_slots, self.cfg.sink_pages,
-                                 plan.cand_end, self.scale, self.pooling, heads, phase, phase == PHASE_LATER)
+        scores = self.selector.score(plan, layer, q, heads, phase)
         ops.select_slots(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
                          self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
                          self.pad_slot)

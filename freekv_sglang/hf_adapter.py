@@ -15,7 +15,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from .config import FreeKVConfig
+from .config import SELECTIONS, FreeKVConfig
 from .engine import FreeKVEngine, ModelShape
 
 SUPPORTED = ("llama", "qwen2")
@@ -172,13 +172,14 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--dense-layers", type=int, default=1)
-    ap.add_argument("--method", default="freekv", choices=("freekv", "quest", "streaming"))
+    ap.add_argument("--method", default="freekv", choices=("freekv", "streaming"))
+    ap.add_argument("--selection", default="rerank", choices=SELECTIONS)
     args = ap.parse_args()
     from .hf_models import load_smollm2
 
     model, tok = load_smollm2()
     cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
-                       tau=args.tau, dense_layers=args.dense_layers)
+                       tau=args.tau, dense_layers=args.dense_layers, selection=args.selection)
     ids = tok(args.prompt)["input_ids"]
     fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + args.max_new_tokens + 1,
                            method=args.method)

@@ -23,7 +23,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .config import RECALL_MODES, FreeKVConfig
+from .config import RECALL_MODES, SERVABLE_SELECTIONS, FreeKVConfig
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
 ENV_FREEKV_ARGS = "FREEKV_ARGS"
@@ -50,6 +50,8 @@ _KNOB_FLAGS = {
     "kv_dense_layers": ("--kv-dense-layers", "dense_layers"),
     "kv_recall": ("--kv-recall", "recall"),
     "kv_recall_programs": ("--kv-recall-programs", "recall_programs"),
+    "kv_selection": ("--kv-selection", "selection"),
+    "kv_rerank_factor": ("--kv-rerank-factor", "rerank_factor"),
 }
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb")
@@ -135,6 +137,14 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-recall-programs", type=int, default=None, metavar="N",
                    help="GPU programs of the speculative recall, which runs beside the model's GEMMs; 0 = one per "
                         f"page recalled (default {_DEFAULTS.recall_programs})")
+    g.add_argument("--kv-selection", choices=SERVABLE_SELECTIONS, default=None,
+                   help="how pages are scored: 'rerank' scores pages as attention mass from 2-bit key codes "
+                        "(head_dim / 4 GPU bytes per token, KV head and layer); 'means' the paper's group-mean softmax "
+                        "of min / max bounds; 'quest' the max over the group of those bounds "
+                        f"(default {_DEFAULTS.selection})")
+    g.add_argument("--kv-rerank-factor", type=int, default=None, metavar="N",
+                   help="0: the rerank scores every page from its codes; N > 0: only MeanS's best N x (budget pages) "
+                        f"candidates, cheaper and less accurate (default {_DEFAULTS.rerank_factor})")
     g.add_argument("--kvstore-endpoint", default=None, metavar="URL",
                    help="an already running kvstore daemon (ipc://<path> or tcp://<host>:<port>; a tcp daemon's "
                         "token comes from $FREEKV_KVSTORE_TOKEN). Default: start an embedded daemon with this "
@@ -335,8 +345,9 @@ def model_problems(hf_config: Any, config: FreeKVConfig | None = None) -> list[s
     layers, q_heads = g("num_hidden_layers"), g("num_attention_heads")
     if isinstance(layers, int) and isinstance(q_heads, int):
         kv_heads = g("num_key_value_heads") or q_heads
+        head_dim = g("head_dim") or (g("hidden_size") // q_heads if isinstance(g("hidden_size"), int) else None)
         try:
-            (config or FreeKVConfig()).check_model(layers, q_heads, kv_heads)
+            (config or FreeKVConfig()).check_model(layers, q_heads, kv_heads, head_dim)
         except ValueError as e:
             problems.append(_name_flags(str(e)).replace("invalid FreeKV settings: ", ""))
     return problems

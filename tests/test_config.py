@@ -24,7 +24,8 @@ def test_frozen():
 
 @pytest.mark.parametrize("page_size", [1, 2, 16, 32, 64, 128])
 def test_power_of_two_page_sizes_accepted(page_size):
-    c = FreeKVConfig(budget=4 * page_size, sink=page_size, window=2 * page_size, page_size=page_size)
+    c = FreeKVConfig(budget=4 * page_size, sink=page_size, window=2 * page_size, page_size=page_size,
+                     selection="rerank" if page_size >= 16 else "means")
     assert (c.select_pages, c.sink_pages, c.window_pages) == (4, 1, 2)
     assert c.resident_pages == 1 + 4 + 2 + 1
 
@@ -139,3 +140,21 @@ def test_recall_programs():
     for bad in (-1, 2.0, "8"):
         with pytest.raises(ValueError, match="^recall_programs must be a non-negative integer"):
             FreeKVConfig(recall_programs=bad)
+
+
+def test_selection_knobs():
+    assert FreeKVConfig().selection == "rerank" and FreeKVConfig().rerank_factor == 0  # every page from its codes
+    assert FreeKVConfig(rerank_factor=4).rerank_pages == 4 * FreeKVConfig().select_pages
+    with pytest.raises(ValueError, match="selection must be one of"):
+        FreeKVConfig(selection="topk")
+    with pytest.raises(ValueError, match="rerank_factor"):
+        FreeKVConfig(rerank_factor=-1)
+    with pytest.raises(ValueError, match="page_size must be at least 16 tokens for selection 'rerank'"):
+        FreeKVConfig(page_size=8, budget=64, sink=64, window=64)
+    FreeKVConfig(page_size=8, budget=64, sink=64, window=64, selection="means")  # MeanS takes any page size
+
+
+@pytest.mark.parametrize("head_dim", [8, 96, 80])
+def test_check_model_refuses_head_dims_the_kernels_cannot_take(head_dim):
+    with pytest.raises(ValueError, match=f"power-of-two head dim >= 16; this model's is {head_dim}"):
+        FreeKVConfig().check_model(num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=head_dim)

@@ -14,6 +14,7 @@ import torch
 
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
+from freekv_kernels.page_rerank import dequantize_keys, quantize_keys
 from freekv_kernels.token_index import head_token_index, naive_head_token_index
 from freekv_sglang.layout import head_indptr, row_tokens
 from freekv_kernels.testing import device
@@ -51,8 +52,10 @@ class Oracle:
         cands = list(range(n_s, max(n_s, c - n_w)))
         return sink, window, cands, p
 
-    def select(self, q, cands, p, pooling="mean_softmax"):
-        k = self.cfg.select_pages
+    def select(self, q, cands, p):
+        """The top-k pages by the configured selection: MeanS, Quest, or the pages scored with decoded 2-bit key
+        codes (log-sum-exp per query head, softmax over them, group mean): all, or MeanS's top rerank_factor * k."""
+        k, how = self.cfg.select_pages, self.cfg.selection
         if not cands:
             return [[] for _ in range(self.H)]
         kp = torch.stack([self.K[j * p:(j + 1) * p] for j in cands])  # [C, p, H, D]
@@ -61,9 +64,17 @@ class Oracle:
         for h in range(self.H):
             qs = q[h * self.G:(h + 1) * self.G].double()  # [G, D]
             s = torch.maximum(qs[:, None] * kmin[None, :, h], qs[:, None] * kmax[None, :, h]).sum(-1) / math.sqrt(D)
-            score = torch.softmax(s, dim=1).mean(0) if pooling == "mean_softmax" else s.max(0).values
+            score = s.max(0).values if how == "quest" else torch.softmax(s, dim=1).mean(0)
+            if how == "rerank":
+                n = self.cfg.rerank_pages or len(cands)
+                top = torch.topk(score, min(n, len(cands))).indices
+                keys = dequantize_keys(quantize_keys(kp[top, :, h], kmin[top, h], kmax[top, h]),
+                                       kmin[top, h], kmax[top, h]).double()  # [c, p, D]
+                lse = torch.logsumexp(torch.einsum("gd,ctd->gct", qs, keys) / math.sqrt(D), dim=-1)
+                score = torch.full_like(score, float("-inf"))
+                score[top] = torch.softmax(lse, dim=-1).mean(0)
             top = torch.topk(score, min(k, len(cands))).indices.tolist()
-            sel.append([cands[i] for i in top])
+            sel.append([cands[i] for i in top if score[i] > float("-inf")])
         return sel
 
     def flags(self, q):
@@ -465,11 +476,15 @@ def test_head_indptr_matches_the_device_token_lists():
     assert indptr[:-1].tolist() == starts
 
 
-@pytest.mark.parametrize("method,recall", [("freekv", "all"), ("quest", "delta"), ("streaming", "delta")])
-def test_triton_backend_equals_torch_backend(method, recall, prefill_alike):
-    """The recall-all ablation and the Quest / StreamingLLM baselines: the Triton kernels and the torch references
-    give the same outputs, slot tables and recall statistics step by step (a padding row included)."""
-    cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, recall=recall)
+@pytest.mark.parametrize("method,selection,recall,factor", [
+    ("freekv", "rerank", "all", 0), ("freekv", "rerank", "delta", 2), ("freekv", "means", "delta", 0),
+    ("freekv", "quest", "delta", 0), ("streaming", "rerank", "delta", 0)])
+def test_triton_backend_equals_torch_backend(method, selection, recall, factor, prefill_alike):
+    """The rerank selection (every page, with the recall-all ablation; MeanS's best 2k), MeanS, and the Quest /
+    StreamingLLM baselines: the Triton kernels and the torch references give the same outputs, slot tables and
+    recall statistics step by step (a padding row included)."""
+    cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, recall=recall,
+                       selection=selection, rerank_factor=factor)
     H, G, L, lens = 2, 3, 2, [150, 97]
     engines = [make_engine(cfg, H, G, L, method=method, backend=b) for b in ("torch", "triton")]
     torch.manual_seed(5)

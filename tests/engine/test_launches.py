@@ -71,9 +71,10 @@ def recorder(monkeypatch, eng):
     return rec
 
 
-def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=0.5):
+def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=0.5, selection="rerank", factor=0):
     """Launches per sparse layer of the third decode step of two requests (slots filled, some heads flagged)."""
-    cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall)
+    cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall,
+                       selection=selection, rerank_factor=factor)
     eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=1024, dtype=torch.float32,
                        device=DEV, backend="triton", method=method, pad_slot=0, dense_outside=True)
     rec = recorder(monkeypatch, eng)
@@ -109,13 +110,18 @@ def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=
     return {stream: dict(c) for stream, c in per_layer.items()}
 
 
-SELECT = {"_page_logits_kernel": 1, "_pool_scores_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
+MEANS = {"_page_logits_kernel": 1, "_pool_scores_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
+# The default rerank: every page's code log-sum-exps and their pooled scores, then the same selection and recall.
+SELECT = {"_rerank_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
+# With rerank_factor > 0: MeanS scores and their top candidates first.
+TWO_STAGE = {**MEANS, "_top_pages_kernel": 1, "_rerank_lse_kernel": 1, "_rerank_pool_kernel": 1}
 
 
 @pytest.mark.parametrize("recall", ["delta", "all"])
 def test_freekv_layer_launches(monkeypatch, recall):
-    """13 launches per sparse layer: 4 on the compute stream (similarity, KV write, attention and its split
-    combine), 4 on the select stream before attention, 5 on the recall stream; no torch glue anywhere."""
+    """13 launches per sparse layer with the default rerank selection: 4 on the compute stream (similarity, KV
+    write, attention and its split combine), 4 on the select stream before attention, 5 on the recall stream; no
+    torch glue anywhere."""
     got = count_step(monkeypatch, recall=recall)
     assert got == {
         "compute": {"_query_similarity_kernel": 1, "_write_kv_kernel": 1, "_sparse_decode_attention_kernel": 1,
@@ -133,10 +139,15 @@ def test_outside_attention_layer_launches(monkeypatch):
     assert got["select"] == SELECT
 
 
-def test_quest_and_streaming_layer_launches(monkeypatch):
-    """Quest (max pooling: no pooling kernel) and StreamingLLM (nothing selected: no side-stream selection)."""
-    quest = count_step(monkeypatch, method="quest")
-    no_pool = {k: v for k, v in SELECT.items() if k != "_pool_scores_kernel"}
+def test_means_quest_and_streaming_layer_launches(monkeypatch):
+    """The two-stage rerank (3 launches more per selection), MeanS (13 launches), Quest (max pooling: no pooling
+    kernel) and StreamingLLM (nothing selected: no side-stream selection)."""
+    two = count_step(monkeypatch, factor=4)
+    assert two["select"] == TWO_STAGE and two["recall"] == {**TWO_STAGE, "_offload_pages_kernel": 1}
+    means = count_step(monkeypatch, selection="means")
+    assert means["select"] == MEANS and means["recall"] == {**MEANS, "_offload_pages_kernel": 1}
+    quest = count_step(monkeypatch, selection="quest")
+    no_pool = {k: v for k, v in MEANS.items() if k != "_pool_scores_kernel"}
     assert quest["select"] == no_pool and quest["recall"] == {**no_pool, "_offload_pages_kernel": 1}
     streaming = count_step(monkeypatch, method="streaming")
     assert "select" not in streaming and streaming["recall"] == {"_offload_pages_kernel": 1}

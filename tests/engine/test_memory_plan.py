@@ -16,7 +16,7 @@ from freekv_sglang.staging import StagingFull, StagingPages, translate
 
 def _tensor_bytes(obj) -> int:
     seen, total = set(), 0
-    for value in vars(obj).values():
+    for value in [*vars(obj).values(), *vars(obj.selector).values()]:  # the selector's sketches too
         items = value if isinstance(value, list) else vars(value).values() if isinstance(value, StepPlan) else [value]
         for t in items:
             if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:

@@ -39,9 +39,10 @@ def test_help_lists_every_flag():
 def test_freekv_settings_reach_server_args(prepare):
     sa = prepare([*FREEKV, "--kv-budget", "1024", "--kv-sink", "64", "--kv-window", "256", "--kv-page-size", "64",
                   "--kv-correction-threshold", "0.8", "--kv-dense-layers", "2", "--kv-recall", "all",
-                  "--kv-recall-programs", "64", "--kvstore-arena-gb", "4"])
+                  "--kv-recall-programs", "64", "--kv-selection", "means", "--kv-rerank-factor", "8",
+                  "--kvstore-arena-gb", "4"])
     want = FreeKVConfig(budget=1024, sink=64, window=256, page_size=64, tau=0.8, dense_layers=2, recall="all",
-                        recall_programs=64)
+                        recall_programs=64, selection="means", rerank_factor=8)
     assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0)
     assert sa.page_size == 64
     assert sa.attention_backend == "triton"  # named for the user, before SGLang picks its own default
@@ -100,6 +101,7 @@ REFUSED = [
     (["--kv-correction-threshold", "1.5"], "--kv-correction-threshold"),
     (["--kv-dense-layers", "-1"], "--kv-dense-layers"),
     (["--kv-recall-programs", "-1"], "--kv-recall-programs"),
+    (["--kv-rerank-factor", "0"], "--kv-rerank-factor"),
     (["--kvstore-arena-gb", "0"], "--kvstore-arena-gb"),
     (["--kvstore-endpoint", "http://host:1"], "--kvstore-endpoint"),
 ]
@@ -127,3 +129,5 @@ def test_every_problem_is_listed_at_once(prepare):
 def test_bad_choice_is_an_argparse_error(prepare):
     with pytest.raises(SystemExit):
         prepare([*BASE, "--kv-retrieval", "quest"])
+    with pytest.raises(SystemExit):  # the harness's oracle is not servable
+        prepare([*FREEKV, "--kv-selection", "oracle"])

@@ -1,0 +1,147 @@
+"""Page selectors: how the engine scores a KV head's candidate pages before its top-k selection.
+
+Each is a thin module over the one engine: it may own per-page sketches (allocated here, written by the engine's
+offload through `codes`) and turns a query into scores [B, H, M] for select_slots; speculation, correction, slot
+commit and recall stay the engine's. Candidates are a request's offloaded pages [sink_pages, plan.cand_end).
+"""
+
+from __future__ import annotations
+
+import torch
+from freekv_kernels.page_rerank import CODE_BITS
+from freekv_kernels.page_select.naive import PHASE_LATER, in_phase
+
+from .config import FreeKVConfig
+
+
+class Selector:
+    name = ""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def codes(self, layer: int) -> torch.Tensor | None:
+        """The layer's key codes [P, H, p, D / 4] that offload_pages writes, or None."""
+        return None
+
+    def score(self, plan, layer: int, q: torch.Tensor, heads: torch.Tensor, phase: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _bound(self, plan, layer, q, heads, phase, pooling) -> torch.Tensor:
+        e = self.engine
+        return e.ops.score_pages(q, e.summaries[layer], e.page_table, plan.req_slots, e.cfg.sink_pages, plan.cand_end,
+                                 e.scale, pooling, heads, phase, phase == PHASE_LATER)
+
+
+class MeanS(Selector):
+    """FreeKV's group-consistent selection: per query head the softmax of the min / max upper bounds, mean over
+    the group."""
+
+    name = "means"
+
+    def score(self, plan, layer, q, heads, phase):
+        return self._bound(plan, layer, q, heads, phase, "mean_softmax")
+
+
+class Quest(Selector):
+    """Quest's page score (the min / max upper bound), max over the group."""
+
+    name = "quest"
+
+    def score(self, plan, layer, q, heads, phase):
+        return self._bound(plan, layer, q, heads, phase, "max")
+
+
+class Rerank(Selector):
+    """MeanS picks rerank_factor x k candidates (or, with rerank_factor 0, every candidate page is taken); 2-bit key
+    codes rescore them as attention mass (group mean of per-query-head softmax of page log-sum-exps). The bound
+    is loose where one token of a page matters (a needle beside noise): the codes see the token."""
+
+    name = "rerank"
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        e = engine
+        H, D, p = e.shape.num_kv_heads, e.shape.head_dim, e.cfg.page_size
+        num_host = e.host.arena.shape[0]
+        self._codes = [None if dense else torch.zeros(num_host, H, p, D * CODE_BITS // 8, dtype=torch.uint8,
+                                                      device=e.device) for dense in e.dense]
+
+    def codes(self, layer):
+        return self._codes[layer]
+
+    def score(self, plan, layer, q, heads, phase):
+        e = self.engine
+        cand = None  # rerank_factor 0: every candidate page
+        if e.cfg.rerank_factor:
+            bound = self._bound(plan, layer, q, heads, phase, "mean_softmax")
+            cand = e.ops.top_pages(bound, e.cfg.rerank_pages, heads, phase)
+        return e.ops.rerank_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots, cand,
+                                  e.scale, heads, phase, phase == PHASE_LATER, e.cfg.sink_pages, plan.cand_end)
+
+
+class Oracle(Selector):
+    """The exact attention mass of the query on each candidate page, read from the host copy of the keys: per query
+    head a softmax over every candidate token, summed per page, mean over the group. An upper bound for the accuracy
+    harness (eager, host reads per step), not a serving path."""
+
+    name = "oracle"
+
+    def score(self, plan, layer, q, heads, phase):
+        e = self.engine
+        B, H, M = plan.req_slots.shape[0], e.shape.num_kv_heads, e.max_pages
+        G, D = e.shape.group, e.shape.head_dim
+        scores = torch.full((B, H, M), float("-inf"), dtype=torch.float32, device=e.device)
+        mine = in_phase(heads, phase)
+        for b, slot in enumerate(plan.req_slots.tolist()):
+            end = min(int(plan.cand_end[b]), M)
+            if slot == e.pad_slot or end <= e.cfg.sink_pages or not bool(mine[b].any()):
+                continue
+            mass = page_attention_mass(e, layer, slot, (q[slot] if phase == PHASE_LATER else q[b]).view(H, G, D), end)
+            scores[b, :, e.cfg.sink_pages:end] = mass
+        return scores
+
+
+class CandidateKeys:
+    """Device copies of the exact keys of each request's offloaded pages, fetched from the host arena once per page
+    (a request's candidate range only grows) and dropped when its slot changes owner: the oracle and the harness's
+    diagnostics read them every layer of every step."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._keys: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}  # (slot, layer) -> (owner, [n, H, p, D])
+
+    def get(self, layer: int, slot: int, end: int) -> torch.Tensor:
+        e, start = self.engine, self.engine.cfg.sink_pages
+        owner, have = self._keys.get((slot, layer), (None, None))
+        if owner != e._owner[slot] or have is None:
+            have = torch.empty(0, *e.host.arena.shape[2:3], e.cfg.page_size, e.shape.head_dim, dtype=e.dtype,
+                               device=e.device)
+        if have.shape[0] < end - start:
+            hp = e.page_table[slot, start + have.shape[0]:end].long().cpu()
+            have = torch.cat([have, e.host.arena[hp, layer, :, 0].to(e.device)])
+        self._keys[(slot, layer)] = (e._owner[slot], have)
+        return have[:end - start]
+
+
+def page_attention_mass(engine, layer: int, slot: int, q: torch.Tensor, end: int) -> torch.Tensor:
+    """[H, n]: the group-mean attention mass of q [H, G, D] on a request's candidate pages [sink_pages, end),
+    normalised over those pages' tokens, from the exact keys (engine.candidate_keys)."""
+    keys = engine.candidate_keys.get(layer, slot, end).float()  # [n, H, p, D]
+    s = engine.scale * torch.einsum("hgd,nhtd->hgnt", q.float(), keys)
+    return torch.softmax(torch.logsumexp(s, dim=-1), dim=-1).mean(1)
+
+
+SELECTORS = {cls.name: cls for cls in (Rerank, MeanS, Quest, Oracle)}
+
+
+def make_selector(cfg: FreeKVConfig, engine) -> Selector:
+    return SELECTORS[cfg.selection](engine)
+
+
+def sketch_bytes_per_token(cfg: FreeKVConfig, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> float:
+    """GPU bytes of selection sketches per context token and sparse layer: the min / max page summaries, plus the
+    rerank's key codes."""
+    summaries = num_kv_heads * 2 * head_dim * dtype_bytes / cfg.page_size
+    codes = num_kv_heads * head_dim * CODE_BITS / 8 if cfg.selection == "rerank" else 0
+    return summaries + codes
