@@ -24,24 +24,33 @@ def smollm2():
 
 def test_smoke_mode_end_to_end(tmp_path, capsys):
     t0 = time.perf_counter()
-    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert main(["--smoke", "--taus", "0,0.9,1", "--out", str(tmp_path)]) == 0
     dt = time.perf_counter() - t0
     print(capsys.readouterr().out)
     print(f"smoke run: {dt:.1f} s")
     summary = json.loads((tmp_path / "summary.json").read_text())
     cells = {(s["method"], s["budget"]): s for s in summary["scores"]}
-    expected = {("dense", None)} | {(m.name, 256) for m in parse_methods("freekv,quest,streaming", [0, 0.8, 0.9, 1])}
+    expected = {("dense", None)} | {(m.name, 256) for m in parse_methods("oracle,rerank,means,quest,streaming",
+                                                                         [0, 0.9, 1])}
     assert set(cells) == expected  # every method produced a scored row
     assert all(c["samples"] == 4 and c["task"] == "passkey" and c["length"] == 1024 for c in cells.values())
     assert cells[("dense", None)]["score"] >= 0.9
     stats = {s["method"]: s for s in summary["engine_stats"]}
-    assert stats["freekv(tau=0)"]["mean_correction_rate"] == 0
-    assert stats["freekv(tau=1)"]["mean_correction_rate"] == pytest.approx(1)
-    assert all(0 < c <= 1 for c in stats["freekv(tau=0.9)"]["mean_cosine"])
-    assert "### Score (exact match)" in (tmp_path / "table.md").read_text()
+    assert stats["rerank(tau=0)"]["mean_correction_rate"] == 0
+    assert stats["rerank(tau=1)"]["mean_correction_rate"] == pytest.approx(1)
+    assert all(0 < c <= 1 for c in stats["means(tau=0.9)"]["mean_cosine"])
+    # The oracle selects by the very mass the diagnostics measure: it always holds the top page and covers the
+    # most mass; every selecting method is diagnosed, streaming is not.
+    diag = {d["method"]: d for d in summary["selection"]}
+    assert set(diag) == {m for m, _ in expected} - {"dense", "streaming"}
+    assert diag["oracle"]["hit_rate"] == 1.0 and diag["oracle"]["cases"] > 1000
+    assert all(d["mass_covered"] <= diag["oracle"]["mass_covered"] + 1e-9 for d in diag.values())
+    assert diag["quest"]["hit_rate"] < 1.0
+    table = (tmp_path / "table.md").read_text()
+    assert "### Score (exact match; 95% Wilson interval)" in table and "hit / mass" in table
     # A rerun resumes: nothing left to run, the same records.
     n = len((tmp_path / "records.jsonl").read_text().splitlines())
-    assert main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert main(["--smoke", "--taus", "0,0.9,1", "--out", str(tmp_path)]) == 0
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == n
 
 

@@ -33,14 +33,17 @@ def _floats(s: str) -> list[float]:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m freekv_sglang.accuracy", description=(
-        "FreeKV against dense attention, Quest-style selection and sink+window dropping on seeded "
-        "long-context tasks, scored by exact match."))
+        "FreeKV's selections (rerank, MeanS) against dense attention, oracle selection, Quest-style selection "
+        "and sink+window dropping on seeded long-context tasks, scored by exact match, with selection diagnostics."))
     ap.add_argument("--tasks", default="passkey,multikey", help=f"comma-separated, from {','.join(TASKS)}")
     ap.add_argument("--lengths", default="4096,8192", help="context lengths in tokens (prompt + answer)")
     ap.add_argument("--budgets", default="512,1024", help="selected tokens, excluding sink and window")
     ap.add_argument("--samples", type=int, default=20, help="samples per task and length")
-    ap.add_argument("--methods", default="dense,freekv,quest,streaming")
-    ap.add_argument("--taus", default="0,0.8,0.9,1", help="FreeKV correction thresholds")
+    ap.add_argument("--methods", default="dense,oracle,rerank,means,quest,streaming",
+                    help="from dense, oracle, rerank, means, quest, streaming (rerank and means once per tau)")
+    ap.add_argument("--taus", default="0.9", help="FreeKV correction thresholds of rerank and means")
+    ap.add_argument("--rerank-factor", type=int, default=None,
+                    help="rerank candidates per selected page (0: every page; default: FreeKVConfig's)")
     ap.add_argument("--sink", type=int, default=64)
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
         geo = Geometry(args.sink, args.window, args.page_size, args.dense_layers)
         cfg = RunConfig(tasks=tasks, lengths=_ints(args.lengths), budgets=_ints(args.budgets), samples=args.samples,
-                        methods=parse_methods(args.methods, _floats(args.taus)), geometry=geo, seed=args.seed,
+                        methods=parse_methods(args.methods, _floats(args.taus), args.rerank_factor), geometry=geo,
+                        seed=args.seed,
                         template=args.template, batch=args.batch, backend=args.backend, url=args.url,
                         server_method=args.server_method, server_budget=args.server_budget)
         for spec in cfg.methods:  # refuse bad geometry before any prefill

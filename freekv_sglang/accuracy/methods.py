@@ -2,10 +2,13 @@
 
 All methods share one dense prefill and attend to the same number of tokens per step:
 - dense: every layer dense (dense_layers = num_layers), the full-KV reference; budget-independent.
-- freekv(tau): group-consistent selection, speculative with correction below tau
-  (tau 0 = pure speculation, tau 1 = reselect every head every step, i.e. no speculation).
-- quest: the engine's Quest-style baseline: max over the query group of raw page scores, selected
-  with the current query every step (the engine has no per-query-head selection).
+- rerank(tau), means(tau): FreeKV with the default two-stage selection (MeanS candidates rescored from 2-bit key
+  codes) or the paper's MeanS alone, speculative with correction below tau (tau 0 = pure speculation,
+  tau 1 = reselect every head every step, i.e. no speculation).
+- quest: the Quest-style baseline: max over the query group of the min / max bounds, selected with the current
+  query every step (the engine has no per-query-head selection).
+- oracle: the exact attention mass of the current query per KV-head group, from the host copy of the keys,
+  every step (an upper bound for the selection, not servable).
 - streaming: sink + window only; its window is widened by the budget so it attends to as many
   tokens as the retrieval methods (window' = window + budget).
 The budget counts selected tokens only, excluding sink and window (FreeKVConfig's convention).
@@ -34,6 +37,8 @@ class MethodSpec:
     engine_method: str  # FreeKVEngine method
     tau: float | None = None
     uses_budget: bool = True
+    selection: str = "rerank"  # FreeKVConfig.selection
+    rerank_factor: int | None = None  # FreeKVConfig.rerank_factor (None: its default)
 
     def config(self, budget: int, geo: Geometry, num_layers: int) -> FreeKVConfig:
         p = geo.page_size
@@ -43,23 +48,29 @@ class MethodSpec:
                                 dense_layers=num_layers)
         window = geo.window + budget if self.engine_method == "streaming" else geo.window
         return FreeKVConfig(budget=budget, sink=geo.sink, window=window, page_size=p,
-                            tau=self.tau if self.tau is not None else 1.0, dense_layers=geo.dense_layers)
+                            tau=self.tau if self.tau is not None else 1.0, dense_layers=geo.dense_layers,
+                            selection=self.selection, **({} if self.rerank_factor is None else
+                                                         {"rerank_factor": self.rerank_factor}))
 
 
-def parse_methods(spec: str, taus: list[float]) -> list[MethodSpec]:
-    """'dense,freekv,quest,streaming' -> specs; freekv expands to one spec per tau."""
+METHOD_NAMES = ("dense", "oracle", "rerank", "means", "quest", "streaming")
+
+
+def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None) -> list[MethodSpec]:
+    """'dense,oracle,rerank,means,quest,streaming' -> specs; rerank and means expand to one spec per tau."""
     out: list[MethodSpec] = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
         if name == "dense":
             out.append(MethodSpec("dense", "freekv", uses_budget=False))
-        elif name == "freekv":
-            out.extend(MethodSpec(f"freekv(tau={t:g})", "freekv", tau=t) for t in taus)
-        elif name == "quest":
-            out.append(MethodSpec("quest", "quest", tau=1.0))
+        elif name in ("rerank", "means"):
+            out.extend(MethodSpec(f"{name}(tau={t:g})", "freekv", tau=t, selection=name,
+                                  rerank_factor=rerank_factor if name == "rerank" else None) for t in taus)
+        elif name in ("quest", "oracle"):
+            out.append(MethodSpec(name, "freekv", tau=1.0, selection=name))
         elif name == "streaming":
             out.append(MethodSpec("streaming", "streaming", tau=0.0))
         else:
-            raise ValueError(f"unknown method {name!r}; choose from dense, freekv, quest, streaming")
+            raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")
     if not out:
         raise ValueError("no methods given")
     return out

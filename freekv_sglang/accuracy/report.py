@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 from pathlib import Path
 
 
@@ -18,8 +19,19 @@ def summarize(records: list[dict]) -> dict:
     acc = collections.defaultdict(list)
     for r in samples:
         acc[(r["task"], r["length"], r["method"], r["budget"])].append(r["score"])
-    scores = [dict(task=t, length=n, method=m, budget=b, score=sum(v) / len(v), samples=len(v))
+    scores = [dict(task=t, length=n, method=m, budget=b, score=sum(v) / len(v), samples=len(v),
+                   ci95=wilson(sum(v) / len(v), len(v)))
               for (t, n, m, b), v in acc.items()]
+    # Selection diagnostics, merged over engine runs weighted by their (layer, KV head, step) cases.
+    diag = collections.defaultdict(lambda: [0, 0.0, 0.0])
+    for r in records:
+        if r["kind"] == "stats" and r.get("diag_cases"):
+            d = diag[(r["task"], r["length"], r["method"], r["budget"])]
+            d[0] += r["diag_cases"]
+            d[1] += r["hit_rate"] * r["diag_cases"]
+            d[2] += r["mass_covered"] * r["diag_cases"]
+    diagnostics = [dict(task=t, length=n, method=m, budget=b, cases=c, hit_rate=h / c, mass_covered=x / c)
+                   for (t, n, m, b), (c, h, x) in diag.items()]
 
     # Engine statistics, merged over engine runs weighted by decoded rows.
     by_run = collections.defaultdict(list)
@@ -48,15 +60,54 @@ def summarize(records: list[dict]) -> dict:
     for r in records:
         if r["kind"] == "stats":
             timing[r["method"]] += r["decode_s"]
-    return dict(scores=scores, scores_by_depth=depth, engine_stats=stats, decode_seconds=dict(timing))
+    return dict(scores=scores, scores_by_depth=depth, engine_stats=stats, selection=diagnostics,
+                decode_seconds=dict(timing))
+
+
+def wilson(p: float, n: int, z: float = 1.96) -> list[float]:
+    """95% Wilson score interval of a success rate p over n samples (scores in [0, 1])."""
+    if n == 0:
+        return [0.0, 1.0]
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(max(p * (1 - p) / n + z * z / (4 * n * n), 0.0)) / den
+    return [max(0.0, mid - half), min(1.0, mid + half)]
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _cell(c: dict | None) -> str:
+    if not c:
+        return "-"
+    lo, hi = c.get("ci95", (None, None))
+    return _fmt(c["score"]) + ("" if lo is None else f" ({lo:.2f}-{hi:.2f})")
+
+
+def selection_table(summary: dict) -> str:
+    """Markdown: hit rate of the highest-attention page and attention mass covered, per method and budget."""
+    rows = summary.get("selection", [])
+    if not rows:
+        return "(no selection diagnostics)"
+    budgets = sorted({r["budget"] for r in rows})
+    cell = {(r["task"], r["length"], r["method"], r["budget"]): r for r in rows}
+    keys = sorted({(r["task"], r["length"]) for r in rows})
+    methods = _order([r["method"] for r in rows])
+    lines = ["| task | length | method | " + " | ".join(f"budget {b}: hit / mass" for b in budgets) + " |",
+             "| --- | ---: | --- | " + " | ".join("---:" for _ in budgets) + " |"]
+    for task, length in keys:
+        for m in methods:
+            got = [cell.get((task, length, m, b)) for b in budgets]
+            if any(got):
+                lines.append(f"| {task} | {length} | {m} | " + " | ".join(
+                    "-" if c is None else f"{c['hit_rate']:.3f} / {c['mass_covered']:.3f}" for c in got) + " |")
+    return "\n".join(lines)
+
+
 def score_table(summary: dict) -> str:
-    """Markdown: one row per (task, length, method), one column per budget; dense spans all budgets."""
+    """Markdown: one row per (task, length, method), one column per budget (score and its 95% Wilson interval);
+    dense spans all budgets."""
     scores = summary["scores"]
     budgets = sorted({s["budget"] for s in scores if s["budget"] is not None})
     cell = {(s["task"], s["length"], s["method"], s["budget"]): s for s in scores}
@@ -73,8 +124,7 @@ def score_table(summary: dict) -> str:
             if not any(row):
                 continue
             n = min(c["samples"] for c in row if c)
-            lines.append(f"| {task} | {length} | {m} | " + " | ".join(_fmt(c and c["score"]) for c in row)
-                         + f" | {n} |")
+            lines.append(f"| {task} | {length} | {m} | " + " | ".join(_cell(c) for c in row) + f" | {n} |")
     return "\n".join(lines)
 
 
@@ -138,7 +188,9 @@ def cosine_table(summary: dict) -> str:
 
 def markdown(summary: dict, header: str = "") -> str:
     parts = [header] if header else []
-    parts += ["### Score (exact match)", score_table(summary),
+    parts += ["### Score (exact match; 95% Wilson interval)", score_table(summary),
+              "### Selection: hit rate of the highest-attention candidate page / attention mass covered (per layer, "
+              "KV head and step; exact group-mean attention over the offloaded candidate pages)", selection_table(summary),
               "### Score by needle depth (fraction of the context before the needle; samples in parentheses)",
               depth_table(summary),
               "### Correction rate (flagged KV-head checks / all checks, mean over sparse layers; length/budget)",

@@ -7,7 +7,8 @@ token ids are posted to a running server's /generate with greedy sampling and sc
 Records (one JSON object per line):
   {"kind": "sample", task, length, index, method, budget, depth, prompt_tokens, answers, output, score}
   {"kind": "stats", task, length, method, budget, decode_rows, correction_rate: [...], mean_cosine: [...],
-   layers: [...], recall_bytes_now, recall_bytes_speculative}  (engine only; one per engine run)
+   layers: [...], recall_bytes_now, recall_bytes_speculative, and for selecting methods diag_cases, hit_rate,
+   mass_covered (diagnostics.py)}  (engine only; one per engine run)
 A chunk of prompts is written once all its methods have run, so a rerun with the same output
 directory skips the finished chunks (resume).
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .diagnostics import SelectionProbe
 from .methods import Geometry, MethodSpec
 from .tasks import Sample, make_samples
 
@@ -109,6 +111,9 @@ class EngineBackend:
                 caches = [fm.prefill(list(s.ids)) for s in chunk]
                 prefill = time.perf_counter() - t0
                 self.log(f"  prefill {len(chunk)} x ~{len(chunk[0].ids)} tokens: {prefill:.1f} s")
+            probe = None
+            if spec.engine_method != "streaming" and spec.name != "dense":
+                probe = fm.engine.probe = SelectionProbe(fm.engine)
             t0 = time.perf_counter()
             # Samples of one task share max_new_tokens; eos ends a sample early.
             outs = fm.generate(caches, max_new, eos_token_id=self.tok.eos_token_id, max_batch=len(chunk))
@@ -116,9 +121,13 @@ class EngineBackend:
             texts = [self.tok.decode(o, skip_special_tokens=True) for o in outs]
             recs = [_sample_record(s, spec.name, budget, t) for s, t in zip(chunk, texts)]
             recs.append(self._stats_record(chunk[0], spec, budget, fm.engine, outs, dt, prefill))
+            diag = ""
+            if probe is not None:
+                recs[-1].update(probe.record())
+                diag = f" hit={recs[-1]['hit_rate']:.3f} mass={recs[-1]['mass_covered']:.3f}"
             out.extend(recs)
             mean = sum(r["score"] for r in recs[:-1]) / len(chunk)
-            self.log(f"  {spec.name:<18} budget={budget!s:<5} score={mean:.2f} decode {dt:.1f} s")
+            self.log(f"  {spec.name:<18} budget={budget!s:<5} score={mean:.2f}{diag} decode {dt:.1f} s")
             del fm
         return out
 

@@ -1,0 +1,43 @@
+"""Selection diagnostics: how much of what the model attends to the selected pages hold.
+
+An engine probe, called right after each sparse layer's attention, compares the pages that attention read (the
+slot table at that moment) with the true group-mean attention mass of the step's query over the request's
+candidate pages (the offloaded pages between sink and window, exact keys from the host arena). Per (layer, KV
+head, row) it counts a hit when the highest-mass candidate page was selected, and the mass the selection covers
+(normalised over the candidates). Eager only: it reads host memory every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..selectors import page_attention_mass
+
+
+class SelectionProbe:
+    def __init__(self, engine):
+        self.engine = engine
+        self.cases = 0
+        self.hits = 0
+        self.mass = 0.0
+
+    def __call__(self, layer: int, plan, q: torch.Tensor, slots: torch.Tensor) -> None:
+        e = self.engine
+        H, G, D, start = e.shape.num_kv_heads, e.shape.group, e.shape.head_dim, e.cfg.sink_pages
+        for b, slot in enumerate(plan.req_slots.tolist()):
+            end = min(int(plan.cand_end[b]), e.max_pages)
+            if slot == e.pad_slot or end <= start:
+                continue
+            mass = page_attention_mass(e, layer, slot, q[b].view(H, G, D), end)  # [H, n]
+            sel = slots[slot].long() - start  # [H, k] candidate index, negative or past n: not a candidate
+            chosen = torch.zeros_like(mass, dtype=torch.bool)
+            for h in range(H):
+                ok = sel[h][(sel[h] >= 0) & (sel[h] < mass.shape[1])]
+                chosen[h, ok] = True
+            self.cases += H
+            self.hits += int(chosen.gather(1, mass.argmax(1, keepdim=True)).sum())
+            self.mass += float((mass * chosen).sum())
+
+    def record(self) -> dict:
+        n = max(self.cases, 1)
+        return {"diag_cases": self.cases, "hit_rate": self.hits / n, "mass_covered": self.mass / n}
