@@ -6,8 +6,9 @@ Measures, in one run:
          every (row, head, slot) of a batch recalled, the slot and page tables read by the kernel;
   offload offload_pages writing whole GPU pages into the pinned arena, summaries included (GB/s, % of the GPU->host
          peak);
-  select score_pages + select_slots latency per layer (eager and CUDA-graph replay, each op alone in a graph,
-         and the floor: reading the summaries once at the measured device-copy bandwidth).
+  select page scoring (means, quest, rerank with MeanS candidates, rerank-all over every page) + select_slots latency
+         per layer (eager and CUDA-graph replay, scoring and selection each alone in a graph, and the floor: reading
+         the summaries and codes once at the measured device-copy bandwidth).
 Recall/offload are timed twice: "eager" events around one call on an idle GPU, which include the host's launch of
 the Triton kernel (~20+ us of Python), and "gpu" with that launch hidden behind a short spin kernel, i.e. the GPU
 time a CUDA-graph replay (the engine's decode step) sees.
@@ -207,25 +208,32 @@ def graph_replay_ms(run: Callable[[], object], repeats: int) -> float:
 
 
 def bench_select(
-    contexts: list[int], batches: list[int], budget: int, repeats: int, warmup: int, copy_gbps: float
+    contexts: list[int], batches: list[int], budget: int, repeats: int, warmup: int, copy_gbps: float,
+    rerank_factor: int = 4, rerank_rows: tuple[int, ...] = (64,),
 ) -> dict | list[dict]:
     try:
+        from freekv_kernels.page_rerank import rerank_pages, top_pages
+        from freekv_kernels.page_rerank import triton as rerank_triton
         from freekv_kernels.page_select import PHASE_NOW, score_pages, select_slots
     except ImportError as e:
         print(f"\nselection: skipped, freekv_kernels.page_select is not importable ({e})")
         return {"skipped": str(e)}
     k = budget // PAGE
-    print(f"\nselection per layer: score_pages + select_slots (top-k, slot delta, commit), {HQ} q heads / {H} KV "
-          f"heads, D={D}, p={PAGE}, k={k} pages ({budget} tokens), every page of every row a candidate; graph: one call of both ops "
-          f"captured and replayed (score / select: each op alone); floor: the bf16 summaries read once at "
-          f"{copy_gbps / 1e3:.2f} TB/s")
-    print(f"{'context':>8} {'batch':>6} {'pooling':>13} {'eager us':>9} {'graph us':>9} {'score us':>9} "
+    print(f"\nselection per layer: scoring + select_slots (top-k, slot delta, commit), {HQ} q heads / {H} KV "
+          f"heads, D={D}, p={PAGE}, k={k} pages ({budget} tokens), every page of every row a candidate. means: "
+          f"score_pages (MeanS); quest: score_pages (max); rerank: MeanS, top {rerank_factor}k candidates, their 2-bit "
+          f"key codes rescored; rerank-all/R: every page's codes rescored, no MeanS (the default, rerank_factor 0), "
+          f"R tokens per program. graph: the whole selection captured and replayed (score / select: each part alone); "
+          f"floor: the bf16 summaries (+ the candidates' codes) read once at {copy_gbps / 1e3:.2f} TB/s")
+    default_rows = rerank_triton.RERANK_ROWS
+    print(f"{'context':>8} {'batch':>6} {'selection':>14} {'eager us':>9} {'graph us':>9} {'score us':>9} "
           f"{'select us':>9} {'floor us':>9} {'x floor':>8}")
     rows = []
     for ctx in contexts:
         for B in batches:
             M = ctx // PAGE
             summaries = torch.randn(B * M, H, 2, D, dtype=DTYPE, device=DEVICE)
+            codes = torch.randint(0, 256, (B * M, H, PAGE, D // 4), dtype=torch.uint8, device=DEVICE)
             page_table = torch.randperm(B * M, device=DEVICE).int().view(B, M)
             req_slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
             cand_end = torch.full((B,), M, dtype=torch.int32, device=DEVICE)
@@ -233,23 +241,40 @@ def bench_select(
             slots = torch.full((B, H, k), -1, dtype=torch.int32, device=DEVICE)
             heads = torch.ones(B, H, dtype=torch.bool, device=DEVICE)  # every head selects (and is flagged)
             recall = torch.zeros(B, H, k, dtype=torch.int8, device=DEVICE)
-            for pooling in ("mean_softmax", "max"):
+            for selection in ("means", "quest", "rerank", *(f"rerank-all/{r}" for r in rerank_rows)):
+                if selection.startswith("rerank-all"):  # the tokens per program of the rerank kernel, swept
+                    rerank_triton.RERANK_ROWS = int(selection.split("/")[1])
+                pooling = "max" if selection == "quest" else "mean_softmax"
+
+                def score(pooling=pooling, selection=selection):
+                    if selection.startswith("rerank-all"):  # rerank_factor 0: the codes of every page, no MeanS stage
+                        return rerank_pages(q, summaries, codes, page_table, req_slots, None, D**-0.5, heads,
+                                            cand_start=0, cand_end=cand_end)
+                    s = score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling, heads)
+                    if selection != "rerank":
+                        return s
+                    cand = top_pages(s, rerank_factor * k, heads)
+                    return rerank_pages(q, summaries, codes, page_table, req_slots, cand, D**-0.5, heads)
 
                 def select(scores, slots=slots, req_slots=req_slots, heads=heads, recall=recall):
                     select_slots(scores, slots, req_slots, heads, PHASE_NOW, heads, recall)
 
-                def run():
-                    select(score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling))
+                def run(score=score, select=select):
+                    select(score())
 
-                scores = score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling)
-                row = {"context": ctx, "batch": B, "pages_per_row": M, "k": k, "pooling": pooling}
-                row["floor_us"] = 1e6 * summaries.numel() * summaries.element_size() / copy_gbps / 1e9
+                scores = score()
+                row = {"context": ctx, "batch": B, "pages_per_row": M, "k": k, "selection": selection,
+                       "pooling": pooling}
+                floor_bytes = summaries.numel() * summaries.element_size()
+                if selection == "rerank":
+                    floor_bytes += B * H * min(rerank_factor * k, M) * PAGE * D // 4
+                if selection.startswith("rerank-all"):
+                    floor_bytes += codes.numel()
+                row["floor_us"] = 1e6 * floor_bytes / copy_gbps / 1e9
                 row["eager_us"] = 1e3 * time_ms(lambda i: run(), repeats, warmup)
                 try:
                     row["graph_us"] = 1e3 * graph_replay_ms(run, repeats)
-                    row["score_graph_us"] = 1e3 * graph_replay_ms(
-                        lambda: score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling),
-                        repeats)
+                    row["score_graph_us"] = 1e3 * graph_replay_ms(score, repeats)
                     row["select_graph_us"] = 1e3 * graph_replay_ms(lambda: select(scores), repeats)
                 except Exception as e:  # report, keep going: capture is a bonus measurement
                     row["graph_error"] = f"{type(e).__name__}: {e}"
@@ -259,8 +284,9 @@ def bench_select(
                              f"{row['floor_us']:>9.1f} {row['graph_us'] / row['floor_us']:>7.1f}x")
                 else:
                     graph = f"{'failed':>9} ({row['graph_error']})"
-                print(f"{ctx:>8} {B:>6} {pooling:>13} {row['eager_us']:>9.1f} {graph}")
-            del summaries, page_table, q, scores
+                print(f"{ctx:>8} {B:>6} {selection:>14} {row['eager_us']:>9.1f} {graph}")
+            del summaries, codes, page_table, q, scores
+    rerank_triton.RERANK_ROWS = default_rows
     return rows
 
 
@@ -280,6 +306,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int_list, default=[32 * 1024, 128 * 1024])
     ap.add_argument("--batches", type=int_list, default=[1, 16])
     ap.add_argument("--budget", type=int, default=2048, help="selection budget in tokens (k = budget / page size)")
+    ap.add_argument("--rerank-rows", type=int_list, default=[64], help="tokens per program of the rerank kernel, swept")
+    ap.add_argument("--only-selection", action="store_true", help="skip the link, recall and offload benchmarks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA device")
@@ -296,15 +324,21 @@ def main() -> None:
     results = {"env": env, "args": vars(args), "correctness": check_correctness()}
 
     results["link"] = bench_link(args.peak_gib, args.repeats)
+    link, reps = results["link"], (args.repeats, args.warmup)
+    if args.only_selection:
+        results["selection"] = bench_select(args.contexts, args.batches, args.budget, *reps, link["d2d_gbps"],
+                                            rerank_rows=tuple(args.rerank_rows))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + os.linesep)
+        return
     # The arena's content is irrelevant to a copy's speed: left unfilled, it costs only the pinning.
     P = max(int(args.arena_gib * GiB) // (H * CHUNK_BYTES), max(args.offload_pages))
     host_layer = pinned_empty(P, 1, H, 2, PAGE, D, dtype=DTYPE)[:, 0]
-    link, reps = results["link"], (args.repeats, args.warmup)
     results["recall"] = bench_recall(host_layer, args.recall_chunks, link["h2d_gbps"], *reps)
     results["offload"] = bench_offload(host_layer, args.offload_pages, link["d2h_gbps"], *reps)
     del host_layer
-    results["selection"] = bench_select(args.contexts, args.batches, args.budget, args.repeats, args.warmup,
-                                        link["d2d_gbps"])
+    results["selection"] = bench_select(args.contexts, args.batches, args.budget, *reps, link["d2d_gbps"],
+                                        rerank_rows=tuple(args.rerank_rows))
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -78,7 +78,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--context", type=int, default=32000)
     ap.add_argument("--rows", default="0.9:random:delta,0.9:drifting:delta,0:random:delta,1:random:all,"
-                    "1:drifting:delta", help="tau:queries:recall per row")
+                    "1:drifting:delta", help="tau:queries:recall[:selection[/rerank_factor]] per row (selection: "
+                    "the engine's default unless given, e.g. 0.9:random:delta:means or 0.9:drifting:delta:rerank/0)")
     ap.add_argument("--out", default="results/profile-step.json")
     args = ap.parse_args()
     import flashinfer
@@ -91,12 +92,14 @@ def main() -> None:
     rows, keep = [], []
     for B in [int(b) for b in args.batches.split(",")]:
         for spec in args.rows.split(","):
-            tau_s, queries, recall = spec.split(":")
+            tau_s, queries, recall, *sel = spec.split(":")
+            selection, _, factor = (sel[0] if sel else FreeKVConfig().selection).partition("/")
             if queries not in ("random", "drifting"):
                 raise SystemExit(f"--rows: queries must be random or drifting, got {queries!r}")
             tau, drift = float(tau_s), queries == "drifting"
             cfg = FreeKVConfig(budget=2048, sink=128, window=512, page_size=32, tau=tau, dense_layers=1,
-                               recall=recall)
+                               recall=recall, selection=selection,
+                               rerank_factor=int(factor) if factor else FreeKVConfig().rerank_factor)
             eng = FreeKVEngine(cfg, ModelShape(L, HQ, H, D), max_requests=B + 1, max_context=args.context + 512,
                                dtype=BF, device="cuda", backend="triton", pad_slot=0, dense_outside=True,
                                host_pages=B * (args.context // 32 + 32))
@@ -170,6 +173,7 @@ def main() -> None:
             gpu_ms = sum(v[1] for v in by_name.values())
             top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
             row = {"batch": B, "tau": tau, "recall": recall, "queries": "drifting" if drift else "random",
+                   "selection": selection, "rerank_factor": cfg.rerank_factor,
                    "correction_rate": round(rate, 3), "step_ms_graph": round(step_ms, 3),
                    "recall_mb_per_step": round(recalled / 1e6, 2), "recall_kernel_ms": round(recall_ms, 3),
                    "recall_gbps": round(recalled / 1e6 / max(recall_ms, 1e-9), 1),
@@ -206,7 +210,8 @@ def main() -> None:
                                           "context": args.context, "rows": rows}, indent=1))
     for r in rows:
         if "top_kernels" in r:
-            print(f"\nbatch {r['batch']} tau {r['tau']} recall {r['recall']} {r['queries']}: "
+            print(f"\nbatch {r['batch']} tau {r['tau']} recall {r['recall']} {r['queries']} "
+                  f"{r['selection']}/{r['rerank_factor']}: "
                   f"{r['eager_kernels_per_step']} kernels, {r['eager_gpu_ms_per_step']} ms GPU per eager step; step "
                   f"{r['step_ms_graph']} ms in a graph; recall {r['recall_mb_per_step']} MB in {r['recall_kernel_ms']} "
                   f"ms = {r['recall_gbps']} GB/s ({100 * r['recall_share_of_peak']:.0f}% of the {peak:.1f} GB/s peak)")

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Issue 18 on one GPU in three consecutive calls on one warm machine (a transfer holds 64 MiB):
+#   bash scripts/gpu_selection.sh check   (carry .gpu-wheels)   CUDA tests of the selection kernels and the engine,
+#       kernels.py (selection cost per layer: means / quest / rerank), profile_step.py (Llama-3.1-8B shape, 32K,
+#       batch 16: the graph-captured step with rerank against means)
+#   bash scripts/gpu_selection.sh stash   (carry .gpu-model/1)  SmolLM2 part 1
+#   bash scripts/gpu_selection.sh accuracy (carry .gpu-model/2) the accuracy harness through the engine (every method),
+#       then the same prompts through a plain SGLang server and a FreeKV server (triton attention: no JIT)
+# Logs and JSON under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}; mkdir -p "$OUT"
+source scripts/gpu_env.sh || exit 1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+case "${1:-}" in
+check)
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_page_rerank.py tests/kernels/test_offload.py \
+    tests/engine/test_engine.py::test_triton_backend_equals_torch_backend \
+    2>&1 | tee "$OUT/gpu-tests.log" | tail -n 8
+  python3 benchmarks/kernels.py --contexts 32768,131072 --batches 1,16 --recall-chunks 4096 --offload-pages 512 \
+    --repeats 10 \
+    --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" | grep -A 20 "^selection per layer"
+  python3 benchmarks/profile_step.py --batches 16 --context 32000 \
+    --rows "${ROWS:-0.9:drifting:delta:means,0.9:drifting:delta:rerank/0,0.9:drifting:delta:rerank/4,1:drifting:delta:means,1:drifting:delta:rerank/0,1:drifting:delta:rerank/4}" \
+    --out "$OUT/profile-step.json" 2>&1 | tee "$OUT/profile-step.log" | grep -E '^\{|^batch|_rerank|_page_logits|_top_pages' ;;
+stash)
+  bash scripts/gpu_smollm2.sh stash ;;
+accuracy)
+  pkill -9 -f sglang.launch_server 2>/dev/null; pkill -9 -f freekv_kvstore 2>/dev/null; sleep 1
+  bash scripts/gpu_smollm2.sh build >/dev/null || exit 1
+  ACC=(python3 -m freekv_sglang.accuracy --model /tmp/smollm2 --sink 64 --window 128 --page-size 16 --samples 20)
+  # RESUME: a records.jsonl of an earlier call to go on from (finished cells are skipped).
+  mkdir -p "$OUT/acc-engine"; [ -n "${RESUME:-}" ] && cp "$RESUME" "$OUT/acc-engine/records.jsonl"
+  [ "${SERVERS_ONLY:-0}" = 1 ] || "${ACC[@]}" --device cuda --dtype bf16 --batch 10 --tasks passkey,multikey,vartrack --lengths 4096,8192 \
+    --budgets 512,1024 --out "$OUT/acc-engine" 2>&1 | tail -n 75
+  PORT=30001
+  [ "${ENGINE_ONLY:-0}" = 1 ] && exit 0
+  for srv in plain freekv; do
+    flags=()
+    [ $srv = freekv ] && flags=(--kv-retrieval freekv --kv-budget 1024 --kv-sink 64 --kv-window 128 --kv-page-size 16
+                                --kv-correction-threshold 0.9 --kv-dense-layers 1 --kvstore-arena-gb 4)
+    setsid python3 -m sglang.launch_server --model-path /tmp/smollm2 --port $PORT --attention-backend triton \
+      --sampling-backend pytorch --grammar-backend none --disable-radix-cache --page-size 16 --mem-fraction-static 0.3 \
+      --max-running-requests 16 "${flags[@]}" >"$OUT/server-$srv.log" 2>&1 &
+    SPID=$!; t0=$(date +%s)
+    until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
+      kill -0 $SPID 2>/dev/null || { echo "$srv server exited"; tail -30 "$OUT/server-$srv.log"; break; }
+      [ $(( $(date +%s) - t0 )) -lt 240 ] || { echo "$srv not healthy"; break; }
+      sleep 2
+    done
+    "${ACC[@]}" --backend sglang --url http://127.0.0.1:$PORT --tasks passkey,multikey,vartrack --lengths 8192 \
+      --budgets 1024 --server-method "server-$srv" --server-budget 1024 --out "$OUT/acc-server" 2>&1 | tail -n 4
+    kill -TERM -- -$SPID 2>/dev/null; sleep 3; kill -9 -- -$SPID 2>/dev/null
+  done ;;
+*) sed -n 2,9p "$0"; exit 2 ;;
+esac
