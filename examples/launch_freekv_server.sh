@@ -44,6 +44,9 @@ args=(
   # page matters (a needle), head_dim / 4 GPU bytes per token and KV head; "means" (the paper's MeanS over min / max
   # page summaries) is faster until the rerank kernel is tuned; "quest" the max over the group of those bounds.
   --kv-selection rerank
+  # 0: the rerank scores every page from its codes; N > 0: only MeanS's best N x budget pages (cheaper, but
+  # MeanS drops pages that hold a single important token, e.g. a needle).
+  --kv-rerank-factor 0
   # Host-memory budget (GiB) of the embedded kvstore daemon that holds every request's full KV cache.
   # It starts with the server and stops with it; it must fit in RAM and /dev/shm (containers: --shm-size).
   --kvstore-arena-gb "${ARENA_GB:-16}"

@@ -101,7 +101,7 @@ REFUSED = [
     (["--kv-correction-threshold", "1.5"], "--kv-correction-threshold"),
     (["--kv-dense-layers", "-1"], "--kv-dense-layers"),
     (["--kv-recall-programs", "-1"], "--kv-recall-programs"),
-    (["--kv-rerank-factor", "0"], "--kv-rerank-factor"),
+    (["--kv-rerank-factor", "-1"], "--kv-rerank-factor"),
     (["--kvstore-arena-gb", "0"], "--kvstore-arena-gb"),
     (["--kvstore-endpoint", "http://host:1"], "--kvstore-endpoint"),
 ]
