@@ -33,7 +33,7 @@ class Geometry:
 
 @dataclasses.dataclass(frozen=True)
 class MethodSpec:
-    name: str  # row label, e.g. "freekv(tau=0.9)"
+    name: str  # row label, e.g. "rerank(tau=0.9)"
     engine_method: str  # FreeKVEngine method
     tau: float | None = None
     uses_budget: bool = True
