@@ -68,12 +68,14 @@ def _offload_pages_kernel(
         # min / max in fp32 are exact for every cache dtype, and so is the cast back.
         kf = k.to(tl.float32)
         summ = summ_ptr + dst * s_sp + h * s_sh + tl.arange(0, D)
-        tl.store(summ, tl.min(tl.where(m, kf, float("inf")), axis=0).to(summ_ptr.dtype.element_ty), mask=ok)
-        tl.store(summ + s_smm, tl.max(tl.where(m, kf, float("-inf")), axis=0).to(summ_ptr.dtype.element_ty), mask=ok)
+        kmin = tl.min(tl.where(m, kf, float("inf")), axis=0)
+        kmax = tl.max(tl.where(m, kf, float("-inf")), axis=0)
+        tl.store(summ, kmin.to(summ_ptr.dtype.element_ty), mask=ok)
+        tl.store(summ + s_smm, kmax.to(summ_ptr.dtype.element_ty), mask=ok)
         if CODES:
             # Bins by exact comparisons (no division: every device rounds alike), 4 channels per byte.
-            lo = tl.min(tl.where(m, kf, float("inf")), axis=0)[None, :]
-            span = tl.max(tl.where(m, kf, float("-inf")), axis=0)[None, :] - lo
+            lo = kmin[None, :]
+            span = kmax[None, :] - lo
             x = 4.0 * (kf - lo)
             code = (x >= span).to(tl.int32) + (x >= 2.0 * span).to(tl.int32) + (x >= 3.0 * span).to(tl.int32)
             code = tl.where(span > 0, code, 0)

@@ -182,6 +182,9 @@ def _rerank_pool_kernel(
     m_safe = tl.where(m_i == neg_inf, 0.0, m_i)
     inv_l = 1.0 / tl.maximum(l_i, 1.0)  # >= 1 where the head has a candidate
     tl.debug_barrier()  # the -inf fill above lands before the candidates' scores
+    end = M
+    if not CAND_LIST:
+        end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
     for c0 in range(0, C, BLOCK):
         ok = (c0 + i < C)[:, None] & g_ok[None, :]
         x = tl.load(lse_ptr + b * sl_b + h * sl_h + (c0 + i)[:, None] * sl_c + g[None, :], mask=ok, other=neg_inf)
@@ -189,7 +192,6 @@ def _rerank_pool_kernel(
         if CAND_LIST:
             logical = tl.load(cand_ptr + b * scd_b + h * scd_h + (c0 + i) * scd_c, mask=c0 + i < C, other=-1)
         else:
-            end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
             logical = tl.where(cand_start + c0 + i < end, cand_start + c0 + i, -1)
         tl.store(row + logical.to(tl.int64) * so_m, pooled, mask=logical >= 0)
 
