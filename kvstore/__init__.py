@@ -23,6 +23,7 @@ from .errors import (
     LimitExceeded,
     ProtocolError,
     SessionExpired,
+    StateRejected,
     Unauthorized,
 )
 from .prefix import prefix_keys
@@ -47,6 +48,7 @@ __all__ = [
     "LimitExceeded",
     "ProtocolError",
     "SessionExpired",
+    "StateRejected",
     "Unauthorized",
     "daemon_stats",
     "default_endpoint",

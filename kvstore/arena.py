@@ -1,14 +1,13 @@
-"""Arenas: page geometry, the shared-memory segment that holds one client's pages, and stale-segment cleanup.
+"""Arenas: page geometry, the shared-memory segment that holds one client's pages, and process liveness.
 
 Geometry. An arena of P pages is one C-contiguous array of shape [P, L, H, 2, p, D] (pages, layers, KV
 heads, K/V, tokens in a page, head dim) in bf16, fp16 or fp32. Host page i is one token-page of one request
 across all layers; for every (page, layer, head) its K then its V are 2*p*D contiguous elements, so a page
 is page_bytes = L*H*2*p*D*itemsize bytes at byte offset i*page_bytes.
 
-Segments are files under a shared-memory directory (/dev/shm), mode 0600, named
-``freekv.<uid>.<daemon pid>.<daemon start ms>.<n>``: the name says which daemon instance owns the file, so a
-daemon starting after a crash can tell the dead instance's files from those of a live one and remove them.
-This module needs no torch; the client builds its torch view on top of ``map_segment``.
+Segments are files under a shared-memory directory (/dev/shm), mode 0600, named by the store of their
+daemon's endpoint (journal.py), so a daemon restarted on that endpoint finds and re-adopts them. This module
+needs no torch; the client builds its torch view on top of ``map_segment``.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import errno
 import mmap
 import operator
 import os
-import re
 import stat
 import threading
 
@@ -30,7 +28,6 @@ _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 _MAX_DIM = 1 << 16
 _MAX_PAGE_BYTES = 1 << 30
 _POPULATE_CHUNK = 256 << 20  # a multiple of the mmap granularity
-_SEGMENT_NAME = re.compile(r"^freekv\.(\d+)\.(\d+)\.(\d+)\.\d+$")
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first touch
 
 
@@ -100,56 +97,55 @@ def process_alive(pid: int, start_ms: int) -> bool:
         return False
 
 
-def instance_prefix() -> str:
-    """Segment-name prefix of this process as a daemon instance."""
-    pid = os.getpid()
-    return f"freekv.{os.getuid()}.{pid}.{process_start_ms(pid)}."
-
-
-def remove_stale_segments(shm_dir: str) -> list[str]:
-    """Unlink this user's segments whose daemon instance is gone; return their paths."""
-    uid = os.getuid()
-    removed = []
-    with os.scandir(shm_dir) as entries:
-        for entry in entries:
-            match = _SEGMENT_NAME.match(entry.name)
-            if match is None or int(match[1]) != uid:
-                continue
-            st = entry.stat(follow_symlinks=False)
-            if st.st_uid != uid or not stat.S_ISREG(st.st_mode) or process_alive(int(match[2]), int(match[3])):
-                continue
-            try:
-                os.unlink(entry.path)
-                removed.append(entry.path)
-            except FileNotFoundError:
-                pass  # another daemon starting at the same time removed it first
-    return removed
-
-
 def free_shm_bytes(shm_dir: str) -> int:
     st = os.statvfs(shm_dir)
     return st.f_bavail * st.f_frsize
 
 
-class Segment:
-    """One arena's file. The daemon creates, pre-faults and unlinks it; it never maps it for long."""
+ARENA_ID_BYTES = 16  # a random id after the pages: a restarted daemon re-adopts this very file, not a stand-in
 
-    def __init__(self, path: str, size: int) -> None:
+
+class Segment:
+    """One arena's file: `size` bytes of pages, then the arena's id. The daemon creates, pre-faults and unlinks
+    it; it never maps it for long."""
+
+    def __init__(self, path: str, size: int, arena_id: bytes) -> None:
         self.path = path
         self.size = size
+        self.arena_id = arena_id
 
     @classmethod
     def create(cls, path: str, size: int) -> Segment:
+        arena_id = os.urandom(ARENA_ID_BYTES)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.fchmod(fd, 0o600)  # whatever the umask: the pages of a request are nobody else's business
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, size + ARENA_ID_BYTES)
+            os.pwrite(fd, arena_id, size)
         except BaseException:
             os.close(fd)
             os.unlink(path)
             raise
         os.close(fd)
-        return cls(path, size)
+        return cls(path, size, arena_id)
+
+    def mismatch(self) -> str | None:
+        """Why the file at self.path is not this arena (gone, resized, replaced), or None."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return f"{self.path} is gone"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                return f"{self.path} is not a regular file of uid {os.getuid()}"
+            if st.st_size != self.size + ARENA_ID_BYTES:
+                return f"{self.path} has {st.st_size} bytes, the arena {self.size + ARENA_ID_BYTES}"
+            if os.pread(fd, ARENA_ID_BYTES, self.size) != self.arena_id:
+                return f"{self.path} carries another arena id: it is not the file the journal describes"
+            return None
+        finally:
+            os.close(fd)
 
     def prefault(self, threads: int, cancel: threading.Event | None = None) -> None:
         """Reserve and fault in every page, so clients never fault a fresh one and a full filesystem fails
@@ -157,11 +153,12 @@ class Segment:
         `threads` threads (tmpfs zeroes a page on its first fault, well under 1 GB/s per thread), and stops
         with InterruptedError between chunks once `cancel` is set."""
         fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        file_bytes = self.size + ARENA_ID_BYTES
 
         def fault_in(offset: int) -> None:
             if cancel is not None and cancel.is_set():
                 raise InterruptedError(f"pre-faulting {self.path} was cancelled")
-            length = min(_POPULATE_CHUNK, self.size - offset)
+            length = min(_POPULATE_CHUNK, file_bytes - offset)
             try:
                 os.posix_fallocate(fd, offset, length)
             except OSError as e:
@@ -170,7 +167,7 @@ class Segment:
             mmap.mmap(fd, length, offset=offset, flags=mmap.MAP_SHARED | _MAP_POPULATE).close()
 
         try:
-            offsets = range(0, self.size, _POPULATE_CHUNK)
+            offsets = range(0, file_bytes, _POPULATE_CHUNK)
             with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(offsets)))) as pool:
                 list(pool.map(fault_in, offsets))
         finally:
@@ -188,8 +185,8 @@ def map_segment(path: str, size: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         actual = os.fstat(fd).st_size
-        if actual != size:
-            raise ValueError(f"arena {path} has {actual} bytes, the daemon announced {size}")
+        if actual != size + ARENA_ID_BYTES:
+            raise ValueError(f"arena {path} has {actual} bytes, the daemon announced {size} + {ARENA_ID_BYTES}")
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
     finally:
         os.close(fd)

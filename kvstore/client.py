@@ -64,38 +64,66 @@ log = logging.getLogger("freekv_kvstore")
 
 class Channel:
     """One DEALER socket with request/reply discipline: every request carries a call id, replies to calls
-    whose caller already gave up are dropped, and no call waits longer than its timeout. Not thread-safe."""
+    whose caller already gave up are dropped, and no call waits longer than its timeout. A request unanswered
+    for RESEND_S is sent again (the daemon may have died with it; ZMQ reconnects to its restarted successor),
+    at most timeout / RESEND_S times; the daemon answers a resent page call from its memory of the last one,
+    so it takes effect once. Not thread-safe."""
+
+    RESEND_S = 0.5
+    # A second HELLO would open a second session; a second SHUTDOWN could stop a restarted daemon.
+    _SENT_ONCE = frozenset({Opcode.HELLO, Opcode.SHUTDOWN})
 
     def __init__(self, ctx: zmq.Context, endpoint: str, timeout_s: float) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
+        self._ctx = ctx
         self._ids = itertools.count(1)
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._sock = self._open()
+
+    def _open(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
 
     def call(self, opcode: Opcode, request: Any, session: int = 0, timeout_s: float | None = None) -> Any:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         call_id = next(self._ids) & 0xFFFFFFFF
+        if call_id == 0:  # 0 means "no call id" to the daemon, which would not know a resend for one
+            call_id = next(self._ids) & 0xFFFFFFFF
         deadline = time.monotonic() + timeout_s
+        frames = codec.request_frames(opcode, call_id, session, request)
         try:
-            self._sock.send_multipart(codec.request_frames(opcode, call_id, session, request), zmq.NOBLOCK)
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             raise self._unavailable(opcode, timeout_s) from None
+        resend_at = deadline if opcode in self._SENT_ONCE else time.monotonic() + self.RESEND_S
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(remaining * 1000):
+            now = time.monotonic()
+            if now >= deadline:
+                # A fresh socket drops the copies still queued for a daemon that is down: a call given up on
+                # must not take effect when a daemon comes back later.
+                self._sock.close(linger=0)
+                self._sock = self._open()
                 raise self._unavailable(opcode, timeout_s)
-            frames = self._sock.recv_multipart()
+            if now >= resend_at:
+                try:
+                    self._sock.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:  # the queue to a daemon that is down is full: the deadline decides
+                    pass
+                resend_at = now + self.RESEND_S
+            if not self._sock.poll((min(deadline, resend_at) - now) * 1000):
+                continue
+            frames_in = self._sock.recv_multipart()
             try:
-                _, status, reply_id, body = codec.parse_reply(frames)
+                _, status, reply_id, body = codec.parse_reply(frames_in)
             except VersionMismatch:
                 raise
             except ProtocolError as e:
                 log.warning("dropping an unreadable reply from %s: %s", self.endpoint, e)
                 continue
             if reply_id != call_id:
-                continue  # the late answer to a call that timed out
+                continue  # the late answer to a call that timed out, or to a copy of this one
             if status is Status.ERROR:
                 err = codec.decode(ErrorReply, body)
                 raise error_from_reply(err.code, err.message)

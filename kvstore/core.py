@@ -8,6 +8,11 @@ requests' pages return to the pool; retained prefixes stay in the arena, so the 
 client_id (a restarted server) finds them with LOOKUP. An arena without retained prefixes is unlinked when
 its session ends; detached arenas with prefixes are unlinked, least recently used first, when a new arena
 needs their budget.
+
+Every change of that state is first appended to the store's journal (journal.py) as a record, then applied by
+the same code that replays it: a daemon restarted on the same endpoint re-adopts the arenas, page tables and
+sessions of the one before it, and its clients go on with their sessions and pages. The last page call of each
+session is remembered, so a client resending a call whose reply was lost gets that reply, not a second effect.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from .arena import ArenaGeometry, Segment, free_shm_bytes, instance_prefix, process_alive, process_start_ms
+from . import codec
+from .arena import ArenaGeometry, Segment, free_shm_bytes, process_alive, process_start_ms
 from .config import DaemonConfig, GiB
 from .errors import (
     ArenaFailed,
@@ -32,10 +38,13 @@ from .errors import (
     BudgetExceeded,
     ClientIdInUse,
     HostMemoryExhausted,
+    KVStoreError,
     LimitExceeded,
     SessionExpired,
     Unauthorized,
+    error_from_reply,
 )
+from .journal import Journal, store_segments
 from .protocol import (
     MESSAGES,
     PROTOCOL_VERSION,
@@ -59,6 +68,10 @@ from .store import PageTable
 
 log = logging.getLogger("freekv_kvstore")
 
+# Calls on a session's page table: journaled with their call id, and answered again when resent.
+PAGE_CALLS = frozenset({Opcode.ALLOC, Opcode.FREE, Opcode.RETAIN, Opcode.RELEASE, Opcode.LOOKUP})
+_COMPACT_BYTES = 1 << 20  # the journal is rewritten as one snapshot once its records pass this (and 4x the last)
+
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Arena:
@@ -81,6 +94,7 @@ class Session:
     last_seen: float
     pid: int | None = None  # watched for death when the client runs on this host in this pid namespace
     pid_start_ms: int | None = None
+    last_call: tuple[int, Opcode, object] | None = None  # (call id, opcode, reply or KVStoreError) of a page call
 
 
 class KVStoreCore:
@@ -94,8 +108,6 @@ class KVStoreCore:
         self._clock = clock
         self._started = clock()
         self._hostname = socket.gethostname()
-        self._segment_prefix = os.path.join(config.shm_dir, instance_prefix())
-        self._segment_seq = itertools.count()
         self._arenas: dict[str, Arena] = {}
         self._sessions: dict[int, Session] = {}
         # One arena pre-faults at a time; each already spreads its work over prefault_threads.
@@ -103,8 +115,16 @@ class KVStoreCore:
         self._closing = threading.Event()  # stops a running pre-fault, so shutdown never waits for one
         parent = config.parent_pid
         self._parent_start = process_start_ms(parent) if parent is not None else None
+        self._journal = Journal.open(config.shm_dir, endpoint, parent)
+        try:
+            self.epoch = self._adopt()
+        except BaseException:
+            self._prefaulter.shutdown(wait=False, cancel_futures=True)
+            self._journal.close()  # what this daemon could not adopt stays as it was
+            raise
 
-    def handle(self, opcode: Opcode, session_id: int, request: object) -> object:
+    def handle(self, opcode: Opcode, session_id: int, request: object, call_id: int = 0) -> object:
+        """Answer one request. call_id (0: none) lets a page call resent after a lost reply be answered again."""
         use = MESSAGES[opcode].session
         session = self._sessions.get(session_id) if session_id else None
         if session is None and (use is SessionUse.REQUIRED or (session_id and use is SessionUse.OPTIONAL)):
@@ -115,7 +135,16 @@ class KVStoreCore:
             )
         if session is not None:
             session.last_seen = self._clock()
-        return getattr(self, f"_on_{opcode.name.lower()}")(session, request)
+        if opcode not in PAGE_CALLS:
+            return getattr(self, f"_on_{opcode.name.lower()}")(session, request)
+        last = session.last_call
+        if not (call_id and last is not None and last[:2] == (call_id, opcode)):
+            self._table(session)  # a failed or unready arena refuses before anything is journaled
+            last = self._commit(["call", session.id, call_id, int(opcode), codec.encode(request)], request)
+        result = last[2]
+        if isinstance(result, KVStoreError):
+            raise type(result)(str(result))
+        return result
 
     def tick(self) -> None:
         """Housekeeping between messages: finished pre-faults, dead clients, a dead parent."""
@@ -135,14 +164,19 @@ class KVStoreCore:
         if parent is not None and (self._parent_start is None or not process_alive(parent, self._parent_start)):
             log.info("parent process %d is gone: stopping", parent)
             self.stop_requested = True
+        journal = self._journal
+        if journal.log_bytes > max(_COMPACT_BYTES, 4 * journal.snapshot_bytes):
+            journal.compact(self.epoch, self._snapshot())
 
     def close(self) -> None:
+        """A clean stop: every arena and the journal go (a crash leaves them for the next daemon to adopt)."""
         self._closing.set()
         self._prefaulter.shutdown(wait=False, cancel_futures=True)
         for arena in self._arenas.values():
             arena.segment.unlink()
         self._arenas.clear()
         self._sessions.clear()
+        self._journal.discard()
 
     # Handlers, one per opcode (checked at import below).
 
@@ -174,11 +208,8 @@ class KVStoreCore:
         reattached = arena is not None
         if arena is None:
             arena = self._create_arena(req)
-        arena.rank = req.rank
         pid, pid_start = self._watchable_pid(req)
-        session = Session(self._new_session_id(), arena, now, pid, pid_start)
-        arena.session = session
-        self._sessions[session.id] = session
+        session = self._commit(["open", self._new_session_id(), req.client_id, req.rank, pid, pid_start])
         log.info(
             "session %#x: client %r rank %d pid %s, %s arena of %d pages (%.2f GiB)",
             session.id, req.client_id, req.rank, req.pid or "?", "reattached" if reattached else "new",
@@ -308,27 +339,26 @@ class KVStoreCore:
                 f"{self.config.shm_dir} has {free / GiB:.2f} GiB free but the arena needs {size / GiB:.2f} GiB; "
                 "enlarge it (mount -o remount,size=...) or ask for fewer pages"
             )
-        path = f"{self._segment_prefix}{next(self._segment_seq)}"
+        path = f"{self._journal.prefix}{next(self._segment_seq)}"
         try:
             segment = Segment.create(path, size)
         except OSError as e:
             raise HostMemoryExhausted(f"cannot create arena {path}: {e}") from None
-        table = PageTable(
-            req.num_pages,
-            max_requests=self.config.max_requests_per_client,
-            max_prefixes=self.config.max_prefixes_per_client,
-        )
-        arena = Arena(req.client_id, req.rank, req.geometry, segment, table)
-        if size <= self.config.sync_prefault_bytes:
-            try:
-                segment.prefault(self.config.prefault_threads)
-            except OSError as e:
-                segment.unlink()
-                raise HostMemoryExhausted(f"cannot reserve {size} bytes for arena {path}: {e}") from None
-            arena.ready = True
-        else:
+        ready = size <= self.config.sync_prefault_bytes
+        try:
+            if ready:
+                try:
+                    segment.prefault(self.config.prefault_threads)
+                except OSError as e:
+                    raise HostMemoryExhausted(f"cannot reserve {size} bytes for arena {path}: {e}") from None
+            geom = req.geometry
+            arena = self._commit(["arena", req.client_id, req.rank, list(dataclasses.astuple(geom)), req.num_pages,
+                                  path, size, segment.arena_id, ready])  # fmt: skip
+        except BaseException:
+            segment.unlink()
+            raise
+        if not ready:
             arena.prefault = self._prefaulter.submit(segment.prefault, self.config.prefault_threads, self._closing)
-        self._arenas[req.client_id] = arena
         return arena
 
     def _make_room(self, req: HelloRequest, size: int) -> None:
@@ -357,33 +387,165 @@ class KVStoreCore:
             self._drop_arena(arena)
 
     def _drop_arena(self, arena: Arena) -> None:
-        del self._arenas[arena.client_id]
+        self._commit(["drop", arena.client_id])
         arena.segment.unlink()  # clients that still map it keep their memory until they unmap
 
     def _finish_prefault(self, arena: Arena) -> None:
         error = arena.prefault.exception()
         arena.prefault = None
         if error is None:
-            arena.ready = True
+            self._commit(["ready", arena.client_id])
             log.info("arena of %r is pre-faulted (%.2f GiB)", arena.client_id, arena.segment.size / GiB)
             return
         size = arena.segment.size / GiB
-        arena.failure = f"pre-faulting the {size:.2f} GiB arena of {arena.client_id!r} failed: {error}"
+        self._commit(["failed", arena.client_id, f"pre-faulting the {size:.2f} GiB arena of {arena.client_id!r} "
+                      f"failed: {error}"])  # fmt: skip
         log.error("%s", arena.failure)
         arena.segment.unlink()
 
     def _end_session(self, session: Session, why: str) -> int:
-        del self._sessions[session.id]
+        pooled = self._commit(["end", session.id])
         arena = session.arena
-        arena.session = None
-        arena.idle_since = self._clock()
-        pooled = arena.table.free_all_requests()
         kept = arena.table.num_prefixes
         if not kept and self._arenas.get(arena.client_id) is arena:
             self._drop_arena(arena)  # nothing worth keeping: give the memory back to the host
         log.info("session %#x of %r ended (%s): %d pages back in the pool, %d prefixes kept",
                  session.id, arena.client_id, why, pooled, kept)  # fmt: skip
         return pooled
+
+    # The journal: every change of arenas and sessions is a record, appended before it is applied; _apply is
+    # all that changes them, live and when a restarted daemon replays the journal.
+
+    def _commit(self, record: list, request: object = None) -> object:
+        self._journal.append(record)
+        return self._apply(record, request)
+
+    def _apply(self, record: list, request: object = None) -> object:
+        kind, *args = record
+        if kind not in _RECORDS:
+            raise ValueError(f"unknown journal record {kind!r}")
+        if kind == "call":
+            return self._apply_call(*args, request=request)
+        return getattr(self, f"_apply_{kind}")(*args)
+
+    def _apply_arena(self, client_id, rank, geom, num_pages, path, size, arena_id, ready) -> Arena:
+        table = PageTable(num_pages, **self._table_limits())
+        arena = Arena(client_id, rank, ArenaGeometry(*geom), Segment(path, size, arena_id), table, ready=ready)
+        arena.idle_since = self._clock()
+        self._arenas[client_id] = arena
+        return arena
+
+    def _apply_ready(self, client_id) -> None:
+        self._arenas[client_id].ready = True
+
+    def _apply_failed(self, client_id, failure) -> None:
+        self._arenas[client_id].failure = failure
+
+    def _apply_drop(self, client_id) -> None:
+        del self._arenas[client_id]
+
+    def _apply_open(self, session_id, client_id, rank, pid, pid_start) -> Session:
+        arena = self._arenas[client_id]
+        arena.rank = rank
+        session = Session(session_id, arena, self._clock(), pid, pid_start)
+        arena.session = session
+        self._sessions[session_id] = session
+        return session
+
+    def _apply_end(self, session_id) -> int:
+        arena = self._sessions.pop(session_id).arena
+        arena.session = None
+        arena.idle_since = self._clock()
+        return arena.table.free_all_requests()
+
+    def _apply_call(self, session_id, call_id, opcode, body, request=None) -> tuple[int, Opcode, object]:
+        session = self._sessions[session_id]
+        op = Opcode(opcode)
+        if request is None:
+            request = codec.decode(MESSAGES[op].request, body)
+        try:
+            result = getattr(self, f"_on_{op.name.lower()}")(session, request)
+        except KVStoreError as e:  # refused without a change (the table checks before it acts): so is a replay
+            result = e
+        session.last_call = (call_id, op, result)
+        return session.last_call
+
+    def _table_limits(self) -> dict[str, int]:
+        config = self.config
+        return {"max_requests": config.max_requests_per_client, "max_prefixes": config.max_prefixes_per_client}
+
+    def _snapshot(self) -> dict:
+        arenas = [
+            [a.client_id, a.rank, list(dataclasses.astuple(a.geometry)), a.table.num_pages, a.segment.path,
+             a.segment.size, a.segment.arena_id, a.ready, a.failure, a.table.state()]
+            for a in self._arenas.values()
+        ]  # fmt: skip
+        sessions = [[s.id, s.arena.client_id, s.pid, s.pid_start_ms, _pack_call(s.last_call)]
+                    for s in self._sessions.values()]  # fmt: skip
+        return {"endpoint": self.endpoint, "arenas": arenas, "sessions": sessions}
+
+    def _restore(self, snapshot: dict) -> None:
+        for *fields, failure, table in snapshot["arenas"]:
+            arena = self._apply_arena(*fields)
+            arena.failure = failure
+            arena.table = PageTable.from_state(arena.table.num_pages, table, **self._table_limits())
+        for session_id, client_id, pid, pid_start, last_call in snapshot["sessions"]:
+            session = self._apply_open(session_id, client_id, self._arenas[client_id].rank, pid, pid_start)
+            session.last_call = _unpack_call(last_call)
+
+    def _adopt(self) -> int:
+        """Re-adopt what the last daemon of this endpoint left (nothing for a new store); return the new epoch."""
+        journal = self._journal
+        epoch, snapshot, records = journal.load()
+        if snapshot is not None:
+            try:
+                self._restore(snapshot)
+                for record in records:
+                    self._apply(record)
+            except (KVStoreError, ValueError, KeyError, TypeError, IndexError) as e:
+                raise journal.rejected(f"its state does not replay ({type(e).__name__}: {e})") from None
+            self._check_adopted(snapshot["endpoint"])
+        segments = store_segments(journal.prefix)
+        known = {a.segment.path for a in self._arenas.values()}
+        for path in sorted(set(segments.values()) - known):
+            log.warning("removing %s: no journaled arena (its daemon died while creating or dropping it)", path)
+            os.unlink(path)
+        self._segment_seq = itertools.count(max(segments, default=-1) + 1)
+        journal.compact(epoch + 1, self._snapshot())
+        for arena in self._arenas.values():
+            if not arena.ready and not arena.failure:  # its pre-fault was cut short; faulting in keeps the bytes
+                arena.prefault = self._prefaulter.submit(arena.segment.prefault, self.config.prefault_threads,
+                                                         self._closing)  # fmt: skip
+        if snapshot is not None:
+            log.warning(
+                "re-adopted the kvstore state of %s at epoch %d: %d arenas (%.2f GiB), %d sessions, %d requests",
+                self.endpoint, epoch + 1, len(self._arenas), self._reserved_bytes() / GiB, len(self._sessions),
+                sum(a.table.num_requests for a in self._arenas.values()),
+            )  # fmt: skip
+        return epoch + 1
+
+    def _check_adopted(self, endpoint: str) -> None:
+        """Refuse arenas this daemon cannot take as they are: another endpoint's journal, files that are not the
+        journaled arenas, or more arena bytes than this daemon's budget."""
+        journal = self._journal
+        if endpoint != self.endpoint:
+            raise journal.rejected(f"the journal belongs to {endpoint}")
+        for arena in self._arenas.values():
+            if arena.failure:
+                continue  # its file was removed when its pre-fault failed
+            seg = arena.segment
+            if seg.size != arena.table.num_pages * arena.geometry.page_bytes:
+                raise journal.rejected(f"the arena of {arena.client_id!r} has {seg.size} bytes, not "
+                                       f"{arena.table.num_pages} pages of {arena.geometry}")  # fmt: skip
+            if not seg.path.startswith(journal.prefix):
+                raise journal.rejected(f"the arena of {arena.client_id!r} at {seg.path} is not a file of this store")
+            problem = seg.mismatch()
+            if problem:
+                raise journal.rejected(f"the arena of {arena.client_id!r} is not the journaled one: {problem}")
+        reserved = self._reserved_bytes()
+        if reserved > self.config.arena_bytes:
+            raise journal.rejected(f"its arenas take {reserved / GiB:.3f} GiB, more than the budget of "
+                                   f"{self.config.arena_bytes / GiB:.3f} GiB (--arena-gb)")  # fmt: skip
 
     def _arena_stats(self, arena: Arena, now: float) -> ArenaStats:
         t = arena.table
@@ -404,6 +566,28 @@ class KVStoreCore:
             evicted_prefixes=t.evicted_prefixes,
             idle_s=idle,
         )
+
+
+_RECORDS = frozenset({"arena", "ready", "failed", "drop", "open", "end", "call"})
+
+
+def _pack_call(last_call: tuple[int, Opcode, object] | None) -> list | None:
+    if last_call is None:
+        return None
+    call_id, op, result = last_call
+    if isinstance(result, KVStoreError):
+        return [call_id, int(op), False, int(result.code), str(result)]
+    return [call_id, int(op), True, codec.encode(result)]
+
+
+def _unpack_call(packed: list | None) -> tuple[int, Opcode, object] | None:
+    if packed is None:
+        return None
+    call_id, opcode, ok, *result = packed
+    op = Opcode(opcode)
+    if ok:
+        return call_id, op, codec.decode(MESSAGES[op].reply, result[0])
+    return call_id, op, error_from_reply(*result)
 
 
 def _check_handlers() -> None:

@@ -1,48 +1,74 @@
-"""Embedded mode: a daemon subprocess that lives and dies with the server that started it.
+"""Embedded mode: a supervised daemon subprocess that lives and dies with the server that started it.
 
 For a server started without a kvstore endpoint: start_embedded() launches ``python -m freekv_kvstore`` on
-a private ipc:// path and waits until it answers. The daemon stops on stop(), at the end of a with-block,
-at interpreter exit, and by itself within a reaper tick when the starting process dies (it watches its pid),
-so even a kill -9 of the server leaves no daemon or segment behind.
+a private ipc:// path and waits until it answers. A thread of the server watches the daemon: when it dies
+(a crash, kill -9) it is started again on the same endpoint, where it re-adopts the arenas, page tables and
+sessions of the dead one (journal.py), so the clients' sessions and pages go on. The daemon stops on stop(),
+at the end of a with-block, at interpreter exit, and by itself within a reaper tick when the starting process
+dies (it watches its pid), so even a kill -9 of the server leaves no daemon or segment behind.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
-from .arena import remove_stale_segments
 from .client import ping_daemon
 from .config import TOKEN_ENV, ensure_private_dir, ipc_path, runtime_dir
 from .errors import DaemonUnavailable, KVStoreError
+from .journal import discard_store
+
+log = logging.getLogger("freekv_kvstore")
+
+# A daemon that dies this often within the window is not restarted again: something kills it on sight.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
 
 
 class EmbeddedKVStore:
-    """Handle of an embedded daemon: .endpoint and .token to connect, .stop() to end it."""
+    """Handle of an embedded daemon: .endpoint and .token to connect, .stop() to end it. .restarts counts the
+    restarts after deaths; .failure says why the supervisor gave up (None while it keeps a daemon running)."""
 
-    def __init__(self, process: subprocess.Popen, endpoint: str, token: str | None, leftovers: _Leftovers) -> None:
-        self.process = process
-        self.endpoint = endpoint
-        self.token = token
-        self._leftovers = leftovers
-        self._finalizer = weakref.finalize(self, _stop_process, process, leftovers, 10.0)
+    def __init__(self, supervisor: _Supervisor) -> None:
+        self._supervisor = supervisor
+        self.token = supervisor.token
+        self._finalizer = weakref.finalize(self, supervisor.stop, 10.0)
+
+    @property
+    def endpoint(self) -> str:
+        return self._supervisor.endpoint
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self._supervisor.process
 
     @property
     def pid(self) -> int:
-        return self.process.pid
+        return self._supervisor.process.pid
+
+    @property
+    def restarts(self) -> int:
+        return self._supervisor.restarts
+
+    @property
+    def failure(self) -> str | None:
+        return self._supervisor.failure
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL after timeout_s; returns the exit code. Idempotent."""
         if not self._finalizer.alive:
             return self.process.returncode
         self._finalizer.detach()
-        return _stop_process(self.process, self._leftovers, timeout_s)
+        return self._supervisor.stop(timeout_s)
 
     def __enter__(self) -> EmbeddedKVStore:
         return self
@@ -56,22 +82,103 @@ class EmbeddedKVStore:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Leftovers:
-    """What a daemon killed before it could clean up leaves behind."""
+    """What a daemon that did not stop cleanly leaves behind."""
 
     shm_dir: str
-    socket_path: str | None
     ready_file: str
 
-    def remove(self) -> None:
-        remove_stale_segments(self.shm_dir)
+    def remove(self, endpoint: str) -> None:
+        discard_store(self.shm_dir, endpoint)
         paths = [self.ready_file]
-        if self.socket_path is not None:
-            paths += [self.socket_path, f"{self.socket_path}.lock"]
+        socket_path = ipc_path(endpoint)
+        if socket_path is not None:
+            paths += [socket_path, f"{socket_path}.lock"]
         for path in paths:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
+
+
+class _Supervisor(threading.Thread):
+    """Owns the daemon process: starts it, restarts it when it dies, stops it. Holds no reference to the handle,
+    so the handle's finalizer can stop it."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], endpoint: str, token: str | None,
+                 leftovers: _Leftovers, startup_timeout_s: float) -> None:  # fmt: skip
+        super().__init__(name="kvstore-supervisor", daemon=True)
+        self.cmd, self.env, self.endpoint, self.token = cmd, env, endpoint, token
+        self.leftovers = leftovers
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.restarts = 0
+        self.failure: str | None = None
+        self._deaths: collections.deque[float] = collections.deque(maxlen=MAX_RESTARTS)
+        self._lock = threading.Lock()  # orders a restart against stop()
+        self._stopping = False
+
+    def launch(self) -> None:
+        """Start the daemon and wait until it answers; the first start also learns the bound endpoint."""
+        with self._lock:
+            if self._stopping:
+                raise DaemonUnavailable("the embedded kvstore is stopping")
+            try:
+                os.unlink(self.leftovers.ready_file)  # a killed daemon's, naming the old endpoint
+            except FileNotFoundError:
+                pass
+            # Its own session: a Ctrl-C meant for the server must not kill the daemon before the server lets go.
+            self.process = subprocess.Popen(self.cmd, env=self.env, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.endpoint = _wait_ready(self.process, self.leftovers.ready_file, self.token, self.startup_timeout_s)
+        if self.endpoint != self.cmd[self.cmd.index("--endpoint") + 1]:
+            self.cmd[self.cmd.index("--endpoint") + 1] = self.endpoint  # tcp port 0: restarts take the same port
+
+    def run(self) -> None:
+        while True:
+            code = self.process.wait()
+            now = time.monotonic()
+            with self._lock:
+                if self._stopping:
+                    return
+            self._deaths.append(now)
+            if len(self._deaths) == MAX_RESTARTS and now - self._deaths[0] < RESTART_WINDOW_S:
+                self._give_up(f"it died {MAX_RESTARTS} times within {RESTART_WINDOW_S:g} s (last exit code {code})")
+                return
+            log.warning("the embedded kvstore (pid %d) exited with code %s; restarting it on %s",
+                        self.process.pid, code, self.endpoint)  # fmt: skip
+            try:
+                self.launch()
+            except (KVStoreError, RuntimeError) as e:
+                with self._lock:
+                    if self._stopping:
+                        return
+                self._give_up(f"its restart failed: {e}")
+                return
+            self.restarts += 1
+            log.warning("the embedded kvstore is back on %s after %.2f s (pid %d, restart %d)",
+                        self.endpoint, time.monotonic() - now, self.process.pid, self.restarts)  # fmt: skip
+
+    def stop(self, timeout_s: float) -> int | None:
+        with self._lock:
+            self._stopping = True
+            process = self.process
+        if process is None:  # it never started
+            return None
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout_s)
+        # Whatever a killed or refused daemon left: nothing but this server could re-adopt its private store.
+        self.leftovers.remove(self.endpoint)
+        return process.returncode
+
+    def _give_up(self, why: str) -> None:
+        self.failure = f"the embedded kvstore on {self.endpoint} is not restarted: {why}; see its log above"
+        log.error("%s", self.failure)
 
 
 def start_embedded(
@@ -84,8 +191,8 @@ def start_embedded(
     shm_dir: str = "/dev/shm",
     startup_timeout_s: float = 30.0,
 ) -> EmbeddedKVStore:
-    """Start a daemon subprocess with an arena budget of arena_gb GiB and wait until it answers PING.
-    endpoint defaults to a fresh ipc:// path in the per-user runtime directory; a tcp:// endpoint gets a
+    """Start a supervised daemon subprocess with an arena budget of arena_gb GiB and wait until it answers
+    PING. endpoint defaults to a fresh ipc:// path in the per-user runtime directory; a tcp:// endpoint gets a
     random token unless one is given (it travels in the environment, never on the command line)."""
     if not arena_gb > 0:
         raise ValueError(f"arena_gb must be positive, got {arena_gb!r}")
@@ -112,14 +219,14 @@ def start_embedded(
     env.pop(TOKEN_ENV, None)
     if token is not None:
         env[TOKEN_ENV] = token
-    # Its own session: a Ctrl-C meant for the server must not kill the daemon before the server lets go.
-    process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-    handle = EmbeddedKVStore(process, endpoint, token, _Leftovers(shm_dir, ipc_path(endpoint), ready_file))
+    supervisor = _Supervisor(cmd, env, endpoint, token, _Leftovers(shm_dir, ready_file), startup_timeout_s)
+    handle = EmbeddedKVStore(supervisor)
     try:
-        handle.endpoint = _wait_ready(process, ready_file, token, startup_timeout_s)
+        supervisor.launch()
     except BaseException:
         handle.stop(timeout_s=2.0)
         raise
+    supervisor.start()
     return handle
 
 
@@ -142,16 +249,3 @@ def _wait_ready(process: subprocess.Popen, ready_file: str, token: str | None, t
             except (DaemonUnavailable, KVStoreError):
                 time.sleep(0.02)
     raise DaemonUnavailable(f"the embedded kvstore (pid {process.pid}) did not start within {timeout_s:g} s")
-
-
-def _stop_process(process: subprocess.Popen, leftovers: _Leftovers, timeout_s: float) -> int | None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    if process.returncode < 0:  # killed by a signal: it could not unlink its segments and socket
-        leftovers.remove()
-    return process.returncode

@@ -88,6 +88,10 @@ class EndpointInUse(KVStoreError, OSError):
     """Another daemon already listens on the endpoint."""
 
 
+class StateRejected(KVStoreError):
+    """A starting daemon found its endpoint's journal and arenas but cannot re-adopt them as they are."""
+
+
 ERROR_TYPES: dict[ErrorCode, type[KVStoreError]] = {
     cls.code: cls for cls in KVStoreError.__subclasses__() + ProtocolError.__subclasses__() if cls.code is not None
 }

@@ -16,10 +16,10 @@ import time
 import zmq
 
 from . import codec
-from .arena import remove_stale_segments
 from .config import DaemonConfig, GiB, ensure_private_dir, ipc_path, runtime_dir
 from .core import KVStoreCore
 from .errors import EndpointInUse, KVStoreError, ProtocolError, ShuttingDown, UnknownOpcode, VersionMismatch
+from .journal import remove_orphaned_stores
 from .protocol import MAX_BODY_BYTES, MESSAGES, PROTOCOL_VERSION, ErrorCode, Opcode
 
 log = logging.getLogger("freekv_kvstore")
@@ -72,7 +72,8 @@ class KVStoreServer:
                 next_tick = time.monotonic() + self.config.reap_interval_s
 
     def close(self) -> None:
-        """Unlink every arena and the socket; safe to call more than once and after a failed start."""
+        """Unlink every arena, the journal and the socket; safe to call more than once and after a failed start
+        (which leaves a journal it could not re-adopt as it was)."""
         if self._core is not None:
             self._core.close()
             self._core = None
@@ -95,9 +96,9 @@ class KVStoreServer:
         path = ipc_path(self.endpoint)
         if path is not None:
             self._lock_ipc(path)
-        removed = remove_stale_segments(self.config.shm_dir)
+        removed = remove_orphaned_stores(self.config.shm_dir)
         if removed:
-            log.warning("removed %d stale arena segments of dead kvstore instances: %s", len(removed), removed)
+            log.warning("removed %d files of kvstores whose daemon and server are both gone: %s", len(removed), removed)
         try:
             sock.bind(self.endpoint)
         except zmq.ZMQError as e:
@@ -107,7 +108,7 @@ class KVStoreServer:
         if path is not None:
             os.chmod(path, 0o600)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # tcp port 0 / * resolved
-        self._core = KVStoreCore(self.config, self.endpoint)
+        self._core = KVStoreCore(self.config, self.endpoint)  # re-adopts what a killed daemon here left
         if self.config.ready_file:
             tmp = f"{self.config.ready_file}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
@@ -169,7 +170,7 @@ class KVStoreServer:
             request = codec.decode(MESSAGES[op].request, payload[1])
             if core.stop_requested or self._stop:
                 raise ShuttingDown("the kvstore is shutting down")
-            return codec.reply_frames(opcode, call_id, core.handle(op, session, request))
+            return codec.reply_frames(opcode, call_id, core.handle(op, session, request, call_id))
         except KVStoreError as e:
             core.errors += 1
             log.debug("request %#x/%d refused: %s", opcode, call_id, e)

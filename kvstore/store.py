@@ -154,6 +154,36 @@ class PageTable:
             return i, list(pages)
         return -1, []
 
+    def state(self) -> dict:
+        """Everything a restarted daemon needs to rebuild this table exactly, orders included (the free
+        stack and the LRU decide what later calls hand out), as plain msgpack-able data."""
+        return {
+            "free": list(self._free),
+            "requests": [[rid, pages] for rid, pages in self._requests.items()],
+            "prefixes": [[key, list(pages)] for key, pages in self._prefixes.items()],
+            "evicted": self.evicted_prefixes,
+        }
+
+    @classmethod
+    def from_state(cls, num_pages: int, state: dict, **limits: int) -> PageTable:
+        """The table state() described; the reference counts are recounted and the result audited."""
+        table = cls(num_pages, **limits)
+        table._free = [int(p) for p in state["free"]]
+        table._requests = {int(rid): [int(p) for p in pages] for rid, pages in state["requests"]}
+        table._prefixes = OrderedDict((bytes(key), tuple(int(p) for p in pages)) for key, pages in state["prefixes"])
+        table.evicted_prefixes = int(state["evicted"])
+        for holders, refs in ((table._requests, table._req_refs), (table._prefixes, table._key_refs)):
+            for pages in holders.values():
+                for p in pages:
+                    if not 0 <= p < num_pages:
+                        raise InvalidArgument(f"page {p} is outside an arena of {num_pages} pages")
+                    refs[p] += 1
+        table._cached = sum(1 for r, k in zip(table._req_refs, table._key_refs, strict=True) if r == 0 and k > 0)
+        problem = table.audit()
+        if problem:
+            raise InvalidArgument(problem)
+        return table
+
     def audit(self) -> str | None:
         """Recount every reference from the request and prefix tables; the first inconsistency, or None."""
         req_refs = [0] * self.num_pages

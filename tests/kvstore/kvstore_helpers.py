@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from freekv_kvstore import codec
-from freekv_kvstore.arena import remove_stale_segments
+from freekv_kvstore.journal import discard_store, store_prefix, store_segments
 
 TOKEN = "test-token-0123456789"
 HERE = Path(__file__).parent
@@ -38,9 +38,8 @@ class Daemon:
         return "".join((self.workdir / name).read_text() for name in ("daemon.out", "daemon.err"))
 
     def segments(self) -> list[str]:
-        """Paths of this daemon's arena files."""
-        prefix = f"freekv.{os.getuid()}.{self.pid}."
-        return [os.path.join(self.shm_dir, n) for n in os.listdir(self.shm_dir) if n.startswith(prefix)]
+        """Paths of the arena files of this daemon's endpoint."""
+        return sorted(store_segments(store_prefix(self.shm_dir, self.endpoint)).values())
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> int:
         if self.process.poll() is None:
@@ -99,7 +98,7 @@ class DaemonFactory:
             if d.process.poll() is None:
                 d.process.kill()
                 d.process.wait(10)
-        remove_stale_segments("/dev/shm")  # what killed daemons left behind
+            discard_store(d.shm_dir, d.endpoint)  # what a killed daemon left behind
         for path in self.dirs:
             shutil.rmtree(path, ignore_errors=True)
 

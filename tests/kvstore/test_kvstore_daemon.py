@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -25,7 +26,8 @@ from freekv_kvstore import (
     protocol,
     shutdown_daemon,
 )
-from freekv_kvstore.arena import instance_prefix
+from freekv_kvstore.arena import ARENA_ID_BYTES
+from freekv_kvstore.journal import store_prefix
 from freekv_kvstore.protocol import ErrorCode, Opcode, Status
 
 from kvstore_helpers import TOKEN
@@ -152,7 +154,8 @@ def test_segments_are_private_while_alive_and_gone_after_a_signal(daemons, sig):
     d = daemons.start("ipc")
     c = connect(d)
     st = os.stat(c.arena_path)
-    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid() and st.st_size == 32 * GEOM.page_bytes
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    assert st.st_size == 32 * GEOM.page_bytes + ARENA_ID_BYTES
     assert stat.S_IMODE(os.stat(d.endpoint.removeprefix("ipc://")).st_mode) == 0o600
     assert len(d.segments()) == 1
     assert d.stop(sig) == 0
@@ -170,18 +173,25 @@ def test_a_taken_endpoint_is_refused(daemons, transport):
     assert ping_daemon(first.endpoint, token=first.token).daemon_pid == first.pid
 
 
-def test_stale_segments_of_dead_instances_are_removed_at_start(daemons):
-    # A private --shm-dir: concurrent test runs clean /dev/shm of dead instances' files too.
-    shm = daemons.workdir()
+def test_a_start_removes_unjournaled_arenas_of_its_endpoint_and_stores_nobody_can_re_adopt(daemons):
+    shm = str(daemons.workdir())  # private: nothing of a concurrent run in it
+    d = daemons.start("ipc", shm_dir=shm)
+    with connect(d, client_id="a") as c:
+        c.retain(b"k", c.alloc(1, 1))  # the arena stays after the session ends
+    d.stop(signal.SIGKILL)
+    orphan = f"{store_prefix(shm, d.endpoint)}9"  # as if the daemon died between creating and journaling it
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = shm / f"freekv.{os.getuid()}.{int(dead.stdout)}.123456.0"
-    alive = shm / f"{instance_prefix()}0"  # named as if this live test process were a daemon
-    foreign = shm / f"freekv.{os.getuid() + 1}.{int(dead.stdout)}.123456.0"  # another user's: not ours to judge
-    for path in (stale, alive, foreign):
-        path.write_bytes(b"x")
-    d = daemons.start("ipc", shm_dir=str(shm))
-    assert not stale.exists() and alive.exists() and foreign.exists()
-    assert "removed 1 stale arena segments" in d.log()
+    external = store_prefix(shm, "ipc:///external.sock")  # its daemon may be restarted: left alone
+    embedded = store_prefix(shm, "ipc:///embedded.sock")  # its daemon and its server are gone: nobody can
+    for prefix, parent in ((external, "0 0"), (embedded, f"{int(dead.stdout)} 123456")):
+        Path(f"{prefix}lock").write_text(f"{int(dead.stdout)} 1 {parent}\n")
+        Path(f"{prefix}0").write_bytes(b"x")
+    Path(orphan).write_bytes(b"x")
+    kept = d.segments()
+    d2 = daemons.start("ipc", endpoint=d.endpoint, shm_dir=shm)
+    assert not os.path.exists(orphan) and d2.segments() == [p for p in kept if p != orphan]
+    assert os.path.exists(f"{external}0") and not any(os.path.exists(f"{embedded}{n}") for n in ("0", "lock"))
+    assert "no journaled arena" in d2.log() and "daemon and server are both gone" in d2.log()
 
 
 def test_client_ids_budget_and_reattach(daemons):

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from freekv_kvstore import ArenaGeometry, KVStoreClient, start_embedded
+from freekv_kvstore import ArenaGeometry, DaemonUnavailable, KVStoreClient, start_embedded
 from freekv_kvstore.config import ipc_path
+from freekv_kvstore.journal import store_prefix, store_segments
 
 from kvstore_helpers import run_worker
 
@@ -19,8 +20,8 @@ pytestmark = pytest.mark.timeout(60)
 GEOM = ArenaGeometry(num_layers=1, num_kv_heads=1, page_size=4, head_dim=8, dtype="float32")
 
 
-def _segments_of(pid: int) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"freekv.{os.getuid()}.{pid}.")]
+def _segments_of(endpoint: str) -> list[str]:
+    return list(store_segments(store_prefix("/dev/shm", endpoint)).values())
 
 
 def _gone(pid: int) -> bool:
@@ -37,9 +38,9 @@ def test_start_use_and_stop():
         assert os.path.dirname(path).endswith("freekv") or "freekv-" in path
         with KVStoreClient.connect(kv.endpoint, geometry=GEOM, num_pages=8, cuda_register=False) as c:
             assert c.alloc(1, 8) == list(range(8))
-            assert _segments_of(kv.pid)
+            assert _segments_of(kv.endpoint)
     assert kv.process.returncode == 0
-    assert not os.path.exists(path) and not _segments_of(kv.pid)
+    assert not os.path.exists(path) and not _segments_of(kv.endpoint)
     assert kv.stop() == 0  # idempotent
 
 
@@ -67,3 +68,46 @@ def test_the_daemon_follows_its_server_when_the_server_is_killed():
         server.kill()
         server.wait(10)
     assert not os.path.exists(ipc_path(info["endpoint"]))
+
+
+def test_a_killed_daemon_is_restarted_within_2_s_and_its_clients_go_on():
+    with start_embedded(arena_gb=0.01) as kv:
+        c = KVStoreClient.connect(kv.endpoint, geometry=GEOM, num_pages=16, cuda_register=False)
+        hasty = KVStoreClient.connect(kv.endpoint, geometry=GEOM, num_pages=4, client_id="hasty", timeout_s=0.05,
+                                      cuda_register=False)  # fmt: skip
+        pages = c.alloc(1, 4)
+        c.arena[pages] = 7.0
+        old = kv.pid
+        os.kill(old, signal.SIGKILL)
+        t0 = time.monotonic()
+        try:  # in the restart window a call completes or fails with the clear error, by its deadline
+            hasty.alloc(1, 1)
+        except DaemonUnavailable as e:
+            assert "did not answer ALLOC within 0.05 s" in str(e)
+        assert time.monotonic() - t0 < 0.5
+        assert c.alloc(1, 1) == [4]  # waits for the restarted daemon, which knows the session
+        took = time.monotonic() - t0
+        assert took < 2.0 and kv.restarts == 1 and kv.pid != old and kv.failure is None
+        assert float(c.arena[pages].mean()) == 7.0
+        c.close()
+        hasty.close()
+    assert kv.process.returncode == 0 and not _segments_of(kv.endpoint)
+
+
+def test_the_supervisor_gives_up_on_a_restart_that_is_refused():
+    with start_embedded(arena_gb=0.01) as kv:
+        c = KVStoreClient.connect(kv.endpoint, geometry=GEOM, num_pages=16, cuda_register=False)
+        journal = f"{store_prefix('/dev/shm', kv.endpoint)}journal"
+        with open(journal, "r+b") as f:  # spoil the snapshot: the restarted daemon must refuse it
+            f.seek(40)
+            byte = f.read(1)
+            f.seek(40)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        os.kill(kv.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while kv.failure is None:
+            assert time.monotonic() < deadline, "the supervisor neither restarted the daemon nor gave up"
+            time.sleep(0.02)
+        assert "its restart failed" in kv.failure and kv.restarts == 0
+        c.close()
+    assert not _segments_of(kv.endpoint) and not os.path.exists(journal)  # the server's private store goes with it
