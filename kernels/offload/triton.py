@@ -40,6 +40,7 @@ def _offload_pages_kernel(
     s_cp,
     s_ch,
     s_ct,
+    s_cj,
     H: tl.constexpr,
     PAGE: tl.constexpr,
     D: tl.constexpr,
@@ -82,7 +83,7 @@ def _offload_pages_kernel(
             shifts = (tl.arange(0, PER_BYTE) * BITS)[None, None, :]
             packed = tl.sum(tl.reshape(code, [PAGE, D // PER_BYTE, PER_BYTE]) << shifts, axis=2)
             j = tl.arange(0, D // PER_BYTE)[None, :]
-            tl.store(codes_ptr + dst * s_cp + h * s_ch + t * s_ct + j, packed.to(tl.uint8), mask=m)
+            tl.store(codes_ptr + dst * s_cp + h * s_ch + t * s_ct + j * s_cj, packed.to(tl.uint8), mask=m)
 
 
 def offload_pages(
@@ -116,7 +117,7 @@ def offload_pages(
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if codes is not None:
         check_device(codes)
-        assert codes.shape[1:] == (H, page_size, D // PER_BYTE) and codes.dtype == torch.uint8 and codes.stride(-1) == 1
+        assert codes.shape[1:] == (H, page_size, D // PER_BYTE) and codes.dtype == torch.uint8
     if n == 0:
         return
     _offload_pages_kernel[capped_grid(n * H, programs)](
@@ -141,7 +142,7 @@ def offload_pages(
         summaries.stride(0),
         summaries.stride(1),
         summaries.stride(2),
-        *((0, 0, 0) if codes is None else codes.stride()[:3]),
+        *((0, 0, 0, 0) if codes is None else codes.stride()),
         H=H,
         PAGE=page_size,
         D=D,

@@ -4,6 +4,10 @@ Key codes: every key channel of a page is cut into 4 equal bins of the page's ow
 summary), so a token costs D / 4 bytes per KV head; channels 4j .. 4j+3 sit in byte j, channel 4j + i in bits
 2i..2i+1. The bin is counted with exact comparisons, 4 (k - lo) >= i (hi - lo) for i = 1, 2, 3 (no division, so
 every device rounds alike; a constant channel gets bin 0), and a code decodes to its bin's centre.
+
+Layout: a code store is indexed [page, head, token, byte] but lies byte-major in memory ([page, head, byte, token],
+see empty_codes), so one byte of every token of a page -- four channels of the page -- is one contiguous row: the
+sketch (first stage) reads a few such rows per page, the rerank reads them all.
 """
 
 from __future__ import annotations
@@ -16,6 +20,12 @@ LEVELS = 1 << CODE_BITS
 PER_BYTE = 8 // CODE_BITS
 
 
+def empty_codes(num_pages: int, heads: int, page_size: int, head_dim: int, device=None) -> torch.Tensor:
+    """A zeroed code store [num_pages, heads, page_size, head_dim / 4] uint8 in the byte-major layout."""
+    return torch.zeros(num_pages, heads, head_dim // PER_BYTE, page_size, dtype=torch.uint8,
+                       device=device).transpose(2, 3)
+
+
 def quantize_keys(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """k [..., rows, D] with its page's lo / hi [..., D] -> codes [..., rows, D / 4] uint8."""
     lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
@@ -26,11 +36,70 @@ def quantize_keys(k: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.
 
 
 def dequantize_keys(codes: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """codes [..., rows, D / 4] -> fp32 keys [..., rows, D] at their bins' centres."""
+    """codes [..., rows, D / 4] -> fp32 keys [..., rows, D] at their bins' centres: c * step + (lo + step / 2),
+    step = (hi - lo) / 4 (the rerank kernel's arithmetic)."""
     shifts = torch.arange(PER_BYTE, device=codes.device) * CODE_BITS
     c = ((codes.to(torch.int32).unsqueeze(-1) >> shifts) & (LEVELS - 1)).flatten(-2).float()
     lo, hi = lo.float().unsqueeze(-2), hi.float().unsqueeze(-2)
-    return lo + (c + 0.5) * (hi - lo) / LEVELS
+    step = (hi - lo) / LEVELS
+    return c * step + (lo + step * 0.5)
+
+
+def sketch_bytes(q: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """[H, nbytes] the code bytes a KV head's sketch reads for query heads q [H, G, D]: the bytes (4 channels each)
+    with the largest sum of |q| over their channels and the group, largest first, ties by the lower byte."""
+    w = q.float().abs().unflatten(-1, (-1, PER_BYTE)).sum((1, 3))  # [H, D / 4]
+    return torch.sort(w, dim=-1, descending=True, stable=True).indices[:, :nbytes]
+
+
+def naive_sketch_pages(
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    codes: torch.Tensor,
+    page_table: torch.Tensor,
+    req_slots: torch.Tensor,
+    scale: float,
+    nbytes: int,
+    heads: torch.Tensor | None = None,
+    phase: int = 1,
+    q_by_slot: bool = False,
+    cand_start: int = 0,
+    cand_end: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The first stage's scores [B, H, M] of every page in [cand_start, cand_end[b]): as naive_rerank_pages (per query
+    head the log-sum-exp of the page's logits, softmax over the pages, group mean), but a key is its page's
+    mid-range (lo + hi) / 2 except on the 4 * nbytes channels of the sketch_bytes of the group's query, which
+    decode from their codes; -inf at every other page. Rows of heads outside `phase` stay unwritten (NaN).
+    A logit is computed as the kernel's tensor-core products round it: (q . lo + q . hi) / 2 with lo, hi and the
+    scaled query in fp16, plus, on the picked channels, the scaled query times step * (code - 1.5) in fp16; fp32
+    sums."""
+    mine = in_phase(heads, phase)
+    B, H, M = req_slots.shape[0], summaries.shape[1], page_table.shape[1]
+    G = q.shape[1] // H
+    scores = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
+    for b, slot in enumerate(req_slots.tolist()):
+        qb = q[slot if q_by_slot else b].float().view(H, G, -1)
+        sel = sketch_bytes(qb, nbytes)
+        for h in range(H):
+            if mine is not None and not mine[b, h]:
+                continue
+            scores[b, h] = float("-inf")
+            logical = torch.arange(cand_start, max(cand_start, min(int(cand_end[b]), M)), device=q.device)
+            if logical.numel() == 0:
+                continue
+            pages = page_table[slot, logical].long()
+            ch = (sel[h, :, None] * PER_BYTE + torch.arange(PER_BYTE, device=q.device)).flatten()
+            qs = qb[h] * scale  # [G, D]
+            q16 = qs.half().float()
+            lo, hi = summaries[pages, h, 0], summaries[pages, h, 1]
+            base = (lo.half().float() @ q16.T + hi.half().float() @ q16.T) * 0.5  # [n, G]
+            step = (hi[..., ch].float() - lo[..., ch].float()) / LEVELS  # [n, R]
+            shifts = torch.arange(PER_BYTE, device=q.device).repeat(nbytes) * CODE_BITS
+            code = ((codes[pages, h][..., sel[h].repeat_interleave(PER_BYTE)].int() >> shifts) & (LEVELS - 1)).float()
+            dev = ((code - (LEVELS - 1) * 0.5) * step[:, None, :]).half().float()  # [n, p, R]
+            s = base.T[:, :, None] + torch.einsum("gr,ntr->gnt", q16[:, ch], dev)
+            scores[b, h, logical] = torch.softmax(torch.logsumexp(s, dim=-1), dim=-1).mean(0)
+    return scores
 
 
 def naive_top_pages(
@@ -71,7 +140,7 @@ def naive_rerank_pages(
 ) -> torch.Tensor:
     """scores [B, H, M] for the candidate pages cand [B, H, C] (logical pages, -1 none) of each (row, KV head), or
     with cand None every page in [cand_start, cand_end[b]) (the full scan):
-    per query head, the log-sum-exp of the page's decoded-key logits, a softmax over the row's candidates, the
+    per query head, the log-sum-exp of the page's decoded-key logits (keys and scaled query rounded to fp16), a softmax over the row's candidates, the
     mean over the group; -inf at every other page. Rows of heads outside `phase` stay unwritten (NaN)."""
     mine = in_phase(heads, phase)
     B, H, M = req_slots.shape[0], summaries.shape[1], page_table.shape[1]
@@ -91,7 +160,9 @@ def naive_rerank_pages(
                 continue
             pages = page_table[slot, logical].long()
             keys = dequantize_keys(codes[pages, h], summaries[pages, h, 0], summaries[pages, h, 1])  # [n, p, D]
-            s = scale * torch.einsum("gd,ntd->gnt", qb[h * G:(h + 1) * G], keys)
+            # The tensor-core product's operands: fp16 keys, fp16 scaled queries, fp32 sums.
+            qs = (qb[h * G:(h + 1) * G] * scale).half().float()
+            s = torch.einsum("gd,ntd->gnt", qs, keys.half().float())
             mass = torch.softmax(torch.logsumexp(s, dim=-1), dim=-1)  # [G, n]
             scores[b, h, logical] = mass.mean(0)
     return scores

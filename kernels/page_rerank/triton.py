@@ -1,9 +1,11 @@
-"""Triton top-C candidate pages and their rerank from 2-bit key codes.
+"""Triton kernels of the two-stage selection from 2-bit key codes: the sketch, the top candidates, their rerank.
 
+sketch_pages: the first stage, every page scored from a few code bytes (see _sketch_lse_kernel), pooled like the
+rerank.
 top_pages: the staged bitonic top-k of select_slots (same packed keys, same tie order), ending in page ids.
 rerank_pages: one kernel computes, per (row, KV head, block of candidates), each candidate page's log-sum-exp of
-its decoded-key logits for the G query heads: the page's min / max summary and p * D / 4 code bytes, the codes
-times per-page weights on tensor cores (see _rerank_lse_kernel);
+its decoded-key logits for the G query heads: the page's min / max summary and p * D / 4 code bytes, decoded
+per channel and multiplied with the query on tensor cores (see _rerank_lse_kernel);
 a second kernel per (row, KV head) takes the softmax of those log-sum-exps over the candidates per query head,
 their group mean, and writes the row of scores (-inf off the candidates) that select_slots takes.
 """
@@ -86,20 +88,21 @@ def _rerank_lse_kernel(
     C, cand_start, M, scale,
     sq_b, sq_h, sq_d,
     ss_p, ss_h, ss_mm,
-    sc_p, sc_h, sc_t,
+    sc_p, sc_h, sc_t, sc_j,
     spt_r, spt_m, s_slot, s_cend,
     scd_b, scd_h, scd_c,
     sh_b, sh_h,
     sl_b, sl_h, sl_c,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_C: tl.constexpr,
     HEADS: tl.constexpr, WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr, CAND_LIST: tl.constexpr,
-    LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+    LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr, KP: tl.constexpr,
 ):
     """lse[b, h, c, g] for the BLOCK_C candidates c of one block: log-sum-exp over the page's p tokens of the
-    scaled logits of query head g with the decoded keys (-inf for no candidate: -1 in the list, or past the row's
-    end). q . k^ = sum_d c_d w_d + sum_d q_d (lo_d + span_d / 8) with w_d = q_d span_d / 4: the codes, exact small
-    integers in fp16, times the page's weights split into two fp16 parts (fp32-grade), two tensor-core products
-    [p, D] x [D, GP]; each code byte is read once per channel it holds (L1 hits), so nothing is reshaped."""
+    logits of query head g with the decoded keys (-inf for no candidate: -1 in the list, or past the row's end).
+    Code byte j holds channels PER_BYTE * j + i at bits BITS * i, so the loaded [p, D / 4] bytes give, per shift
+    i, a [p, D / 4] tile of channels i, i + 4, ...: each decodes elementwise (c * step + centre, one FMA, to fp16)
+    and meets the matching rows of the scaled query, [D / 4, GP] fp16 held for every page, in a tensor-core
+    product. Nothing per page is reshaped or rebuilt but the decode."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
@@ -111,11 +114,17 @@ def _rerank_lse_kernel(
     if not CAND_LIST:
         end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
     g = tl.arange(0, GP)
-    d = tl.arange(0, D)
+    j = tl.arange(0, KP)  # code byte within a token's row; channels PER_BYTE * j + i
+    j_ok = j < D // PER_BYTE
     t = tl.arange(0, PAGE).to(tl.int64)
-    shift = ((d % PER_BYTE) * BITS)[None, :]
-    qt = tl.load(q_ptr + q_row * sq_b + (h * G + g[None, :]) * sq_h + d[:, None] * sq_d, mask=g[None, :] < G,
-                 other=0.0).to(tl.float32)  # [D, GP]
+    q_base = q_ptr + q_row * sq_b + (h * G + g[None, :]) * sq_h
+    q_ok = j_ok[:, None] & (g < G)[None, :]
+    # [KP, GP] per shift: the query's channels PER_BYTE * j + i, scaled, rounded to fp16 once.
+    q0 = (tl.load(q_base + (PER_BYTE * j[:, None] + 0) * sq_d, mask=q_ok, other=0.0).to(tl.float32) * scale)
+    q1 = (tl.load(q_base + (PER_BYTE * j[:, None] + 1) * sq_d, mask=q_ok, other=0.0).to(tl.float32) * scale)
+    q2 = (tl.load(q_base + (PER_BYTE * j[:, None] + 2) * sq_d, mask=q_ok, other=0.0).to(tl.float32) * scale)
+    q3 = (tl.load(q_base + (PER_BYTE * j[:, None] + 3) * sq_d, mask=q_ok, other=0.0).to(tl.float32) * scale)
+    q0, q1, q2, q3 = q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16)
     for i in tl.static_range(BLOCK_C):
         c = tl.program_id(2) * BLOCK_C + i
         if CAND_LIST:
@@ -124,19 +133,15 @@ def _rerank_lse_kernel(
             logical = tl.where(cand_start + c < end, cand_start + c, -1)
         if logical >= 0:
             page = tl.load(pt_ptr + slot * spt_r + logical.to(tl.int64) * spt_m).to(tl.int64)
-            summ = summ_ptr + page * ss_p + h * ss_h + d
-            lo = tl.load(summ).to(tl.float32)
-            span = tl.load(summ + ss_mm).to(tl.float32) - lo
-            w = (span / LEVELS)[:, None] * qt  # [D, GP]
-            w_hi = w.to(tl.float16)
-            w_lo = (w - w_hi.to(tl.float32)).to(tl.float16)
-            byte = tl.load(codes_ptr + page * sc_p + h * sc_h + t[:, None] * sc_t + (d // PER_BYTE)[None, :])
-            code = ((byte.to(tl.int32) >> shift) & (LEVELS - 1)).to(tl.float16)  # [PAGE, D], exact
-            acc = tl.dot(code, w_hi)
-            acc = tl.dot(code, w_lo, acc)
-            base = tl.sum((lo + span / (2 * LEVELS))[:, None] * qt, axis=0)  # [GP]
-            s = (acc + base[None, :]) * scale
-            s = tl.where((g < G)[None, :], s, float("-inf"))
+            byte = tl.load(codes_ptr + page * sc_p + h * sc_h + t[:, None] * sc_t + j[None, :] * sc_j, mask=j_ok[None, :],
+                           other=0).to(tl.int32)  # [PAGE, KP]
+            summ = summ_ptr + page * ss_p + h * ss_h + PER_BYTE * j
+            acc = tl.zeros([PAGE, GP], tl.float32)
+            acc = _rerank_shift(acc, byte, summ, ss_mm, j_ok, q0, 0, LEVELS, BITS)
+            acc = _rerank_shift(acc, byte, summ, ss_mm, j_ok, q1, 1, LEVELS, BITS)
+            acc = _rerank_shift(acc, byte, summ, ss_mm, j_ok, q2, 2, LEVELS, BITS)
+            acc = _rerank_shift(acc, byte, summ, ss_mm, j_ok, q3, 3, LEVELS, BITS)
+            s = tl.where((g < G)[None, :], acc, float("-inf"))
             m = tl.max(s, axis=0)
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             lse = m_safe + tl.log(tl.sum(tl.exp(s - m_safe[None, :]), axis=0))
@@ -144,6 +149,100 @@ def _rerank_lse_kernel(
         elif c < C:
             tl.store(lse_ptr + b * sl_b + h * sl_h + c * sl_c + g, tl.full([GP], float("-inf"), tl.float32),
                      mask=g < G)
+
+
+@triton.jit
+def _rerank_shift(acc, byte, summ, ss_mm, j_ok, q, i: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr):
+    """acc + the decoded keys of channels PER_BYTE * j + i [PAGE, KP] (fp16) times q [KP, GP]."""
+    lo = tl.load(summ + i, mask=j_ok, other=0.0).to(tl.float32)
+    step = (tl.load(summ + ss_mm + i, mask=j_ok, other=0.0).to(tl.float32) - lo) / LEVELS
+    centre = lo + step * 0.5
+    code = ((byte >> (BITS * i)) & (LEVELS - 1)).to(tl.float32)
+    key = (code * step[None, :] + centre[None, :]).to(tl.float16)
+    return tl.dot(key, q, acc)
+
+
+@triton.jit
+def _sketch_lse_kernel(
+    q_ptr, summ_ptr, codes_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, lse_ptr,
+    C, cand_start, M, scale,
+    sq_b, sq_h, sq_d,
+    ss_p, ss_h, ss_mm,
+    sc_p, sc_h, sc_t, sc_j,
+    spt_r, spt_m, s_slot, s_cend,
+    sh_b, sh_h,
+    sl_b, sl_h, sl_c,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_C: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr,
+    LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+):
+    """lse[b, h, c, g] of the first stage for BLOCK_C pages. Every channel counts at its page's mid-range, the
+    program's NB code bytes (the group's largest sums of |q| over their channels, ties by the lower byte: an
+    argmax per pick) refine their channels to the decoded keys: logit = q . mid + sum over the picked channels of
+    q * step * (code - 1.5). The codes are read byte-major: NB rows of PAGE bytes per page."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
+            return
+    slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
+    q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
+    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
+    # The picked bytes: |q| summed over the group and each byte's channels, [KB, PER_BYTE] per query head.
+    jb = tl.arange(0, KB)
+    i4 = tl.arange(0, PER_BYTE)
+    ch_b = (PER_BYTE * jb[:, None] + i4[None, :]) * sq_d
+    w = tl.zeros([KB], tl.float32)
+    for gg in tl.static_range(G):
+        w += tl.sum(tl.abs(tl.load(q_row + gg * sq_h + ch_b).to(tl.float32)), axis=1)
+    n = tl.arange(0, NBP)
+    sel = tl.zeros([NBP], tl.int32)
+    for r in tl.static_range(NB):
+        best = tl.argmax(w, 0)
+        sel = tl.where(n == r, best, sel)
+        w = tl.where(jb == best, -1.0, w)
+    # Column r of the refinement holds channel PER_BYTE * sel[r // PER_BYTE] + r % PER_BYTE.
+    R: tl.constexpr = NBP * PER_BYTE
+    r_sel = tl.reshape(tl.broadcast_to(sel[:, None], [NBP, PER_BYTE]), [R])
+    r_ok = tl.reshape(tl.broadcast_to((n < NB)[:, None], [NBP, PER_BYTE]), [R])
+    r_ch = PER_BYTE * r_sel + tl.arange(0, R) % PER_BYTE
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = cand_start + c < end
+    page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
+    d = tl.arange(0, D)
+    summ = summ_ptr + page[:, None] * ss_p + h * ss_h
+    lo = tl.load(summ + r_ch[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+    step = (tl.load(summ + ss_mm + r_ch[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
+            - lo) / LEVELS  # [BLOCK_C, R]
+    # [BLOCK_C * PAGE, R]: row = page * PAGE + token; each picked byte is read once and gives 4 columns.
+    ROWS: tl.constexpr = BLOCK_C * PAGE
+    row = tl.arange(0, ROWS)
+    t = (row % PAGE).to(tl.int64)
+    row_page = tl.reshape(tl.broadcast_to(page[:, None], [BLOCK_C, PAGE]), [ROWS])
+    row_ok = tl.reshape(tl.broadcast_to(ok[:, None], [BLOCK_C, PAGE]), [ROWS])
+    byte = tl.load(codes_ptr + row_page[:, None] * sc_p + h * sc_h + t[:, None] * sc_t + sel[None, :] * sc_j,
+                   mask=row_ok[:, None] & (n < NB)[None, :], other=0).to(tl.int32)  # [ROWS, NBP]
+    code = (byte[:, :, None] >> (BITS * i4)[None, None, :]) & (LEVELS - 1)
+    code = tl.reshape(code, [ROWS, R]).to(tl.float32) - (LEVELS - 1) * 0.5
+    dev = code * tl.reshape(tl.broadcast_to(step[:, None, :], [BLOCK_C, PAGE, R]), [ROWS, R])
+    # Tensor-core products of fp16 operands (the reference rounds alike; a bf16 summary converts exactly within
+    # fp16's range): the min and max rows against the scaled query, [BLOCK_C, D] x [D, GP] each, their mean the
+    # mid-range term; [ROWS, R] x [R, GP] for the refinement; query heads padded to GP columns.
+    g = tl.arange(0, GP)
+    g_ok = g < G
+    q_t = tl.load(q_row + g[None, :] * sq_h + d[:, None] * sq_d, mask=g_ok[None, :], other=0.0).to(tl.float32)
+    q_r = tl.load(q_row + g[None, :] * sq_h + r_ch[:, None] * sq_d, mask=r_ok[:, None] & g_ok[None, :],
+                  other=0.0).to(tl.float32)
+    q_t = (q_t * scale).to(tl.float16)
+    lo_all = tl.load(summ + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
+    hi_all = tl.load(summ + ss_mm + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
+    base = (tl.dot(lo_all, q_t) + tl.dot(hi_all, q_t)) * 0.5  # [BLOCK_C, GP]
+    acc = tl.dot(dev.to(tl.float16), (q_r * scale).to(tl.float16))  # [ROWS, GP]
+    s = tl.reshape(acc, [BLOCK_C, PAGE, GP])
+    m = tl.max(s, axis=1)
+    lse = base + m + tl.log(tl.sum(tl.exp(s - m[:, None, :]), axis=1))  # [BLOCK_C, GP]
+    lse = tl.where(ok[:, None], lse, float("-inf"))
+    tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None] * sl_c + g[None, :], lse, mask=(c < C)[:, None] & g_ok[None, :])
 
 
 @triton.jit
@@ -222,7 +321,7 @@ def rerank_pages(
     B, Hq, D = req_slots.shape[0], q.shape[1], q.shape[2]
     H, M, p = summaries.shape[1], page_table.shape[1], codes.shape[2]
     assert Hq % H == 0 and summaries.shape[2:] == (2, D) and summaries.stride(-1) == 1
-    assert codes.shape[1] == H and codes.shape[3] * PER_BYTE == D and codes.stride(-1) == 1 and codes.dtype == torch.uint8
+    assert codes.shape[1] == H and codes.shape[3] * PER_BYTE == D and codes.dtype == torch.uint8
     assert p >= 16 and p & (p - 1) == 0, "tl.dot needs pages of at least 16 tokens"
     assert q_by_slot or q.shape[0] == B
     if cand is None:
@@ -248,16 +347,72 @@ def rerank_pages(
             q, summaries, codes, page_table, req_slots, cand_ptr, cend_ptr, heads_arg, lse,
             C, cand_start, M, scale,
             *q.stride(), summaries.stride(0), summaries.stride(1), summaries.stride(2),
-            codes.stride(0), codes.stride(1), codes.stride(2),
+            *codes.stride(),
             *page_table.stride(), req_slots.stride(0), cend_stride, *cand_strides, *heads_strides, *lse.stride()[:3],
             G=G, GP=max(16, gp), D=D, PAGE=p, BLOCK_C=block_c, HEADS=with_heads, WANT=want,
             Q_BY_SLOT=q_by_slot, CAND_LIST=cand is not None, LEVELS=LEVELS, BITS=CODE_BITS, PER_BYTE=PER_BYTE,
+            KP=max(16, D // PER_BYTE),
             num_warps=RERANK_WARPS,
         )
     _rerank_pool_kernel[(B, H)](
         lse, cand_ptr, cend_ptr, heads_arg, scores, C, cand_start, M, *lse.stride()[:3], *cand_strides, cend_stride,
         *heads_strides, *scores.stride(),
         G=G, GP=gp, BLOCK=POOL_BLOCK, HEADS=with_heads, WANT=want, CAND_LIST=cand is not None,
+        num_warps=POOL_WARPS,
+    )
+    return scores
+
+
+SKETCH_TOKENS = 256  # tokens per program of the sketch kernel: 256 / p pages
+SKETCH_WARPS = 4
+
+
+def sketch_pages(
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    codes: torch.Tensor,
+    page_table: torch.Tensor,
+    req_slots: torch.Tensor,
+    scale: float,
+    nbytes: int,
+    heads: torch.Tensor | None = None,
+    phase: int = 1,
+    q_by_slot: bool = False,
+    cand_start: int = 0,
+    cand_end: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See naive_sketch_pages."""
+    check_device(q, summaries, codes, page_table, req_slots, cand_end)
+    check_index_vectors(req_slots=req_slots, cand_end=cand_end)
+    B, Hq, D = req_slots.shape[0], q.shape[1], q.shape[2]
+    H, M, p = summaries.shape[1], page_table.shape[1], codes.shape[2]
+    assert Hq % H == 0 and summaries.shape[2:] == (2, D) and summaries.stride(-1) == 1
+    assert codes.shape[1] == H and codes.shape[3] * PER_BYTE == D and codes.dtype == torch.uint8
+    assert 0 < nbytes <= D // PER_BYTE and p & (p - 1) == 0
+    assert q_by_slot or q.shape[0] == B
+    G = Hq // H
+    heads_arg, heads_strides, with_heads, want = _heads_args(heads, phase, req_slots)
+    scores = empty(B, H, M, dtype=torch.float32, device=q.device)
+    C = max(M - cand_start, 0)
+    if B * H == 0:
+        return scores
+    gp = triton.next_power_of_2(G)
+    lse = empty(B, H, max(C, 1), gp, dtype=torch.float32, device=q.device)  # scratch
+    if C:
+        block_c = max(1, SKETCH_TOKENS // p)
+        _sketch_lse_kernel[(B, H, triton.cdiv(C, block_c))](
+            q, summaries, codes, page_table, req_slots, cand_end, heads_arg, lse,
+            C, cand_start, M, scale,
+            *q.stride(), summaries.stride(0), summaries.stride(1), summaries.stride(2), *codes.stride(),
+            *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *lse.stride()[:3],
+            G=G, GP=max(16, gp), D=D, KB=D // PER_BYTE, NB=nbytes, NBP=max(4, triton.next_power_of_2(nbytes)), PAGE=p, BLOCK_C=block_c, HEADS=with_heads, WANT=want,
+            Q_BY_SLOT=q_by_slot, LEVELS=LEVELS, BITS=CODE_BITS, PER_BYTE=PER_BYTE,
+            num_warps=SKETCH_WARPS,
+        )
+    _rerank_pool_kernel[(B, H)](
+        lse, req_slots, cand_end, heads_arg, scores, C, cand_start, M, *lse.stride()[:3], 0, 0, 0, cand_end.stride(0),
+        *heads_strides, *scores.stride(),
+        G=G, GP=gp, BLOCK=POOL_BLOCK, HEADS=with_heads, WANT=want, CAND_LIST=False,
         num_warps=POOL_WARPS,
     )
     return scores

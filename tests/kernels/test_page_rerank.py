@@ -5,10 +5,14 @@ import torch
 from freekv_kernels.offload import naive_offload_pages, offload_pages
 from freekv_kernels.page_rerank import (
     dequantize_keys,
+    empty_codes,
     naive_rerank_pages,
+    naive_sketch_pages,
     naive_top_pages,
     quantize_keys,
     rerank_pages,
+    sketch_bytes,
+    sketch_pages,
     top_pages,
 )
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
@@ -38,9 +42,10 @@ def test_codes_follow_the_bins_of_the_page_range():
 
 @pytest.mark.parametrize("H,D,p", [(1, 64, 16), (3, 128, 32), (8, 64, 32)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_offload_writes_the_reference_codes(H, D, p, dtype):
+@pytest.mark.parametrize("byte_major", [True, False])
+def test_offload_writes_the_reference_codes(H, D, p, dtype, byte_major):
     """offload_pages with codes: the codes of every valid page's rows (a partial last page's existing rows only),
-    equal to the reference's; other host pages untouched."""
+    equal to the reference's; other host pages untouched; in the byte-major store or a token-major one."""
     torch.manual_seed(1)
     T = 5 * p + 7
     kc, vc = torch.randn(T, H, D).to(dtype), torch.randn(T, H, D).to(dtype)
@@ -54,7 +59,8 @@ def test_offload_writes_the_reference_codes(H, D, p, dtype):
         if dev != "cpu" and dev.type == "cuda":
             host = host.pin_memory()
         summ = torch.zeros(P, H, 2, D, dtype=dtype, device=dev)
-        codes = torch.full((P, H, p, D // 4), 0xAB, dtype=torch.uint8, device=dev)
+        codes = (empty_codes(P, H, p, D, dev) if byte_major else torch.empty(P, H, p, D // 4, dtype=torch.uint8,
+                                                                               device=dev)).fill_(0xAB)
         fn(kc.to(dev), vc.to(dev), host, summ, src.to(dev), dst.to(dev), valid.to(dev), p, codes=codes)
         outs.append(codes.cpu())
     ref, out = outs
@@ -87,7 +93,8 @@ def rerank_inputs(G, p, D, M, H, dtype):
     P = M + 9
     keys = torch.randn(P, H, p, D)
     summaries = torch.stack([keys.amin(2), keys.amax(2)], 2).to(dtype)
-    codes = quantize_keys(keys, summaries[:, :, 0], summaries[:, :, 1])
+    codes = empty_codes(P, H, p, D)
+    codes.copy_(quantize_keys(keys, summaries[:, :, 0], summaries[:, :, 1]))
     q = torch.randn(R, H * G, D).to(dtype)
     page_table = torch.stack([torch.randperm(P)[:M] for _ in range(R)]).to(torch.int32)
     req_slots = torch.randperm(R)[:B].to(torch.int32)
@@ -171,3 +178,55 @@ def test_rerank_pages_full_scan_matches_reference(G, p, D, M, H, phase):
     finite = torch.isfinite(ref[0, 0]) if mine[0, 0] else None
     if finite is not None:
         assert finite[start:].all() and not finite[:start].any()
+
+
+@pytest.mark.parametrize("G,p,D,M,H,nbytes", [(1, 16, 64, 37, 2, 4), (3, 32, 128, 50, 3, 4), (4, 16, 128, 21, 2, 3),
+                                              (8, 32, 64, 40, 1, 16)])
+@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
+def test_sketch_pages_matches_reference(G, p, D, M, H, nbytes, phase):
+    """The first stage over every page in [cand_start, cand_end[b]) (all, none, one, part): the reference's scores,
+    -inf before the start; rows of heads outside the phase unwritten; every code byte (nbytes = D / 4) too."""
+    torch.manual_seed(7)
+    q, summ, codes, pt, rs, _ = rerank_inputs(G, p, D, M, H, torch.bfloat16)
+    start = 2
+    cand_end = torch.tensor([M, start, start + 1, M // 2], dtype=torch.int32)
+    heads = torch.rand(B, H) < 0.6
+    by_slot = phase == PHASE_LATER
+    qq = q if by_slot else q[:B]
+    ref = naive_sketch_pages(qq, summ, codes, pt, rs, 0.125, nbytes, heads, phase, by_slot, start, cand_end)
+    with poisoned_outputs():
+        out = sketch_pages(*[t.to(DEV) for t in (qq, summ, codes, pt, rs)], 0.125, nbytes, heads.to(DEV), phase,
+                           by_slot, start, cand_end.to(DEV)).cpu()
+    mine = heads == (phase == PHASE_NOW)
+    assert_close("scores", ref[mine], out[mine], atol=1e-5, rtol=1e-4)
+    assert torch.isnan(out[~mine]).all()
+    if mine[0, 0]:
+        finite = torch.isfinite(out[0, 0])
+        assert finite[start:].all() and not finite[:start].any()
+        assert torch.isclose(out[0, 0, start:].sum(), torch.tensor(1.0))
+
+
+def test_sketch_reads_the_bytes_the_query_weighs():
+    """sketch_bytes: the group's largest |q| byte sums, largest first, ties by the lower byte; a page's codes count
+    on those channels only (changing any other code byte leaves the sketch unchanged, the others count at the
+    mid-range), and all D / 4 bytes give the rerank's full-scan scores up to the fp16 rounding of its tensor-core
+    product."""
+    q = torch.zeros(1, 2, 16)
+    q[0, 0, 9], q[0, 1, 2], q[0, 0, 13], q[0, 1, 12] = 3.0, -2.0, 1.0, 1.0  # bytes: 2 -> 3, 0 -> 2, 3 -> 2
+    assert sketch_bytes(q, 3).tolist() == [[2, 0, 3]]
+    torch.manual_seed(8)
+    G, p, D, M, H = 4, 16, 64, 24, 2
+    q, summ, codes, pt, rs, _ = rerank_inputs(G, p, D, M, H, torch.float32)
+    cand_end = torch.full((B,), M, dtype=torch.int32)
+    args = lambda c: [t.to(DEV) for t in (q[:B], summ, c, pt, rs)]  # noqa: E731
+    base = sketch_pages(*args(codes), 0.125, 2, cand_start=1, cand_end=cand_end.to(DEV)).cpu()
+    sel = sketch_bytes(q[:B][0].view(H, G, D), 2)[0]  # row 0, head 0
+    other = torch.ones(D // 4, dtype=torch.bool)
+    other[sel] = False
+    flipped = codes.clone()
+    flipped[..., other] ^= 0x55
+    moved = sketch_pages(*args(flipped), 0.125, 2, cand_start=1, cand_end=cand_end.to(DEV)).cpu()
+    assert torch.equal(base[0, 0], moved[0, 0]) and not torch.equal(base, moved)
+    full = sketch_pages(*args(codes), 0.125, D // 4, cand_start=1, cand_end=cand_end.to(DEV)).cpu()
+    rer = rerank_pages(*args(codes), None, 0.125, cand_start=1, cand_end=cand_end.to(DEV)).cpu()
+    assert_close("scores", rer, full, atol=1e-3, rtol=1e-2)
