@@ -29,15 +29,17 @@ class FreeKVConfig:
     dense_layers: the first layers attend densely over the whole context.
     recall: "delta" recalls only the pages a new selection adds to a head's slots; "all" recalls every
         selected page of a reselected head (an ablation: what delta recall saves).
-    selection: how pages are scored. "rerank" (default): every candidate page is scored from 2-bit per-channel
-        key codes (head_dim / 4 bytes per token and KV head, in the page's min / max range): per query head the
-        log-sum-exp of the page's logits, softmax over candidates, group mean (with rerank_factor > 0 only MeanS's
-        best rerank_factor x (budget pages) candidates are). "means": the paper's group-consistent MeanS on the summaries alone. "quest": max over the
-        group of the summaries' upper bounds. "oracle": exact attention mass from the host copy of the keys
-        (the accuracy harness's upper bound; not servable).
-    rerank_factor: 0 (default) scores every candidate page from its codes; N > 0 rescores only MeanS's best
-        N x (budget pages) candidates (cheaper, but MeanS drops the needle's page before the codes see it: passkey
-        8K at budget 512 fell from 0.75 to 0.25 on SmolLM2).
+    selection: how pages are scored. "rerank" (default): from 2-bit per-channel key codes (head_dim / 4 bytes per
+        token and KV head, in the page's min / max range), as attention mass: per query head the log-sum-exp of
+        the page's logits, softmax over pages, group mean; every page, or (rerank_factor > 0) the best
+        rerank_factor x (budget pages) of a sketch that scores every page from its mid-range keys refined by the
+        codes of the sketch_channels channels the query weighs most. "means": the paper's group-consistent MeanS
+        on the summaries alone. "quest": max over the group of the summaries' upper bounds. "oracle": exact
+        attention mass from the host copy of the keys (the accuracy harness's upper bound; not servable).
+    rerank_factor: 0 (default) rescores every page from all its codes; N > 0: the sketch's best N x (budget pages)
+        only. On an H100 the sketch costs more than it saves at 32K (docs/results/selection-h100).
+    sketch_channels: key channels the sketch reads per KV head (a multiple of 4, at most head_dim): the group's
+        largest |q| ones, 4 per code byte.
     recall_programs: GPU programs of the speculative recall, which reads host memory beside the model's GEMMs
         (each program strides over the pages to recall); 0 launches one per (request, head, slot), which holds
         an SM slot per page through its PCIe round trip. The recall before attention always uses one per page.
@@ -53,6 +55,7 @@ class FreeKVConfig:
     recall_programs: int = 32
     selection: str = "rerank"
     rerank_factor: int = 0
+    sketch_channels: int = 16
 
     def __post_init__(self) -> None:
         p = self.page_size
@@ -76,6 +79,9 @@ class FreeKVConfig:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
         if not _is_int(self.rerank_factor) or self.rerank_factor < 0:
             raise ValueError(f"rerank_factor must be a non-negative integer, got {self.rerank_factor!r}")
+        if not _is_int(self.sketch_channels) or self.sketch_channels < 4 or self.sketch_channels % 4:
+            raise ValueError(f"sketch_channels must be a positive multiple of 4 (channels per code byte), got "
+                             f"{self.sketch_channels!r}")
         if self.selection == "rerank" and p < 16:
             raise ValueError(f"page_size must be at least 16 tokens for selection 'rerank' (its kernel multiplies a "
                              f"page's decoded keys on tensor cores), got {p}; or choose selection 'means'")
@@ -108,6 +114,9 @@ class FreeKVConfig:
         if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
             raise ValueError(f"FreeKV's kernels (page scoring, attention, and the rerank selection's four 2-bit key "
                              f"codes per byte) need a power-of-two head dim >= 16; this model's is {head_dim}")
+        if head_dim is not None and self.selection == "rerank" and self.sketch_channels > head_dim:
+            raise ValueError(f"sketch_channels={self.sketch_channels} exceeds the model's head dim {head_dim}: "
+                             f"lower --kv-sketch-channels")
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
             raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
         if self.dense_layers > num_layers:

@@ -8,7 +8,8 @@ commit and recall stay the engine's. Candidates are a request's offloaded pages 
 from __future__ import annotations
 
 import torch
-from freekv_kernels.page_rerank import CODE_BITS
+from freekv_kernels.page_rerank import CODE_BITS, empty_codes
+from freekv_kernels.page_rerank.naive import PER_BYTE
 from freekv_kernels.page_select.naive import PHASE_LATER, in_phase
 
 from .config import FreeKVConfig
@@ -53,9 +54,11 @@ class Quest(Selector):
 
 
 class Rerank(Selector):
-    """MeanS picks rerank_factor x k candidates (or, with rerank_factor 0, every candidate page is taken); 2-bit key
-    codes rescore them as attention mass (group mean of per-query-head softmax of page log-sum-exps). The bound
-    is loose where one token of a page matters (a needle beside noise): the codes see the token."""
+    """Two stages over 2-bit key codes: a sketch scores every candidate page from its mid-range keys refined by the
+    codes of the channels the group's query weighs most, then the best rerank_factor x k pages are rescored from all
+    their codes as attention mass (group mean of per-query-head softmax of page log-sum-exps); rerank_factor 0
+    rescores every page. The min / max bound is loose where one token of a page matters (a needle beside noise):
+    the codes see the token."""
 
     name = "rerank"
 
@@ -64,20 +67,22 @@ class Rerank(Selector):
         e = engine
         H, D, p = e.shape.num_kv_heads, e.shape.head_dim, e.cfg.page_size
         num_host = e.host.arena.shape[0]
-        self._codes = [None if dense else torch.zeros(num_host, H, p, D * CODE_BITS // 8, dtype=torch.uint8,
-                                                      device=e.device) for dense in e.dense]
+        self._codes = [None if dense else empty_codes(num_host, H, p, D, e.device) for dense in e.dense]
 
     def codes(self, layer):
         return self._codes[layer]
 
     def score(self, plan, layer, q, heads, phase):
         e = self.engine
+        by_slot, start = phase == PHASE_LATER, e.cfg.sink_pages
         cand = None  # rerank_factor 0: every candidate page
         if e.cfg.rerank_factor:
-            bound = self._bound(plan, layer, q, heads, phase, "mean_softmax")
-            cand = e.ops.top_pages(bound, e.cfg.rerank_pages, heads, phase)
+            sketch = e.ops.sketch_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots,
+                                        e.scale, e.cfg.sketch_channels // PER_BYTE, heads, phase, by_slot, start,
+                                        plan.cand_end)
+            cand = e.ops.top_pages(sketch, e.cfg.rerank_pages, heads, phase)
         return e.ops.rerank_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots, cand,
-                                  e.scale, heads, phase, phase == PHASE_LATER, e.cfg.sink_pages, plan.cand_end)
+                                  e.scale, heads, phase, by_slot, start, plan.cand_end)
 
 
 class Oracle(Selector):

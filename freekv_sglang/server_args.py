@@ -52,6 +52,7 @@ _KNOB_FLAGS = {
     "kv_recall_programs": ("--kv-recall-programs", "recall_programs"),
     "kv_selection": ("--kv-selection", "selection"),
     "kv_rerank_factor": ("--kv-rerank-factor", "rerank_factor"),
+    "kv_sketch_channels": ("--kv-sketch-channels", "sketch_channels"),
 }
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb")
@@ -139,12 +140,17 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         f"page recalled (default {_DEFAULTS.recall_programs})")
     g.add_argument("--kv-selection", choices=SERVABLE_SELECTIONS, default=None,
                    help="how pages are scored: 'rerank' scores pages as attention mass from 2-bit key codes "
-                        "(head_dim / 4 GPU bytes per token, KV head and layer); 'means' the paper's group-mean softmax "
+                        "(head_dim / 4 GPU bytes per token, KV head and layer): a sketch of a few channels over every "
+                        "page, then all the codes of the best candidates; 'means' the paper's group-mean softmax "
                         "of min / max bounds; 'quest' the max over the group of those bounds "
                         f"(default {_DEFAULTS.selection})")
     g.add_argument("--kv-rerank-factor", type=int, default=None, metavar="N",
-                   help="0: the rerank scores every page from its codes; N > 0: only MeanS's best N x (budget pages) "
-                        f"candidates, cheaper and less accurate (default {_DEFAULTS.rerank_factor})")
+                   help="0: the rerank scores every page from all its codes; N > 0: only the best N x (budget pages) "
+                        "of a sketch over every page (a few channels' codes and the page's mid-range) "
+                        f"(default {_DEFAULTS.rerank_factor})")
+    g.add_argument("--kv-sketch-channels", type=int, default=None, metavar="N",
+                   help="key channels the rerank's sketch reads per KV head, the query's largest; a multiple of 4 "
+                        f"up to the head dim (default {_DEFAULTS.sketch_channels})")
     g.add_argument("--kvstore-endpoint", default=None, metavar="URL",
                    help="an already running kvstore daemon (ipc://<path> or tcp://<host>:<port>; a tcp daemon's "
                         "token comes from $FREEKV_KVSTORE_TOKEN). Default: start an embedded daemon with this "

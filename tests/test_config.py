@@ -152,6 +152,12 @@ def test_selection_knobs():
     with pytest.raises(ValueError, match="page_size must be at least 16 tokens for selection 'rerank'"):
         FreeKVConfig(page_size=8, budget=64, sink=64, window=64)
     FreeKVConfig(page_size=8, budget=64, sink=64, window=64, selection="means")  # MeanS takes any page size
+    for bad in (0, 6, 2.0):
+        with pytest.raises(ValueError, match="^sketch_channels must be a positive multiple of 4"):
+            FreeKVConfig(sketch_channels=bad)
+    with pytest.raises(ValueError, match="sketch_channels=32 exceeds the model's head dim 16: lower --kv-sketch-channels"):
+        FreeKVConfig(sketch_channels=32).check_model(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
+    FreeKVConfig(sketch_channels=32, selection="means").check_model(2, 4, 2, 16)  # no sketch, nothing to fit
 
 
 @pytest.mark.parametrize("head_dim", [8, 96, 80])

@@ -71,10 +71,10 @@ def recorder(monkeypatch, eng):
     return rec
 
 
-def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=0.5, selection="rerank", factor=0):
+def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=0.5, selection="rerank", factor=None):
     """Launches per sparse layer of the third decode step of two requests (slots filled, some heads flagged)."""
     cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall,
-                       selection=selection, rerank_factor=factor)
+                       selection=selection, rerank_factor=FreeKVConfig().rerank_factor if factor is None else factor)
     eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=1024, dtype=torch.float32,
                        device=DEV, backend="triton", method=method, pad_slot=0, dense_outside=True)
     rec = recorder(monkeypatch, eng)
@@ -111,10 +111,11 @@ def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=
 
 
 MEANS = {"_page_logits_kernel": 1, "_pool_scores_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
-# The default rerank: every page's code log-sum-exps and their pooled scores, then the same selection and recall.
+# The default rerank (rerank_factor 0): every page's code log-sum-exps and their pooled scores, then the same
+# selection and recall.
 SELECT = {"_rerank_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
-# With rerank_factor > 0: MeanS scores and their top candidates first.
-TWO_STAGE = {**MEANS, "_top_pages_kernel": 1, "_rerank_lse_kernel": 1, "_rerank_pool_kernel": 1}
+# With rerank_factor > 0: the sketch's log-sum-exps and pooled scores and their top candidates first.
+TWO_STAGE = {**SELECT, "_sketch_lse_kernel": 1, "_rerank_pool_kernel": 2, "_top_pages_kernel": 1}
 
 
 @pytest.mark.parametrize("recall", ["delta", "all"])
@@ -142,7 +143,7 @@ def test_outside_attention_layer_launches(monkeypatch):
 def test_means_quest_and_streaming_layer_launches(monkeypatch):
     """The two-stage rerank (3 launches more per selection), MeanS (13 launches), Quest (max pooling: no pooling
     kernel) and StreamingLLM (nothing selected: no side-stream selection)."""
-    two = count_step(monkeypatch, factor=4)
+    two = count_step(monkeypatch, factor=2)
     assert two["select"] == TWO_STAGE and two["recall"] == {**TWO_STAGE, "_offload_pages_kernel": 1}
     means = count_step(monkeypatch, selection="means")
     assert means["select"] == MEANS and means["recall"] == {**MEANS, "_offload_pages_kernel": 1}
