@@ -209,23 +209,23 @@ def graph_replay_ms(run: Callable[[], object], repeats: int) -> float:
 
 def bench_select(
     contexts: list[int], batches: list[int], budget: int, repeats: int, warmup: int, copy_gbps: float,
-    rerank_factor: int = 4, rerank_rows: tuple[int, ...] = (64,),
+    rerank_factors: tuple[int, ...] = (2, 4, 0), sketch_channels: int = 16,
 ) -> dict | list[dict]:
     try:
-        from freekv_kernels.page_rerank import rerank_pages, top_pages
-        from freekv_kernels.page_rerank import triton as rerank_triton
+        from freekv_kernels.page_rerank import empty_codes, rerank_pages, sketch_pages, top_pages
         from freekv_kernels.page_select import PHASE_NOW, score_pages, select_slots
     except ImportError as e:
         print(f"\nselection: skipped, freekv_kernels.page_select is not importable ({e})")
         return {"skipped": str(e)}
     k = budget // PAGE
+    nbytes = sketch_channels // 4
     print(f"\nselection per layer: scoring + select_slots (top-k, slot delta, commit), {HQ} q heads / {H} KV "
           f"heads, D={D}, p={PAGE}, k={k} pages ({budget} tokens), every page of every row a candidate. means: "
-          f"score_pages (MeanS); quest: score_pages (max); rerank: MeanS, top {rerank_factor}k candidates, their 2-bit "
-          f"key codes rescored; rerank-all/R: every page's codes rescored, no MeanS (the default, rerank_factor 0), "
-          f"R tokens per program. graph: the whole selection captured and replayed (score / select: each part alone); "
-          f"floor: the bf16 summaries (+ the candidates' codes) read once at {copy_gbps / 1e3:.2f} TB/s")
-    default_rows = rerank_triton.RERANK_ROWS
+          f"score_pages (MeanS); quest: score_pages (max); rerank/N: the sketch ({sketch_channels} channels' codes "
+          f"and every page's mid-range) over every page, its top N*k candidates rescored from all their 2-bit key "
+          f"codes; rerank/0: every page's codes rescored, no sketch. graph: the whole selection captured and "
+          f"replayed (score / select: each part alone); floor: the bf16 summaries and the codes read once at "
+          f"{copy_gbps / 1e3:.2f} TB/s")
     print(f"{'context':>8} {'batch':>6} {'selection':>14} {'eager us':>9} {'graph us':>9} {'score us':>9} "
           f"{'select us':>9} {'floor us':>9} {'x floor':>8}")
     rows = []
@@ -233,7 +233,8 @@ def bench_select(
         for B in batches:
             M = ctx // PAGE
             summaries = torch.randn(B * M, H, 2, D, dtype=DTYPE, device=DEVICE)
-            codes = torch.randint(0, 256, (B * M, H, PAGE, D // 4), dtype=torch.uint8, device=DEVICE)
+            codes = empty_codes(B * M, H, PAGE, D, DEVICE)
+            codes.random_(0, 256)
             page_table = torch.randperm(B * M, device=DEVICE).int().view(B, M)
             req_slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
             cand_end = torch.full((B,), M, dtype=torch.int32, device=DEVICE)
@@ -241,20 +242,20 @@ def bench_select(
             slots = torch.full((B, H, k), -1, dtype=torch.int32, device=DEVICE)
             heads = torch.ones(B, H, dtype=torch.bool, device=DEVICE)  # every head selects (and is flagged)
             recall = torch.zeros(B, H, k, dtype=torch.int8, device=DEVICE)
-            for selection in ("means", "quest", "rerank", *(f"rerank-all/{r}" for r in rerank_rows)):
-                if selection.startswith("rerank-all"):  # the tokens per program of the rerank kernel, swept
-                    rerank_triton.RERANK_ROWS = int(selection.split("/")[1])
+            for selection in ("means", "quest", *(f"rerank/{f}" for f in rerank_factors)):
                 pooling = "max" if selection == "quest" else "mean_softmax"
+                factor = int(selection.split("/")[1]) if selection.startswith("rerank") else None
 
-                def score(pooling=pooling, selection=selection):
-                    if selection.startswith("rerank-all"):  # rerank_factor 0: the codes of every page, no MeanS stage
-                        return rerank_pages(q, summaries, codes, page_table, req_slots, None, D**-0.5, heads,
-                                            cand_start=0, cand_end=cand_end)
-                    s = score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling, heads)
-                    if selection != "rerank":
-                        return s
-                    cand = top_pages(s, rerank_factor * k, heads)
-                    return rerank_pages(q, summaries, codes, page_table, req_slots, cand, D**-0.5, heads)
+                def score(pooling=pooling, factor=factor):
+                    if factor is None:
+                        return score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling, heads)
+                    cand = None
+                    if factor:
+                        s = sketch_pages(q, summaries, codes, page_table, req_slots, D**-0.5, nbytes, heads,
+                                         cand_start=0, cand_end=cand_end)
+                        cand = top_pages(s, factor * k, heads)
+                    return rerank_pages(q, summaries, codes, page_table, req_slots, cand, D**-0.5, heads,
+                                        cand_start=0, cand_end=cand_end)
 
                 def select(scores, slots=slots, req_slots=req_slots, heads=heads, recall=recall):
                     select_slots(scores, slots, req_slots, heads, PHASE_NOW, heads, recall)
@@ -264,11 +265,11 @@ def bench_select(
 
                 scores = score()
                 row = {"context": ctx, "batch": B, "pages_per_row": M, "k": k, "selection": selection,
-                       "pooling": pooling}
+                       "pooling": pooling, "sketch_channels": sketch_channels if factor else 0}
                 floor_bytes = summaries.numel() * summaries.element_size()
-                if selection == "rerank":
-                    floor_bytes += B * H * min(rerank_factor * k, M) * PAGE * D // 4
-                if selection.startswith("rerank-all"):
+                if factor:  # the sketch's code rows, then the candidates' codes
+                    floor_bytes += B * H * M * PAGE * nbytes + B * H * min(factor * k, M) * PAGE * D // 4
+                elif factor == 0:
                     floor_bytes += codes.numel()
                 row["floor_us"] = 1e6 * floor_bytes / copy_gbps / 1e9
                 row["eager_us"] = 1e3 * time_ms(lambda i: run(), repeats, warmup)
@@ -286,7 +287,6 @@ def bench_select(
                     graph = f"{'failed':>9} ({row['graph_error']})"
                 print(f"{ctx:>8} {B:>6} {selection:>14} {row['eager_us']:>9.1f} {graph}")
             del summaries, codes, page_table, q, scores
-    rerank_triton.RERANK_ROWS = default_rows
     return rows
 
 
@@ -306,7 +306,9 @@ def main() -> None:
     ap.add_argument("--contexts", type=int_list, default=[32 * 1024, 128 * 1024])
     ap.add_argument("--batches", type=int_list, default=[1, 16])
     ap.add_argument("--budget", type=int, default=2048, help="selection budget in tokens (k = budget / page size)")
-    ap.add_argument("--rerank-rows", type=int_list, default=[64], help="tokens per program of the rerank kernel, swept")
+    ap.add_argument("--rerank-factors", type=int_list, default=[2, 4, 0],
+                    help="rerank selections to time: N > 0 the sketch then N*k candidates, 0 every page's codes")
+    ap.add_argument("--sketch-channels", type=int, default=16, help="key channels the sketch reads")
     ap.add_argument("--only-selection", action="store_true", help="skip the link, recall and offload benchmarks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -327,7 +329,7 @@ def main() -> None:
     link, reps = results["link"], (args.repeats, args.warmup)
     if args.only_selection:
         results["selection"] = bench_select(args.contexts, args.batches, args.budget, *reps, link["d2d_gbps"],
-                                            rerank_rows=tuple(args.rerank_rows))
+                                            tuple(args.rerank_factors), args.sketch_channels)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2) + os.linesep)
         return
@@ -338,7 +340,7 @@ def main() -> None:
     results["offload"] = bench_offload(host_layer, args.offload_pages, link["d2h_gbps"], *reps)
     del host_layer
     results["selection"] = bench_select(args.contexts, args.batches, args.budget, *reps, link["d2d_gbps"],
-                                        rerank_rows=tuple(args.rerank_rows))
+                                        tuple(args.rerank_factors), args.sketch_channels)
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,20 +15,20 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-}" in
 check)
   python3 -m pytest -q -p no:cacheprovider tests/kernels/test_page_rerank.py tests/kernels/test_offload.py \
-    tests/engine/test_engine.py::test_triton_backend_equals_torch_backend \
+    tests/engine/test_engine.py::test_triton_backend_equals_torch_backend tests/engine/test_engine.py::test_tau_one_selects_with_current_query \
     2>&1 | tee "$OUT/gpu-tests.log" | tail -n 8
-  python3 benchmarks/kernels.py --contexts 32768,131072 --batches 1,16 --recall-chunks 4096 --offload-pages 512 \
-    --repeats 10 \
-    --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" | grep -A 20 "^selection per layer"
+  python3 benchmarks/kernels.py --only-selection --contexts 32768,131072 --batches 1,16 --repeats 10 \
+    --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" | grep -A 24 "^selection per layer"
   python3 benchmarks/profile_step.py --batches 16 --context 32000 \
-    --rows "${ROWS:-0.9:drifting:delta:means,0.9:drifting:delta:rerank/0,0.9:drifting:delta:rerank/4,1:drifting:delta:means,1:drifting:delta:rerank/0,1:drifting:delta:rerank/4}" \
-    --out "$OUT/profile-step.json" 2>&1 | tee "$OUT/profile-step.log" | grep -E '^\{|^batch|_rerank|_page_logits|_top_pages' ;;
+    --rows "${ROWS:-0.9:drifting:delta:means,0.9:drifting:delta:rerank/2,0.9:drifting:delta:rerank/0,1:drifting:delta:means,1:drifting:delta:rerank/2}" \
+    --out "$OUT/profile-step.json" 2>&1 | tee "$OUT/profile-step.log" | grep -E '^\{|^batch|_rerank|_sketch|_page_logits|_top_pages' ;;
 stash)
   bash scripts/gpu_smollm2.sh stash ;;
 accuracy)
   pkill -9 -f sglang.launch_server 2>/dev/null; pkill -9 -f freekv_kvstore 2>/dev/null; sleep 1
   bash scripts/gpu_smollm2.sh build >/dev/null || exit 1
-  ACC=(python3 -m freekv_sglang.accuracy --model /tmp/smollm2 --sink 64 --window 128 --page-size 16 --samples 20)
+  ACC=(python3 -m freekv_sglang.accuracy --model /tmp/smollm2 --sink 64 --window 128 --page-size 16 --samples 20
+       --rerank-factor "${RERANK:-2}")
   # RESUME: a records.jsonl of an earlier call to go on from (finished cells are skipped).
   mkdir -p "$OUT/acc-engine"; [ -n "${RESUME:-}" ] && cp "$RESUME" "$OUT/acc-engine/records.jsonl"
   [ "${SERVERS_ONLY:-0}" = 1 ] || "${ACC[@]}" --device cuda --dtype bf16 --batch 10 --tasks passkey,multikey,vartrack --lengths 4096,8192 \

@@ -2,9 +2,10 @@
 
 All methods share one dense prefill and attend to the same number of tokens per step:
 - dense: every layer dense (dense_layers = num_layers), the full-KV reference; budget-independent.
-- rerank(tau), means(tau): FreeKV with the default two-stage selection (MeanS candidates rescored from 2-bit key
-  codes) or the paper's MeanS alone, speculative with correction below tau (tau 0 = pure speculation,
-  tau 1 = reselect every head every step, i.e. no speculation).
+- rerank(tau), means(tau): FreeKV with the default two-stage selection (a sketch's best candidates rescored from
+  2-bit key codes; rerank/N(tau) with --rerank-factor N, 0 = every page rescored) or the paper's MeanS alone,
+  speculative with correction below tau (tau 0 = pure speculation, tau 1 = reselect every head every step, i.e.
+  no speculation).
 - quest: the Quest-style baseline: max over the query group of the min / max bounds, selected with the current
   query every step (the engine has no per-query-head selection).
 - oracle: the exact attention mass of the current query per KV-head group, from the host copy of the keys,
@@ -63,8 +64,10 @@ def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None
         if name == "dense":
             out.append(MethodSpec("dense", "freekv", uses_budget=False))
         elif name in ("rerank", "means"):
-            out.extend(MethodSpec(f"{name}(tau={t:g})", "freekv", tau=t, selection=name,
-                                  rerank_factor=rerank_factor if name == "rerank" else None) for t in taus)
+            factor = rerank_factor if name == "rerank" else None
+            label = name if factor is None else f"{name}/{factor}"  # rerank/N: N x budget candidates, 0 every page
+            out.extend(MethodSpec(f"{label}(tau={t:g})", "freekv", tau=t, selection=name, rerank_factor=factor)
+                       for t in taus)
         elif name in ("quest", "oracle"):
             out.append(MethodSpec(name, "freekv", tau=1.0, selection=name))
         elif name == "streaming":

@@ -1,0 +1,182 @@
+"""Which cheap page scores keep the pages a real model attends to? (selection design study, CPU or GPU)
+
+Decodes accuracy-harness prompts with oracle selection (so every method sees the same trajectory) and, right
+after each sparse layer's attention, scores the request's candidate pages with each candidate scorer from the
+exact keys (torch, no kernels): the rank the scorer gives the highest-mass page, and the attention mass its top-k
+covers. A scorer fit for a first stage keeps the top page within a few k; one fit to select alone covers
+oracle-like mass at k.
+
+    python benchmarks/selection_study.py --task passkey --length 8192 --samples 6 --budget 512 --out study.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from freekv_kernels.page_rerank.naive import dequantize_keys, quantize_keys
+
+from freekv_sglang import hf_models
+from freekv_sglang.accuracy.methods import Geometry, MethodSpec
+from freekv_sglang.accuracy.tasks import make_samples
+from freekv_sglang.hf_adapter import FreeKVModel
+from freekv_sglang.selectors import page_attention_mass
+
+MULTIPLES = (1, 2, 4, 8)
+
+
+def _group_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """[H, G, n] page logits -> [H, n] group mean of per-head softmax over pages."""
+    return torch.softmax(logits, dim=-1).mean(1)
+
+
+def _lse_pages(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [H, G, D], keys [n, H, p, D] -> [H, G, n] log-sum-exp of each page's logits."""
+    return torch.logsumexp(scale * torch.einsum("hgd,nhtd->hgnt", q, keys), dim=-1)
+
+
+def scorers(q: torch.Tensor, keys: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
+    """Every candidate scorer's [H, n] page scores (higher = keep)."""
+    lo, hi = keys.amin(2), keys.amax(2)  # [n, H, D]
+    qq = q.unsqueeze(2)  # [H, G, 1, D]
+    lo_t, hi_t = lo.permute(1, 0, 2).unsqueeze(1), hi.permute(1, 0, 2).unsqueeze(1)  # [H, 1, n, D]
+    bound = scale * torch.maximum(qq * lo_t, qq * hi_t).sum(-1)  # [H, G, n]
+    out = {"means": _group_softmax(bound), "quest": bound.amax(1)}
+    out["centroid"] = _group_softmax(scale * torch.einsum("hgd,nhd->hgn", q, keys.mean(2)))
+    codes = quantize_keys(keys, lo, hi)
+    dec2 = dequantize_keys(codes, lo, hi)
+    out["code2"] = _group_softmax(_lse_pages(q, dec2, scale))
+    out["code2-max"] = _group_softmax((scale * torch.einsum("hgd,nhtd->hgnt", q, dec2)).amax(-1))
+    span = (hi - lo).unsqueeze(2)
+    mid = ((lo + hi) / 2).unsqueeze(2)
+    dec1 = torch.where(keys >= mid, mid + span / 4, mid - span / 4)
+    out["code1"] = _group_softmax(_lse_pages(q, dec1, scale))
+    # Per-token 2-bit codes (range over the token's channels), raw or after per-channel centring and scaling by
+    # the request's statistics: the weights q * sigma are then the same for every page.
+    mu, sigma = keys.mean((0, 2), keepdim=True), keys.std((0, 2), keepdim=True).clamp_min(1e-6)
+    for name, x, back in (("tok2-raw", keys, lambda y: y), ("tok2-norm", (keys - mu) / sigma, lambda y: y * sigma + mu)):
+        tlo, thi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        step = (thi - tlo) / 4
+        c = ((x - tlo) / step.clamp_min(1e-12)).floor().clamp(0, 3)
+        out[name] = _group_softmax(_lse_pages(q, back(tlo + (c + 0.5) * step), scale))
+    # 2-bit codes on the r channels with the largest |q| x mean page span (group mean of |q|), mid elsewhere.
+    D = q.shape[-1]
+    weight = q.abs().mean(1) * (hi - lo).mean(0)  # [H, D]
+    masks = {}
+    for r in (D // 8, D // 4):
+        masks[f"code2-ch{r}"] = torch.zeros(keys.shape[1], D, dtype=torch.bool).scatter_(
+            1, weight.topk(r, dim=-1).indices, True)
+    # The same from |q| alone (no page statistics), and whole code bytes (4 channels each) instead of channels.
+    masks["code2-ch16q"] = torch.zeros(keys.shape[1], D, dtype=torch.bool).scatter_(
+        1, q.abs().mean(1).topk(D // 8, dim=-1).indices, True)
+    for nb in (4, 8):
+        byte_w = weight.unflatten(-1, (-1, 4)).sum(-1)  # [H, D / 4]
+        mb = torch.zeros_like(byte_w, dtype=torch.bool).scatter_(1, byte_w.topk(nb, dim=-1).indices, True)
+        masks[f"code2-byte{nb}"] = mb.repeat_interleave(4, dim=-1)
+    # The same with the unread channels left out (zero: any per-request constant cancels in the softmax).
+    qbyte = q.abs().mean(1).unflatten(-1, (-1, 4)).sum(-1)
+    masks["code2-byte4q"] = torch.zeros_like(qbyte, dtype=torch.bool).scatter_(
+        1, qbyte.topk(4, dim=-1).indices, True).repeat_interleave(4, dim=-1)
+    for name in ("code2-byte4", "code2-byte8", "code2-byte4q"):
+        masks[name + "z"] = masks[name]
+    for name, m in masks.items():
+        sub = torch.where(m[None, :, None, :], dec2, 0.0 if name.endswith("z") else mid)
+        out[name] = _group_softmax(_lse_pages(q, sub, scale))
+    out["mid"] = _group_softmax(scale * torch.einsum("hgd,nhd->hgn", q, mid.squeeze(2)))
+    return out
+
+
+def two_stage(first: torch.Tensor, second: torch.Tensor, num: int) -> torch.Tensor:
+    """second's scores on first's best num pages per KV head, below every one of them elsewhere."""
+    keep = torch.zeros_like(first, dtype=torch.bool).scatter_(1, first.topk(min(num, first.shape[1]), 1).indices, True)
+    return torch.where(keep, second, second.amin() - 1)
+
+
+class StudyProbe:
+    def __init__(self, engine, k_pages: int):
+        self.engine, self.k = engine, k_pages
+        self.cases = self.focus_cases = 0
+        self.focus_hits: dict[str, int] = {}
+        self.rank_hits: dict[str, list[int]] = {}
+        self.mass: dict[str, float] = {}
+
+    def __call__(self, layer, plan, q, slots):
+        e = self.engine
+        H, G, D, start = e.shape.num_kv_heads, e.shape.group, e.shape.head_dim, e.cfg.sink_pages
+        for b, slot in enumerate(plan.req_slots.tolist()):
+            end = min(int(plan.cand_end[b]), e.max_pages)
+            if slot == e.pad_slot or end - start <= self.k:
+                continue
+            qb = q[b].view(H, G, D).float()
+            truth = page_attention_mass(e, layer, slot, qb, end)  # [H, n]
+            keys = e.candidate_keys.get(layer, slot, end).float()
+            best = truth.argmax(1)  # [H]
+            scores = {"oracle": truth, **scorers(qb, keys, e.scale)}
+            for first in ("means", "code1", "code2-byte4", "code2-byte4z", "code2-byte4q", "code2-byte4qz", "code2-byte8z"):
+                for f in (2, 4):
+                    scores[f"{first}>{f}k"] = two_stage(scores[first], scores["code2"], f * self.k)
+            # Concentrated cases: the top page holds at least a quarter of the mass (a retrieval head reading a needle).
+            focus = truth.amax(1) >= 0.25
+            self.cases += H
+            self.focus_cases += int(focus.sum())
+            for name, s in scores.items():
+                order = s.argsort(dim=1, descending=True)
+                rank = (order == best[:, None]).float().argmax(1)  # [H]
+                hits = self.rank_hits.setdefault(name, [0] * len(MULTIPLES))
+                for i, mlt in enumerate(MULTIPLES):
+                    hits[i] += int((rank < mlt * self.k).sum())
+                self.focus_hits[name] = self.focus_hits.get(name, 0) + int((rank[focus] < self.k).sum())
+                top = order[:, :self.k]
+                self.mass[name] = self.mass.get(name, 0.0) + float(truth.gather(1, top).sum())
+
+    def table(self) -> dict:
+        n = max(self.cases, 1)
+        return {name: {"mass_at_k": self.mass[name] / n,
+                       "focus_top1_in_k": self.focus_hits[name] / max(self.focus_cases, 1),
+                       **{f"top1_in_{m}k": h / n for m, h in zip(MULTIPLES, hits)}}
+                for name, hits in self.rank_hits.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", default="passkey")
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--budget", type=int, default=512)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--max-new", type=int, default=None, help="decode steps per sample (default: the task's)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model, tok = hf_models.load_smollm2(torch.float32, args.device)
+    geo = Geometry()
+    spec = MethodSpec("oracle", "freekv", tau=1.0, selection="oracle")
+    cfg = spec.config(args.budget, geo, model.config.num_hidden_layers)
+    samples = make_samples(tok, args.task, args.length, args.samples)
+    max_new = args.max_new or max(s.max_new_tokens for s in samples)
+    fm = FreeKVModel.build(model, cfg, max_requests=len(samples), max_context=args.length + max_new + 1,
+                           method="freekv")
+    t0 = time.perf_counter()
+    caches = [fm.prefill(list(s.ids)) for s in samples]
+    probe = fm.engine.probe = StudyProbe(fm.engine, cfg.select_pages)
+    outs = fm.generate(caches, max_new, eos_token_id=tok.eos_token_id, max_batch=len(samples))
+    score = sum(s.score(tok.decode(o, skip_special_tokens=True)) for s, o in zip(samples, outs)) / len(samples)
+    res = {"task": args.task, "length": args.length, "budget": args.budget, "k_pages": cfg.select_pages,
+           "cases": probe.cases, "oracle_score": score, "seconds": time.perf_counter() - t0,
+           "scorers": probe.table()}
+    res["focus_cases"] = probe.focus_cases
+    cols = ["mass_at_k", "focus_top1_in_k"] + [f"top1_in_{m}k" for m in MULTIPLES]
+    print(f"{args.task} {args.length} budget {args.budget} (k={cfg.select_pages} pages), {probe.cases} cases, "
+          f"oracle score {score:.2f}, {probe.focus_cases} focused cases (top page >= a quarter of the mass)")
+    print(f"{'scorer':<16}" + "".join(f"{c:>16}" for c in cols))
+    for name, row in res["scorers"].items():
+        print(f"{name:<16}" + "".join(f"{row[c]:>16.3f}" for c in cols))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
