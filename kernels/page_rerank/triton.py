@@ -173,13 +173,16 @@ def _sketch_lse_kernel(
     sh_b, sh_h,
     sl_b, sl_h, sl_c,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_C: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr,
-    LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+    PAGE: tl.constexpr, FOLD: tl.constexpr, GROUPS: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
+    Q_BY_SLOT: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
 ):
-    """lse[b, h, c, g] of the first stage for BLOCK_C pages. Every channel counts at its page's mid-range, the
+    """lse[b, h, c, g] of the first stage for GROUPS x FOLD pages. Every channel counts at its page's mid-range, the
     program's NB code bytes (the group's largest sums of |q| over their channels, ties by the lower byte: an
     argmax per pick) refine their channels to the decoded keys: logit = q . mid + sum over the picked channels of
-    q * step * (code - 1.5). The codes are read byte-major: NB rows of PAGE bytes per page."""
+    q * step * (code - 1.5). The codes are read byte-major: NB rows of PAGE bytes per page.
+    FOLD pages share a tensor-core product: their refinements side by side along K against a block-diagonal
+    query, so the FOLD x GP output columns are (page, query head) and the log-sum-exp over tokens does no padded
+    work (GP query heads alone would fill a quarter of the 16 columns)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
@@ -188,61 +191,80 @@ def _sketch_lse_kernel(
     slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
     q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
     end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
-    # The picked bytes: |q| summed over the group and each byte's channels, [KB, PER_BYTE] per query head.
+    # The picked bytes: |q| summed over the group and each byte's channels.
     jb = tl.arange(0, KB)
     i4 = tl.arange(0, PER_BYTE)
-    ch_b = (PER_BYTE * jb[:, None] + i4[None, :]) * sq_d
     w = tl.zeros([KB], tl.float32)
     for gg in tl.static_range(G):
-        w += tl.sum(tl.abs(tl.load(q_row + gg * sq_h + ch_b).to(tl.float32)), axis=1)
+        w += tl.sum(tl.abs(tl.load(q_row + gg * sq_h + (PER_BYTE * jb[:, None] + i4[None, :]) * sq_d)
+                           .to(tl.float32)), axis=1)
     n = tl.arange(0, NBP)
     sel = tl.zeros([NBP], tl.int32)
     for r in tl.static_range(NB):
         best = tl.argmax(w, 0)
         sel = tl.where(n == r, best, sel)
         w = tl.where(jb == best, -1.0, w)
-    # Column r of the refinement holds channel PER_BYTE * sel[r // PER_BYTE] + r % PER_BYTE.
+    # K index kr = (fold page k, picked byte n, channel i of the byte): channel PER_BYTE * sel[n] + i.
     R: tl.constexpr = NBP * PER_BYTE
-    r_sel = tl.reshape(tl.broadcast_to(sel[:, None], [NBP, PER_BYTE]), [R])
-    r_ok = tl.reshape(tl.broadcast_to((n < NB)[:, None], [NBP, PER_BYTE]), [R])
-    r_ch = PER_BYTE * r_sel + tl.arange(0, R) % PER_BYTE
-    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    KR: tl.constexpr = FOLD * R
+    NCOL: tl.constexpr = FOLD * GP
+    kr_sel = tl.reshape(tl.broadcast_to(sel[None, :, None], [FOLD, NBP, PER_BYTE]), [KR])
+    kr_ok = tl.reshape(tl.broadcast_to((n < NB)[None, :, None], [FOLD, NBP, PER_BYTE]), [KR])
+    kr = tl.arange(0, KR)
+    kr_ch = PER_BYTE * kr_sel + kr % PER_BYTE
+    col = tl.arange(0, NCOL)  # output column = (fold page k, query head g)
+    col_k = col // GP
+    col_g = col % GP
+    BLOCK_C: tl.constexpr = GROUPS * FOLD
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # page index = group * FOLD + k
     ok = cand_start + c < end
     page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
-    d = tl.arange(0, D)
     summ = summ_ptr + page[:, None] * ss_p + h * ss_h
-    lo = tl.load(summ + r_ch[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-    step = (tl.load(summ + ss_mm + r_ch[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-            - lo) / LEVELS  # [BLOCK_C, R]
-    # [BLOCK_C * PAGE, R]: row = page * PAGE + token; each picked byte is read once and gives 4 columns.
-    ROWS: tl.constexpr = BLOCK_C * PAGE
-    row = tl.arange(0, ROWS)
-    t = (row % PAGE).to(tl.int64)
-    row_page = tl.reshape(tl.broadcast_to(page[:, None], [BLOCK_C, PAGE]), [ROWS])
-    row_ok = tl.reshape(tl.broadcast_to(ok[:, None], [BLOCK_C, PAGE]), [ROWS])
-    byte = tl.load(codes_ptr + row_page[:, None] * sc_p + h * sc_h + t[:, None] * sc_t + sel[None, :] * sc_j,
-                   mask=row_ok[:, None] & (n < NB)[None, :], other=0).to(tl.int32)  # [ROWS, NBP]
-    code = (byte[:, :, None] >> (BITS * i4)[None, None, :]) & (LEVELS - 1)
-    code = tl.reshape(code, [ROWS, R]).to(tl.float32) - (LEVELS - 1) * 0.5
-    dev = code * tl.reshape(tl.broadcast_to(step[:, None, :], [BLOCK_C, PAGE, R]), [ROWS, R])
-    # Tensor-core products of fp16 operands (the reference rounds alike; a bf16 summary converts exactly within
-    # fp16's range): the min and max rows against the scaled query, [BLOCK_C, D] x [D, GP] each, their mean the
-    # mid-range term; [ROWS, R] x [R, GP] for the refinement; query heads padded to GP columns.
-    g = tl.arange(0, GP)
-    g_ok = g < G
-    q_t = tl.load(q_row + g[None, :] * sq_h + d[:, None] * sq_d, mask=g_ok[None, :], other=0.0).to(tl.float32)
-    q_r = tl.load(q_row + g[None, :] * sq_h + r_ch[:, None] * sq_d, mask=r_ok[:, None] & g_ok[None, :],
-                  other=0.0).to(tl.float32)
-    q_t = (q_t * scale).to(tl.float16)
+    # Mid-range term: [BLOCK_C, D] x [D, NCOL] with the query repeated for every fold page; page c keeps the
+    # columns of its own fold position (the sum over FOLD picks them).
+    d = tl.arange(0, D)
+    q_t = tl.load(q_row + col_g[None, :] * sq_h + d[:, None] * sq_d, mask=(col_g < G)[None, :], other=0.0)
+    q_t = (q_t.to(tl.float32) * scale).to(tl.float16)
     lo_all = tl.load(summ + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
     hi_all = tl.load(summ + ss_mm + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-    base = (tl.dot(lo_all, q_t) + tl.dot(hi_all, q_t)) * 0.5  # [BLOCK_C, GP]
-    acc = tl.dot(dev.to(tl.float16), (q_r * scale).to(tl.float16))  # [ROWS, GP]
-    s = tl.reshape(acc, [BLOCK_C, PAGE, GP])
-    m = tl.max(s, axis=1)
-    lse = base + m + tl.log(tl.sum(tl.exp(s - m[:, None, :]), axis=1))  # [BLOCK_C, GP]
-    lse = tl.where(ok[:, None], lse, float("-inf"))
-    tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None] * sl_c + g[None, :], lse, mask=(c < C)[:, None] & g_ok[None, :])
+    base_all = (tl.dot(lo_all, q_t) + tl.dot(hi_all, q_t)) * 0.5  # [BLOCK_C, NCOL]
+    base_all = tl.reshape(base_all, [GROUPS, FOLD, NCOL])
+    own = tl.arange(0, FOLD)[None, :, None] == col_k[None, None, :]
+    base = tl.sum(tl.where(own, base_all, 0.0), axis=1)  # [GROUPS, NCOL]
+    # Refinement: rows (group, token), K (fold page, picked channel); each page's picked code bytes are read once
+    # ([GROUPS, PAGE, FOLD x NBP]) and give PER_BYTE columns each. Page ids are read again per K index (cached).
+    grp = tl.program_id(2) * BLOCK_C + tl.arange(0, GROUPS)[:, None] * FOLD
+    kb = tl.arange(0, FOLD * NBP)
+    kb_sel = tl.reshape(tl.broadcast_to(sel[None, :], [FOLD, NBP]), [FOLD * NBP])
+    kb_ok = tl.reshape(tl.broadcast_to((n < NB)[None, :], [FOLD, NBP]), [FOLD * NBP])
+    c_kb = grp + kb[None, :] // NBP
+    ok_kb = (cand_start + c_kb < end) & kb_ok[None, :]
+    page_kb = tl.load(pt_ptr + slot * spt_r + (cand_start + c_kb).to(tl.int64) * spt_m, mask=ok_kb,
+                      other=0).to(tl.int64)  # [GROUPS, FOLD x NBP]
+    t = tl.arange(0, PAGE).to(tl.int64)
+    byte = tl.load(codes_ptr + page_kb[:, None, :] * sc_p + h * sc_h + t[None, :, None] * sc_t
+                   + kb_sel[None, None, :] * sc_j, mask=ok_kb[:, None, :], other=0).to(tl.int32)
+    code = (byte[:, :, :, None] >> (BITS * i4)[None, None, None, :]) & (LEVELS - 1)
+    code = tl.reshape(code, [GROUPS, PAGE, KR]).to(tl.float32) - (LEVELS - 1) * 0.5
+    c_kr = grp + kr[None, :] // R
+    ok_kr = (cand_start + c_kr < end) & kr_ok[None, :]
+    page_kr = tl.load(pt_ptr + slot * spt_r + (cand_start + c_kr).to(tl.int64) * spt_m, mask=ok_kr,
+                      other=0).to(tl.int64)
+    s_ptr = summ_ptr + page_kr * ss_p + h * ss_h + kr_ch[None, :]
+    lo = tl.load(s_ptr, mask=ok_kr, other=0.0).to(tl.float32)
+    step = (tl.load(s_ptr + ss_mm, mask=ok_kr, other=0.0).to(tl.float32) - lo) / LEVELS  # [GROUPS, KR]
+    ROWS: tl.constexpr = GROUPS * PAGE
+    dev = tl.reshape(code * step[:, None, :], [ROWS, KR]).to(tl.float16)
+    q_b = tl.load(q_row + col_g[None, :] * sq_h + kr_ch[:, None] * sq_d,
+                  mask=((kr // R)[:, None] == col_k[None, :]) & kr_ok[:, None] & (col_g < G)[None, :], other=0.0)
+    q_b = (q_b.to(tl.float32) * scale).to(tl.float16)  # [KR, NCOL] block-diagonal
+    acc = tl.reshape(tl.dot(dev, q_b), [GROUPS, PAGE, NCOL])
+    m = tl.max(acc, axis=1)
+    lse = base + m + tl.log(tl.sum(tl.exp(acc - m[:, None, :]), axis=1))  # [GROUPS, NCOL]
+    c_out = tl.program_id(2) * BLOCK_C + tl.arange(0, GROUPS)[:, None] * FOLD + col_k[None, :]
+    lse = tl.where(cand_start + c_out < end, lse, float("-inf"))
+    tl.store(lse_ptr + b * sl_b + h * sl_h + c_out * sl_c + col_g[None, :], lse,
+             mask=(c_out < C) & (col_g < G)[None, :])
 
 
 @triton.jit
@@ -363,7 +385,7 @@ def rerank_pages(
     return scores
 
 
-SKETCH_TOKENS = 256  # tokens per program of the sketch kernel: 256 / p pages
+SKETCH_TOKENS = 128  # token rows of the sketch kernel's product: 128 / p page groups of FOLD pages
 SKETCH_WARPS = 4
 
 
@@ -399,14 +421,16 @@ def sketch_pages(
     gp = triton.next_power_of_2(G)
     lse = empty(B, H, max(C, 1), gp, dtype=torch.float32, device=q.device)  # scratch
     if C:
-        block_c = max(1, SKETCH_TOKENS // p)
-        _sketch_lse_kernel[(B, H, triton.cdiv(C, block_c))](
+        fold = max(1, 16 // gp)  # pages side by side in one product's 16 output columns
+        groups = max(SKETCH_TOKENS // p, triton.cdiv(16, fold), 1)  # >= 16 pages for the mid-range product
+        _sketch_lse_kernel[(B, H, triton.cdiv(C, groups * fold))](
             q, summaries, codes, page_table, req_slots, cand_end, heads_arg, lse,
             C, cand_start, M, scale,
             *q.stride(), summaries.stride(0), summaries.stride(1), summaries.stride(2), *codes.stride(),
             *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *lse.stride()[:3],
-            G=G, GP=max(16, gp), D=D, KB=D // PER_BYTE, NB=nbytes, NBP=max(4, triton.next_power_of_2(nbytes)), PAGE=p, BLOCK_C=block_c, HEADS=with_heads, WANT=want,
-            Q_BY_SLOT=q_by_slot, LEVELS=LEVELS, BITS=CODE_BITS, PER_BYTE=PER_BYTE,
+            G=G, GP=gp, D=D, KB=D // PER_BYTE, NB=nbytes, NBP=triton.next_power_of_2(nbytes), PAGE=p, FOLD=fold,
+            GROUPS=groups, HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, LEVELS=LEVELS, BITS=CODE_BITS,
+            PER_BYTE=PER_BYTE,
             num_warps=SKETCH_WARPS,
         )
     _rerank_pool_kernel[(B, H)](
