@@ -44,9 +44,9 @@ args=(
   # page matters (a needle), head_dim / 4 GPU bytes per token and KV head; "means" (the paper's MeanS over min / max
   # page summaries) is several times cheaper per step; "quest" the max over the group of those bounds.
   --kv-selection rerank
-  # 0: the rerank scores every page from all its codes. N > 0: a sketch over every page (its mid-range keys refined
-  # by the codes of the --kv-sketch-channels channels the query weighs most) keeps N x budget pages for the codes.
-  --kv-rerank-factor 0
+  # N > 0: a sketch over every page (its mid-range keys refined by the codes of the --kv-sketch-channels channels the
+  # query weighs most) keeps N x budget pages for the codes to rescore; 0 rescores every page (costlier).
+  --kv-rerank-factor 2
   --kv-sketch-channels 16
   # Host-memory budget (GiB) of the embedded kvstore daemon that holds every request's full KV cache.
   # It starts with the server and stops with it; it must fit in RAM and /dev/shm (containers: --shm-size).

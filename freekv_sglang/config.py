@@ -31,13 +31,14 @@ class FreeKVConfig:
         selected page of a reselected head (an ablation: what delta recall saves).
     selection: how pages are scored. "rerank" (default): from 2-bit per-channel key codes (head_dim / 4 bytes per
         token and KV head, in the page's min / max range), as attention mass: per query head the log-sum-exp of
-        the page's logits, softmax over pages, group mean; every page, or (rerank_factor > 0) the best
-        rerank_factor x (budget pages) of a sketch that scores every page from its mid-range keys refined by the
-        codes of the sketch_channels channels the query weighs most. "means": the paper's group-consistent MeanS
+        the page's logits, softmax over pages, group mean; for the best rerank_factor x (budget pages) of a sketch
+        that scores every page from its mid-range keys refined by the codes of the sketch_channels channels the
+        query weighs most (rerank_factor 0: for every page). "means": the paper's group-consistent MeanS
         on the summaries alone. "quest": max over the group of the summaries' upper bounds. "oracle": exact
         attention mass from the host copy of the keys (the accuracy harness's upper bound; not servable).
-    rerank_factor: 0 (default) rescores every page from all its codes; N > 0: the sketch's best N x (budget pages)
-        only. On an H100 the sketch costs more than it saves at 32K (docs/results/selection-h100).
+    rerank_factor: N > 0 (default 2): the sketch's best N x (budget pages) are rescored from all their codes; 0
+        rescores every page (as accurate as the oracle on SmolLM2, 1.75x the default's cost at 16 x 32K on an H100,
+        docs/results/selection-h100).
     sketch_channels: key channels the sketch reads per KV head (a multiple of 4, at most head_dim): the group's
         largest |q| ones, 4 per code byte.
     recall_programs: GPU programs of the speculative recall, which reads host memory beside the model's GEMMs
@@ -54,7 +55,7 @@ class FreeKVConfig:
     recall: str = "delta"
     recall_programs: int = 32
     selection: str = "rerank"
-    rerank_factor: int = 0
+    rerank_factor: int = 2
     sketch_channels: int = 16
 
     def __post_init__(self) -> None:

@@ -145,8 +145,8 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         "of min / max bounds; 'quest' the max over the group of those bounds "
                         f"(default {_DEFAULTS.selection})")
     g.add_argument("--kv-rerank-factor", type=int, default=None, metavar="N",
-                   help="0: the rerank scores every page from all its codes; N > 0: only the best N x (budget pages) "
-                        "of a sketch over every page (a few channels' codes and the page's mid-range) "
+                   help="N > 0: the rerank rescores the best N x (budget pages) of a sketch over every page (a few "
+                        "channels' codes and the page's mid-range) from all their codes; 0: every page (costlier) "
                         f"(default {_DEFAULTS.rerank_factor})")
     g.add_argument("--kv-sketch-channels", type=int, default=None, metavar="N",
                    help="key channels the rerank's sketch reads per KV head, the query's largest; a multiple of 4 "

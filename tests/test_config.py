@@ -143,7 +143,7 @@ def test_recall_programs():
 
 
 def test_selection_knobs():
-    assert FreeKVConfig().selection == "rerank" and FreeKVConfig().rerank_factor == 0  # every page from its codes
+    assert FreeKVConfig().selection == "rerank" and FreeKVConfig().rerank_factor == 2  # the sketch's best 2k
     assert FreeKVConfig(rerank_factor=4).rerank_pages == 4 * FreeKVConfig().select_pages
     with pytest.raises(ValueError, match="selection must be one of"):
         FreeKVConfig(selection="topk")

@@ -111,17 +111,17 @@ def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=
 
 
 MEANS = {"_page_logits_kernel": 1, "_pool_scores_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
-# The default rerank (rerank_factor 0): every page's code log-sum-exps and their pooled scores, then the same
-# selection and recall.
-SELECT = {"_rerank_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
-# With rerank_factor > 0: the sketch's log-sum-exps and pooled scores and their top candidates first.
-TWO_STAGE = {**SELECT, "_sketch_lse_kernel": 1, "_rerank_pool_kernel": 2, "_top_pages_kernel": 1}
+# The rerank with rerank_factor 0: every page's code log-sum-exps and their pooled scores, then the same selection
+# and recall.
+EVERY_PAGE = {"_rerank_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
+# The default rerank: the sketch's log-sum-exps, pooled scores and top candidates first.
+SELECT = {**EVERY_PAGE, "_sketch_lse_kernel": 1, "_rerank_pool_kernel": 2, "_top_pages_kernel": 1}
 
 
 @pytest.mark.parametrize("recall", ["delta", "all"])
 def test_freekv_layer_launches(monkeypatch, recall):
-    """13 launches per sparse layer with the default rerank selection: 4 on the compute stream (similarity, KV
-    write, attention and its split combine), 4 on the select stream before attention, 5 on the recall stream; no
+    """19 launches per sparse layer with the default rerank selection: 4 on the compute stream (similarity, KV
+    write, attention and its split combine), 7 on the select stream before attention, 8 on the recall stream; no
     torch glue anywhere."""
     got = count_step(monkeypatch, recall=recall)
     assert got == {
@@ -141,10 +141,10 @@ def test_outside_attention_layer_launches(monkeypatch):
 
 
 def test_means_quest_and_streaming_layer_launches(monkeypatch):
-    """The two-stage rerank (3 launches more per selection), MeanS (13 launches), Quest (max pooling: no pooling
-    kernel) and StreamingLLM (nothing selected: no side-stream selection)."""
-    two = count_step(monkeypatch, factor=2)
-    assert two["select"] == TWO_STAGE and two["recall"] == {**TWO_STAGE, "_offload_pages_kernel": 1}
+    """The rerank of every page (no sketch: 3 launches fewer per selection), MeanS (13 launches), Quest (max
+    pooling: no pooling kernel) and StreamingLLM (nothing selected: no side-stream selection)."""
+    every = count_step(monkeypatch, factor=0)
+    assert every["select"] == EVERY_PAGE and every["recall"] == {**EVERY_PAGE, "_offload_pages_kernel": 1}
     means = count_step(monkeypatch, selection="means")
     assert means["select"] == MEANS and means["recall"] == {**MEANS, "_offload_pages_kernel": 1}
     quest = count_step(monkeypatch, selection="quest")
