@@ -423,12 +423,13 @@ def sketch_pages(
     if C:
         fold = max(1, 16 // gp)  # pages side by side in one product's 16 output columns
         groups = max(SKETCH_TOKENS // p, triton.cdiv(16, fold), 1)  # >= 16 pages for the mid-range product
+        nbp = max(triton.next_power_of_2(nbytes), triton.cdiv(16, fold * PER_BYTE))  # K >= 16, masked bytes
         _sketch_lse_kernel[(B, H, triton.cdiv(C, groups * fold))](
             q, summaries, codes, page_table, req_slots, cand_end, heads_arg, lse,
             C, cand_start, M, scale,
             *q.stride(), summaries.stride(0), summaries.stride(1), summaries.stride(2), *codes.stride(),
             *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *lse.stride()[:3],
-            G=G, GP=gp, D=D, KB=D // PER_BYTE, NB=nbytes, NBP=triton.next_power_of_2(nbytes), PAGE=p, FOLD=fold,
+            G=G, GP=gp, D=D, KB=D // PER_BYTE, NB=nbytes, NBP=nbp, PAGE=p, FOLD=fold,
             GROUPS=groups, HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, LEVELS=LEVELS, BITS=CODE_BITS,
             PER_BYTE=PER_BYTE,
             num_warps=SKETCH_WARPS,

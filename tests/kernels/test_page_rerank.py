@@ -181,7 +181,7 @@ def test_rerank_pages_full_scan_matches_reference(G, p, D, M, H, phase):
 
 
 @pytest.mark.parametrize("G,p,D,M,H,nbytes", [(1, 16, 64, 37, 2, 4), (3, 32, 128, 50, 3, 4), (4, 16, 128, 21, 2, 3),
-                                              (8, 32, 64, 40, 1, 16)])
+                                              (8, 32, 64, 40, 1, 16), (8, 16, 128, 30, 2, 1)])
 @pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
 def test_sketch_pages_matches_reference(G, p, D, M, H, nbytes, phase):
     """The first stage over every page in [cand_start, cand_end[b]) (all, none, one, part): the reference's scores,
