@@ -1,0 +1,291 @@
+"""Faults against a FreeKV SGLang server on one GPU (issue 19): what survives, what ends with a message, what is lost.
+
+    python3 benchmarks/faults.py --model-path /tmp/smollm2 --out results/faults \
+        [--scenarios daemon-kill,daemon-stop,server-restart,arena-full,malformed]
+
+Each scenario starts its own server(s) (triton attention, page 16, FreeKV budget 1024 unless --freekv-args says
+otherwise) and prints one row: requests sent, completed (every token), aborted with a message (finish_reason
+abort and a text), lost (an error without such a message, or no answer), how many completed outputs equal an
+undisturbed run of the same prompts, whether the server answers /health afterwards, and the recovery seconds
+(from the fault to the first new request that completes). Rows go to a table on stdout and to faults.json.
+
+  daemon-kill     `--requests` requests decoding, kill -9 of the embedded kvstore daemon after `--fault-after` s
+  daemon-stop     the same with SIGSTOP of the daemon for 10 s, then SIGCONT
+  server-restart  an external daemon; kill -9 of the server while requests decode, then a new server on the same
+                  daemon (the dead one's pages must be freed by session liveness: used pages before and after)
+  arena-full      an arena of --small-arena-gb and a burst of long prompts
+  malformed       negative max_new_tokens, a prompt longer than the context, a bogus FREEKV_ARGS at launch
+
+Greedy outputs compare equal only when the server's inference is deterministic for a batch (--deterministic adds
+SGLang's --enable-deterministic-inference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from server_process import ServerProcess
+
+DAEMON_LINE = re.compile(r"freekv-kvstore listening on (\S+) \(pid (\d+)")
+
+
+def generate(url: str, ids: list[int], max_new: int, timeout: float) -> dict:
+    """One greedy /generate: {"outcome": completed | aborted | lost, "output_ids", "message"}."""
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            out = json.loads(r.read())
+    except urllib.error.HTTPError as e:  # a refusal with a message counts as an answer
+        text = e.read().decode(errors="replace")[:300]
+        return {"outcome": "aborted" if text.strip() else "lost", "output_ids": [], "message": f"HTTP {e.code}: {text}"}
+    except Exception as e:
+        return {"outcome": "lost", "output_ids": [], "message": f"{type(e).__name__}: {e}"}
+    finish = (out.get("meta_info") or {}).get("finish_reason") or {}
+    ids_out = out.get("output_ids") or []
+    if finish.get("type") == "abort":
+        msg = str(finish.get("message") or "")
+        return {"outcome": "aborted" if msg else "lost", "output_ids": ids_out, "message": msg}
+    if len(ids_out) == max_new:
+        return {"outcome": "completed", "output_ids": ids_out, "message": ""}
+    return {"outcome": "lost", "output_ids": ids_out, "message": f"{len(ids_out)} of {max_new} tokens, {finish}"}
+
+
+def burst(url: str, prompts: list[list[int]], max_new: int, timeout: float, during=None) -> list[dict]:
+    """All prompts at once; `during` (if any) runs in this thread while they decode."""
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        futs = [pool.submit(generate, url, p, max_new, timeout) for p in prompts]
+        if during is not None:
+            during()
+        return [f.result() for f in futs]
+
+
+def healthy(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url + "/health", timeout=5)
+        return True
+    except Exception:
+        return False
+
+
+def recover(url: str, probe: list[int], since: float, deadline_s: float) -> float | None:
+    """Seconds from `since` until a short request completes, or None by the deadline."""
+    while time.time() - since < deadline_s:
+        if generate(url, probe, 4, 30)["outcome"] == "completed":
+            return time.time() - since
+        time.sleep(0.5)
+    return None
+
+
+def daemon_pid(srv: ServerProcess) -> int:
+    """The embedded daemon's pid from the server log (the newest, after a supervised restart)."""
+    found = DAEMON_LINE.findall(srv.log.read_text(errors="replace"))
+    if not found:
+        raise RuntimeError(f"[{srv.name}] no kvstore daemon line in the log; tail:\n{srv.tail()}")
+    return int(found[-1][1])
+
+
+def row(name: str, results: list[dict], reference: list[dict] | None, alive: bool, recovery: float | None,
+        note: str = "") -> dict:
+    count = {k: sum(r["outcome"] == k for r in results) for k in ("completed", "aborted", "lost")}
+    equal = None
+    if reference is not None:
+        equal = sum(r["outcome"] == "completed" and r["output_ids"] == ref["output_ids"]
+                    for r, ref in zip(results, reference))
+    messages = sorted({r["message"][:160] for r in results if r["outcome"] != "completed" and r["message"]})
+    return {"scenario": name, "sent": len(results), **count, "equal_outputs": equal, "server_alive": alive,
+            "recovery_s": recovery, "note": note, "messages": messages[:5]}
+
+
+class Run:
+    def __init__(self, args):
+        self.args, self.out = args, Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        rng = random.Random(0)
+        self.prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.requests)]
+        self.probe = [rng.randrange(100, 30000) for _ in range(32)]
+
+    def server(self, name: str, extra: list[str] | None = None, env: dict | None = None) -> ServerProcess:
+        a = self.args
+        flags = ["--model-path", a.model_path, "--attention-backend", "triton", "--sampling-backend", "pytorch",
+                 "--grammar-backend", "none", "--disable-radix-cache", "--page-size", "16",
+                 "--mem-fraction-static", "0.3", "--max-running-requests", str(max(16, a.requests)),
+                 "--kv-retrieval", "freekv", *a.freekv_args.split(), *(extra or [])]
+        if a.deterministic:
+            flags.append("--enable-deterministic-inference")
+        srv = ServerProcess(name, a.port, flags, self.out / f"server-{name}.log", env=env)
+        srv.wait(a.start_timeout)
+        return srv
+
+    def signal_daemon_mid_decode(self, name: str, fault) -> dict:
+        a = self.args
+        srv = self.server(name)
+        try:
+            reference = burst(srv.url, self.prompts, a.output_len, a.timeout)
+            pid = daemon_pid(srv)
+            t_fault = {}
+
+            def inject():
+                time.sleep(a.fault_after)
+                t_fault["t"] = time.time()
+                fault(pid)
+
+            results = burst(srv.url, self.prompts, a.output_len, a.timeout, during=inject)
+            rec = recover(srv.url, self.probe, t_fault["t"], a.recovery_deadline)
+            return row(name, results, reference, healthy(srv.url) and srv.proc.poll() is None, rec,
+                       f"daemon pid {pid} -> {daemon_pid(srv)}")
+        finally:
+            srv.stop()
+
+    def daemon_kill(self) -> dict:
+        return self.signal_daemon_mid_decode("daemon-kill", lambda pid: os.kill(pid, signal.SIGKILL))
+
+    def daemon_stop(self) -> dict:
+        def stop_then_continue(pid):
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(10)
+            os.kill(pid, signal.SIGCONT)
+        return self.signal_daemon_mid_decode("daemon-stop", stop_then_continue)
+
+    def server_restart(self) -> dict:
+        from freekv_kvstore import daemon_stats
+
+        a = self.args
+        endpoint = f"ipc://{self.out.resolve()}/faults-kvstore.sock"
+        with open(self.out / "daemon.log", "w") as log:
+            daemon = subprocess.Popen([sys.executable, "-m", "freekv_kvstore", "--endpoint", endpoint,
+                                       "--arena-gb", str(a.arena_gb)], stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        try:
+            time.sleep(2)
+            srv = self.server("server-restart-1", ["--kvstore-endpoint", endpoint])
+            t_fault = {}
+
+            def kill_server():
+                time.sleep(a.fault_after)
+                t_fault["used"] = sum(x.used_pages for x in daemon_stats(endpoint).arenas)
+                t_fault["t"] = time.time()
+                os.killpg(srv.proc.pid, signal.SIGKILL)
+
+            lost = burst(srv.url, self.prompts, a.output_len, a.timeout, during=kill_server)
+            deadline = time.time() + a.recovery_deadline
+            while time.time() < deadline and sum(x.used_pages for x in daemon_stats(endpoint).arenas):
+                time.sleep(1)
+            freed = sum(x.used_pages for x in daemon_stats(endpoint).arenas)
+            srv2 = self.server("server-restart-2", ["--kvstore-endpoint", endpoint])
+            try:
+                rec = recover(srv2.url, self.probe, t_fault["t"], a.recovery_deadline + a.start_timeout)
+                results = burst(srv2.url, self.prompts, a.output_len, a.timeout)
+                alive = healthy(srv2.url)
+            finally:
+                srv2.stop()
+            note = (f"killed server's requests: {sum(r['outcome'] != 'completed' for r in lost)} of {len(lost)} "
+                    f"ended; daemon used pages {t_fault['used']} at the kill, {freed} before the new server")
+            return row("server-restart", results, None, alive, rec, note)
+        finally:
+            os.killpg(daemon.pid, signal.SIGTERM)
+            daemon.wait(30)
+
+    def arena_full(self) -> dict:
+        a = self.args
+        srv = self.server("arena-full", ["--kvstore-arena-gb", str(a.small_arena_gb)])
+        try:
+            rng = random.Random(1)
+            long = [[rng.randrange(100, 30000) for _ in range(a.long_len)] for _ in range(a.requests)]
+            t0 = time.time()
+            results = burst(srv.url, long, 16, a.timeout)
+            rec = recover(srv.url, self.probe, t0, a.recovery_deadline)
+            return row("arena-full", results, None, healthy(srv.url) and srv.proc.poll() is None, rec,
+                       f"{a.requests} prompts of {a.long_len} tokens, arena {a.small_arena_gb} GiB")
+        finally:
+            srv.stop()
+
+    def malformed(self) -> dict:
+        a = self.args
+        srv = self.server("malformed")
+        try:
+            results = [generate(srv.url, self.probe, -1, 60),
+                       generate(srv.url, [7] * (a.context_len + 1), 4, 60)]
+            alive = healthy(srv.url) and srv.proc.poll() is None
+            rec = recover(srv.url, self.probe, time.time(), a.recovery_deadline)
+        finally:
+            srv.stop()
+        bogus = dict(os.environ, SGLANG_KV_RETRIEVAL="freekv", FREEKV_ARGS="--kv-budget lots")
+        proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", a.model_path,
+                                 "--port", str(a.port)], env=bogus, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            text, _ = proc.communicate(timeout=a.start_timeout)
+        except subprocess.TimeoutExpired:  # it started instead of refusing: stop it and its children
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+        refused = proc.returncode != 0 and "kv-budget" in text
+        last = text.strip().splitlines()[-1:] or [""]
+        results.append({"outcome": "aborted" if refused else "lost", "output_ids": [],
+                        "message": f"bogus FREEKV_ARGS: exit {proc.returncode}: {last[0][:200]}"})
+        return row("malformed", results, None, alive, rec, "negative max_new_tokens, prompt over the context, "
+                   "bogus FREEKV_ARGS (aborted = refused with a message naming the flag)")
+
+
+SCENARIOS = {"daemon-kill": Run.daemon_kill, "daemon-stop": Run.daemon_stop, "server-restart": Run.server_restart,
+             "arena-full": Run.arena_full, "malformed": Run.malformed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--out", default="results/faults")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--port", type=int, default=30011)
+    ap.add_argument("--freekv-args", default="--kv-budget 1024 --kv-sink 64 --kv-window 128 --kv-page-size 16 "
+                                             "--kvstore-arena-gb 4")
+    ap.add_argument("--arena-gb", type=float, default=4.0, help="the external daemon's arena (server-restart)")
+    ap.add_argument("--small-arena-gb", type=float, default=0.05, help="arena-full's arena")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=4000)
+    ap.add_argument("--long-len", type=int, default=7000, help="arena-full's prompt length")
+    ap.add_argument("--context-len", type=int, default=8192, help="the model's context (malformed: one more)")
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--fault-after", type=float, default=2.0, help="seconds into the burst the fault strikes")
+    ap.add_argument("--timeout", type=float, default=300.0, help="per request")
+    ap.add_argument("--recovery-deadline", type=float, default=60.0)
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--deterministic", action="store_true", help="add --enable-deterministic-inference")
+    args = ap.parse_args()
+    run = Run(args)
+    rows = []
+    for name in args.scenarios.split(","):
+        try:
+            rows.append(SCENARIOS[name](run))
+        except Exception as e:  # the scenario could not run: say so in its row, go on with the next
+            rows.append({"scenario": name, "error": f"{type(e).__name__}: {e}"[:500]})
+        (run.out / "faults.json").write_text(json.dumps(rows, indent=1) + os.linesep)
+    cols = ("sent", "completed", "aborted", "lost", "equal_outputs", "server_alive", "recovery_s")
+    print(f"{'scenario':<15}" + "".join(f"{c:>15}" for c in cols) + "  note")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['scenario']:<15} did not run: {r['error']}")
+            continue
+        rec = "-" if r["recovery_s"] is None else f"{r['recovery_s']:.1f}"
+        vals = [r["sent"], r["completed"], r["aborted"], r["lost"], "-" if r["equal_outputs"] is None
+                else r["equal_outputs"], "yes" if r["server_alive"] else "NO", rec]
+        print(f"{r['scenario']:<15}" + "".join(f"{v!s:>15}" for v in vals) + f"  {r['note']}")
+        for m in r["messages"]:
+            print(f"{'':<15}  message: {m}")
+
+
+if __name__ == "__main__":
+    main()

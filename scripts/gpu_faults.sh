@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Issue 19's fault table on one GPU, after the SmolLM2 parts are on the machine (bash scripts/gpu_selection.sh
+# stash with .gpu-model/1 carried, in an earlier call on the same warm machine):
+#   bash scripts/gpu_faults.sh   (carry .gpu-model/2; the wheelhouse must already be unpacked in /tmp/site by an
+#                                 earlier call that carried .gpu-wheels)
+# Runs benchmarks/faults.py against FreeKV servers of SmolLM2; table on stdout, JSON and server logs under $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}; mkdir -p "$OUT"
+source scripts/gpu_env.sh || exit 1
+pkill -9 -f sglang.launch_server 2>/dev/null; pkill -9 -f freekv_kvstore 2>/dev/null; sleep 1
+bash scripts/gpu_smollm2.sh build >/dev/null || exit 1
+python3 benchmarks/faults.py --model-path /tmp/smollm2 --out "$OUT/faults" "$@" 2>&1 | tail -n 40
