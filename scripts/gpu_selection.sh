@@ -6,6 +6,9 @@
 #   bash scripts/gpu_selection.sh stash   (carry .gpu-model/1)  SmolLM2 part 1
 #   bash scripts/gpu_selection.sh accuracy (carry .gpu-model/2) the accuracy harness through the engine (every method),
 #       then the same prompts through a plain SGLang server and a FreeKV server (triton attention: no JIT)
+#   bash scripts/gpu_selection.sh speed   (carry .gpu-wheels; a call of its own: FlashInfer's first start JIT-builds)
+#       decode.py on the Llama-3.1-8B shape at 32K, 1 and 16 requests: full KV, FreeKV with the default selection,
+#       with rerank/0 and with MeanS
 # Logs and JSON under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,5 +55,8 @@ accuracy)
       --budgets 1024 --server-method "server-$srv" --server-budget 1024 --out "$OUT/acc-server" 2>&1 | tail -n 4
     kill -TERM -- -$SPID 2>/dev/null; sleep 3; kill -9 -- -$SPID 2>/dev/null
   done ;;
-*) sed -n 2,9p "$0"; exit 2 ;;
+speed)
+  python3 benchmarks/decode.py --shape llama-3.1-8b --context 32000 --batches 1,16 --output-len 128 \
+    --configs "full,freekv,freekv --kv-rerank-factor 0,freekv --kv-selection means" --out "$OUT/decode" 2>&1 | tail -n 30 ;;
+*) sed -n 2,12p "$0"; exit 2 ;;
 esac
