@@ -442,7 +442,9 @@ class FreeKVEngine:
     def stats(self) -> dict:
         """Per sparse layer: correction rate (flagged KV-head checks), mean adjacent-query cosine, and
         recalled bytes (before attention / speculative), counted in pages of one KV head (`recall_page_bytes`
-        each: its K and V). Synchronises: call between steps."""
+        each: its K and V). The raw totals over the sparse layers too: (row, KV head) checks, the flagged ones,
+        and the pages of one KV head recalled before attention / speculatively (all cumulative since the engine
+        was built). Synchronises: call between steps."""
         layers = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
         checks = max(self._stat_checks, 1)
         chunk = 2 * self.cfg.page_size * self.shape.head_dim * self.k_cache[0].element_size()
@@ -455,4 +457,8 @@ class FreeKVEngine:
             "recall_bytes_now": sum(now[layer] for layer in layers) * chunk,
             "recall_bytes_speculative": sum(later[layer] for layer in layers) * chunk,
             "recall_page_bytes": chunk,
+            "checks": self._stat_checks * len(layers),
+            "flagged": round(sum(flags[layer] for layer in layers)),
+            "recall_pages_now": round(sum(now[layer] for layer in layers)),
+            "recall_pages_speculative": round(sum(later[layer] for layer in layers)),
         }

@@ -22,12 +22,19 @@ class KVStoreHostPool:
         self.client = KVStoreClient.connect(endpoint, geometry=geom, num_pages=num_pages, rank=rank,
                                             client_id=client_id, token=token, timeout_s=timeout_s)
         self.arena = self.client.arena
+        self.num_pages = self.client.num_pages
+        # Pages this pool holds, counted from the daemon's answers (no call of its own: read by the metrics).
+        self.used_pages = 0
 
     def alloc(self, owner: int, n: int) -> list[int]:
-        return self.client.alloc(owner, n)
+        pages = self.client.alloc(owner, n)
+        self.used_pages += len(pages)
+        return pages
 
     def free(self, owner: int) -> int:
-        return self.client.free(owner)
+        freed = self.client.free(owner)
+        self.used_pages -= freed
+        return freed
 
     def close(self) -> None:
         self.client.close()

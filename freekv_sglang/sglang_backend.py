@@ -27,6 +27,7 @@ import os
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from . import metrics
 from .engine import FreeKVEngine, ModelShape
 from .kvstore_pool import KVStoreHostPool
 from .server_args import host_page_bytes, host_page_capacity
@@ -35,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 _ACTIVE: list["FreeKVAttnBackend"] = []
 _INSTANCE = itertools.count()  # kvstore client ids must differ between backends of one process
-# Decode steps between the log lines that report correction rate and recall bytes (reading them syncs).
+# Decode steps between the log lines that report correction rate and recall bytes (reading them syncs), and between
+# the updates of FreeKV's Prometheus series (freekv_sglang.metrics, with --enable-metrics).
 STATS_EVERY = int(os.environ.get("FREEKV_STATS_EVERY", "512"))
 
 
@@ -122,6 +124,7 @@ class FreeKVAttnBackend(AttentionBackend):
         self._extend: StagedPrefill | None = None
         self._translated = False
         self._steps = 0
+        self._metrics = metrics.engine_metrics()  # None unless SGLang exports this scheduler's metrics
         summary_bytes = sum(t.numel() * t.element_size() for t in self.engine.summaries if t is not None)
         gpu_bytes = summary_bytes + sum(t.numel() * t.element_size() for t in self.engine.k_cache + self.engine.v_cache)
         logger.info("FreeKV on rank %d: %s; %d host pages (%.1f GB) at %s; engine GPU memory %.2f GB for %d request "
@@ -252,6 +255,12 @@ class FreeKVAttnBackend(AttentionBackend):
         logger.info("FreeKV rank %d: %d decode steps, correction rate %.3f (layers %.3f..%.3f), recall %.2f GB "
                     "before attention + %.2f GB speculative", self.rank, st["steps"], sum(rates) / len(rates),
                     min(rates), max(rates), st["recall_bytes_now"] / 1e9, st["recall_bytes_speculative"] / 1e9)
+        if self._metrics is not None:
+            eng, host = self.engine, self.engine.host
+            active = sum(1 for slot in range(eng.num_slots) if eng.is_active(slot))
+            self._metrics.update(st, resident_pages=active * eng.cfg.resident_pages,
+                                 arena_used_pages=getattr(host, "used_pages", None),
+                                 arena_pages=getattr(host, "num_pages", None))
 
     # ---- AttentionBackend contract -----------------------------------------------------------
 

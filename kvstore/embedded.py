@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 from .client import ping_daemon
 from .config import TOKEN_ENV, ensure_private_dir, ipc_path, runtime_dir
@@ -36,7 +37,8 @@ RESTART_WINDOW_S = 60.0
 
 class EmbeddedKVStore:
     """Handle of an embedded daemon: .endpoint and .token to connect, .stop() to end it. .restarts counts the
-    restarts after deaths; .failure says why the supervisor gave up (None while it keeps a daemon running)."""
+    restarts after deaths (add_restart_listener(fn) calls fn(restarts) after each); .failure says why the supervisor
+    gave up (None while it keeps a daemon running)."""
 
     def __init__(self, supervisor: _Supervisor) -> None:
         self._supervisor = supervisor
@@ -62,6 +64,11 @@ class EmbeddedKVStore:
     @property
     def failure(self) -> str | None:
         return self._supervisor.failure
+
+    def add_restart_listener(self, fn: Callable[[int], None]) -> None:
+        """Call fn(restarts) on the supervisor thread after each restart (e.g. to count it in a metric); an
+        exception from fn is logged, never raised into the supervisor."""
+        self._supervisor.listeners.append(fn)
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         """SIGTERM, then SIGKILL after timeout_s; returns the exit code. Idempotent."""
@@ -112,6 +119,7 @@ class _Supervisor(threading.Thread):
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
         self.restarts = 0
+        self.listeners: list[Callable[[int], None]] = []
         self.failure: str | None = None
         self._deaths: collections.deque[float] = collections.deque(maxlen=MAX_RESTARTS)
         self._lock = threading.Lock()  # orders a restart against stop()
@@ -156,6 +164,11 @@ class _Supervisor(threading.Thread):
             self.restarts += 1
             log.warning("the embedded kvstore is back on %s after %.2f s (pid %d, restart %d)",
                         self.endpoint, time.monotonic() - now, self.process.pid, self.restarts)  # fmt: skip
+            for fn in list(self.listeners):
+                try:
+                    fn(self.restarts)
+                except Exception:  # noqa: BLE001 - a listener must not stop the supervision
+                    log.exception("a restart listener of the embedded kvstore failed")
 
     def stop(self, timeout_s: float) -> int | None:
         with self._lock:

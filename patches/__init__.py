@@ -29,6 +29,7 @@ _SEAM_MODULES = (
     "server_args_post_init",
     "engine_launch_subprocesses",
     "engine_launch_scheduler_processes",
+    "scheduler_metrics_collector",
     "kv_pool_config",
     "kv_pool_build",
     "model_runner_post_pool",

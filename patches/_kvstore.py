@@ -13,6 +13,8 @@ logger = logging.getLogger("freekv_patches")
 
 # Each daemon this process started -> the settings its server had before (restored when the launch fails).
 _STARTED: dict[Any, Any] = {}
+# The daemons whose restarts are exported (--enable-metrics), by id.
+_EXPORTED: set[int] = set()
 
 
 def ensure_kvstore(server_args: Any):
@@ -58,9 +60,34 @@ def abandon_kvstore(server_args: Any, handle) -> None:
     server_args._freekv = _STARTED.pop(handle, settings_of(server_args))
 
 
+def launcher_metric_labels(server_args: Any) -> dict[str, Any]:
+    """The labels of SGLang's launcher-side (tokenizer) series: model_name, engine_type, --extra-metric-labels."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    labels = {"model_name": server_args.served_model_name,
+              "engine_type": DisaggregationMode.to_engine_type(server_args.disaggregation_mode)}
+    labels.update(getattr(server_args, "extra_metric_labels", None) or {})
+    return labels
+
+
+def export_kvstore_restarts(server_args: Any) -> None:
+    """With --enable-metrics, export the restarts of the embedded daemons this launcher supervises, once SGLang has
+    set up its Prometheus directory (_set_envs_and_config, inside Engine._launch_subprocesses: the
+    _launch_scheduler_processes hook is past it)."""
+    if not getattr(server_args, "enable_metrics", False) or "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        return
+    from freekv_sglang.metrics import watch_kvstore_restarts
+
+    for handle in list(_STARTED):
+        if id(handle) not in _EXPORTED:
+            watch_kvstore_restarts(handle, launcher_metric_labels(server_args))
+            _EXPORTED.add(id(handle))
+
+
 def launch_with_kvstore(orig, cls, server_args: Any, *args, **kwargs):
     """Run a launch step with the kvstore endpoint known; stop a daemon started here if the launch fails."""
     handle = ensure_kvstore(server_args)
+    export_kvstore_restarts(server_args)
     try:
         return orig(cls, server_args, *args, **kwargs)
     except BaseException:

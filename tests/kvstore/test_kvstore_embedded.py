@@ -77,6 +77,9 @@ def test_a_killed_daemon_is_restarted_within_2_s_and_its_clients_go_on():
                                       cuda_register=False)  # fmt: skip
         pages = c.alloc(1, 4)
         c.arena[pages] = 7.0
+        heard = []
+        kv.add_restart_listener(lambda n: 1 / 0)  # a failing listener is logged; the supervision goes on
+        kv.add_restart_listener(heard.append)
         old = kv.pid
         os.kill(old, signal.SIGKILL)
         t0 = time.monotonic()
@@ -88,6 +91,10 @@ def test_a_killed_daemon_is_restarted_within_2_s_and_its_clients_go_on():
         assert c.alloc(1, 1) == [4]  # waits for the restarted daemon, which knows the session
         took = time.monotonic() - t0
         assert took < 2.0 and kv.restarts == 1 and kv.pid != old and kv.failure is None
+        deadline = time.monotonic() + 2.0
+        while not heard and time.monotonic() < deadline:  # listeners run just after the count
+            time.sleep(0.01)
+        assert heard == [1]
         assert float(c.arena[pages].mean()) == 7.0
         c.close()
         hasty.close()

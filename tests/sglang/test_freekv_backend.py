@@ -284,3 +284,88 @@ def test_captured_decode_joins_after_the_model_forward(daemon, monkeypatch):
     assert joins == [1]
     with pytest.raises(RuntimeError, match="capture_tail_hooks"):
         make_backend(daemon, tail_hooks=False)
+
+
+class _Value:
+    def __init__(self):
+        self.value = 0
+
+    def inc(self, n):
+        assert n >= 0
+        self.value += n
+
+    def set(self, v):
+        self.value = v
+
+
+def _fake_series():
+    from freekv_sglang.metrics import PHASES
+
+    names = ("decode_steps", "checks", "corrections", "correction_rate", "resident_pages", "kvstore_used_pages",
+             "kvstore_free_pages", "aborted_requests")
+    return SimpleNamespace(**{n: _Value() for n in names}, recall_pages={p: _Value() for p in PHASES},
+                           recall_bytes={p: _Value() for p in PHASES})
+
+
+def _arena_used_pages(backend) -> tuple[int, int]:
+    """(used, total) pages of the backend's arena as the daemon counts them."""
+    client = backend.engine.host.client
+    (arena,) = [a for a in client.stats()["arenas"] if a["client_id"] == client.client_id]
+    return arena["used_pages"], arena["num_pages"]
+
+
+def test_metrics_are_fed_where_the_stats_are_logged(daemon, monkeypatch):
+    """With SGLang's metrics on, the engine statistics FreeKV logs every STATS_EVERY decode steps also feed its
+    Prometheus series (freekv_sglang.metrics; the exposition is tested in test_freekv_metrics.py): the engine's
+    totals, the resident pages of the active requests, and the arena pages in use as the daemon counts them. Off,
+    the backend has no metrics at all."""
+    from freekv_sglang import metrics
+
+    assert make_backend(daemon)[0]._metrics is None  # metrics off: nothing made
+    series = _fake_series()
+    reports = []
+
+    class Recording(metrics.EngineMetrics):
+        def update(self, stats, **kw):
+            reports.append(stats)
+            super().update(stats, **kw)
+
+    monkeypatch.setattr(metrics, "engine_metrics", lambda: Recording(series))
+    monkeypatch.setattr(sglang_backend, "STATS_EVERY", 4)
+    backend, runner = make_backend(daemon)
+    reqs = [Request(runner, 3, 150), Request(runner, 5, 70)]
+    prefill(backend, reqs, 1000)
+
+    def step(reqs):
+        fb = decode_batch(reqs)
+        backend.init_forward_metadata(fb)
+        for layer in layers():
+            n = len(reqs)
+            backend.forward_decode(torch.randn(n, HQ * D), torch.randn(n, H * D), torch.randn(n, H * D), layer, fb)
+
+    for _ in range(8):
+        step(reqs)
+    assert [r["steps"] for r in reports] == [4, 8]  # reported while preparing steps 4 and 8
+    st, sparse = reports[-1], L - CFG.dense_layers
+    assert series.decode_steps.value == 8
+    assert series.checks.value == st["checks"] == 8 * len(reqs) * H * sparse
+    assert 0 < series.corrections.value == st["flagged"] <= st["checks"]
+    assert st["flagged"] / st["checks"] == pytest.approx(sum(st["correction_rate"].values()) / sparse)
+    assert series.correction_rate.value == pytest.approx((st["flagged"] - reports[0]["flagged"]) / (st["checks"] / 2))
+    now, spec = series.recall_pages["before_attention"].value, series.recall_pages["speculative"].value
+    assert (now, spec) == (st["recall_pages_now"], st["recall_pages_speculative"]) and now > 0
+    assert series.recall_bytes["before_attention"].value == st["recall_bytes_now"] == now * st["recall_page_bytes"]
+    assert series.recall_bytes["speculative"].value == st["recall_bytes_speculative"]
+    assert series.resident_pages.value == 2 * CFG.resident_pages
+    used, total = _arena_used_pages(backend)  # nothing allocated since step 8 was prepared
+    assert (series.kvstore_used_pages.value, series.kvstore_free_pages.value) == (used, total - used)
+    assert used > 0
+
+    # Request 3 finishes: its pages go back, and the next report sees one request and the daemon's count.
+    on_request_freed(3)
+    for _ in range(4):
+        step(reqs[1:])
+    assert len(reports) == 3 and series.resident_pages.value == CFG.resident_pages
+    used_after, _ = _arena_used_pages(backend)
+    assert series.kvstore_used_pages.value == used_after < used
+    assert series.aborted_requests.value == 0
