@@ -73,33 +73,21 @@ def naive_sketch_pages(
     A logit is computed as the kernel's tensor-core products round it: (q . lo + q . hi) / 2 with lo, hi and the
     scaled query in fp16, plus, on the picked channels, the scaled query times step * (code - 1.5) in fp16; fp32
     sums."""
-    mine = in_phase(heads, phase)
-    B, H, M = req_slots.shape[0], summaries.shape[1], page_table.shape[1]
-    G = q.shape[1] // H
-    scores = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
-    for b, slot in enumerate(req_slots.tolist()):
-        qb = q[slot if q_by_slot else b].float().view(H, G, -1)
-        sel = sketch_bytes(qb, nbytes)
-        for h in range(H):
-            if mine is not None and not mine[b, h]:
-                continue
-            scores[b, h] = float("-inf")
-            logical = torch.arange(cand_start, max(cand_start, min(int(cand_end[b]), M)), device=q.device)
-            if logical.numel() == 0:
-                continue
-            pages = page_table[slot, logical].long()
-            ch = (sel[h, :, None] * PER_BYTE + torch.arange(PER_BYTE, device=q.device)).flatten()
-            qs = qb[h] * scale  # [G, D]
-            q16 = qs.half().float()
-            lo, hi = summaries[pages, h, 0], summaries[pages, h, 1]
-            base = (lo.half().float() @ q16.T + hi.half().float() @ q16.T) * 0.5  # [n, G]
-            step = (hi[..., ch].float() - lo[..., ch].float()) / LEVELS  # [n, R]
-            shifts = torch.arange(PER_BYTE, device=q.device).repeat(nbytes) * CODE_BITS
-            code = ((codes[pages, h][..., sel[h].repeat_interleave(PER_BYTE)].int() >> shifts) & (LEVELS - 1)).float()
-            dev = ((code - (LEVELS - 1) * 0.5) * step[:, None, :]).half().float()  # [n, p, R]
-            s = base.T[:, :, None] + torch.einsum("gr,ntr->gnt", q16[:, ch], dev)
-            scores[b, h, logical] = torch.softmax(torch.logsumexp(s, dim=-1), dim=-1).mean(0)
-    return scores
+
+    def page_logits(qh: torch.Tensor, h: int, pages: torch.Tensor) -> torch.Tensor:
+        sel = sketch_bytes(qh[None], nbytes)[0]
+        ch = (sel[:, None] * PER_BYTE + torch.arange(PER_BYTE, device=q.device)).flatten()
+        q16 = (qh * scale).half().float()  # [G, D]
+        lo, hi = summaries[pages, h, 0], summaries[pages, h, 1]
+        base = (lo.half().float() @ q16.T + hi.half().float() @ q16.T) * 0.5  # [n, G]
+        step = (hi[..., ch].float() - lo[..., ch].float()) / LEVELS  # [n, R]
+        shifts = torch.arange(PER_BYTE, device=q.device).repeat(nbytes) * CODE_BITS
+        code = ((codes[pages, h][..., sel.repeat_interleave(PER_BYTE)].int() >> shifts) & (LEVELS - 1)).float()
+        dev = ((code - (LEVELS - 1) * 0.5) * step[:, None, :]).half().float()  # [n, p, R]
+        return base.T[:, :, None] + torch.einsum("gr,ntr->gnt", q16[:, ch], dev)
+
+    return _page_mass_scores(q, summaries, page_table, req_slots, None, heads, phase, q_by_slot, cand_start, cand_end,
+                             page_logits)
 
 
 def naive_top_pages(
@@ -140,14 +128,31 @@ def naive_rerank_pages(
 ) -> torch.Tensor:
     """scores [B, H, M] for the candidate pages cand [B, H, C] (logical pages, -1 none) of each (row, KV head), or
     with cand None every page in [cand_start, cand_end[b]) (the full scan):
-    per query head, the log-sum-exp of the page's decoded-key logits (keys and scaled query rounded to fp16), a softmax over the row's candidates, the
-    mean over the group; -inf at every other page. Rows of heads outside `phase` stay unwritten (NaN)."""
+    per query head, the log-sum-exp of the page's decoded-key logits (keys and scaled query rounded to fp16), a
+    softmax over the row's candidates, the mean over the group; -inf at every other page. Rows of heads outside
+    `phase` stay unwritten (NaN)."""
+
+    def page_logits(qh: torch.Tensor, h: int, pages: torch.Tensor) -> torch.Tensor:
+        keys = dequantize_keys(codes[pages, h], summaries[pages, h, 0], summaries[pages, h, 1])  # [n, p, D]
+        # The tensor-core product's operands: fp16 keys, fp16 scaled queries, fp32 sums.
+        return torch.einsum("gd,ntd->gnt", (qh * scale).half().float(), keys.half().float())
+
+    return _page_mass_scores(q, summaries, page_table, req_slots, cand, heads, phase, q_by_slot, cand_start, cand_end,
+                             page_logits)
+
+
+def _page_mass_scores(q, summaries, page_table, req_slots, cand, heads, phase, q_by_slot, cand_start, cand_end,
+                      page_logits) -> torch.Tensor:
+    """The pooling both references share: for each (row, KV head) of the phase, the candidate pages (cand, or every
+    page in [cand_start, cand_end[b])), page_logits(q of the head's group [G, D] fp32, h, host pages) -> [G, n, p],
+    per query head the log-sum-exp over each page's tokens, softmax over the pages, mean over the group; -inf at
+    every other page; rows of other heads NaN."""
     mine = in_phase(heads, phase)
     B, H, M = req_slots.shape[0], summaries.shape[1], page_table.shape[1]
     G = q.shape[1] // H
     scores = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
     for b, slot in enumerate(req_slots.tolist()):
-        qb = q[slot if q_by_slot else b].float()
+        qb = q[slot if q_by_slot else b].float().view(H, G, -1)
         for h in range(H):
             if mine is not None and not mine[b, h]:
                 continue
@@ -158,11 +163,6 @@ def naive_rerank_pages(
                 logical = cand[b, h][cand[b, h] >= 0].long()
             if logical.numel() == 0:
                 continue
-            pages = page_table[slot, logical].long()
-            keys = dequantize_keys(codes[pages, h], summaries[pages, h, 0], summaries[pages, h, 1])  # [n, p, D]
-            # The tensor-core product's operands: fp16 keys, fp16 scaled queries, fp32 sums.
-            qs = (qb[h * G:(h + 1) * G] * scale).half().float()
-            s = torch.einsum("gd,ntd->gnt", qs, keys.half().float())
-            mass = torch.softmax(torch.logsumexp(s, dim=-1), dim=-1)  # [G, n]
-            scores[b, h, logical] = mass.mean(0)
+            s = page_logits(qb[h], h, page_table[slot, logical].long())
+            scores[b, h, logical] = torch.softmax(torch.logsumexp(s, dim=-1), dim=-1).mean(0)
     return scores

@@ -133,8 +133,8 @@ def _rerank_lse_kernel(
             logical = tl.where(cand_start + c < end, cand_start + c, -1)
         if logical >= 0:
             page = tl.load(pt_ptr + slot * spt_r + logical.to(tl.int64) * spt_m).to(tl.int64)
-            byte = tl.load(codes_ptr + page * sc_p + h * sc_h + t[:, None] * sc_t + j[None, :] * sc_j, mask=j_ok[None, :],
-                           other=0).to(tl.int32)  # [PAGE, KP]
+            byte = tl.load(codes_ptr + page * sc_p + h * sc_h + t[:, None] * sc_t + j[None, :] * sc_j,
+                           mask=j_ok[None, :], other=0).to(tl.int32)  # [PAGE, KP]
             summ = summ_ptr + page * ss_p + h * ss_h + PER_BYTE * j
             acc = tl.zeros([PAGE, GP], tl.float32)
             acc = _rerank_shift(acc, byte, summ, ss_mm, j_ok, q0, 0, LEVELS, BITS)
@@ -338,25 +338,16 @@ def rerank_pages(
     cand_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See naive_rerank_pages."""
-    check_device(q, summaries, codes, page_table, req_slots)
-    check_index_vectors(req_slots=req_slots)
-    B, Hq, D = req_slots.shape[0], q.shape[1], q.shape[2]
-    H, M, p = summaries.shape[1], page_table.shape[1], codes.shape[2]
-    assert Hq % H == 0 and summaries.shape[2:] == (2, D) and summaries.stride(-1) == 1
-    assert codes.shape[1] == H and codes.shape[3] * PER_BYTE == D and codes.dtype == torch.uint8
+    B, G, D, H, M, p = _page_inputs(q, summaries, codes, page_table, req_slots, q_by_slot)
     assert p >= 16 and p & (p - 1) == 0, "tl.dot needs pages of at least 16 tokens"
-    assert q_by_slot or q.shape[0] == B
     if cand is None:
-        assert cand_end is not None
-        check_device(cand_end)
-        check_index_vectors(cand_end=cand_end)
-        C, cand_args = max(M - cand_start, 0), (req_slots, cand_end, (0, 0, 0), cand_end.stride(0))
+        C, cand_args = _full_scan(req_slots, cand_start, cand_end, M)
     else:
         check_device(cand)
         assert cand.shape[:2] == (B, H) and cand.dtype == torch.int32
         C, cand_args = cand.shape[2], (cand, req_slots, cand.stride(), 0)
-    G = Hq // H
-    heads_arg, heads_strides, with_heads, want = _heads_args(heads, phase, req_slots)
+    heads_args = _heads_args(heads, phase, req_slots)
+    heads_arg, heads_strides, with_heads, want = heads_args
     scores = empty(B, H, M, dtype=torch.float32, device=q.device)
     if B * H == 0:
         return scores
@@ -376,13 +367,41 @@ def rerank_pages(
             KP=max(16, D // PER_BYTE),
             num_warps=RERANK_WARPS,
         )
+    _pool(lse, cand_args, cand is not None, heads_args, scores, C, cand_start, G)
+    return scores
+
+
+def _page_inputs(q, summaries, codes, page_table, req_slots, q_by_slot) -> tuple:
+    """The checked shapes (B, G, D, H, M, p) of the inputs rerank_pages and sketch_pages share."""
+    check_device(q, summaries, codes, page_table, req_slots)
+    check_index_vectors(req_slots=req_slots)
+    B, Hq, D = req_slots.shape[0], q.shape[1], q.shape[2]
+    H, M, p = summaries.shape[1], page_table.shape[1], codes.shape[2]
+    assert Hq % H == 0 and summaries.shape[2:] == (2, D) and summaries.stride(-1) == 1
+    assert codes.shape[1] == H and codes.shape[3] * PER_BYTE == D and codes.dtype == torch.uint8
+    assert q_by_slot or q.shape[0] == B
+    return B, Hq // H, D, H, M, p
+
+
+def _full_scan(req_slots, cand_start, cand_end, M) -> tuple:
+    """(C, candidate arguments) of every page in [cand_start, cand_end[b]): the kernels' CAND_LIST=False path."""
+    assert cand_end is not None
+    check_device(cand_end)
+    check_index_vectors(cand_end=cand_end)
+    return max(M - cand_start, 0), (req_slots, cand_end, (0, 0, 0), cand_end.stride(0))
+
+
+def _pool(lse, cand_args, cand_list, heads_args, scores, C, cand_start, G) -> None:
+    """scores from the per-candidate log-sum-exps (_rerank_pool_kernel)."""
+    cand_ptr, cend_ptr, cand_strides, cend_stride = cand_args
+    heads_arg, heads_strides, with_heads, want = heads_args
+    B, H, M = scores.shape
     _rerank_pool_kernel[(B, H)](
         lse, cand_ptr, cend_ptr, heads_arg, scores, C, cand_start, M, *lse.stride()[:3], *cand_strides, cend_stride,
         *heads_strides, *scores.stride(),
-        G=G, GP=gp, BLOCK=POOL_BLOCK, HEADS=with_heads, WANT=want, CAND_LIST=cand is not None,
+        G=G, GP=lse.shape[3], BLOCK=POOL_BLOCK, HEADS=with_heads, WANT=want, CAND_LIST=cand_list,
         num_warps=POOL_WARPS,
     )
-    return scores
 
 
 SKETCH_TOKENS = 128  # token rows of the sketch kernel's product: 128 / p page groups of FOLD pages
@@ -404,18 +423,12 @@ def sketch_pages(
     cand_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See naive_sketch_pages."""
-    check_device(q, summaries, codes, page_table, req_slots, cand_end)
-    check_index_vectors(req_slots=req_slots, cand_end=cand_end)
-    B, Hq, D = req_slots.shape[0], q.shape[1], q.shape[2]
-    H, M, p = summaries.shape[1], page_table.shape[1], codes.shape[2]
-    assert Hq % H == 0 and summaries.shape[2:] == (2, D) and summaries.stride(-1) == 1
-    assert codes.shape[1] == H and codes.shape[3] * PER_BYTE == D and codes.dtype == torch.uint8
+    B, G, D, H, M, p = _page_inputs(q, summaries, codes, page_table, req_slots, q_by_slot)
     assert 0 < nbytes <= D // PER_BYTE and p & (p - 1) == 0
-    assert q_by_slot or q.shape[0] == B
-    G = Hq // H
-    heads_arg, heads_strides, with_heads, want = _heads_args(heads, phase, req_slots)
+    C, cand_args = _full_scan(req_slots, cand_start, cand_end, M)
+    heads_args = _heads_args(heads, phase, req_slots)
+    heads_arg, heads_strides, with_heads, want = heads_args
     scores = empty(B, H, M, dtype=torch.float32, device=q.device)
-    C = max(M - cand_start, 0)
     if B * H == 0:
         return scores
     gp = triton.next_power_of_2(G)
@@ -434,10 +447,5 @@ def sketch_pages(
             PER_BYTE=PER_BYTE,
             num_warps=SKETCH_WARPS,
         )
-    _rerank_pool_kernel[(B, H)](
-        lse, req_slots, cand_end, heads_arg, scores, C, cand_start, M, *lse.stride()[:3], 0, 0, 0, cand_end.stride(0),
-        *heads_strides, *scores.stride(),
-        G=G, GP=gp, BLOCK=POOL_BLOCK, HEADS=with_heads, WANT=want, CAND_LIST=False,
-        num_warps=POOL_WARPS,
-    )
+    _pool(lse, cand_args, False, heads_args, scores, C, cand_start, G)
     return scores

@@ -157,17 +157,23 @@ def test_rerank_finds_the_needle_the_bound_misses():
     assert int(torch.softmax(bound, -1).mean(0).argmax()) != 3
 
 
-@pytest.mark.parametrize("G,p,D,M,H", [(1, 16, 64, 37, 2), (4, 32, 128, 50, 3), (8, 16, 64, 21, 1)])
-@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
-def test_rerank_pages_full_scan_matches_reference(G, p, D, M, H, phase):
-    """cand None: every page in [cand_start, cand_end[b]) -- all, none (end at or before the start), one, part."""
-    torch.manual_seed(6)
+def full_scan_inputs(G, p, D, M, H, phase):
+    """rerank_inputs in bf16 for a scan of every page from page 2 to cand_end: rows ending at M, at the start
+    (none), one page past it and half way; a random head mask; q by request slot in PHASE_LATER."""
     q, summ, codes, pt, rs, _ = rerank_inputs(G, p, D, M, H, torch.bfloat16)
     start = 2
     cand_end = torch.tensor([M, start, start + 1, M // 2], dtype=torch.int32)
     heads = torch.rand(B, H) < 0.6
     by_slot = phase == PHASE_LATER
-    qq = q if by_slot else q[:B]
+    return (q if by_slot else q[:B]), summ, codes, pt, rs, start, cand_end, heads, by_slot
+
+
+@pytest.mark.parametrize("G,p,D,M,H", [(1, 16, 64, 37, 2), (4, 32, 128, 50, 3), (8, 16, 64, 21, 1)])
+@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
+def test_rerank_pages_full_scan_matches_reference(G, p, D, M, H, phase):
+    """cand None: every page in [cand_start, cand_end[b]) -- all, none (end at or before the start), one, part."""
+    torch.manual_seed(6)
+    qq, summ, codes, pt, rs, start, cand_end, heads, by_slot = full_scan_inputs(G, p, D, M, H, phase)
     ref = naive_rerank_pages(qq, summ, codes, pt, rs, None, 0.125, heads, phase, by_slot, start, cand_end)
     with poisoned_outputs():
         out = rerank_pages(*[t.to(DEV) for t in (qq, summ, codes, pt, rs)], None, 0.125, heads.to(DEV), phase,
@@ -187,12 +193,7 @@ def test_sketch_pages_matches_reference(G, p, D, M, H, nbytes, phase):
     """The first stage over every page in [cand_start, cand_end[b]) (all, none, one, part): the reference's scores,
     -inf before the start; rows of heads outside the phase unwritten; every code byte (nbytes = D / 4) too."""
     torch.manual_seed(7)
-    q, summ, codes, pt, rs, _ = rerank_inputs(G, p, D, M, H, torch.bfloat16)
-    start = 2
-    cand_end = torch.tensor([M, start, start + 1, M // 2], dtype=torch.int32)
-    heads = torch.rand(B, H) < 0.6
-    by_slot = phase == PHASE_LATER
-    qq = q if by_slot else q[:B]
+    qq, summ, codes, pt, rs, start, cand_end, heads, by_slot = full_scan_inputs(G, p, D, M, H, phase)
     ref = naive_sketch_pages(qq, summ, codes, pt, rs, 0.125, nbytes, heads, phase, by_slot, start, cand_end)
     with poisoned_outputs():
         out = sketch_pages(*[t.to(DEV) for t in (qq, summ, codes, pt, rs)], 0.125, nbytes, heads.to(DEV), phase,
