@@ -13,6 +13,7 @@ needs no torch; the client builds its torch view on top of ``map_segment``.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import errno
 import mmap
@@ -29,6 +30,7 @@ _MAX_DIM = 1 << 16
 _MAX_PAGE_BYTES = 1 << 30
 _POPULATE_CHUNK = 256 << 20  # a multiple of the mmap granularity
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in on first touch
+_MAP_FIXED = 0x10  # Linux (and the BSDs); Python's mmap module does not export it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,5 +190,36 @@ def map_segment(path: str, size: int) -> mmap.mmap:
         if actual != size + ARENA_ID_BYTES:
             raise ValueError(f"arena {path} has {actual} bytes, the daemon announced {size} + {ARENA_ID_BYTES}")
         return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+    finally:
+        os.close(fd)
+
+
+def mapping_address(mapped: mmap.mmap) -> int:
+    """The address of a mapping made by map_segment."""
+    view = ctypes.c_char.from_buffer(mapped)  # an export of the mapping, released below
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
+def remap_segment(path: str, size: int, address: int) -> None:
+    """Map the arena at path over this process's mapping [address, address + size) in one step (MAP_FIXED), so
+    every pointer into the old arena (tensor views, CUDA graphs that captured it) now reaches the new one. The old
+    arena's bytes are no longer reachable through it."""
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        actual = os.fstat(fd).st_size
+        if actual != size + ARENA_ID_BYTES:
+            raise ValueError(f"arena {path} has {actual} bytes, expected {size} + {ARENA_ID_BYTES}")
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        got = libc.mmap(address, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                        mmap.MAP_SHARED | _MAP_FIXED | _MAP_POPULATE, fd, 0)
+        if got != address:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mapping arena {path} over the old one at {address:#x} failed: {os.strerror(err)}")
     finally:
         os.close(fd)

@@ -26,7 +26,7 @@ import psutil
 import zmq
 
 from . import codec, cuda_host
-from .arena import ArenaGeometry, map_segment
+from .arena import ArenaGeometry, map_segment, mapping_address, remap_segment
 from .config import TOKEN_ENV, GiB, default_endpoint, ipc_path, normalize_endpoint
 from .errors import (
     ArenaFailed,
@@ -210,10 +210,12 @@ class _Heartbeat(threading.Thread):
 class KVStoreClient:
     """A session with the kvstore daemon and the mapped arena of this client. Use ``connect``."""
 
-    def __init__(self, resources: _Resources, hello: HelloReply, geometry: ArenaGeometry) -> None:
+    def __init__(self, resources: _Resources, hello_req: HelloRequest, hello: HelloReply,
+                 geometry: ArenaGeometry) -> None:
         self._res = resources
         self._channel = resources.channel
         self._lock = threading.RLock()
+        self._hello_req = hello_req
         self._hello = hello
         self.geometry = geometry
         self._arena = None
@@ -265,7 +267,7 @@ class KVStoreClient:
         except BaseException:
             res.release()
             raise
-        client = cls(res, hello, geometry)
+        client = cls(res, hello_req, hello, geometry)
         try:
             res.heartbeat = _Heartbeat(res.ctx, endpoint, hello.session, hello.heartbeat_interval_s)
             res.heartbeat.start()
@@ -302,6 +304,12 @@ class KVStoreClient:
     @property
     def arena_path(self) -> str:
         return self._hello.arena_path
+
+    @property
+    def expired(self) -> str | None:
+        """Why the daemon no longer knows this session (seen by the heartbeat), or None while it does."""
+        heartbeat = self._res.heartbeat
+        return None if heartbeat is None else heartbeat.expired
 
     @property
     def reattached(self) -> bool:
@@ -378,11 +386,44 @@ class KVStoreClient:
         """The daemon's counters and every arena's accounting; check=True also audits every page."""
         return dataclasses.asdict(self._call(Opcode.STATS, StatsRequest(check=check)))
 
-    def ping(self) -> float:
-        """Round-trip time of one control message, in seconds."""
+    def ping(self, timeout_s: float | None = None) -> float:
+        """Round-trip time of one control message on this session, in seconds; SessionExpired when the daemon no
+        longer knows the session, DaemonUnavailable after timeout_s (default: the client's)."""
         t0 = time.perf_counter()
-        self._call(Opcode.PING, PingRequest())
+        self._call(Opcode.PING, PingRequest(), timeout_s)
         return time.perf_counter() - t0
+
+    def reconnect(self, ready_timeout_s: float = 600.0) -> None:
+        """Open a new session after this one ended (SessionExpired: reaped, or a daemon restarted without its state):
+        HELLO again with the same client_id, geometry and size, and map the new arena over the old one's address, so
+        `arena`, `buffer` and every pointer into them (GPU kernels, captured CUDA graphs) reach the new arena. Every
+        page of the old session is gone. Nothing may read or write the arena meanwhile (the caller synchronises the
+        GPU first)."""
+        with self._lock:
+            self._check_open()
+            res = self._res
+            if res.heartbeat is not None:
+                res.heartbeat.stop()
+                res.heartbeat = None
+            hello = res.channel.call(Opcode.HELLO, self._hello_req)
+            old = self._hello
+            self._hello = hello
+            try:
+                if (hello.arena_bytes, tuple(hello.shape), hello.dtype) != (old.arena_bytes, tuple(old.shape),
+                                                                           old.dtype):
+                    raise KVStoreError(f"the kvstore at {self.endpoint} gave client {old.client_id!r} an arena of "
+                                       f"{hello.arena_bytes} bytes {hello.shape} {hello.dtype} instead of "
+                                       f"{old.arena_bytes} bytes {old.shape} {old.dtype}")
+                res.heartbeat = _Heartbeat(res.ctx, self.endpoint, hello.session, hello.heartbeat_interval_s)
+                res.heartbeat.start()
+                if not hello.ready:
+                    self._wait_ready(ready_timeout_s)
+                self._remap(hello)
+            except BaseException:
+                self._end_session(hello.session)
+                raise
+            log.info("kvstore client %r: new session at %s, arena %s mapped over the lost one", hello.client_id,
+                     self.endpoint, hello.arena_path)
 
     def close(self) -> None:
         """End the session (its requests' pages return to the pool; retained prefixes stay) and unmap."""
@@ -417,10 +458,34 @@ class KVStoreClient:
         if self._closed:
             raise KVStoreError(f"this KVStoreClient for {self.endpoint} is closed")
 
-    def _call(self, opcode: Opcode, request: Any) -> Any:
+    def _call(self, opcode: Opcode, request: Any, timeout_s: float | None = None) -> Any:
         with self._lock:
             self._check_open()
-            return self._channel.call(opcode, request, self.session)
+            return self._channel.call(opcode, request, self.session, timeout_s)
+
+    def _remap(self, hello: HelloReply) -> None:
+        res = self._res
+        address = mapping_address(res.mmap)
+        registered = res.cuda_ptr is not None
+        if registered:  # the registration pins the old pages: drop it around the swap
+            cuda_host.unregister(res.cuda_ptr, "arena")
+            res.cuda_ptr = None
+        try:
+            remap_segment(hello.arena_path, hello.arena_bytes, address)
+        finally:
+            if registered:
+                cuda_host.register(address, hello.arena_bytes, "arena")
+                res.cuda_ptr = address
+
+    def _end_session(self, session: int) -> None:
+        """Best effort BYE for a session opened by reconnect that could not be put to use."""
+        if self._res.heartbeat is not None:
+            self._res.heartbeat.stop()
+            self._res.heartbeat = None
+        try:
+            self._channel.call(Opcode.BYE, ByeRequest(), session, min(self._channel.timeout_s, 1.0))
+        except KVStoreError as e:
+            log.debug("BYE of the unused session not acknowledged: %s", e)
 
     def _wait_ready(self, ready_timeout_s: float) -> None:
         deadline = time.monotonic() + ready_timeout_s
