@@ -64,11 +64,12 @@ def scheduler_series() -> SchedulerSeries | None:
         return _scheduler_series
 
 
-def count_aborted_requests(n: int = 1) -> None:
-    """Count requests FreeKV ended with an abort (its abort path calls this); a no-op while metrics are off."""
+def count_aborted_requests(reason: str, n: int = 1) -> None:
+    """Count requests FreeKV ended with an abort, by reason (freekv_sglang.kvstore_pool.HostPagesUnavailable.reason,
+    e.g. kvstore_unreachable); a no-op while metrics are off."""
     series = scheduler_series()
     if series is not None and n:
-        series.aborted_requests.inc(n)
+        series.aborted_requests(reason).inc(n)
 
 
 def _multiprocess_ready(where: str) -> bool:
@@ -115,8 +116,11 @@ class SchedulerSeries:
                                     "head).")
         self.kvstore_used_pages = gauge("kvstore_used_pages", "Pages of this scheduler's kvstore arena in use.")
         self.kvstore_free_pages = gauge("kvstore_free_pages", "Pages of this scheduler's kvstore arena free.")
-        self.aborted_requests = counter("aborted_requests_total",
-                                        "Requests FreeKV ended with an abort (e.g. their host pages were lost).")
+        aborted = Counter(PREFIX + "aborted_requests_total",
+                          "Requests FreeKV ended with an abort because their host pages could not be had, by reason: "
+                          "kvstore_unreachable, kvstore_version_mismatch, kvstore_session_lost, kvstore_arena_full, "
+                          "kvstore_error.", labelnames=[*names, "reason"])
+        self.aborted_requests = lambda reason: aborted.labels(**labels, reason=reason)
 
 
 class EngineMetrics:

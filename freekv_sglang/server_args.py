@@ -311,6 +311,9 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
         problems.append("drop --enable-two-batch-overlap: two-batch overlap is not supported with FreeKV")
     if g("enable_pdmux", False):
         problems.append("drop --enable-pdmux: PD multiplexing is not supported with FreeKV")
+    if (g("tokenizer_worker_num", 1) or 1) > 1:
+        problems.append(f"use --tokenizer-worker-num 1 (got {g('tokenizer_worker_num')}): FreeKV's /health check of "
+                        "its kvstore daemon is installed on the single HTTP process's app")
     supported = " or ".join(SUPPORTED_ATTENTION_BACKENDS)
     for name in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
         value = g(name)

@@ -14,6 +14,12 @@ ReqToTokenPool.req_generation, and the free hook releases a slot's host and stag
 Per step, host work (new requests, host pages, lengths) runs in init_forward_metadata_out_graph and
 the device plan in init_forward_metadata_in_graph, so a captured decode graph replays the whole
 FreeKV step: selection, correction, recall and offload included.
+
+Host pages the kvstore cannot give (kvstore_pool.HostPagesUnavailable: the daemon unreachable past its deadline, its
+session and arena lost, the arena full) end only the requests that need them, through the scheduler (freekv_patches
+_aborts.py): a decode step's pages are reserved before SGLang prepares the batch (reserve_decode), so a request that
+cannot get them is taken out of the batch and aborted before it runs; a prompt chunk whose pages fail is still
+prefilled on the GPU (staging), its offload skipped, and the request is aborted when it would start decoding.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from . import metrics
 from .engine import FreeKVEngine, ModelShape
-from .kvstore_pool import KVStoreHostPool
+from .kvstore_pool import HostPagesUnavailable, KVStoreHostPool
 from .server_args import host_page_bytes, host_page_capacity
 
 logger = logging.getLogger(__name__)
@@ -94,9 +100,10 @@ class FreeKVAttnBackend(AttentionBackend):
         if not endpoint:
             raise RuntimeError("no kvstore endpoint: pass --kvstore-endpoint or let the server start its embedded "
                                "daemon (the launcher hook sets FREEKV_KVSTORE_ENDPOINT)")
-        host = KVStoreHostPool(endpoint, num_layers=shape.num_layers, num_kv_heads=H, page_size=cfg.page_size,
-                               head_dim=shape.head_dim, dtype=dtype, num_pages=host_pages, rank=self.rank,
-                               client_id=f"pid{os.getpid()}-tp{self.rank}-{next(_INSTANCE)}")
+        self.host = host = KVStoreHostPool(
+            endpoint, num_layers=shape.num_layers, num_kv_heads=H, page_size=cfg.page_size, head_dim=shape.head_dim,
+            dtype=dtype, num_pages=host_pages, rank=self.rank,
+            client_id=f"pid{os.getpid()}-tp{self.rank}-{next(_INSTANCE)}")
         # Slot ids are req_pool_idx in [0, size]; SGLang pads captured batches with row 0.
         self.engine = FreeKVEngine(cfg, shape, max_requests=self.req_pool.size + 1, max_context=max_context,
                                    dtype=dtype, device=runner.device, host_pool=host, pad_slot=0,
@@ -120,6 +127,7 @@ class FreeKVAttnBackend(AttentionBackend):
                                                       runner.device)
         self._generation: dict[int, int] = {}
         self._freed: set[int] = set()
+        self._lost: dict[int, HostPagesUnavailable] = {}  # slot -> why its prompt's host pages could not be had
         self._plan = None
         self._extend: StagedPrefill | None = None
         self._translated = False
@@ -151,7 +159,36 @@ class FreeKVAttnBackend(AttentionBackend):
                 self.engine.remove_request(slot)
             self.staging.release(slot)  # a prompt aborted mid-prefill
             self._generation.pop(slot, None)
+            self._lost.pop(slot, None)
         self._freed.clear()
+
+    def reserve_decode(self, slots: list[int]) -> dict[int, HostPagesUnavailable]:
+        """Scheduler side, before SGLang prepares a decode batch: take from the kvstore now the host pages each slot's
+        next token needs (the engine's step then makes no daemon call). Returns the slots that cannot go on, and why:
+        their pages could not be had, were in a lost kvstore session, or their prompt's could not be staged."""
+        eng, p = self.engine, self.engine.cfg.page_size
+        lost: dict[int, HostPagesUnavailable] = {}
+        for slot in slots:
+            if slot in self._lost:
+                lost[slot] = self._lost[slot]
+                continue
+            if not eng.is_active(slot):
+                continue  # _prepare_decode refuses it, naming the slot
+            # The engine holds host pages for logical pages [sink, ceil(len / p)) and grows them one step ahead.
+            pages = max(0, -(-(eng.seq_len(slot) + 1) // p) - eng.cfg.sink_pages)
+            try:
+                self.host.reserve(self._owner(slot), pages)
+            except HostPagesUnavailable as e:
+                lost[slot] = e
+        return lost
+
+    def _owner(self, slot: int) -> int:
+        # The host pool's owner id of the slot's request (the engine allocates and frees its pages under it).
+        return self.engine._owner[slot]
+
+    def kvstore_problem(self) -> HostPagesUnavailable | None:
+        """Why a new request could not get host pages now (None: it can)."""
+        return self.host.problem()
 
     def _prepare_extend(self, fb) -> None:
         """Host side of an extend batch: stage each chunk's new pages, grow the engine's prompts, and list the
@@ -180,16 +217,21 @@ class FreeKVAttnBackend(AttentionBackend):
                 if eng.is_active(slot):
                     eng.remove_request(slot)
                 self.staging.release(slot)
+                self._lost.pop(slot, None)
                 eng.add_request(slot)
                 self._generation[slot] = gen
             elif not eng.is_active(slot) or self._generation.get(slot) != gen:
                 raise RuntimeError(f"request slot {slot}: a prefill chunk from token {a} continues a prompt FreeKV "
                                    "has not staged")
+            # Staged on the GPU even when its host pages fail, so the prefill (dense attention) stays right.
             for j, page in self.staging.grow(slot, -(-n // p)):
                 lists["map_slot"].append(slot)
                 lists["map_col"].append(j * p)
                 lists["map_page"].append(page)
-            eng.stage_prefill(slot, n)
+            if fin:
+                completed.append(slot)
+            if not self._stage_host_pages(slot, n):
+                continue  # nothing goes to host pages it does not have; the scheduler aborts it before decode
             staged = self.staging.pages(slot)
             for j in range(max(a // p, cfg.sink_pages), n // p):  # pages this chunk filled, past the sink
                 lists["off_src"].append(staged[j])
@@ -200,7 +242,6 @@ class FreeKVAttnBackend(AttentionBackend):
                     if j < cfg.sink_pages or j >= c - cfg.window_pages:
                         lists["res_src"].append(staged[j])
                         lists["res_dst"].append(eng.layout.resident_page(slot, j))
-                completed.append(slot)
         dev = eng.device
         t = {k: torch.tensor(v, dtype=torch.int32).to(dev, non_blocking=True) for k, v in lists.items()}
         if lists["map_slot"]:
@@ -208,6 +249,20 @@ class FreeKVAttnBackend(AttentionBackend):
             self.pool.page_map[(locs // p).long()] = t["map_page"]
         self._extend = StagedPrefill(t["off_src"], t["off_dst"], torch.ones_like(t["off_src"], dtype=torch.bool),
                                      t["res_src"].long(), t["res_dst"].long(), completed)
+
+    def _stage_host_pages(self, slot: int, n: int) -> bool:
+        """Grow a prompt to n tokens in the engine (host pages from the kvstore); False when the slot's host pages
+        are lost (now or before): its chunks are then prefilled without offload."""
+        if slot not in self._lost:
+            eng = self.engine
+            try:  # raises for an owner whose earlier pages are gone too: nothing is written past them
+                self.host.reserve(self._owner(slot), max(0, -(-n // eng.cfg.page_size) - eng.cfg.sink_pages))
+                eng.stage_prefill(slot, n)
+            except HostPagesUnavailable as e:
+                self._lost[slot] = e
+                logger.warning("FreeKV rank %d: request slot %d loses its host pages (%s); it ends with an abort",
+                               self.rank, slot, e)
+        return slot not in self._lost
 
     def _translate_prefix_indices(self, fb) -> None:
         """Point the wrapped backend's planned paged-KV indices of this extend batch at staging rows."""
@@ -242,6 +297,9 @@ class FreeKVAttnBackend(AttentionBackend):
         for slot, gen in zip(slots, gens):
             if self._generation.get(slot) != gen or not self.engine.is_active(slot):
                 raise RuntimeError(f"request slot {slot} reached decode without its prefill passing through FreeKV")
+            if slot in self._lost:
+                raise RuntimeError(f"request slot {slot} reached decode though its host pages are lost "
+                                   f"({self._lost[slot]}): freekv_patches' scheduler hook did not take it out")
         self.engine.prepare_step(slots, pad_to=fb.batch_size, lens=lens)
         if self.flashinfer is not None:
             self.flashinfer.plan(lens + [1] * (fb.batch_size - raw_bs), graph=graph)

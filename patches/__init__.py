@@ -30,6 +30,8 @@ _SEAM_MODULES = (
     "engine_launch_subprocesses",
     "engine_launch_scheduler_processes",
     "scheduler_metrics_collector",
+    "scheduler_update_running_batch",
+    "scheduler_get_new_batch_prefill",
     "kv_pool_config",
     "kv_pool_build",
     "model_runner_post_pool",

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from ._common import settings_of
+from ._health import install_kvstore_health
 
 logger = logging.getLogger("freekv_patches")
 
@@ -85,9 +86,11 @@ def export_kvstore_restarts(server_args: Any) -> None:
 
 
 def launch_with_kvstore(orig, cls, server_args: Any, *args, **kwargs):
-    """Run a launch step with the kvstore endpoint known; stop a daemon started here if the launch fails."""
+    """Run a launch step with the kvstore endpoint known (and watched by /health); stop a daemon started here if the
+    launch fails."""
     handle = ensure_kvstore(server_args)
     export_kvstore_restarts(server_args)
+    install_kvstore_health(settings_of(server_args).kvstore_endpoint)
     try:
         return orig(cls, server_args, *args, **kwargs)
     except BaseException:

@@ -32,7 +32,8 @@ metrics.enable_scheduler_metrics(labels)
 engine = metrics.engine_metrics()
 for stats, kw in updates:
     engine.update(stats, **kw)
-metrics.count_aborted_requests(aborted)
+for reason, n in aborted:
+    metrics.count_aborted_requests(reason, n)
 """
 
 LAUNCHER = """
@@ -61,7 +62,7 @@ scheduler = SimpleNamespace(server_args=SimpleNamespace(_freekv=object()),
                                                                       collector=None))
 scheduler_metrics_collector.hook(None, scheduler, 0, 0, None)
 assert metrics.engine_metrics() is None and metrics.scheduler_series() is None
-metrics.count_aborted_requests(3)
+metrics.count_aborted_requests("kvstore_unreachable", 3)
 _kvstore._STARTED[object()] = None
 _kvstore.export_kvstore_restarts(SimpleNamespace(enable_metrics=False))
 assert "prometheus_client" not in sys.modules, "FreeKV imported prometheus_client with metrics off"
@@ -132,12 +133,13 @@ def test_series_on_sglang_metrics_endpoint(tmp_path, monkeypatch):
     mp_dir = tmp_path / "prometheus"
     mp_dir.mkdir()
     rank0, rank1 = {**LABELS, "tp_rank": 0}, {**LABELS, "tp_rank": 1}
-    # rank 0: two reports (the second carries the totals); rank 1: one report and two aborted requests
+    # rank 0: two reports (the second carries the totals); rank 1: one report and three aborted requests
     s1, s2 = stats(512, 20480, 2048, 300, 5000), stats(1024, 40960, 3072, 420, 9000)
     kw1 = dict(resident_pages=2 * 85, arena_used_pages=300, arena_pages=1000)
     kw2 = dict(resident_pages=3 * 85, arena_used_pages=450, arena_pages=1000)
-    run_process(SCHEDULER, mp_dir, json.dumps([rank0, [[s1, kw1], [s2, kw2]], 0]))
-    run_process(SCHEDULER, mp_dir, json.dumps([rank1, [[s1, kw1]], 2]))
+    aborted = [["kvstore_unreachable", 2], ["kvstore_session_lost", 1]]
+    run_process(SCHEDULER, mp_dir, json.dumps([rank0, [[s1, kw1], [s2, kw2]], []]))
+    run_process(SCHEDULER, mp_dir, json.dumps([rank1, [[s1, kw1]], aborted]))
     launcher = _kvstore.launcher_metric_labels(SimpleNamespace(served_model_name="smollm2", disaggregation_mode="null",
                                                                extra_metric_labels={"cluster": "a"}))
     assert launcher == {"model_name": "smollm2", "engine_type": "unified", "cluster": "a"}
@@ -146,8 +148,8 @@ def test_series_on_sglang_metrics_endpoint(tmp_path, monkeypatch):
     samples, types = freekv_samples(scrape_sglang_metrics(monkeypatch, mp_dir))
     n = "sglang:freekv_"
     want = {key(n + "kvstore_restarts_total", launcher): 1}
-    for labels, (st, kw), aborted, rate in ((rank0, (s2, kw2), 0, (3072 - 2048) / (40960 - 20480)),
-                                            (rank1, (s1, kw1), 2, 2048 / 20480)):
+    for labels, (st, kw), rate in ((rank0, (s2, kw2), (3072 - 2048) / (40960 - 20480)),
+                                   (rank1, (s1, kw1), 2048 / 20480)):
         want.update({
             key(n + "decode_steps_total", labels): st["steps"],
             key(n + "kv_head_checks_total", labels): st["checks"],
@@ -160,8 +162,9 @@ def test_series_on_sglang_metrics_endpoint(tmp_path, monkeypatch):
             key(n + "resident_pages", labels): kw["resident_pages"],
             key(n + "kvstore_used_pages", labels): kw["arena_used_pages"],
             key(n + "kvstore_free_pages", labels): kw["arena_pages"] - kw["arena_used_pages"],
-            key(n + "aborted_requests_total", labels): aborted,
         })
+    for reason, count in aborted:  # by reason, only where FreeKV aborted requests
+        want[key(n + "aborted_requests_total", rank1, reason=reason)] = count
     assert samples == pytest.approx(want)
     counters = ["decode_steps", "kv_head_checks", "kv_head_corrections", "recall_pages", "recall_bytes",
                 "aborted_requests", "kvstore_restarts"]

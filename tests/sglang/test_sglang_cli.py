@@ -93,6 +93,7 @@ REFUSED = [
     (["--decode-attention-backend", "fa3"], "--decode-attention-backend"),
     (["--prefill-attention-backend", "fa3"], "--prefill-attention-backend"),
     (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
+    (["--tokenizer-worker-num", "2"], "--tokenizer-worker-num"),
     (["--kv-budget", "100"], "--kv-budget"),
     (["--kv-budget", "0"], "--kv-budget"),
     (["--kv-sink", "-32"], "--kv-sink"),

@@ -1,0 +1,24 @@
+"""Seam: AROUND sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill. Written against sglang 0.5.16.
+
+SGLang's scheduler builds the next prefill batch from its waiting queue here (get_next_batch_to_run). While the
+kvstore cannot give this server host pages (its daemon unreachable past the deadline or of another protocol version,
+or a lost session that cannot be opened anew), FreeKV answers every waiting request with an abort naming the daemon
+and the cause (freekv_patches._aborts) instead of admitting it; the pool probes the daemon about once a second, so
+requests are admitted again as soon as it answers.
+"""
+
+from __future__ import annotations
+
+from ._aborts import reject_waiting_requests
+from ._common import settings_of
+
+TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
+HOOK_TYPE = "AROUND"
+PARAMS = ("self", "running_batch")
+PURPOSE = "reject new requests with an abort while no kvstore can give host pages"
+
+
+def hook(orig, self, running_batch):
+    if settings_of(getattr(self, "server_args", None)) is not None and self.waiting_queue:
+        reject_waiting_requests(self)
+    return orig(self, running_batch)
