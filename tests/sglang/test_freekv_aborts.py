@@ -229,7 +229,32 @@ def scheduler():
 
 
 def req(rid, slot):
-    return SimpleNamespace(rid=rid, req_pool_idx=slot, to_finish=None, finished_reason=None, finished=lambda: False)
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    r = Req(rid, "", [1, 2, 3], SamplingParams(max_new_tokens=4))
+    r.req_pool_idx = slot
+    return r
+
+
+def test_the_sglang_calls_the_aborts_mirror_are_there():
+    """_aborts does what SGLang 0.5.16 does when it aborts the last request it cannot fit (retract_decode and
+    update_running_batch) and a queued request (abort_request): the same calls, checked in SGLang's source."""
+    import inspect
+
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+
+    retract = inspect.getsource(ScheduleBatch.retract_decode)
+    for call in ("last_req.to_finish = FINISH_ABORT(", "self.release_req(last_idx, 0, server_args)",
+                 "self.filter_batch(keep_indices=sorted_indices)"):
+        assert call in retract, call
+    update = inspect.getsource(Scheduler.update_running_batch)
+    assert "self.ipc_channels.send_to_tokenizer.send_output(" in update
+    assert "finished_reason=abort_reason.to_json()" in update and "batch.prepare_for_decode()" in update
+    abort = inspect.getsource(Scheduler.abort_request)
+    assert "req = self.waiting_queue.pop(i)" in abort
+    assert "self.tp_cpu_group = self.tp_group.cpu_group" in inspect.getsource(Scheduler)
 
 
 def test_decode_abort_takes_the_lost_requests_out_with_sglangs_abort(monkeypatch):
@@ -242,8 +267,11 @@ def test_decode_abort_takes_the_lost_requests_out_with_sglangs_abort(monkeypatch
     counted = []
     monkeypatch.setattr("freekv_sglang.metrics.count_aborted_requests", lambda r, n=1: counted.append((r, n)))
     sched, batch = scheduler(), FakeBatch([req("a", 1), req("b", 2), req("c", 3)])
+    lost = batch.reqs[1]
     assert _aborts.abort_lost_decode_requests(sched, batch) == 1
     assert [r.rid for r in batch.reqs] == ["a", "c"] and batch.released == ["b"] and not batch.batch_is_full
+    lost.update_finish_state()  # what SGLang would do with it: finished by the abort
+    assert lost.finished_reason.to_json()["type"] == "abort"
     (msg,) = sched.sent
     assert isinstance(msg, AbortReq) and msg.rid == "b"
     assert msg.finished_reason["type"] == "abort" and msg.finished_reason["status_code"] == HTTPStatus.SERVICE_UNAVAILABLE
