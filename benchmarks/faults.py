@@ -1,7 +1,7 @@
 """Faults against a FreeKV SGLang server on one GPU (issue 19): what survives, what ends with a message, what is lost.
 
     python3 benchmarks/faults.py --model-path /tmp/smollm2 --out results/faults \
-        [--scenarios daemon-kill,daemon-stop,server-restart,arena-full,malformed]
+        [--scenarios daemon-kill,daemon-stop,daemon-gone,daemon-lost,server-restart,arena-full,malformed]
 
 Each scenario starts its own server(s) (triton attention, page 16, FreeKV budget 1024 unless --freekv-args says
 otherwise) and prints one row: requests sent, completed (every token), aborted with a message (finish_reason
@@ -10,7 +10,15 @@ undisturbed run of the same prompts, whether the server answers /health afterwar
 (from the fault to the first new request that completes). Rows go to a table on stdout and to faults.json.
 
   daemon-kill     `--requests` requests decoding, kill -9 of the embedded kvstore daemon after `--fault-after` s
-  daemon-stop     the same with SIGSTOP of the daemon for 10 s, then SIGCONT
+                  (its supervisor restarts it; every request should complete)
+  daemon-stop     the same with SIGSTOP of the daemon for 10 s, then SIGCONT (past the 5 s deadline of a kvstore call:
+                  the requests that need a new host page meanwhile end with the abort, the others complete)
+  daemon-gone     an external daemon, kill -9 while requests decode, down for --down-s s, then restarted on its
+                  endpoint (it re-adopts the store): requests that needed host pages meanwhile end with an abort (HTTP
+                  503 and a message naming the daemon), the others complete, new ones are refused, /health answers 503
+                  during the outage; recovery is timed from the restart
+  daemon-lost     the same, but the store is removed before the restart (the arena is lost): every request holding
+                  host pages ends with the abort; the server opens a new session on the new daemon
   server-restart  an external daemon; kill -9 of the server while requests decode, then a new server on the same
                   daemon (the dead one's pages must be freed by session liveness: used pages before and after)
   arena-full      an arena of --small-arena-gb and a burst of long prompts
@@ -40,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from server_process import ServerProcess
 
 DAEMON_LINE = re.compile(r"freekv-kvstore listening on (\S+) \(pid (\d+)")
+SHM_DIR = "/dev/shm"
 
 
 def generate(url: str, ids: list[int], max_new: int, timeout: float) -> dict:
@@ -73,12 +82,19 @@ def burst(url: str, prompts: list[list[int]], max_new: int, timeout: float, duri
         return [f.result() for f in futs]
 
 
-def healthy(url: str) -> bool:
+def health(url: str) -> int | None:
+    """The HTTP status of GET /health, or None without an answer."""
     try:
-        urllib.request.urlopen(url + "/health", timeout=5)
-        return True
+        with urllib.request.urlopen(url + "/health", timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
     except Exception:
-        return False
+        return None
+
+
+def healthy(url: str) -> bool:
+    return health(url) == 200
 
 
 def recover(url: str, probe: list[int], since: float, deadline_s: float) -> float | None:
@@ -130,6 +146,21 @@ class Run:
         srv.wait(a.start_timeout)
         return srv
 
+    def start_daemon(self, endpoint: str, name: str) -> subprocess.Popen:
+        """An external kvstore daemon in its own session (a server's kill does not reach it), once it listens."""
+        ready = self.out / f"{name}.ready"
+        ready.unlink(missing_ok=True)
+        with open(self.out / f"{name}.log", "w") as log:
+            daemon = subprocess.Popen([sys.executable, "-m", "freekv_kvstore", "--endpoint", endpoint, "--arena-gb",
+                                       str(self.args.arena_gb), "--ready-file", str(ready)], stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + 60
+        while not (ready.exists() and ready.read_text().strip()):
+            if daemon.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"kvstore daemon {name} did not start: {(self.out / f'{name}.log').read_text()}")
+            time.sleep(0.1)
+        return daemon
+
     def signal_daemon_mid_decode(self, name: str, fault) -> dict:
         a = self.args
         srv = self.server(name)
@@ -141,36 +172,85 @@ class Run:
             def inject():
                 time.sleep(a.fault_after)
                 t_fault["t"] = time.time()
-                fault(pid)
+                fault(pid, lambda: t_fault.setdefault("health", health(srv.url)))
 
             results = burst(srv.url, self.prompts, a.output_len, a.timeout, during=inject)
             rec = recover(srv.url, self.probe, t_fault["t"], a.recovery_deadline)
             return row(name, results, reference, healthy(srv.url) and srv.proc.poll() is None, rec,
-                       f"daemon pid {pid} -> {daemon_pid(srv)}")
+                       f"daemon pid {pid} -> {daemon_pid(srv)}; /health during the fault: {t_fault.get('health')}")
         finally:
             srv.stop()
 
     def daemon_kill(self) -> dict:
-        return self.signal_daemon_mid_decode("daemon-kill", lambda pid: os.kill(pid, signal.SIGKILL))
+        def kill(pid, check_health):
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
+            check_health()
+        return self.signal_daemon_mid_decode("daemon-kill", kill)
 
     def daemon_stop(self) -> dict:
-        def stop_then_continue(pid):
+        def stop_then_continue(pid, check_health):
             os.kill(pid, signal.SIGSTOP)
-            time.sleep(10)
+            time.sleep(7)  # past the 5 s deadline of the kvstore calls
+            check_health()
+            time.sleep(3)
             os.kill(pid, signal.SIGCONT)
         return self.signal_daemon_mid_decode("daemon-stop", stop_then_continue)
+
+    def daemon_outage(self, name: str, lose_store: bool) -> dict:
+        """kill -9 of an external daemon while requests decode, --down-s s without one, then a daemon on the same
+        endpoint: the dead one's store re-adopted, or (lose_store) started afresh."""
+        from freekv_kvstore.journal import discard_store
+
+        a = self.args
+        endpoint = f"ipc://{self.out.resolve()}/{name}-kvstore.sock"
+        daemons = [self.start_daemon(endpoint, f"{name}-daemon")]
+        try:
+            srv = self.server(name, ["--kvstore-endpoint", endpoint])
+            try:
+                t = {}
+
+                def outage():
+                    time.sleep(a.fault_after)
+                    daemons[0].kill()
+                    daemons[0].wait(30)
+                    if lose_store:
+                        discard_store(SHM_DIR, endpoint)
+                    time.sleep(a.down_s)
+                    t["health"] = health(srv.url)
+                    t["refused"] = generate(srv.url, self.probe, 4, 60)
+                    t["alive"] = srv.proc.poll() is None
+                    daemons.append(self.start_daemon(endpoint, f"{name}-daemon-2"))
+                    t["back"] = time.time()
+
+                results = burst(srv.url, self.prompts, a.output_len, a.timeout, during=outage)
+                rec = recover(srv.url, self.probe, t["back"], a.recovery_deadline)
+                refused = t["refused"]
+                note = (f"down {a.down_s:g} s: /health {t['health']}, a new request {refused['outcome']} "
+                        f"({refused['message'][:80]}), server alive {t['alive']}; recovery from the daemon's restart")
+                return row(name, results, None, healthy(srv.url) and srv.proc.poll() is None, rec, note)
+            finally:
+                srv.stop()
+        finally:
+            for d in daemons:
+                if d.poll() is None:
+                    os.killpg(d.pid, signal.SIGTERM)
+                    d.wait(30)
+            discard_store(SHM_DIR, endpoint)
+
+    def daemon_gone(self) -> dict:
+        return self.daemon_outage("daemon-gone", lose_store=False)
+
+    def daemon_lost(self) -> dict:
+        return self.daemon_outage("daemon-lost", lose_store=True)
 
     def server_restart(self) -> dict:
         from freekv_kvstore import daemon_stats
 
         a = self.args
         endpoint = f"ipc://{self.out.resolve()}/faults-kvstore.sock"
-        with open(self.out / "daemon.log", "w") as log:
-            daemon = subprocess.Popen([sys.executable, "-m", "freekv_kvstore", "--endpoint", endpoint,
-                                       "--arena-gb", str(a.arena_gb)], stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+        daemon = self.start_daemon(endpoint, "server-restart-daemon")
         try:
-            time.sleep(2)
             srv = self.server("server-restart-1", ["--kvstore-endpoint", endpoint])
             t_fault = {}
 
@@ -240,8 +320,9 @@ class Run:
                    "bogus FREEKV_ARGS (aborted = refused with a message naming the flag)")
 
 
-SCENARIOS = {"daemon-kill": Run.daemon_kill, "daemon-stop": Run.daemon_stop, "server-restart": Run.server_restart,
-             "arena-full": Run.arena_full, "malformed": Run.malformed}
+SCENARIOS = {"daemon-kill": Run.daemon_kill, "daemon-stop": Run.daemon_stop, "daemon-gone": Run.daemon_gone,
+             "daemon-lost": Run.daemon_lost, "server-restart": Run.server_restart, "arena-full": Run.arena_full,
+             "malformed": Run.malformed}
 
 
 def main() -> None:
@@ -252,7 +333,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=30011)
     ap.add_argument("--freekv-args", default="--kv-budget 1024 --kv-sink 64 --kv-window 128 --kv-page-size 16 "
                                              "--kvstore-arena-gb 4")
-    ap.add_argument("--arena-gb", type=float, default=4.0, help="the external daemon's arena (server-restart)")
+    ap.add_argument("--arena-gb", type=float, default=4.0, help="the external daemons' arena")
+    ap.add_argument("--down-s", type=float, default=15.0,
+                    help="daemon-gone/-lost: seconds without a daemon (past the 5 s deadline of a kvstore call)")
     ap.add_argument("--small-arena-gb", type=float, default=0.05, help="arena-full's arena")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=4000)
