@@ -66,6 +66,8 @@ class KVStoreHostPool:
         self._reserved: dict[int, list[int]] = {}  # owner -> pages given but not yet taken by the engine
         self._epoch_of: dict[int, int] = {}  # owner -> the epoch of its pages
         self._pending_free: set[int] = set()  # owners freed while down
+        # Owners whose ALLOC timed out: a stopped daemon may still carry it out, so their FREE is sent all the same.
+        self._uncertain: set[int] = set()
         # Pages this pool holds, counted from the daemon's answers (no call of its own: read by the metrics).
         self.used_pages = 0
 
@@ -83,7 +85,9 @@ class KVStoreHostPool:
         given = self._given.pop(owner, 0)
         self._reserved.pop(owner, None)
         epoch = self._epoch_of.pop(owner, self._epoch)
-        if not given or epoch != self._epoch:  # nothing held, or held in a lost session
+        uncertain = owner in self._uncertain
+        self._uncertain.discard(owner)
+        if epoch != self._epoch or not (given or uncertain):  # held in a lost session, or nothing held
             return given
         self.used_pages -= given
         if self.state == "up":
@@ -132,6 +136,8 @@ class KVStoreHostPool:
         except ArenaFull as e:
             raise HostPagesUnavailable("kvstore_arena_full", f"the kvstore arena at {self.endpoint} is full: {e}") from e
         except KVStoreError as e:
+            if isinstance(e, DaemonUnavailable):
+                self._uncertain.add(owner)
             if self._failed(e):
                 raise self._problem from e
             raise HostPagesUnavailable("kvstore_error", f"the kvstore daemon at {self.endpoint} refused host pages "
@@ -171,6 +177,7 @@ class KVStoreHostPool:
             "kvstore_session_lost", f"the kvstore daemon at {self.endpoint} no longer holds this server's host pages "
                                     f"(its session and arena are gone: {e})")
         self._pending_free.clear()
+        self._uncertain.clear()
         self._reserved.clear()
         self.used_pages = 0
         self._next_probe = 0.0  # a new session may be opened at once

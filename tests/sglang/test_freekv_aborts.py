@@ -121,6 +121,22 @@ def test_unreachable_daemon_fails_fast_and_frees_wait_for_its_return(daemon):
         pool.close()
 
 
+def test_an_alloc_a_stopped_daemon_carries_out_late_is_freed(daemon):
+    pool = make_pool(daemon)
+    try:
+        pool.alloc(1, 1)
+        daemon.proc.send_signal(signal.SIGSTOP)
+        with pytest.raises(HostPagesUnavailable, match="kvstore_unreachable|cannot be used"):
+            pool.reserve(2, 2)  # its copies sit in the stopped daemon's socket
+        assert pool.free(2) == 0
+        daemon.proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: pool.problem() is None)
+        assert daemon.used_pages() == 1  # the late ALLOC of owner 2 was freed with the waiting FREE
+    finally:
+        daemon.proc.send_signal(signal.SIGCONT)
+        pool.close()
+
+
 def test_lost_session_ends_its_owners_and_a_new_one_keeps_the_arena_address(daemon):
     pool = make_pool(daemon)
     try:
