@@ -4,6 +4,9 @@
 #   bash scripts/gpu_faults.sh   (carry .gpu-model/2; the wheelhouse must already be unpacked in /tmp/site by an
 #                                 earlier call that carried .gpu-wheels)
 # Runs benchmarks/faults.py against FreeKV servers of SmolLM2; table on stdout, JSON and server logs under $OUT.
+# Seven scenarios start eight servers: to stay within one call's 10 minutes, run them in two calls, e.g.
+#   bash scripts/gpu_faults.sh --scenarios daemon-kill,daemon-stop,daemon-gone,daemon-lost
+#   bash scripts/gpu_faults.sh --scenarios server-restart,arena-full,malformed
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
