@@ -8,6 +8,9 @@ RECALL_MODES = ("delta", "all")
 # Page selectors (freekv_sglang/selectors.py): the servable ones, then the accuracy harness's exact upper bound.
 SERVABLE_SELECTIONS = ("rerank", "means", "quest")
 SELECTIONS = (*SERVABLE_SELECTIONS, "oracle")
+# Retrieval policies over the one engine: FreeKV (speculative page selection with correction, scored by `selection`)
+# and LouisKV (freekv_sglang/louiskv.py: retrieval at semantic boundaries of clusters and segments).
+RETRIEVALS = ("freekv", "louiskv")
 
 
 def _is_int(v) -> bool:
@@ -41,6 +44,19 @@ class FreeKVConfig:
         docs/results/selection-h100).
     sketch_channels: key channels the sketch reads per KV head (a multiple of 4, at most head_dim): the group's
         largest |q| ones, 4 per code byte.
+    retrieval: the policy. "freekv" (default): everything above. "louiskv" (LouisKV, freekv_sglang/louiskv.py):
+        a request's layer retrieves only at a semantic boundary, where the mean cosine similarity over all query
+        heads of the adjacent queries falls below boundary_tau, scoring k-means clusters of the prompt's keys and
+        temporal segments of later tokens by their centroids; tau, selection, rerank_factor, sketch_channels and
+        recall_programs are FreeKV's and unused by it.
+    boundary_tau: LouisKV's threshold (the paper's default 0.7; it uses 0.85 on long-input tasks); 0 retrieves
+        only to fill empty slots, 1 at every step.
+    cluster_size: LouisKV's mean tokens per prompt cluster (the paper's 16): a prompt's n offloaded tokens form
+        n / cluster_size clusters per KV head; a divisor of page_size.
+    segment: LouisKV's longest temporal segment in tokens, a multiple of page_size. The paper cuts segments only
+        at boundaries (mean length 14-18 tokens at tau 0.7, a long tail to 128); the cap, ours, keeps one centroid
+        from averaging a long stretch without boundaries.
+    kmeans_iters: Lloyd iterations of LouisKV's prompt clustering (the paper gives none; ours).
     recall_programs: GPU programs of the speculative recall, which reads host memory beside the model's GEMMs
         (each program strides over the pages to recall); 0 launches one per (request, head, slot), which holds
         an SM slot per page through its PCIe round trip. The recall before attention always uses one per page.
@@ -57,6 +73,11 @@ class FreeKVConfig:
     selection: str = "rerank"
     rerank_factor: int = 2
     sketch_channels: int = 16
+    retrieval: str = "freekv"
+    boundary_tau: float = 0.7
+    cluster_size: int = 16
+    segment: int = 128
+    kmeans_iters: int = 10
 
     def __post_init__(self) -> None:
         p = self.page_size
@@ -83,11 +104,24 @@ class FreeKVConfig:
         if not _is_int(self.sketch_channels) or self.sketch_channels < 4 or self.sketch_channels % 4:
             raise ValueError(f"sketch_channels must be a positive multiple of 4 (channels per code byte), got "
                              f"{self.sketch_channels!r}")
-        if self.selection == "rerank" and p < 16:
+        if self.selection == "rerank" and self.retrieval == "freekv" and p < 16:
             raise ValueError(f"page_size must be at least 16 tokens for selection 'rerank' (its kernel multiplies a "
                              f"page's decoded keys on tensor cores), got {p}; or choose selection 'means'")
         if not _is_int(self.recall_programs) or self.recall_programs < 0:
             raise ValueError(f"recall_programs must be a non-negative integer, got {self.recall_programs!r}")
+        if self.retrieval not in RETRIEVALS:
+            raise ValueError(f"retrieval must be one of {', '.join(RETRIEVALS)}, got {self.retrieval!r}")
+        bt = self.boundary_tau
+        if isinstance(bt, bool) or not isinstance(bt, (int, float)) or not 0.0 <= bt <= 1.0:
+            raise ValueError(f"boundary_tau must be a number in [0, 1], got {bt!r}")
+        if not _is_int(self.kmeans_iters) or self.kmeans_iters < 1:
+            raise ValueError(f"kmeans_iters must be a positive integer, got {self.kmeans_iters!r}")
+        louis = self.retrieval == "louiskv"  # the unit sizes are checked against the page where they apply
+        if not _is_int(self.cluster_size) or self.cluster_size < 1 or louis and p % self.cluster_size:
+            raise ValueError(f"cluster_size must be a positive divisor of page_size={p} (each page's share of a "
+                             f"prompt's clusters is a whole number of unit-table rows), got {self.cluster_size!r}")
+        if not _is_int(self.segment) or self.segment < 1 or louis and (self.segment < p or self.segment % p):
+            raise ValueError(f"segment must be a positive multiple of page_size={p}, got {self.segment!r}")
 
     @property
     def sink_pages(self) -> int:
@@ -107,6 +141,11 @@ class FreeKVConfig:
         return self.sink_pages + self.select_pages + self.window_pages + 1
 
     @property
+    def units_per_page(self) -> int:
+        """LouisKV: unit-table rows per host page (a prompt's clusters fill those of its offloaded pages)."""
+        return self.page_size // self.cluster_size
+
+    @property
     def rerank_pages(self) -> int:
         return self.select_pages * self.rerank_factor
 
@@ -115,7 +154,8 @@ class FreeKVConfig:
         if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
             raise ValueError(f"FreeKV's kernels (page scoring, attention, and the rerank selection's four 2-bit key "
                              f"codes per byte) need a power-of-two head dim >= 16; this model's is {head_dim}")
-        if head_dim is not None and self.selection == "rerank" and self.sketch_channels > head_dim:
+        if head_dim is not None and self.selection == "rerank" and self.retrieval == "freekv" and \
+                self.sketch_channels > head_dim:
             raise ValueError(f"sketch_channels={self.sketch_channels} exceeds the model's head dim {head_dim}: "
                              f"lower --kv-sketch-channels")
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:

@@ -22,7 +22,12 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            used by step i+1) and recall_pages of every other changed slot; offload_pages summarises
            and offloads the page leaving the window
   end_step: compute joins both side streams.
-So only flagged heads' selection and recall sit on the critical path, as in the paper. Recall never
+So only flagged heads' selection and recall sit on the critical path, as in the paper.
+That is the FreeKV policy; the engine's retrieval policy is its selector (selectors.py): which heads select before
+attention (its trigger, the first launch), how pages are scored, whether the other heads select speculatively after
+attention, the page order of a prompt's offload and any upkeep after the offload. LouisKV (louiskv.py) triggers at
+semantic boundaries per request (semantic_boundary), scores clusters and segments (unit_page_scores), selects nothing
+after attention and forms segments after the offload (segment_pages). Recall never
 writes a slot this step's attention reads: the speculative recall waits for E_attn (ordering, not
 double buffering), and the join orders it before the next step's correction recall and before the KV
 write that reuses the ring page being offloaded. Speculative work of layer l overlaps layers l+1.. of
@@ -44,7 +49,7 @@ from collections.abc import Callable
 import torch
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 
-from .config import FreeKVConfig
+from .config import RETRIEVALS, FreeKVConfig
 from .host_pool import HostPool, LocalHostPool
 from .layout import Layout, StepPlan
 from .ops import load_ops
@@ -68,9 +73,9 @@ class ModelShape:
 # the layer's slot table [R, H, k] (see FreeKVEngine.attend).
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, torch.Tensor], torch.Tensor]
 
-# FreeKV (selection by cfg.selection, speculative with correction) and StreamingLLM-style dropping (sink + window
-# only, nothing selected).
-METHODS = ("freekv", "streaming")
+# The retrieval policies of cfg.retrieval (FreeKV: selection by cfg.selection, speculative with correction; LouisKV:
+# retrieval at semantic boundaries) and StreamingLLM-style dropping (sink + window only, nothing selected).
+METHODS = (*RETRIEVALS, "streaming")
 # Programs of a prefill's offload, which runs beside the model's GEMMs: one per (page, head) slowed an 8192-token
 # chunk's GEMMs by 8.2% on an H200, 16 by 3.1% at the same 91-93% of the link (benchmarks/prefill_offload.py).
 PREFILL_OFFLOAD_PROGRAMS = 16
@@ -90,20 +95,28 @@ def engine_gpu_bytes(cfg: FreeKVConfig, shape: ModelShape, *, num_slots: int, ma
     masks = sparse * num_slots * H * (1 + k)
     plan = num_slots * ((cfg.resident_pages + k + 9) * 4 + 8 + 1)  # StepPlan.buffers without the dense fields
     token_lists = num_slots * H * (cfg.resident_pages * p + 2) * 4
-    return int(kv + sketches + tables + masks + plan + token_lists)
+    louiskv = 0
+    if cfg.retrieval == "louiskv":  # boundary marks and open segments per slot, one scoring scratch (louiskv.py)
+        pages = -(-max_context // p)
+        louiskv = sparse * num_slots * (pages + H * (D * 4 + 12)) + num_slots * H * pages * cfg.units_per_page * 4
+    return int(kv + sketches + tables + masks + plan + token_lists + louiskv)
 
 
 class FreeKVEngine:
     def __init__(self, cfg: FreeKVConfig, shape: ModelShape, *, max_requests: int, max_context: int,
                  dtype: torch.dtype, device: torch.device | str, host_pool: HostPool | None = None,
-                 host_pages: int | None = None, backend: str | None = None, method: str = "freekv",
+                 host_pages: int | None = None, backend: str | None = None, method: str | None = None,
                  collect_stats: bool = True, pad_slot: int | None = None, dense_outside: bool = False):
         """max_requests request slots. By default one extra slot absorbs padding rows; a framework with
         its own slot ids (SGLang's req_pool_idx) passes pad_slot, the one id it pads with, instead.
-        dense_outside: the caller runs the dense layers itself (no dense KV pool here)."""
+        dense_outside: the caller runs the dense layers itself (no dense KV pool here). method: cfg.retrieval (the
+        default) or "streaming"."""
         cfg.check_model(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+        method = method or cfg.retrieval
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if method in RETRIEVALS and method != cfg.retrieval:
+            raise ValueError(f"method {method!r} contradicts the config's retrieval {cfg.retrieval!r}")
         if max_requests < 1 or max_context < 1:
             raise ValueError("max_requests and max_context must be positive")
         self.cfg, self.shape, self.method = cfg, shape, method
@@ -271,12 +284,13 @@ class FreeKVEngine:
             t = min(p, n - j * p)
             kc[row:row + t] = k[j * p:j * p + t]
             vc[row:row + t] = v[j * p:j * p + t]
-        offload = list(range(cfg.sink_pages, n // p - cfg.window_pages))
+        offload = range(cfg.sink_pages, n // p - cfg.window_pages)
+        kv = self.selector.prompt_pages(slot, layer, k[:n // p * p], v[:n // p * p], offload)
         if offload:
             src = torch.tensor(offload, dtype=torch.int32, device=self.device)
             dst = self.page_table[slot, src.long()]
             valid = torch.ones(len(offload), dtype=torch.bool, device=self.device)
-            kv = k[:n // p * p].contiguous(), v[:n // p * p].contiguous()
+            kv = kv[0].contiguous(), kv[1].contiguous()
             self.ops.offload_pages(kv[0], kv[1], self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p,
                                    programs=PREFILL_OFFLOAD_PROGRAMS, codes=self.selector.codes(layer))
         if q_last is not None:
@@ -287,6 +301,7 @@ class FreeKVEngine:
     def stage_prefill(self, slot: int, num_tokens: int) -> None:
         """A prompt prefilled outside the engine, chunk by chunk, has grown to num_tokens: reserve its host
         pages. Its K/V pages arrive through store_staged, one layer at a time."""
+        self._check_whole_prompts()
         self._check_slot(slot)
         p = self.cfg.page_size
         if not self._len[slot] < num_tokens < self.max_pages * p:
@@ -296,6 +311,11 @@ class FreeKVEngine:
         self._ensure_host_pages(slot, -(-num_tokens // p), updates)
         self._upload_page_table(updates)
         self._len[slot] = num_tokens
+
+    def _check_whole_prompts(self) -> None:
+        if self.selector.needs_whole_prompt:
+            raise ValueError(f"retrieval {self.cfg.retrieval!r} orders a prompt's pages by clusters of all its keys: "
+                             "prefill whole prompts with begin_prefill / prefill_layer, not staged chunks")
 
     def host_page(self, slot: int, page: int) -> int:
         """Host page of logical page `page` (past the sink pages) of a slot."""
@@ -308,6 +328,7 @@ class FreeKVEngine:
         pages offload_src and write them to host pages offload_dst; copy pages resident_src to the engine's
         GPU pages resident_dst (the sink and window of prompts that completed). Runs on the recall stream
         after the work queued so far, so it overlaps the next layers; end_step joins it."""
+        self._check_whole_prompts()
         st, p, D = self.streams, self.cfg.page_size, self.shape.head_dim
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         e = st.record()
@@ -387,11 +408,11 @@ class FreeKVEngine:
                                                self.scale, p)
         st = self.streams
         # With retrieval, also which heads select before attention (flagged, or with slots to fill).
-        heads = self._now_heads[layer][:q.shape[0]] if self.retrieval else None
-        flags = ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
-                                     self.shape.group, self._stat_sim[layer] if self.collect_stats else None,
-                                     self.pad_slot, self.slot_table[layer] if self.retrieval else None,
-                                     plan.n_slots if self.retrieval else None, heads)
+        if self.retrieval:
+            flags = self.selector.trigger(plan, layer, q, self._now_heads[layer][:q.shape[0]])
+        else:
+            ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
+                                 self.shape.group, self._stat_sim[layer] if self.collect_stats else None, self.pad_slot)
         e_q = st.record() if self.retrieval else None
         # The KV write overlaps the selection: it writes a sink or window page, recall only slot pages.
         ops.write_kv(k, v, kc, vc, plan.sparse_loc)
@@ -411,11 +432,13 @@ class FreeKVEngine:
         e_attn = st.record()
         with st.on("recall"):
             st.wait(e_attn)
-            if self.retrieval:
-                self._select(plan, layer, self.prev_q[layer], PHASE_LATER)  # q_i, stored by query_similarity
+            if self.retrieval and self.selector.speculative:
+                self._select(plan, layer, self.prev_q[layer], PHASE_LATER)  # q_i, stored by the trigger
             ops.offload_pages(kc, vc, self.host.arena[:, layer], self.summaries[layer], plan.offload_src,
                               plan.offload_dst, plan.offload_valid, p,
                               codes=self.selector.codes(layer))
+            if self.retrieval:
+                self.selector.after_offload(plan, layer)
         return out
 
     def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
@@ -444,7 +467,9 @@ class FreeKVEngine:
         recalled bytes (before attention / speculative), counted in pages of one KV head (`recall_page_bytes`
         each: its K and V). The raw totals over the sparse layers too: (row, KV head) checks, the flagged ones,
         and the pages of one KV head recalled before attention / speculatively (all cumulative since the engine
-        was built). Synchronises: call between steps."""
+        was built). LouisKV counts a boundary as every KV head of its row flagged (so the correction rate is the
+        share of (row, layer) steps that retrieve at a boundary) and its cosine once per row (the mean over all query
+        heads). Synchronises: call between steps."""
         layers = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
         checks = max(self._stat_checks, 1)
         chunk = 2 * self.cfg.page_size * self.shape.head_dim * self.k_cache[0].element_size()

@@ -1,4 +1,4 @@
-"""The FreeKV ops the engine calls, from the Triton kernels or from their torch references."""
+"""The ops the engine and its retrieval policies call, from the Triton kernels or from their torch references."""
 
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ _OPS = {
     "rerank_pages": ("page_rerank", "rerank_pages"),
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
     "plan_step": ("plan_step", "plan_step"),
+    # LouisKV (freekv_sglang/louiskv.py)
+    "kmeans_keys": ("kmeans", "kmeans_keys"),
+    "semantic_boundary": ("semantic_boundary", "semantic_boundary"),
+    "unit_page_scores": ("unit_scores", "unit_page_scores"),
+    "segment_pages": ("segments", "segment_pages"),
 }
 
 BACKENDS = ("triton", "torch")

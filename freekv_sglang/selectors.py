@@ -1,8 +1,11 @@
-"""Page selectors: how the engine scores a KV head's candidate pages before its top-k selection.
+"""Retrieval policies: which heads select when, and how the engine scores a KV head's candidate pages before its
+top-k selection.
 
 Each is a thin module over the one engine: it may own per-page sketches (allocated here, written by the engine's
-offload through `codes`) and turns a query into scores [B, H, M] for select_slots; speculation, correction, slot
-commit and recall stay the engine's. Candidates are a request's offloaded pages [sink_pages, plan.cand_end).
+offload through `codes`) and turns a query into scores [B, H, M] for select_slots; slot commit and recall stay the
+engine's. Candidates are a request's offloaded pages [sink_pages, plan.cand_end). The selectors here are FreeKV's
+(speculation with correction: the base class's trigger); LouisKV (louiskv.py) overrides the trigger, the prompt's
+page order and the unit upkeep after offload.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from .config import FreeKVConfig
 
 class Selector:
     name = ""
+    speculative = True  # the heads that do not select before attention select after it, with the same query
+    needs_whole_prompt = False  # prompts must come whole through prefill_layer, not staged page by page
 
     def __init__(self, engine):
         self.engine = engine
@@ -24,6 +29,23 @@ class Selector:
     def codes(self, layer: int) -> torch.Tensor | None:
         """The layer's key codes [P, H, p, D / 4] that offload_pages writes, or None."""
         return None
+
+    def trigger(self, plan, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """A sparse layer's first launch (compute stream): write heads [B, H] (the heads that select before
+        attention), store q as the layer's previous query, and return the flags [B, H] of select_slots (heads whose
+        every changed slot is recalled before attention). FreeKV: heads whose group-mean cosine of adjacent queries
+        is below tau, or with empty slots to fill."""
+        e = self.engine
+        return e.ops.query_similarity(q, e.prev_q[layer], plan.req_slots, e.has_prev[layer], e.tau, e.shape.group,
+                                      e._stat_sim[layer] if e.collect_stats else None, e.pad_slot,
+                                      e.slot_table[layer], plan.n_slots, heads)
+
+    def prompt_pages(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor, pages: range):
+        """The prompt's K/V [n, H, D] as its pages `pages` go to the host arena (prefill_layer)."""
+        return k, v
+
+    def after_offload(self, plan, layer: int) -> None:
+        """Recall stream, after the offload of the pages leaving the window."""
 
     def score(self, plan, layer: int, q: torch.Tensor, heads: torch.Tensor, phase: int) -> torch.Tensor:
         raise NotImplementedError
@@ -141,12 +163,19 @@ SELECTORS = {cls.name: cls for cls in (Rerank, MeanS, Quest, Oracle)}
 
 
 def make_selector(cfg: FreeKVConfig, engine) -> Selector:
+    if cfg.retrieval == "louiskv":
+        from .louiskv import LouisKV  # it builds on Selector
+
+        return LouisKV(engine)
     return SELECTORS[cfg.selection](engine)
 
 
 def sketch_bytes_per_token(cfg: FreeKVConfig, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> float:
     """GPU bytes of selection sketches per context token and sparse layer: the min / max page summaries, plus the
-    rerank's key codes."""
-    summaries = num_kv_heads * 2 * head_dim * dtype_bytes / cfg.page_size
-    codes = num_kv_heads * head_dim * CODE_BITS / 8 if cfg.selection == "rerank" else 0
+    rerank's key codes, or LouisKV's unit table (a centroid and a token count per unit row, a unit range per page)."""
+    H, D, p = num_kv_heads, head_dim, cfg.page_size
+    summaries = H * 2 * D * dtype_bytes / p
+    if cfg.retrieval == "louiskv":
+        return summaries + H * (cfg.units_per_page * (D * dtype_bytes + 4) + 8) / p
+    codes = H * D * CODE_BITS / 8 if cfg.selection == "rerank" else 0
     return summaries + codes

@@ -71,10 +71,12 @@ def recorder(monkeypatch, eng):
     return rec
 
 
-def count_step(monkeypatch, method="freekv", outside=False, recall="delta", tau=0.5, selection="rerank", factor=None):
+def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5, selection="rerank", factor=None,
+               retrieval="freekv"):
     """Launches per sparse layer of the third decode step of two requests (slots filled, some heads flagged)."""
     cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall,
-                       selection=selection, rerank_factor=FreeKVConfig().rerank_factor if factor is None else factor)
+                       selection=selection, rerank_factor=FreeKVConfig().rerank_factor if factor is None else factor,
+                       retrieval=retrieval, boundary_tau=tau)
     eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=1024, dtype=torch.float32,
                        device=DEV, backend="triton", method=method, pad_slot=0, dense_outside=True)
     rec = recorder(monkeypatch, eng)
@@ -154,6 +156,19 @@ def test_means_quest_and_streaming_layer_launches(monkeypatch):
     assert "select" not in streaming and streaming["recall"] == {"_offload_pages_kernel": 1}
     assert streaming["compute"] == {"_query_similarity_kernel": 1, "_write_kv_kernel": 1,
                                     "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1}
+
+
+def test_louiskv_layer_launches(monkeypatch):
+    """LouisKV: the trigger replaces the similarity check; before attention the unit scores, selection and recall
+    (the kernels exit at once for rows without a boundary); after it the offload and the segment upkeep, nothing
+    speculative; no torch glue (so no host sync either: a step stays capturable)."""
+    got = count_step(monkeypatch, retrieval="louiskv")
+    assert got == {
+        "compute": {"_semantic_boundary_kernel": 1, "_write_kv_kernel": 1, "_sparse_decode_attention_kernel": 1,
+                    "_combine_splits_kernel": 1},
+        "select": {"_unit_page_scores_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1},
+        "recall": {"_offload_pages_kernel": 1, "_segment_pages_kernel": 1},
+    }
 
 
 @pytest.mark.parametrize("dense_outside", [True, False])
