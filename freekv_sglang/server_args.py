@@ -30,7 +30,7 @@ ENV_FREEKV_ARGS = "FREEKV_ARGS"
 # The kvstore endpoint the launcher hands to the scheduler processes (same name as freekv_kvstore's default).
 ENV_KVSTORE_ENDPOINT = "FREEKV_KVSTORE_ENDPOINT"
 
-KV_RETRIEVAL_CHOICES = ("none", "freekv")
+KV_RETRIEVAL_CHOICES = ("none", "freekv", "louiskv")
 # FreeKVAttnBackend wraps these; SGLang's own choice (fa3 on Hopper, for many models) is not one of them.
 SUPPORTED_ATTENTION_BACKENDS = ("triton", "flashinfer")
 # Set when the user names no attention backend at all, before SGLang resolves its own default.
@@ -53,7 +53,15 @@ _KNOB_FLAGS = {
     "kv_selection": ("--kv-selection", "selection"),
     "kv_rerank_factor": ("--kv-rerank-factor", "rerank_factor"),
     "kv_sketch_channels": ("--kv-sketch-channels", "sketch_channels"),
+    "kv_boundary_threshold": ("--kv-boundary-threshold", "boundary_tau"),
+    "kv_cluster_size": ("--kv-cluster-size", "cluster_size"),
+    "kv_segment": ("--kv-segment", "segment"),
+    "kv_kmeans_iters": ("--kv-kmeans-iters", "kmeans_iters"),
 }
+# Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
+_FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_selection", "kv_rerank_factor",
+                "kv_sketch_channels")
+_LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb")
 
@@ -114,8 +122,9 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
         action=retrieval_action or "store",
         choices=KV_RETRIEVAL_CHOICES,
         default=None,
-        help="KV retrieval method for decode attention: 'freekv' turns FreeKV on (default: none, or "
-        f"${ENV_KV_RETRIEVAL}).",
+        help="KV retrieval method for decode attention: 'freekv' turns FreeKV on; 'louiskv' is LouisKV's policy "
+        "(retrieval at semantic boundaries, prompt clusters, output segments), which this server refuses for now "
+        f"(default: none, or ${ENV_KV_RETRIEVAL}).",
     )
     g.add_argument("--kv-budget", type=int, default=None, metavar="TOKENS",
                    help="tokens of selected pages per KV head and request, besides sink and window, "
@@ -151,6 +160,17 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-sketch-channels", type=int, default=None, metavar="N",
                    help="key channels the rerank's sketch reads per KV head, the query's largest; a multiple of 4 "
                         f"up to the head dim (default {_DEFAULTS.sketch_channels})")
+    g.add_argument("--kv-boundary-threshold", type=float, default=None, metavar="TAU",
+                   help="LouisKV: mean cosine similarity of adjacent queries over all query heads below which a "
+                        f"request's layer retrieves (default {_DEFAULTS.boundary_tau}, the paper's)")
+    g.add_argument("--kv-cluster-size", type=int, default=None, metavar="TOKENS",
+                   help="LouisKV: mean tokens per k-means cluster of the prompt's keys, a divisor of --kv-page-size "
+                        f"(default {_DEFAULTS.cluster_size}, the paper's)")
+    g.add_argument("--kv-segment", type=int, default=None, metavar="TOKENS",
+                   help="LouisKV: longest temporal segment of generated tokens, a multiple of --kv-page-size "
+                        f"(default {_DEFAULTS.segment})")
+    g.add_argument("--kv-kmeans-iters", type=int, default=None, metavar="N",
+                   help=f"LouisKV: Lloyd iterations of the prompt clustering (default {_DEFAULTS.kmeans_iters})")
     g.add_argument("--kvstore-endpoint", default=None, metavar="URL",
                    help="an already running kvstore daemon (ipc://<path> or tcp://<host>:<port>; a tcp daemon's "
                         "token comes from $FREEKV_KVSTORE_TOKEN). Default: start an embedded daemon with this "
@@ -216,6 +236,12 @@ def settings_from_values(values: Mapping[str, Any]) -> FreeKVServerSettings | No
     if mode == "none":
         return None
     knobs = {field: values[dest] for dest, (_, field) in _KNOB_FLAGS.items() if values.get(dest) is not None}
+    foreign = _LOUISKV_ONLY if mode == "freekv" else _FREEKV_ONLY
+    given = [_KNOB_FLAGS[dest][0] for dest in foreign if values.get(dest) is not None]
+    if given:
+        raise FreeKVArgsError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to "
+                              f"--kv-retrieval {mode}: drop {'it' if len(given) == 1 else 'them'}")
+    knobs["retrieval"] = mode
     try:
         config = FreeKVConfig(**knobs)
     except ValueError as e:
@@ -314,6 +340,13 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
     if (g("tokenizer_worker_num", 1) or 1) > 1:
         problems.append(f"use --tokenizer-worker-num 1 (got {g('tokenizer_worker_num')}): FreeKV's /health check of "
                         "its kvstore daemon is installed on the single HTTP process's app")
+    if settings.config.retrieval == "louiskv":
+        problems.append(
+            "--kv-retrieval louiskv is not served by SGLang yet: LouisKV orders a prompt's host pages by k-means "
+            "clusters of all its keys, and the FreeKV backend stages chunked prompts page by page; use "
+            "--kv-retrieval freekv here, LouisKV through the engine (freekv_sglang.engine, the HF adapter, "
+            "python -m freekv_sglang.accuracy --methods louiskv)"
+        )
     supported = " or ".join(SUPPORTED_ATTENTION_BACKENDS)
     for name in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
         value = g(name)

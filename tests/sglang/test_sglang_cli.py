@@ -32,7 +32,7 @@ def test_help_lists_every_flag():
     assert out.returncode == 0, out.stderr[-3000:]
     for flag in FLAGS:
         assert flag in out.stdout, flag
-    assert "{none,freekv}" in out.stdout
+    assert "{none,freekv,louiskv}" in out.stdout
     print(f"python -m sglang.launch_server --help: {elapsed:.1f} s")
 
 
