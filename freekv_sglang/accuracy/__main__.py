@@ -40,8 +40,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--budgets", default="512,1024", help="selected tokens, excluding sink and window")
     ap.add_argument("--samples", type=int, default=20, help="samples per task and length")
     ap.add_argument("--methods", default="dense,oracle,rerank,means,quest,streaming",
-                    help="from dense, oracle, rerank, means, quest, streaming (rerank and means once per tau)")
+                    help="from dense, oracle, rerank, means, quest, louiskv, streaming (rerank and means once per "
+                         "tau)")
     ap.add_argument("--taus", default="0.9", help="FreeKV correction thresholds of rerank and means")
+    ap.add_argument("--louiskv-tau", type=float, default=0.7,
+                    help="LouisKV's boundary threshold (the paper's default 0.7; 0.85 in its long-input runs)")
     ap.add_argument("--rerank-factor", type=int, default=None,
                     help="rerank candidates per selected page (0: every page; default: FreeKVConfig's)")
     ap.add_argument("--sink", type=int, default=64)
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
         geo = Geometry(args.sink, args.window, args.page_size, args.dense_layers)
         cfg = RunConfig(tasks=tasks, lengths=_ints(args.lengths), budgets=_ints(args.budgets), samples=args.samples,
-                        methods=parse_methods(args.methods, _floats(args.taus), args.rerank_factor), geometry=geo,
+                        methods=parse_methods(args.methods, _floats(args.taus), args.rerank_factor, args.louiskv_tau), geometry=geo,
                         seed=args.seed,
                         template=args.template, batch=args.batch, backend=args.backend, url=args.url,
                         server_method=args.server_method, server_budget=args.server_budget)

@@ -10,6 +10,9 @@ All methods share one dense prefill and attend to the same number of tokens per 
   query every step (the engine has no per-query-head selection).
 - oracle: the exact attention mass of the current query per KV-head group, from the host copy of the keys,
   every step (an upper bound for the selection, not servable).
+- louiskv(tau): LouisKV (freekv_sglang/louiskv.py): retrieval of k-means clusters and temporal segments only at
+  semantic boundaries, where the mean cosine of adjacent queries over all query heads falls below tau (the paper's
+  0.7 by default; its long-input setting is 0.85), with the same pages, budget, sink and window.
 - streaming: sink + window only; its window is widened by the budget so it attends to as many
   tokens as the retrieval methods (window' = window + budget).
 The budget counts selected tokens only, excluding sink and window (FreeKVConfig's convention).
@@ -40,6 +43,7 @@ class MethodSpec:
     uses_budget: bool = True
     selection: str = "rerank"  # FreeKVConfig.selection
     rerank_factor: int | None = None  # FreeKVConfig.rerank_factor (None: its default)
+    boundary_tau: float | None = None  # LouisKV's threshold (engine method louiskv)
 
     def config(self, budget: int, geo: Geometry, num_layers: int) -> FreeKVConfig:
         p = geo.page_size
@@ -48,17 +52,21 @@ class MethodSpec:
             return FreeKVConfig(budget=p, sink=geo.sink, window=geo.window, page_size=p, tau=0.0,
                                 dense_layers=num_layers)
         window = geo.window + budget if self.engine_method == "streaming" else geo.window
+        if self.engine_method == "louiskv":
+            return FreeKVConfig(budget=budget, sink=geo.sink, window=window, page_size=p, retrieval="louiskv",
+                                boundary_tau=self.boundary_tau, dense_layers=geo.dense_layers)
         return FreeKVConfig(budget=budget, sink=geo.sink, window=window, page_size=p,
                             tau=self.tau if self.tau is not None else 1.0, dense_layers=geo.dense_layers,
                             selection=self.selection, **({} if self.rerank_factor is None else
                                                          {"rerank_factor": self.rerank_factor}))
 
 
-METHOD_NAMES = ("dense", "oracle", "rerank", "means", "quest", "streaming")
+METHOD_NAMES = ("dense", "oracle", "rerank", "means", "quest", "louiskv", "streaming")
 
 
-def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None) -> list[MethodSpec]:
-    """'dense,oracle,rerank,means,quest,streaming' -> specs; rerank and means expand to one spec per tau."""
+def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None,
+                  louiskv_tau: float = FreeKVConfig().boundary_tau) -> list[MethodSpec]:
+    """'dense,oracle,rerank,means,quest,louiskv,streaming' -> specs; rerank and means expand to one spec per tau."""
     out: list[MethodSpec] = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
         if name == "dense":
@@ -70,6 +78,8 @@ def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None
                        for t in taus)
         elif name in ("quest", "oracle"):
             out.append(MethodSpec(name, "freekv", tau=1.0, selection=name))
+        elif name == "louiskv":
+            out.append(MethodSpec(f"louiskv(tau={louiskv_tau:g})", "louiskv", boundary_tau=louiskv_tau))
         elif name == "streaming":
             out.append(MethodSpec("streaming", "streaming", tau=0.0))
         else:
