@@ -77,8 +77,9 @@ def scorers(q: torch.Tensor, keys: torch.Tensor, scale: float) -> dict[str, torc
         masks[f"code2-byte{nb}"] = mb.repeat_interleave(4, dim=-1)
     # The same with the unread channels left out (zero: any per-request constant cancels in the softmax).
     qbyte = q.abs().mean(1).unflatten(-1, (-1, 4)).sum(-1)
-    masks["code2-byte4q"] = torch.zeros_like(qbyte, dtype=torch.bool).scatter_(
-        1, qbyte.topk(4, dim=-1).indices, True).repeat_interleave(4, dim=-1)
+    for nb in (1, 2, 4):
+        masks[f"code2-byte{nb}q"] = torch.zeros_like(qbyte, dtype=torch.bool).scatter_(
+            1, qbyte.topk(nb, dim=-1).indices, True).repeat_interleave(4, dim=-1)
     for name in ("code2-byte4", "code2-byte8", "code2-byte4q"):
         masks[name + "z"] = masks[name]
     for name, m in masks.items():
@@ -114,7 +115,8 @@ class StudyProbe:
             keys = e.candidate_keys.get(layer, slot, end).float()
             best = truth.argmax(1)  # [H]
             scores = {"oracle": truth, **scorers(qb, keys, e.scale)}
-            for first in ("means", "code1", "code2-byte4", "code2-byte4z", "code2-byte4q", "code2-byte4qz", "code2-byte8z"):
+            for first in ("means", "mid", "code1", "code2-byte4", "code2-byte4z", "code2-byte1q", "code2-byte2q",
+                          "code2-byte4q", "code2-byte4qz", "code2-byte8z"):
                 for f in (2, 4):
                     scores[f"{first}>{f}k"] = two_stage(scores[first], scores["code2"], f * self.k)
             # Concentrated cases: the top page holds at least a quarter of the mass (a retrieval head reading a needle).

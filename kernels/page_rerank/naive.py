@@ -70,9 +70,8 @@ def naive_sketch_pages(
     head the log-sum-exp of the page's logits, softmax over the pages, group mean), but a key is its page's
     mid-range (lo + hi) / 2 except on the 4 * nbytes channels of the sketch_bytes of the group's query, which
     decode from their codes; -inf at every other page. Rows of heads outside `phase` stay unwritten (NaN).
-    A logit is computed as the kernel's tensor-core products round it: (q . lo + q . hi) / 2 with lo, hi and the
-    scaled query in fp16, plus, on the picked channels, the scaled query times step * (code - 1.5) in fp16; fp32
-    sums."""
+    A logit is computed as the kernel rounds it: (q . lo + q . hi) / 2 with lo, hi and the scaled query in fp16 (a
+    tensor-core product), plus, on the picked channels, the fp16 scaled query times step * (code - 1.5) in fp32."""
 
     def page_logits(qh: torch.Tensor, h: int, pages: torch.Tensor) -> torch.Tensor:
         sel = sketch_bytes(qh[None], nbytes)[0]
@@ -83,7 +82,7 @@ def naive_sketch_pages(
         step = (hi[..., ch].float() - lo[..., ch].float()) / LEVELS  # [n, R]
         shifts = torch.arange(PER_BYTE, device=q.device).repeat(nbytes) * CODE_BITS
         code = ((codes[pages, h][..., sel.repeat_interleave(PER_BYTE)].int() >> shifts) & (LEVELS - 1)).float()
-        dev = ((code - (LEVELS - 1) * 0.5) * step[:, None, :]).half().float()  # [n, p, R]
+        dev = (code - (LEVELS - 1) * 0.5) * step[:, None, :]  # [n, p, R]
         return base.T[:, :, None] + torch.einsum("gr,ntr->gnt", q16[:, ch], dev)
 
     return _page_mass_scores(q, summaries, page_table, req_slots, None, heads, phase, q_by_slot, cand_start, cand_end,

@@ -1,7 +1,7 @@
 """Triton kernels of the two-stage selection from 2-bit key codes: the sketch, the top candidates, their rerank.
 
-sketch_pages: the first stage, every page scored from a few code bytes (see _sketch_lse_kernel), pooled like the
-rerank.
+sketch_pages: the first stage: per (row, KV head) the code bytes the query weighs most (_sketch_picks_kernel), then
+every page scored from its mid-range and those bytes (_sketch_lse_kernel), pooled like the rerank.
 top_pages: the staged bitonic top-k of select_slots (same packed keys, same tie order), ending in page ids.
 rerank_pages: one kernel computes, per (row, KV head, block of candidates), each candidate page's log-sum-exp of
 its decoded-key logits for the G query heads: the page's min / max summary and p * D / 4 code bytes, decoded
@@ -163,26 +163,60 @@ def _rerank_shift(acc, byte, summ, ss_mm, j_ok, q, i: tl.constexpr, LEVELS: tl.c
 
 
 @triton.jit
+def _sketch_picks_kernel(
+    q_ptr, slots_ptr, heads_ptr, sel_ptr, qp_ptr, scale,
+    sq_b, sq_h, sq_d, s_slot, sh_b, sh_h, ssel_b, ssel_h, sqp_b, sqp_h, sqp_g,
+    G: tl.constexpr, GP: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, HEADS: tl.constexpr,
+    WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr, PER_BYTE: tl.constexpr,
+):
+    """Per (row, KV head), once for all its page blocks: sel[r], the NB code bytes with the group's largest sums of
+    |q| over their channels (largest first, ties by the lower byte: an argmax per pick), and qp[g, PER_BYTE r + i],
+    the scaled query of head g on channel PER_BYTE sel[r] + i, rounded to fp16. One warp: no barriers."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
+            return
+    slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
+    q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
+    jb = tl.arange(0, KB)
+    i4 = tl.arange(0, PER_BYTE)
+    g = tl.arange(0, GP)
+    w = tl.zeros([KB], tl.float32)
+    for gg in tl.static_range(G):
+        w += tl.sum(tl.abs(tl.load(q_row + gg * sq_h + (PER_BYTE * jb[:, None] + i4[None, :]) * sq_d)
+                           .to(tl.float32)), axis=1)
+    for r in tl.static_range(NB):
+        best = tl.argmax(w, 0)
+        w = tl.where(jb == best, -1.0, w)
+        tl.store(sel_ptr + b * ssel_b + h * ssel_h + r, best)
+        qv = tl.load(q_row + g[:, None] * sq_h + (PER_BYTE * best + i4[None, :]) * sq_d, mask=(g < G)[:, None],
+                     other=0.0)
+        qv = (qv.to(tl.float32) * scale).to(tl.float16).to(tl.float32)
+        tl.store(qp_ptr + b * sqp_b + h * sqp_h + g[:, None] * sqp_g + PER_BYTE * r + i4[None, :], qv)
+
+
+@triton.jit
 def _sketch_lse_kernel(
-    q_ptr, summ_ptr, codes_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, lse_ptr,
+    q_ptr, summ_ptr, words_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, sel_ptr, qp_ptr, lse_ptr,
     C, cand_start, M, scale,
     sq_b, sq_h, sq_d,
     ss_p, ss_h, ss_mm,
-    sc_p, sc_h, sc_t, sc_j,
+    sw_p, sw_h, sw_j, sw_w,
     spt_r, spt_m, s_slot, s_cend,
     sh_b, sh_h,
+    ssel_b, ssel_h, sqp_b, sqp_h, sqp_g,
     sl_b, sl_h, sl_c,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
-    PAGE: tl.constexpr, FOLD: tl.constexpr, GROUPS: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, LOG_GP: tl.constexpr, GD: tl.constexpr, D: tl.constexpr,
+    NB: tl.constexpr, PAGE: tl.constexpr, NP: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
     Q_BY_SLOT: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
 ):
-    """lse[b, h, c, g] of the first stage for GROUPS x FOLD pages. Every channel counts at its page's mid-range, the
-    program's NB code bytes (the group's largest sums of |q| over their channels, ties by the lower byte: an
-    argmax per pick) refine their channels to the decoded keys: logit = q . mid + sum over the picked channels of
-    q * step * (code - 1.5). The codes are read byte-major: NB rows of PAGE bytes per page.
-    FOLD pages share a tensor-core product: their refinements side by side along K against a block-diagonal
-    query, so the FOLD x GP output columns are (page, query head) and the log-sum-exp over tokens does no padded
-    work (GP query heads alone would fill a quarter of the 16 columns)."""
+    """lse[b, h, c, g] of the first stage for NP pages. Every channel counts at its page's mid-range, the picked
+    code bytes (_sketch_picks_kernel) refine their channels to the decoded keys: logit = q . mid + sum over the
+    picked channels of q * step * (code - 1.5). The mid-range term is a tensor-core product over all D channels;
+    the refinement is plain FMAs with a page's tokens in the registers of one or two threads (a picked byte's row
+    of a page is PAGE / 4 contiguous words of 4 tokens), so the sum over channels and most of the log-sum-exp over
+    tokens stay in registers, and nothing but the log-sum-exp's last step waits on another thread."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
@@ -191,80 +225,83 @@ def _sketch_lse_kernel(
     slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
     q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
     end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
-    # The picked bytes: |q| summed over the group and each byte's channels.
-    jb = tl.arange(0, KB)
-    i4 = tl.arange(0, PER_BYTE)
-    w = tl.zeros([KB], tl.float32)
-    for gg in tl.static_range(G):
-        w += tl.sum(tl.abs(tl.load(q_row + gg * sq_h + (PER_BYTE * jb[:, None] + i4[None, :]) * sq_d)
-                           .to(tl.float32)), axis=1)
-    n = tl.arange(0, NBP)
-    sel = tl.zeros([NBP], tl.int32)
-    for r in tl.static_range(NB):
-        best = tl.argmax(w, 0)
-        sel = tl.where(n == r, best, sel)
-        w = tl.where(jb == best, -1.0, w)
-    # K index kr = (fold page k, picked byte n, channel i of the byte): channel PER_BYTE * sel[n] + i.
-    R: tl.constexpr = NBP * PER_BYTE
-    KR: tl.constexpr = FOLD * R
-    NCOL: tl.constexpr = FOLD * GP
-    kr_sel = tl.reshape(tl.broadcast_to(sel[None, :, None], [FOLD, NBP, PER_BYTE]), [KR])
-    kr_ok = tl.reshape(tl.broadcast_to((n < NB)[None, :, None], [FOLD, NBP, PER_BYTE]), [KR])
-    kr = tl.arange(0, KR)
-    kr_ch = PER_BYTE * kr_sel + kr % PER_BYTE
-    col = tl.arange(0, NCOL)  # output column = (fold page k, query head g)
-    col_k = col // GP
-    col_g = col % GP
-    BLOCK_C: tl.constexpr = GROUPS * FOLD
-    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)  # page index = group * FOLD + k
+    c = tl.program_id(2) * NP + tl.arange(0, NP)
     ok = cand_start + c < end
     page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
-    summ = summ_ptr + page[:, None] * ss_p + h * ss_h
-    # Mid-range term: [BLOCK_C, D] x [D, NCOL] with the query repeated for every fold page; page c keeps the
-    # columns of its own fold position (the sum over FOLD picks them).
+    summ = summ_ptr + page * ss_p + h * ss_h  # [NP]
+    g = tl.arange(0, GP)
+    # Mid-range term: [NP, D] x [D, GD] (query heads in the first G columns, GD >= 16 for the product).
     d = tl.arange(0, D)
-    q_t = tl.load(q_row + col_g[None, :] * sq_h + d[:, None] * sq_d, mask=(col_g < G)[None, :], other=0.0)
+    col = tl.arange(0, GD)
+    q_t = tl.load(q_row + col[None, :] * sq_h + d[:, None] * sq_d, mask=(col < G)[None, :], other=0.0)
     q_t = (q_t.to(tl.float32) * scale).to(tl.float16)
-    lo_all = tl.load(summ + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-    hi_all = tl.load(summ + ss_mm + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-    base_all = (tl.dot(lo_all, q_t) + tl.dot(hi_all, q_t)) * 0.5  # [BLOCK_C, NCOL]
-    base_all = tl.reshape(base_all, [GROUPS, FOLD, NCOL])
-    own = tl.arange(0, FOLD)[None, :, None] == col_k[None, None, :]
-    base = tl.sum(tl.where(own, base_all, 0.0), axis=1)  # [GROUPS, NCOL]
-    # Refinement: rows (group, token), K (fold page, picked channel); each page's picked code bytes are read once
-    # ([GROUPS, PAGE, FOLD x NBP]) and give PER_BYTE columns each. Page ids are read again per K index (cached).
-    grp = tl.program_id(2) * BLOCK_C + tl.arange(0, GROUPS)[:, None] * FOLD
-    kb = tl.arange(0, FOLD * NBP)
-    kb_sel = tl.reshape(tl.broadcast_to(sel[None, :], [FOLD, NBP]), [FOLD * NBP])
-    kb_ok = tl.reshape(tl.broadcast_to((n < NB)[None, :], [FOLD, NBP]), [FOLD * NBP])
-    c_kb = grp + kb[None, :] // NBP
-    ok_kb = (cand_start + c_kb < end) & kb_ok[None, :]
-    page_kb = tl.load(pt_ptr + slot * spt_r + (cand_start + c_kb).to(tl.int64) * spt_m, mask=ok_kb,
-                      other=0).to(tl.int64)  # [GROUPS, FOLD x NBP]
-    t = tl.arange(0, PAGE).to(tl.int64)
-    byte = tl.load(codes_ptr + page_kb[:, None, :] * sc_p + h * sc_h + t[None, :, None] * sc_t
-                   + kb_sel[None, None, :] * sc_j, mask=ok_kb[:, None, :], other=0).to(tl.int32)
-    code = (byte[:, :, :, None] >> (BITS * i4)[None, None, None, :]) & (LEVELS - 1)
-    code = tl.reshape(code, [GROUPS, PAGE, KR]).to(tl.float32) - (LEVELS - 1) * 0.5
-    c_kr = grp + kr[None, :] // R
-    ok_kr = (cand_start + c_kr < end) & kr_ok[None, :]
-    page_kr = tl.load(pt_ptr + slot * spt_r + (cand_start + c_kr).to(tl.int64) * spt_m, mask=ok_kr,
-                      other=0).to(tl.int64)
-    s_ptr = summ_ptr + page_kr * ss_p + h * ss_h + kr_ch[None, :]
-    lo = tl.load(s_ptr, mask=ok_kr, other=0.0).to(tl.float32)
-    step = (tl.load(s_ptr + ss_mm, mask=ok_kr, other=0.0).to(tl.float32) - lo) / LEVELS  # [GROUPS, KR]
-    ROWS: tl.constexpr = GROUPS * PAGE
-    dev = tl.reshape(code * step[:, None, :], [ROWS, KR]).to(tl.float16)
-    q_b = tl.load(q_row + col_g[None, :] * sq_h + kr_ch[:, None] * sq_d,
-                  mask=((kr // R)[:, None] == col_k[None, :]) & kr_ok[:, None] & (col_g < G)[None, :], other=0.0)
-    q_b = (q_b.to(tl.float32) * scale).to(tl.float16)  # [KR, NCOL] block-diagonal
-    acc = tl.reshape(tl.dot(dev, q_b), [GROUPS, PAGE, NCOL])
-    m = tl.max(acc, axis=1)
-    lse = base + m + tl.log(tl.sum(tl.exp(acc - m[:, None, :]), axis=1))  # [GROUPS, NCOL]
-    c_out = tl.program_id(2) * BLOCK_C + tl.arange(0, GROUPS)[:, None] * FOLD + col_k[None, :]
-    lse = tl.where(cand_start + c_out < end, lse, float("-inf"))
-    tl.store(lse_ptr + b * sl_b + h * sl_h + c_out * sl_c + col_g[None, :], lse,
-             mask=(c_out < C) & (col_g < G)[None, :])
+    lo_all = tl.load(summ[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
+    hi_all = tl.load(summ[:, None] + ss_mm + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
+    base_all = (tl.dot(lo_all, q_t) + tl.dot(hi_all, q_t)) * 0.5  # [NP, GD]
+    base = tl.sum(tl.where(col[None, None, :] == g[None, :, None], base_all[:, None, :], 0.0), axis=2)  # [NP, GP]
+    WORDS: tl.constexpr = PAGE // 4
+    word = tl.arange(0, WORDS)
+    # acc_k[c, j, g]: sum over the picked channels of q * step * f, f = 1 + code / 4 of token 4 j + k.
+    acc0 = tl.zeros([NP, WORDS, GP], tl.float32)
+    acc1 = tl.zeros([NP, WORDS, GP], tl.float32)
+    acc2 = tl.zeros([NP, WORDS, GP], tl.float32)
+    acc3 = tl.zeros([NP, WORDS, GP], tl.float32)
+    shift = tl.zeros([NP, GP], tl.float32)  # sum over the picked channels of q * step
+    qp_row = qp_ptr + b * sqp_b + h * sqp_h + g * sqp_g
+    # 16-bit summaries: 4 gathers of 2 bytes per code byte took as long as the rest of the refinement.
+    HALF: tl.constexpr = summ_ptr.dtype.element_ty.primitive_bitwidth == 16
+    for r in tl.static_range(NB):
+        best = tl.load(sel_ptr + b * ssel_b + h * ssel_h + r)
+        row = tl.load(words_ptr + page[:, None] * sw_p + h * sw_h + best * sw_j + word[None, :] * sw_w,
+                      mask=ok[:, None], other=0)  # [NP, WORDS]
+        if HALF:  # the byte's 4 channels' lo and hi in one 8-byte load each
+            lo4 = tl.load((summ + PER_BYTE * best).to(tl.pointer_type(tl.int64)), mask=ok, other=0)
+            hi4 = tl.load((summ + ss_mm + PER_BYTE * best).to(tl.pointer_type(tl.int64)), mask=ok, other=0)
+        for i in tl.static_range(PER_BYTE):
+            if HALF:
+                lo = _half(lo4, i, summ_ptr.dtype.element_ty)
+                hi = _half(hi4, i, summ_ptr.dtype.element_ty)
+            else:
+                lo = tl.load(summ + PER_BYTE * best + i, mask=ok, other=0.0).to(tl.float32)
+                hi = tl.load(summ + ss_mm + PER_BYTE * best + i, mask=ok, other=0.0).to(tl.float32)
+            step = (hi - lo) / LEVELS
+            wt = step[:, None] * tl.load(qp_row + PER_BYTE * r + i)[None, :]  # [NP, GP]
+            shift += wt
+            acc0 += wt[:, None, :] * _code_f(row, 0 + BITS * i, GP, LOG_GP)
+            acc1 += wt[:, None, :] * _code_f(row, 8 + BITS * i, GP, LOG_GP)
+            acc2 += wt[:, None, :] * _code_f(row, 16 + BITS * i, GP, LOG_GP)
+            acc3 += wt[:, None, :] * _code_f(row, 24 + BITS * i, GP, LOG_GP)
+    # code - 1.5 = 4 f - 5.5; exp(4 (acc - m)) as one FMA and a base-2 exponential.
+    m = tl.maximum(tl.maximum(tl.max(acc0, axis=1), tl.max(acc1, axis=1)),
+                   tl.maximum(tl.max(acc2, axis=1), tl.max(acc3, axis=1)))  # [NP, GP]
+    K: tl.constexpr = 4.0 * 1.4426950408889634
+    mk = (m * K)[:, None, :]
+    tot = (tl.sum(tl.exp2(acc0 * K - mk), axis=1) + tl.sum(tl.exp2(acc1 * K - mk), axis=1)
+           + tl.sum(tl.exp2(acc2 * K - mk), axis=1) + tl.sum(tl.exp2(acc3 * K - mk), axis=1))
+    lse = base + 4.0 * m - 5.5 * shift + tl.log(tot)
+    lse = tl.where(ok[:, None], lse, float("-inf"))
+    tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None].to(tl.int64) * sl_c + g[None, :], lse,
+             mask=(c < C)[:, None] & (g < G)[None, :])
+
+
+@triton.jit
+def _half(x, i: tl.constexpr, dtype: tl.constexpr):
+    """fp32 of the 16-bit value (dtype: bf16 or fp16) at bits 16 i of the int64 x (little-endian: element i)."""
+    return ((x >> (16 * i)) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _code_f(row, s: tl.constexpr, GP: tl.constexpr, LOG_GP: tl.constexpr):
+    """[NP, WORDS, GP]: 1 + code / 4 for the 2-bit code at bit s of each word (exponent bits of 1.0 with the code in
+    the top two mantissa bits: a shift and a mask, no conversion), the same for every query head."""
+    if s <= 21:
+        x = row << (21 - s)
+    else:
+        x = row >> (s - 21)
+    x = (x & 0x00600000 | 0x3F800000).to(tl.float32, bitcast=True)
+    for _ in tl.static_range(LOG_GP):
+        x = tl.join(x, x)
+    return tl.reshape(x, [x.shape[0], x.shape[1], GP])
 
 
 @triton.jit
@@ -404,7 +441,11 @@ def _pool(lse, cand_args, cand_list, heads_args, scores, C, cand_start, G) -> No
     )
 
 
-SKETCH_TOKENS = 128  # token rows of the sketch kernel's product: 128 / p page groups of FOLD pages
+# Tokens per program of the sketch kernel: max(16, 512 / p) pages, p / 16 threads each. Measured on an H100 at
+# 16 x 32K, p 32: 512 / 4 warps 94 us, 1024 / 4 107, 2048 / 4 131, 512 / 1 120; with 4 warps a 16-page program holds
+# each page in every warp (the layout's tile is 64 pages) and still runs fastest: the kernel waits on memory
+# latency, not on issue (232 SASS instructions per page and warp, the earlier kernel's 540, took as long).
+SKETCH_TOKENS = 512
 SKETCH_WARPS = 4
 
 
@@ -424,7 +465,8 @@ def sketch_pages(
 ) -> torch.Tensor:
     """See naive_sketch_pages."""
     B, G, D, H, M, p = _page_inputs(q, summaries, codes, page_table, req_slots, q_by_slot)
-    assert 0 < nbytes <= D // PER_BYTE and p & (p - 1) == 0
+    assert 0 < nbytes <= D // PER_BYTE and p & (p - 1) == 0 and p >= 4
+    assert codes.stride(2) == 1, "the sketch reads code rows as words: a byte-major store (empty_codes)"
     C, cand_args = _full_scan(req_slots, cand_start, cand_end, M)
     heads_args = _heads_args(heads, phase, req_slots)
     heads_arg, heads_strides, with_heads, want = heads_args
@@ -434,17 +476,24 @@ def sketch_pages(
     gp = triton.next_power_of_2(G)
     lse = empty(B, H, max(C, 1), gp, dtype=torch.float32, device=q.device)  # scratch
     if C:
-        fold = max(1, 16 // gp)  # pages side by side in one product's 16 output columns
-        groups = max(SKETCH_TOKENS // p, triton.cdiv(16, fold), 1)  # >= 16 pages for the mid-range product
-        nbp = max(triton.next_power_of_2(nbytes), triton.cdiv(16, fold * PER_BYTE))  # K >= 16, masked bytes
-        _sketch_lse_kernel[(B, H, triton.cdiv(C, groups * fold))](
-            q, summaries, codes, page_table, req_slots, cand_end, heads_arg, lse,
+        sel = empty(B, H, nbytes, dtype=torch.int32, device=q.device)  # scratch
+        qp = empty(B, H, gp, nbytes * PER_BYTE, dtype=torch.float32, device=q.device)  # scratch
+        _sketch_picks_kernel[(B, H)](
+            q, req_slots, heads_arg, sel, qp, scale, *q.stride(), req_slots.stride(0), *heads_strides,
+            *sel.stride()[:2], *qp.stride()[:3],
+            G=G, GP=gp, KB=D // PER_BYTE, NB=nbytes, HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot,
+            PER_BYTE=PER_BYTE, num_warps=1,
+        )
+        np_ = max(16, SKETCH_TOKENS // p)  # >= 16 pages for the mid-range product
+        words = codes.transpose(2, 3).view(torch.int32)  # [P, H, D / 4, p / 4]: 4 tokens' byte per word
+        _sketch_lse_kernel[(B, H, triton.cdiv(C, np_))](
+            q, summaries, words, page_table, req_slots, cand_end, heads_arg, sel, qp, lse,
             C, cand_start, M, scale,
-            *q.stride(), summaries.stride(0), summaries.stride(1), summaries.stride(2), *codes.stride(),
-            *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *lse.stride()[:3],
-            G=G, GP=gp, D=D, KB=D // PER_BYTE, NB=nbytes, NBP=nbp, PAGE=p, FOLD=fold,
-            GROUPS=groups, HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, LEVELS=LEVELS, BITS=CODE_BITS,
-            PER_BYTE=PER_BYTE,
+            *q.stride(), summaries.stride(0), summaries.stride(1), summaries.stride(2), *words.stride(),
+            *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *sel.stride()[:2],
+            *qp.stride()[:3], *lse.stride()[:3],
+            G=G, GP=gp, LOG_GP=gp.bit_length() - 1, GD=max(16, gp), D=D, NB=nbytes, PAGE=p, NP=np_,
+            HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, LEVELS=LEVELS, BITS=CODE_BITS, PER_BYTE=PER_BYTE,
             num_warps=SKETCH_WARPS,
         )
     _pool(lse, cand_args, False, heads_args, scores, C, cand_start, G)
