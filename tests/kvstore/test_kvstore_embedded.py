@@ -90,11 +90,13 @@ def test_a_killed_daemon_is_restarted_within_2_s_and_its_clients_go_on():
         assert time.monotonic() - t0 < 0.5
         assert c.alloc(1, 1) == [4]  # waits for the restarted daemon, which knows the session
         took = time.monotonic() - t0
-        assert took < 2.0 and kv.restarts == 1 and kv.pid != old and kv.failure is None
+        assert took < 2.0
+        # The supervisor counts the restart once the new daemon answered its PING, which may come after the
+        # client's call; listeners run just after the count.
         deadline = time.monotonic() + 2.0
-        while not heard and time.monotonic() < deadline:  # listeners run just after the count
+        while not heard and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert heard == [1]
+        assert heard == [1] and kv.restarts == 1 and kv.pid != old and kv.failure is None
         assert float(c.arena[pages].mean()) == 7.0
         c.close()
         hasty.close()
