@@ -11,6 +11,11 @@ SELECTIONS = (*SERVABLE_SELECTIONS, "oracle")
 # Retrieval policies over the one engine: FreeKV (speculative page selection with correction, scored by `selection`)
 # and LouisKV (freekv_sglang/louiskv.py: retrieval at semantic boundaries of clusters and segments).
 RETRIEVALS = ("freekv", "louiskv")
+# Prefill: "full" (every layer sees the whole prompt) or FastKV's token-selective propagation (tsp_layer, tsp_keep).
+PREFILLS = ("full", "tsp")
+# FastKV's observation window: the last prompt tokens, whose queries score the prompt and which always propagate
+# (freekv_kernels.tsp_select.WINDOW; a test keeps the two equal).
+TSP_WINDOW = 8
 
 
 def _is_int(v) -> bool:
@@ -49,6 +54,18 @@ class FreeKVConfig:
         heads of the adjacent queries falls below boundary_tau, scoring k-means clusters of the prompt's keys and
         temporal segments of later tokens by their centroids; tau, selection, rerank_factor, sketch_channels and
         recall_programs are FreeKV's and unused by it.
+    prefill: "full" (default) or "tsp", FastKV's token-selective propagation: layers 0..tsp_layer prefill the whole
+        prompt; at tsp_layer the last TSP_WINDOW prompt queries score every prompt token (softmax per query head,
+        summed over the window, averaged over the heads, 7-wide average pool; freekv_kernels.tsp_select) and only
+        the best tsp_keep tokens (the window included) go on, so layers after tsp_layer compute and store K/V for
+        those tokens only, at their own positions for RoPE. Those layers' KV is the propagated tokens compacted
+        in position order (logical token i of such a layer is the i-th propagated token; decode tokens follow),
+        and FreeKV selects over it as over any prompt: its sink is the first propagated tokens, its pages are
+        pages of propagated tokens. A prompt of at most tsp_keep tokens propagates whole (exactly a full prefill).
+    tsp_layer: the layer whose attention picks the propagated tokens (the paper's 15 for 32-layer Llama-3.1-8B);
+        it must leave later layers.
+    tsp_keep: tokens that propagate past tsp_layer, the observation window included (the paper's TSP length,
+        2048 at 128K).
     boundary_tau: LouisKV's threshold (the paper's default 0.7; it uses 0.85 on long-input tasks); 0 retrieves
         only to fill empty slots, 1 at every step.
     cluster_size: LouisKV's mean tokens per prompt cluster (the paper's 16): a prompt's n offloaded tokens form
@@ -78,6 +95,9 @@ class FreeKVConfig:
     cluster_size: int = 16
     segment: int = 128
     kmeans_iters: int = 10
+    prefill: str = "full"
+    tsp_layer: int = 15
+    tsp_keep: int = 2048
 
     def __post_init__(self) -> None:
         p = self.page_size
@@ -122,6 +142,13 @@ class FreeKVConfig:
                              f"prompt's clusters is a whole number of unit-table rows), got {self.cluster_size!r}")
         if not _is_int(self.segment) or self.segment < 1 or louis and (self.segment < p or self.segment % p):
             raise ValueError(f"segment must be a positive multiple of page_size={p}, got {self.segment!r}")
+        if self.prefill not in PREFILLS:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILLS)}, got {self.prefill!r}")
+        if not _is_int(self.tsp_layer) or self.tsp_layer < 0:
+            raise ValueError(f"tsp_layer must be a non-negative integer, got {self.tsp_layer!r}")
+        if not _is_int(self.tsp_keep) or self.tsp_keep <= TSP_WINDOW:
+            raise ValueError(f"tsp_keep must be an integer above the {TSP_WINDOW}-token observation "
+                             f"window, which always propagates; got {self.tsp_keep!r}")
 
     @property
     def sink_pages(self) -> int:
@@ -162,3 +189,6 @@ class FreeKVConfig:
             raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
         if self.dense_layers > num_layers:
             raise ValueError(f"dense_layers={self.dense_layers} exceeds the model's {num_layers} layers")
+        if self.prefill == "tsp" and self.tsp_layer >= num_layers - 1:
+            raise ValueError(f"tsp_layer={self.tsp_layer} (--kv-tsp-layer) leaves no later layer to propagate to: "
+                             f"the model has {num_layers} layers (0..{num_layers - 1})")

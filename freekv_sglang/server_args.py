@@ -23,7 +23,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .config import RECALL_MODES, SERVABLE_SELECTIONS, FreeKVConfig
+from .config import PREFILLS, RECALL_MODES, SERVABLE_SELECTIONS, FreeKVConfig
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
 ENV_FREEKV_ARGS = "FREEKV_ARGS"
@@ -57,6 +57,9 @@ _KNOB_FLAGS = {
     "kv_cluster_size": ("--kv-cluster-size", "cluster_size"),
     "kv_segment": ("--kv-segment", "segment"),
     "kv_kmeans_iters": ("--kv-kmeans-iters", "kmeans_iters"),
+    "kv_prefill": ("--kv-prefill", "prefill"),
+    "kv_tsp_layer": ("--kv-tsp-layer", "tsp_layer"),
+    "kv_tsp_keep": ("--kv-tsp-keep", "tsp_keep"),
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
 _FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_selection", "kv_rerank_factor",
@@ -171,6 +174,14 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         f"(default {_DEFAULTS.segment})")
     g.add_argument("--kv-kmeans-iters", type=int, default=None, metavar="N",
                    help=f"LouisKV: Lloyd iterations of the prompt clustering (default {_DEFAULTS.kmeans_iters})")
+    g.add_argument("--kv-prefill", choices=PREFILLS, default=None,
+                   help="'tsp': FastKV's token-selective propagation (only --kv-tsp-keep tokens go past layer "
+                   "--kv-tsp-layer); refused by this server for now, runs through the HF adapter (default: full)")
+    g.add_argument("--kv-tsp-layer", type=int, default=None, metavar="LAYER",
+                   help=f"--kv-prefill tsp: the layer whose attention picks the propagated tokens "
+                   f"(default: {_DEFAULTS.tsp_layer})")
+    g.add_argument("--kv-tsp-keep", type=int, default=None, metavar="TOKENS",
+                   help=f"--kv-prefill tsp: tokens propagated past --kv-tsp-layer (default: {_DEFAULTS.tsp_keep})")
     g.add_argument("--kvstore-endpoint", default=None, metavar="URL",
                    help="an already running kvstore daemon (ipc://<path> or tcp://<host>:<port>; a tcp daemon's "
                         "token comes from $FREEKV_KVSTORE_TOKEN). Default: start an embedded daemon with this "
@@ -230,6 +241,15 @@ def merge_flag_values(primary: Mapping[str, Any], fallback: Mapping[str, Any]) -
 def settings_from_values(values: Mapping[str, Any]) -> FreeKVServerSettings | None:
     """FreeKVServerSettings for the given flag values, or None when FreeKV is off (FreeKVConfig's ValueErrors pass
     through, reworded to name the flag)."""
+    tsp_knobs = [_KNOB_FLAGS[d][0] for d in ("kv_tsp_layer", "kv_tsp_keep") if values.get(d) is not None]
+    if values.get("kv_prefill") == "tsp":
+        raise FreeKVArgsError(
+            "--kv-prefill tsp is not served by SGLang yet: its later layers would hold only the propagated tokens, "
+            "and SGLang's model runner, paged KV pool and the FreeKV backend keep one sequence length per request "
+            "for every layer; run FastKV's TSP through the HF adapter (python -m freekv_sglang.accuracy "
+            "--kv-prefill tsp) or drop --kv-prefill")
+    if tsp_knobs:
+        raise FreeKVArgsError(f"{', '.join(tsp_knobs)} apply only to --kv-prefill tsp: drop them")
     mode = values.get("kv_retrieval") or "none"
     if mode not in KV_RETRIEVAL_CHOICES:
         raise FreeKVArgsError(f"--kv-retrieval must be one of {', '.join(KV_RETRIEVAL_CHOICES)}, got {mode!r}")
