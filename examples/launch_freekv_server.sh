@@ -48,6 +48,12 @@ args=(
   # query weighs most) keeps N x budget pages for the codes to rescore; 0 rescores every page (costlier).
   --kv-rerank-factor 2
   --kv-sketch-channels 16
+  # --kv-retrieval louiskv instead retrieves only at semantic boundaries (the query's similarity to the previous
+  # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
+  # iterations), generated KV in segments of up to --kv-segment tokens; the server refuses it until its chunked
+  # prefill hands whole prompts to the clustering (README, LouisKV).
+  # --kv-prefill tsp (FastKV's token-selective propagation after layer --kv-tsp-layer, keeping --kv-tsp-keep tokens)
+  # runs in the engine and the accuracy harness; the server refuses it for now (README, FastKV).
   # Host-memory budget (GiB) of the embedded kvstore daemon that holds every request's full KV cache.
   # It starts with the server and stops with it; it must fit in RAM and /dev/shm (containers: --shm-size).
   --kvstore-arena-gb "${ARENA_GB:-16}"
