@@ -4,6 +4,13 @@ The adapter owns the forward pass (embedding, RoPE, projections, MLP come from t
 the engine sees post-RoPE queries and keys. Prefill is dense (SDPA, causal, GQA) and hands each
 layer's K/V to the engine; decode is batched over requests of different lengths, which join and
 leave between steps (a small continuous-batching loop, greedy sampling).
+
+With cfg.prefill "tsp" (FastKV's token-selective propagation) the hidden states after layer tsp_layer's MLP are
+indexed by the tokens tsp_select picks there, so the later layers prefill only those (each at its own position for
+RoPE) and store only their K/V. The later layers then hold a shorter sequence than the earlier ones, and the engine
+keeps one length per request slot: they get an engine of their own (`late`), over the same slot ids, whose
+sequence is the propagated tokens compacted in position order followed by the decode tokens. FreeKV selects in
+each engine as usual. Positions for RoPE always come from the first engine (the true sequence length).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from .config import SELECTIONS, FreeKVConfig
+from .config import PREFILLS, SELECTIONS, TSP_WINDOW, FreeKVConfig
 from .engine import FreeKVEngine, ModelShape
 
 SUPPORTED = ("llama", "qwen2")
@@ -50,13 +57,19 @@ class PrefillCache:
     v: list[torch.Tensor]
     q_last: list[torch.Tensor]  # per layer [Hq, D]
     first_token: int
+    prefill: str = "full"  # FreeKVModel.prefill_mode of the model that made it; only such a model loads it
+    kept: torch.Tensor | None = None  # TSP: positions of the tokens the layers after tsp_layer hold (k/v [m, H, D])
 
 
 class FreeKVModel:
-    def __init__(self, model, engine: FreeKVEngine):
-        self.model, self.engine = model, engine
-        self.shape = engine.shape
+    def __init__(self, model, engine: FreeKVEngine, late: FreeKVEngine | None = None,
+                 tsp: tuple[int, int] | None = None):
+        """engine: every layer, or with tsp = (tsp_layer, tsp_keep) layers 0..tsp_layer and late the rest."""
+        self.model, self.engine, self.late, self.tsp = model, engine, late, tsp
+        self.engines = [engine] if late is None else [engine, late]
+        self.shape = model_shape(model)
         self.device = engine.device
+        self.prefill_mode = "full" if tsp is None else f"tsp(layer={tsp[0]},keep={tsp[1]})"
         inner = model.model
         self.layers, self.embed, self.norm, self.rotary = inner.layers, inner.embed_tokens, inner.norm, inner.rotary_emb
 
@@ -64,9 +77,25 @@ class FreeKVModel:
     def build(cls, model, cfg: FreeKVConfig, *, max_requests: int, max_context: int, method: str = "freekv",
               backend: str | None = None, host_pool=None) -> "FreeKVModel":
         p = next(model.parameters())
-        engine = FreeKVEngine(cfg, model_shape(model), max_requests=max_requests, max_context=max_context,
-                              dtype=p.dtype, device=p.device, backend=backend, method=method, host_pool=host_pool)
-        return cls(model, engine)
+        shape = model_shape(model)
+        kw = dict(max_requests=max_requests, max_context=max_context, dtype=p.dtype, device=p.device, backend=backend,
+                  method=method)
+        if cfg.prefill == "full":
+            return cls(model, FreeKVEngine(cfg, shape, host_pool=host_pool, **kw))
+        if host_pool is not None:
+            raise ValueError("prefill 'tsp' runs two engines, each with its own host pool: pass no host_pool")
+        cfg.check_model(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+        split = cfg.tsp_layer + 1
+        groups = [(split, min(cfg.dense_layers, split)), (shape.num_layers - split, max(cfg.dense_layers - split, 0))]
+        early, late = (FreeKVEngine(dataclasses.replace(cfg, prefill="full", dense_layers=dense),
+                                    dataclasses.replace(shape, num_layers=n), **kw) for n, dense in groups)
+        return cls(model, early, late, (cfg.tsp_layer, cfg.tsp_keep))
+
+    def _layer(self, i: int) -> tuple[FreeKVEngine, int]:
+        """The engine holding model layer i, and the layer's index there."""
+        if self.late is not None and i > self.tsp[0]:
+            return self.late, i - self.tsp[0] - 1
+        return self.engine, i
 
     def _qkv(self, layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         attn, s = layer.self_attn, self.shape
@@ -94,39 +123,69 @@ class FreeKVModel:
         h = self.embed(t)
         cos, sin = self._rotary(h, torch.arange(len(ids), device=self.device))
         ks, vs, qs = [], [], []
-        for layer in self.layers:
+        kept = None
+        for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(layer, x, cos, sin)
+            # Causal over the propagated tokens too: they stay in position order.
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
             h = self._finish_layer(layer, h, o[0].transpose(0, 1))
             ks.append(k)
             vs.append(v)
             qs.append(q[-1])
-        return PrefillCache(list(ids), ks, vs, qs, int(self._logits(h[-1:]).argmax(-1)))
+            if self.tsp is not None and i == self.tsp[0] and len(ids) > self.tsp[1]:
+                kept = self.engine.ops.tsp_select(q[-TSP_WINDOW:].contiguous(), k, self.tsp[1], self.engine.scale)
+                h, cos, sin = h[kept], cos[kept], sin[kept]
+        return PrefillCache(list(ids), ks, vs, qs, int(self._logits(h[-1:]).argmax(-1)), self.prefill_mode, kept)
 
     def load_prefill(self, cache: PrefillCache) -> int:
         """Put a prefilled prompt into a fresh engine slot; returns the slot."""
-        eng = self.engine
-        slot = eng.add_request()
-        eng.begin_prefill(slot, len(cache.ids))
-        for layer in range(self.shape.num_layers):
-            eng.prefill_layer(slot, layer, cache.k[layer], cache.v[layer], cache.q_last[layer])
+        if cache.prefill != self.prefill_mode:
+            raise ValueError(f"a {cache.prefill} prefill cannot load into a model with prefill {self.prefill_mode}")
+        slot = self.engine.add_request()
+        for eng in self.engines:
+            if eng is self.late:
+                eng.add_request(slot)  # the same slot id in both engines
+            first = 0 if eng is self.engine else self.tsp[0] + 1
+            eng.begin_prefill(slot, cache.k[first].shape[0])
+            for layer in range(eng.shape.num_layers):
+                eng.prefill_layer(slot, layer, cache.k[first + layer], cache.v[first + layer],
+                                  cache.q_last[first + layer])
         return slot
+
+    def remove_request(self, slot: int) -> None:
+        for eng in self.engines:
+            eng.remove_request(slot)
+
+    def stats(self) -> dict:
+        """The engines' stats() merged: per-layer entries under model layer numbers, totals summed."""
+        out: dict = {}
+        for eng in self.engines:
+            first = 0 if eng is self.engine else self.tsp[0] + 1
+            for key, val in eng.stats().items():
+                if isinstance(val, dict):
+                    out.setdefault(key, {}).update({first + layer: x for layer, x in val.items()})
+                elif key in ("steps", "recall_page_bytes"):  # the same in every engine
+                    out[key] = val
+                else:
+                    out[key] = out.get(key, 0) + val
+        return out
 
     @torch.no_grad()
     def decode_step(self, slots: list[int], tokens: list[int]) -> list[int]:
         """One batched greedy step: feed each slot its last token, return the next tokens."""
-        eng = self.engine
-        positions = torch.tensor([eng.seq_len(s) for s in slots], device=self.device)
-        plan = eng.begin_step(slots)
+        positions = torch.tensor([self.engine.seq_len(s) for s in slots], device=self.device)
+        plans = {id(eng): eng.begin_step(slots) for eng in self.engines}
         h = self.embed(torch.tensor(tokens, device=self.device))
         cos, sin = self._rotary(h, positions)
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(layer, x, cos, sin)
-            h = self._finish_layer(layer, h, eng.attend(plan, i, q, k, v))
-        eng.end_step()
+            eng, local = self._layer(i)
+            h = self._finish_layer(layer, h, eng.attend(plans[id(eng)], local, q, k, v))
+        for eng in self.engines:
+            eng.end_step()
         return self._logits(h).argmax(-1).tolist()
 
     def generate(self, prompts: list[list[int]] | list[PrefillCache], max_new_tokens: int,
@@ -156,7 +215,7 @@ class FreeKVModel:
                 i = running[s]
                 outs[i].append(tok)
                 if done(i):
-                    self.engine.remove_request(s)
+                    self.remove_request(s)
                     del running[s]
         return outs
 
@@ -174,18 +233,22 @@ def main() -> None:
     ap.add_argument("--dense-layers", type=int, default=1)
     ap.add_argument("--method", default="freekv", choices=("freekv", "streaming"))
     ap.add_argument("--selection", default="rerank", choices=SELECTIONS)
+    ap.add_argument("--kv-prefill", default="full", choices=PREFILLS)
+    ap.add_argument("--kv-tsp-layer", type=int, default=14, help="--kv-prefill tsp: SmolLM2's middle layer")
+    ap.add_argument("--kv-tsp-keep", type=int, default=256, help="--kv-prefill tsp: tokens propagated")
     args = ap.parse_args()
     from .hf_models import load_smollm2
 
     model, tok = load_smollm2()
     cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
-                       tau=args.tau, dense_layers=args.dense_layers, selection=args.selection)
+                       tau=args.tau, dense_layers=args.dense_layers, selection=args.selection,
+                       prefill=args.kv_prefill, tsp_layer=args.kv_tsp_layer, tsp_keep=args.kv_tsp_keep)
     ids = tok(args.prompt)["input_ids"]
     fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + args.max_new_tokens + 1,
                            method=args.method)
     out = fm.generate([ids], args.max_new_tokens, eos_token_id=tok.eos_token_id)[0]
     print(f"prompt: {len(ids)} tokens; output: {tok.decode(out)!r}")
-    print(fm.engine.stats())
+    print(fm.stats())
 
 
 if __name__ == "__main__":
