@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from . import report
-from .methods import Geometry, parse_methods
+from .methods import Geometry, parse_methods, with_prefill
 from .runner import RunConfig, run
 from .tasks import TASKS
 
@@ -47,6 +47,12 @@ def parser() -> argparse.ArgumentParser:
                     help="LouisKV's boundary threshold (the paper's default 0.7; 0.85 in its long-input runs)")
     ap.add_argument("--rerank-factor", type=int, default=None,
                     help="rerank candidates per selected page (0: every page; default: FreeKVConfig's)")
+    ap.add_argument("--kv-prefill", default="full",
+                    help="comma-separated from full, tsp: tsp runs every method after FastKV's token-selective "
+                         "propagation too, once per --kv-tsp-keep")
+    ap.add_argument("--kv-tsp-layer", type=int, default=14,
+                    help="TSP layer (default 14: the middle of SmolLM2's 30 layers, as the paper's 15 of 32)")
+    ap.add_argument("--kv-tsp-keep", default="512", help="comma-separated tokens propagated past the TSP layer")
     ap.add_argument("--sink", type=int, default=64)
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
@@ -116,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
         geo = Geometry(args.sink, args.window, args.page_size, args.dense_layers)
         cfg = RunConfig(tasks=tasks, lengths=_ints(args.lengths), budgets=_ints(args.budgets), samples=args.samples,
-                        methods=parse_methods(args.methods, _floats(args.taus), args.rerank_factor, args.louiskv_tau), geometry=geo,
+                        methods=with_prefill(parse_methods(args.methods, _floats(args.taus), args.rerank_factor,
+                                                           args.louiskv_tau),
+                                             [p.strip() for p in args.kv_prefill.split(",") if p.strip()],
+                                             args.kv_tsp_layer, _ints(args.kv_tsp_keep)), geometry=geo,
                         seed=args.seed,
                         template=args.template, batch=args.batch, backend=args.backend, url=args.url,
                         server_method=args.server_method, server_budget=args.server_budget)

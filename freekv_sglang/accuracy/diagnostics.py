@@ -41,3 +41,18 @@ class SelectionProbe:
     def record(self) -> dict:
         n = max(self.cases, 1)
         return {"diag_cases": self.cases, "hit_rate": self.hits / n, "mass_covered": self.mass / n}
+
+
+class SelectionProbes:
+    """One SelectionProbe per engine of a FreeKVModel (two with FastKV's prefill), installed on them; one record."""
+
+    def __init__(self, engines):
+        self.probes = [SelectionProbe(e) for e in engines]
+        for e, p in zip(engines, self.probes):
+            e.probe = p
+
+    def record(self) -> dict:
+        cases = sum(p.cases for p in self.probes)
+        n = max(cases, 1)
+        return {"diag_cases": cases, "hit_rate": sum(p.hits for p in self.probes) / n,
+                "mass_covered": sum(p.mass for p in self.probes) / n}

@@ -16,6 +16,8 @@ All methods share one dense prefill and attend to the same number of tokens per 
 - streaming: sink + window only; its window is widened by the budget so it attends to as many
   tokens as the retrieval methods (window' = window + budget).
 The budget counts selected tokens only, excluding sink and window (FreeKVConfig's convention).
+With --kv-prefill tsp every method also runs after FastKV's token-selective propagation (FreeKVConfig.prefill
+"tsp"), labelled tsp(keep=K)+method: its layers after the TSP layer hold only the K propagated tokens.
 """
 
 from __future__ import annotations
@@ -44,10 +46,16 @@ class MethodSpec:
     selection: str = "rerank"  # FreeKVConfig.selection
     rerank_factor: int | None = None  # FreeKVConfig.rerank_factor (None: its default)
     boundary_tau: float | None = None  # LouisKV's threshold (engine method louiskv)
+    tsp: tuple[int, int] | None = None  # (tsp_layer, tsp_keep) with FastKV's prefill, None for the full prefill
 
     def config(self, budget: int, geo: Geometry, num_layers: int) -> FreeKVConfig:
+        cfg = self._config(budget, geo, num_layers)
+        return cfg if self.tsp is None else dataclasses.replace(cfg, prefill="tsp", tsp_layer=self.tsp[0],
+                                                                tsp_keep=self.tsp[1])
+
+    def _config(self, budget: int, geo: Geometry, num_layers: int) -> FreeKVConfig:
         p = geo.page_size
-        if self.name == "dense":
+        if not self.uses_budget:  # dense (also under a tsp+ label)
             # The budget is irrelevant with every layer dense; any valid value does.
             return FreeKVConfig(budget=p, sink=geo.sink, window=geo.window, page_size=p, tau=0.0,
                                 dense_layers=num_layers)
@@ -86,4 +94,17 @@ def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None
             raise ValueError(f"unknown method {name!r}; choose from {', '.join(METHOD_NAMES)}")
     if not out:
         raise ValueError("no methods given")
+    return out
+
+
+def with_prefill(specs: list[MethodSpec], prefills: list[str], tsp_layer: int,
+                 tsp_keeps: list[int]) -> list[MethodSpec]:
+    """Every spec once per prefill: "full" as it is, "tsp" once per keep (labelled tsp(keep=K)+name)."""
+    unknown = [p for p in prefills if p not in ("full", "tsp")]
+    if unknown or not prefills:
+        raise ValueError(f"unknown prefill(s) {unknown}; choose from full, tsp")
+    out = list(specs) if "full" in prefills else []
+    if "tsp" in prefills:
+        out.extend(dataclasses.replace(s, name=f"tsp(keep={k})+{s.name}", tsp=(tsp_layer, k))
+                   for k in tsp_keeps for s in specs)
     return out

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .diagnostics import SelectionProbe
+from .diagnostics import SelectionProbes
 from .methods import Geometry, MethodSpec
 from .tasks import Sample, make_samples
 
@@ -100,27 +100,28 @@ class EngineBackend:
         out: list[dict] = []
         max_new = max(s.max_new_tokens for s in chunk)
         max_context = max(len(s.ids) for s in chunk) + max_new + 1
-        prefill = None
-        caches = None
+        caches: dict[str, tuple[list, float]] = {}  # by FreeKVModel.prefill_mode: prompts' caches, prefill s
         for spec, budget in todo:
             fkv_cfg = spec.config(budget or 0, cfg.geometry, self.num_layers)
             fm = self._build(self.model, fkv_cfg, max_requests=len(chunk), max_context=max_context,
                              method=spec.engine_method)
-            if caches is None:
+            if fm.prefill_mode not in caches:
                 t0 = time.perf_counter()
-                caches = [fm.prefill(list(s.ids)) for s in chunk]
-                prefill = time.perf_counter() - t0
-                self.log(f"  prefill {len(chunk)} x ~{len(chunk[0].ids)} tokens: {prefill:.1f} s")
+                made = [fm.prefill(list(s.ids)) for s in chunk]
+                caches[fm.prefill_mode] = made, time.perf_counter() - t0
+                self.log(f"  {fm.prefill_mode} prefill {len(chunk)} x ~{len(chunk[0].ids)} tokens: "
+                         f"{caches[fm.prefill_mode][1]:.1f} s")
+            prompts, prefill = caches[fm.prefill_mode]
             probe = None
-            if spec.engine_method != "streaming" and spec.name != "dense":
-                probe = fm.engine.probe = SelectionProbe(fm.engine)
+            if spec.engine_method != "streaming" and spec.uses_budget:
+                probe = SelectionProbes(fm.engines)
             t0 = time.perf_counter()
             # Samples of one task share max_new_tokens; eos ends a sample early.
-            outs = fm.generate(caches, max_new, eos_token_id=self.tok.eos_token_id, max_batch=len(chunk))
+            outs = fm.generate(prompts, max_new, eos_token_id=self.tok.eos_token_id, max_batch=len(chunk))
             dt = time.perf_counter() - t0
             texts = [self.tok.decode(o, skip_special_tokens=True) for o in outs]
             recs = [_sample_record(s, spec.name, budget, t) for s, t in zip(chunk, texts)]
-            recs.append(self._stats_record(chunk[0], spec, budget, fm.engine, outs, dt, prefill))
+            recs.append(self._stats_record(chunk[0], spec, budget, fm, outs, dt, prefill))
             diag = ""
             if probe is not None:
                 recs[-1].update(probe.record())
@@ -131,8 +132,8 @@ class EngineBackend:
             del fm
         return out
 
-    def _stats_record(self, s: Sample, spec: MethodSpec, budget, engine, outs, decode_s, prefill_s) -> dict:
-        st = engine.stats()
+    def _stats_record(self, s: Sample, spec: MethodSpec, budget, fm, outs, decode_s, prefill_s) -> dict:
+        st = fm.stats()
         layers = sorted(st["correction_rate"])
         # stats() rates are per (decode row, KV head); a sample decodes len(out) - 1 rows (the first
         # token comes from prefill), which weights this engine run when runs are merged.
