@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 
 import pytest
@@ -97,6 +98,25 @@ def test_scorers():
     assert tasks.score_first_number(("12345",), " 54321 or 12345") == 0
     assert tasks.score_all_numbers(("1", "22", "333", "4444"), "22, 1 and 4444") == 0.75
     assert tasks.score_all_words(("ABCDE", "FGHIJ"), " ABCDE, FGHIJK") == 0.5
+
+
+def test_codechain_prompt_and_scorer(smollm2):
+    """codechain: each link of the chain is a needle of the context, the word's code is the first answer, and the
+    score is the share of the chain the output follows from its start (each step's key is the model's own output)."""
+    _, tok = smollm2
+    s = tasks.make_sample(tok, "codechain", 2048, 1)
+    context, prefix = s.text.split("<|im_start|>assistant")
+    word = re.search(r"The code for (\w+) is$", s.text).group(1)
+    assert f"The code for {word} is {s.answers[0]}." in context and len(s.answers) == 5
+    for a, b in zip(s.answers, s.answers[1:]):
+        assert f"The code for {a} is {b}." in context
+    assert not any(a in prefix for a in s.answers)
+    right = f" {s.answers[0]}." + "".join(f" The code for {a} is {b}." for a, b in zip(s.answers, s.answers[1:]))
+    assert s.score(right) == 1.0
+    assert s.score(right.replace(s.answers[2], "99999")) == 0.4  # the chain breaks at the third number
+    assert s.score(" " + s.answers[1] + right) == 0.0  # a wrong first lookup earns nothing after it
+    assert s.score(" " + ", ".join(reversed(s.answers))) == 0.0
+    assert tasks.score_chain(("1", "2", "3"), " 1. The code for 1 is 2. The code for 2 is 4.") == pytest.approx(2 / 3)
 
 
 def test_noise_is_seeded():

@@ -7,12 +7,15 @@ each other and page selection has something to choose between.
 
 Exact match: the output's items (digit runs, variable names, words) are compared with the expected
 items as whole strings. Single-answer tasks score 1 when the first item equals the answer; tasks with
-several answers score the fraction of expected items present (RULER's string_match_all).
+several answers score the fraction of expected items present (RULER's string_match_all). The long-output
+codechain tasks score the share of the chain the output follows from its start (score_chain): each step's lookup
+key is the number the model wrote the step before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 import re
 from typing import Callable
@@ -90,6 +93,20 @@ def score_all_numbers(answers: tuple[str, ...], output: str) -> float:
 
 def score_all_words(answers: tuple[str, ...], output: str) -> float:
     return _fraction(answers, re.findall(r"[A-Za-z]+", output))
+
+
+def score_chain(answers: tuple[str, ...], output: str) -> float:
+    """The share of the chain (codechain's answers) the output follows from its start: its numbers, with a
+    number written twice in a row ('... is B. The code for B is ...') counted once, must begin with the answers in
+    order; the first wrong or missing number ends the credit."""
+    found = re.findall(r"\d+", output)
+    steps = [n for i, n in enumerate(found) if i == 0 or n != found[i - 1]]
+    good = 0
+    for want, got in zip(answers, steps):
+        if want != got:
+            break
+        good += 1
+    return good / len(answers)
 
 
 # ---- rendering and sizing --------------------------------------------------------------------
@@ -240,6 +257,40 @@ def make_vartrack(tokenizer, rng, length, index, template, hops: int = 4):
     return text, ids, tuple(names), 40, depth
 
 
+def chain_numbers(rng: random.Random, hops: int) -> list[str]:
+    """hops + 1 distinct 5-digit numbers."""
+    out: list[str] = []
+    while len(out) < hops + 1:
+        v = _digits(rng, 5)
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def make_codechain(tokenizer, rng, length, index, template, hops: int = 4, distractors: int = 4):
+    """A long-output task whose steps feed on the model's own output: 'The code for A is B.' needles hide in the
+    filler, the first keyed by a word; the model writes the code for the word, then the code for that code, and so
+    on, `hops` times after the first. Each lookup's key is the number the model itself wrote one step earlier (an
+    induction copy from a different needle each step), so a step that goes wrong sends every later step down a
+    wrong or missing chain. Distractor codes (other words, numbers outside the chain) sit among the needles.
+    Answers: the chain, the word's code first."""
+    word, *other = rng.sample(KEY_WORDS, 1 + distractors // 2)
+    nums = chain_numbers(rng, hops + distractors * 2)
+    chain, spare = nums[:hops + 1], nums[hops + 1:]
+    codes = [f"The code for {a} is {b}." for a, b in zip(chain, chain[1:])]
+    codes += [f"The code for {a} is {b}." for a, b in zip(other + spare[:distractors - len(other)], spare[::-1])]
+    rng.shuffle(codes)
+    needles = [f"The code for {word} is {chain[0]}."] + codes
+    parts = _Parts("A list of codes is hidden inside a lot of irrelevant text. Find the codes and memorize them. "
+                   "I will quiz you about them.",
+                   f"Starting from {word}, follow the chain of codes: each number found is the key of the next "
+                   f"step. Write each step as the sentence of the text that gives it.",
+                   f"The code for {word} is")
+    depth = _depths(rng, index)
+    max_new = 16 * (hops + 1) + 8
+    text, ids = _needle_haystack(tokenizer, rng, length, index, template, max_new, parts, needles, depth)
+    return text, ids, tuple(chain), max_new, depth
+
 def make_commonwords(tokenizer, rng, length, index, template, num_common: int = 10, freq_common: int = 30,
                      freq_rare: int = 3):
     vocab: list[str] = []
@@ -273,6 +324,9 @@ TASKS: dict[str, Task] = {
     "multivalue": Task(make_multivalue, score_all_numbers),
     "vartrack": Task(make_vartrack, score_all_words),
     "commonwords": Task(make_commonwords, score_all_words),
+    "codechain": Task(make_codechain, score_chain),  # 5 numbers, ~90 tokens out: within a 128-token window
+    # 17 numbers, ~280 tokens out: the model's first steps leave the window while it writes (for larger models)
+    "codechain16": Task(functools.partial(make_codechain, hops=16, distractors=8), score_chain),
 }
 
 
