@@ -11,10 +11,12 @@ from freekv_sglang.engine import FreeKVEngine, ModelShape
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
+@pytest.mark.parametrize("retrieval", ["freekv", "louiskv"])  # louiskv: tau is its boundary_tau
 @pytest.mark.parametrize("tau", [0.0, 0.8, 1.0])
-def test_graph_replay_equals_eager(tau, prefill_alike):
+def test_graph_replay_equals_eager(tau, retrieval, prefill_alike):
     H, G, D, L, bs = 2, 4, 64, 3, 4
-    cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=tau, dense_layers=1)
+    cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=tau, dense_layers=1, retrieval=retrieval,
+                       boundary_tau=tau)
     shape = ModelShape(L, H * G, H, D)
     engines = [FreeKVEngine(cfg, shape, max_requests=bs, max_context=2048, dtype=torch.bfloat16, device="cuda",
                             backend="triton") for _ in range(2)]

@@ -1,0 +1,281 @@
+"""FreeKV against LouisKV decode, engine only: retrievals, recalled bytes and step time per step over long outputs.
+
+    python3 benchmarks/engine_decode.py --contexts 32768 --batches 1,4,16 --steps 4096 --out results/engine-decode.json
+    python3 benchmarks/engine_decode.py --device cpu --contexts 2048 --batches 1 --steps 8 --layers 2   # smoke
+
+The SGLang server refuses --kv-retrieval louiskv (its chunked prefill does not hand whole prompts to the
+clustering), so this drives FreeKVEngine directly, as benchmarks/profile_step.py does: Llama-3.1-8B's attention
+shape (32 layers by default, 32 query / 8 KV heads, head dim 128, bf16), the first layer dense and left out (as in
+SGLang, where the wrapped backend runs it), every other layer sparse. There are no model GEMMs, no norms, no MLPs,
+no sampling: a step is the engine's plan, per sparse layer its trigger, selection, recall, KV write, attention
+(the engine's own split-K Triton kernel, not FlashInfer), offload and the policy's upkeep, and the join, captured
+in one CUDA graph and replayed (eager on CPU). Step time is therefore the attention-side cost of a step only.
+
+Per config (context, batch, policy) each request gets a random prompt (K and V ~ N(0, 1) per layer; LouisKV
+clusters it with its k-means at prefill), then `--steps` decode steps with random new K/V and synthetic queries
+whose step-to-step similarity is set by two knobs, per request, layer and query head:
+  q_t = sqrt(D) * normalize(a * normalize(q_{t-1}) + sqrt(1 - a^2) * normalize(noise))   (--similarity a)
+so the cosine of adjacent queries is about a (within ~0.03 per head at D 128), and with probability --shift per
+step and request every query of the request is drawn afresh (a topic shift, cosine ~0). With the defaults
+(a 0.9, shift 0.02) FreeKV's tau 0.9 sits at the cosine, so it flags a good share of heads every step (SmolLM2 on
+real prompts: mean cosine 0.84, correction rate 0.72, benchmarks/NOTES.md), while LouisKV's boundary_tau 0.7 fires
+at shifts only; a 0.97 makes FreeKV flag little beyond the shifts too. Random keys make attention diffuse: which
+pages are selected carries no accuracy meaning here, only how many are recalled and what it costs.
+
+Policies (--policies): freekv (the default selection: sketch + rerank, speculative with correction at tau),
+freekv-means (FreeKV with MeanS selection), louiskv (retrieval at semantic boundaries of clusters and segments).
+Reported per config, over the timed steps (after --warmup steps that fill the slots):
+  retrieval_share     FreeKV: the share of (request, sparse layer, KV head) checks flagged for correction (they
+                      select and recall before attention); LouisKV: the share of (request, sparse layer) steps at a
+                      semantic boundary (engine.stats() counts a boundary as all heads of the row flagged)
+  recall_mb_per_step  K+V bytes recalled host->GPU per step, all requests and layers (before attention / after)
+  step_ms             median (and mean, p90) time of one step over all requests: the graph's replay, synchronised
+                      before and after; the host's prepare_step and the query drift run outside the timed region
+Rows go to --out as JSON, merged by (context, batch, policy, layers, similarity, shift, steps), so configs can be
+run in several invocations (each GPU command is limited in time). Host memory is batch x context x 128 KiB at 32
+layers (the arena keeps every layer); configs above --host-gb are skipped with a note: run them with fewer
+--layers (step time and bytes scale with the sparse layers, retrieval shares do not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from freekv_sglang.config import FreeKVConfig
+from freekv_sglang.engine import FreeKVEngine, ModelShape
+
+HQ, H, D = 32, 8, 128
+DEFAULTS = FreeKVConfig()
+POLICIES = {
+    "freekv": dict(retrieval="freekv"),
+    "freekv-means": dict(retrieval="freekv", selection="means"),
+    "louiskv": dict(retrieval="louiskv"),
+}
+
+
+def host_bytes(batch: int, context: int, layers: int, dtype_bytes: int = 2) -> int:
+    return batch * context * layers * H * 2 * D * dtype_bytes
+
+
+def unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.float().norm(dim=-1, keepdim=True).clamp_min(1e-6).to(x.dtype)
+
+
+class Queries:
+    """The static query buffer q [L, B, Hq, D] and its per-step drift (see the module docstring)."""
+
+    def __init__(self, layers: int, batch: int, similarity: float, shift: float, device, dtype, seed: int):
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.a, self.b, self.shift = similarity, math.sqrt(max(0.0, 1 - similarity ** 2)), shift
+        self.scale = math.sqrt(D)
+        self.q = unit(self._randn(layers, batch, HQ, D)).mul_(self.scale).to(dtype)
+        self.shifts = torch.zeros((), dtype=torch.int64, device=device)  # fresh draws so far (no host sync)
+
+    def _randn(self, *shape):
+        return torch.randn(*shape, generator=self.gen, device=self.gen.device, dtype=torch.float32)
+
+    def advance(self) -> None:
+        q = unit(self.q.float())
+        new = unit(self.a * q + self.b * unit(self._randn(*q.shape)))
+        fresh = torch.rand(q.shape[1], generator=self.gen, device=self.gen.device) < self.shift  # [B]
+        new = torch.where(fresh[None, :, None, None], unit(self._randn(*q.shape)), new)
+        self.shifts += fresh.sum()
+        self.q.copy_(new.mul_(self.scale))
+
+
+def run_config(args, context: int, batch: int, policy: str) -> dict:
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    L, graph = args.layers, args.graph and dev.type == "cuda"
+    cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
+                       tau=args.tau, dense_layers=1, boundary_tau=args.boundary_tau, **POLICIES[policy])
+    max_context = context + args.warmup + args.steps + 8
+    max_pages = -(-max_context // args.page_size)
+    eng = FreeKVEngine(cfg, ModelShape(L, HQ, H, D), max_requests=batch + 1, max_context=max_context, dtype=dtype,
+                       device=dev, backend=args.backend, pad_slot=0, dense_outside=True,
+                       host_pages=batch * max_pages)
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    slots = list(range(1, batch + 1))
+    t0 = time.perf_counter()
+    for s in slots:
+        eng.add_request(s)
+        eng.begin_prefill(s, context)
+        for layer in range(1, L):
+            k, v = (torch.randn(context, H, D, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+                    for _ in range(2))
+            eng.prefill_layer(s, layer, k, v, torch.randn(HQ, D, generator=gen, device=dev).to(dtype))
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+
+    queries = Queries(L, batch, args.similarity, args.shift, dev, dtype, args.seed + 1)
+    q = queries.q
+    kv = torch.zeros(2, L, batch, H, D, device=dev, dtype=dtype)
+    lens = [context]
+
+    def step():
+        plan = eng.plan(batch)
+        for layer in range(1, L):
+            eng.attend(plan, layer, q[layer], kv[0, layer], kv[1, layer])
+        eng.end_step()
+
+    def advance():
+        lens[0] += 1
+        eng.prepare_step(slots, lens=[lens[0]] * batch)
+        queries.advance()
+        kv.normal_(generator=gen)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(min(3, args.warmup)):  # eager: compiles the kernels and fills the slots
+        advance()
+        step()
+    run = step
+    if graph:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from profile_step import capture
+
+        advance()
+        g = capture(step, between=advance)  # runs one step on a side stream, then advances and captures
+        g.replay()  # the step `between` advanced to
+        run = g.replay
+    for _ in range(max(0, args.warmup - 3)):
+        advance()
+        run()
+    sync()
+    before, shifts0 = eng.stats(), queries.shifts.clone()
+    times = []
+    for _ in range(args.steps):
+        advance()
+        sync()
+        t = time.perf_counter()
+        run()
+        sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    after = eng.stats()
+    n = args.steps
+    checks = after["checks"] - before["checks"]
+    flagged = after["flagged"] - before["flagged"]
+    page_bytes = after["recall_page_bytes"]
+    now = (after["recall_pages_now"] - before["recall_pages_now"]) * page_bytes
+    later = (after["recall_pages_speculative"] - before["recall_pages_speculative"]) * page_bytes
+    times.sort()
+    row = {"context": context, "batch": batch, "policy": policy, "layers": L, "sparse_layers": L - 1,
+           "similarity": args.similarity, "shift": args.shift, "steps": n, "graph": graph,
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "budget": cfg.budget, "page_size": cfg.page_size, "tau": cfg.tau, "boundary_tau": cfg.boundary_tau,
+           "selection": cfg.selection if policy != "louiskv" else None,
+           "retrieval_share": round(flagged / max(checks, 1), 4),
+           "retrieving_heads_per_step": round(flagged / n, 2),
+           "recall_mb_per_step": round((now + later) / n / 1e6, 3),
+           "recall_mb_per_step_now": round(now / n / 1e6, 3),
+           "recall_mb_per_step_after": round(later / n / 1e6, 3),
+           "step_ms": round(statistics.median(times), 3), "step_ms_mean": round(statistics.fmean(times), 3),
+           "step_ms_p90": round(times[int(0.9 * (n - 1))], 3), "prefill_s": round(prefill_s, 2)}
+    row["query_shift_share"] = round(int(queries.shifts - shifts0) / (n * batch), 4)
+    del eng
+    return row
+
+
+def row_key(r: dict) -> tuple:
+    return tuple(r.get(k) for k in ("context", "batch", "policy", "layers", "similarity", "shift", "steps", "device"))
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| context | batch | policy | retrieval share | MB recalled / step (before attn / after) "
+            "| step ms (median / p90) |\n| ---: | ---: | --- | ---: | ---: | ---: |")
+    lines = [head]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['context']} | {r['batch']} | {r['policy']} | skipped: {r['skipped']} | | |")
+            continue
+        lines.append(f"| {r['context']} | {r['batch']} | {r['policy']} | {r['retrieval_share']:.4f} | "
+                     f"{r['recall_mb_per_step']:.2f} ({r['recall_mb_per_step_now']:.2f} / "
+                     f"{r['recall_mb_per_step_after']:.2f}) | {r['step_ms']:.3f} / {r['step_ms_p90']:.3f} |")
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="32768,131072", help="prompt tokens per request")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--policies", default="freekv,freekv-means,louiskv", help=f"from {','.join(POLICIES)}")
+    ap.add_argument("--steps", type=int, default=4096, help="timed decode steps (the paper's long outputs: >= 4K)")
+    ap.add_argument("--warmup", type=int, default=16, help="untimed steps first (at least 3 are eager)")
+    ap.add_argument("--layers", type=int, default=32, help="model layers; the first is dense and left out")
+    ap.add_argument("--similarity", type=float, default=0.9, help="adjacent-query cosine a (see above)")
+    ap.add_argument("--shift", type=float, default=0.02, help="per step and request: chance of a fresh query")
+    ap.add_argument("--budget", type=int, default=DEFAULTS.budget)
+    ap.add_argument("--sink", type=int, default=DEFAULTS.sink)
+    ap.add_argument("--window", type=int, default=DEFAULTS.window)
+    ap.add_argument("--page-size", type=int, default=DEFAULTS.page_size)
+    ap.add_argument("--tau", type=float, default=DEFAULTS.tau, help="FreeKV's correction threshold")
+    ap.add_argument("--boundary-tau", type=float, default=DEFAULTS.boundary_tau, help="LouisKV's threshold")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    ap.add_argument("--backend", default=None, help="engine ops: triton (cuda default) or torch (cpu default)")
+    ap.add_argument("--no-graph", dest="graph", action="store_false", help="eager steps on cuda too")
+    ap.add_argument("--host-gb", type=float, default=100.0, help="skip configs whose host arena exceeds this")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/engine-decode.json")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    if not 0 <= args.similarity <= 1 or not 0 <= args.shift <= 1:
+        raise SystemExit("--similarity and --shift must lie in [0, 1]")
+    if args.layers < 2 or args.steps < 1:
+        raise SystemExit("--layers must be >= 2 (one dense, one sparse) and --steps >= 1")
+    policies = [p for p in args.policies.split(",") if p]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise SystemExit(f"unknown policies {bad}; choose from {list(POLICIES)}")
+    out = Path(args.out)
+    old = json.loads(out.read_text())["rows"] if out.exists() else []
+    rows: list[dict] = []
+
+    def save():
+        keys = {row_key(r) for r in rows}
+        merged = [r for r in old if row_key(r) not in keys] + rows
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"rows": merged, "note": "attention-side step only: no model GEMMs"}, indent=1))
+
+    dtype_bytes = 2 if args.dtype == "bf16" else 4
+    for context in [int(x) for x in args.contexts.split(",")]:
+        for batch in [int(x) for x in args.batches.split(",")]:
+            for policy in policies:
+                need = host_bytes(batch, context + args.steps, args.layers, dtype_bytes)
+                if need > args.host_gb * 1e9:
+                    r = {"context": context, "batch": batch, "policy": policy, "layers": args.layers,
+                         "similarity": args.similarity, "shift": args.shift, "steps": args.steps,
+                         "skipped": f"host arena {need / 1e9:.0f} GB > --host-gb {args.host_gb:g}; "
+                                    f"use --layers {max(2, int(args.layers * args.host_gb * 1e9 / need))}"}
+                    print(json.dumps(r), flush=True)
+                    rows.append(r)
+                    continue
+                r = run_config(args, context, batch, policy)
+                print(json.dumps(r), flush=True)
+                rows.append(r)
+                save()
+                if args.device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+    save()
+    print(table(rows))
+    print(f"attention-side step only (no model GEMMs); rows merged into {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
