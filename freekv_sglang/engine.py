@@ -53,7 +53,7 @@ from .config import RETRIEVALS, FreeKVConfig
 from .host_pool import HostPool, LocalHostPool
 from .layout import Layout, StepPlan
 from .ops import load_ops
-from .selectors import CandidateKeys, make_selector, sketch_bytes_per_token
+from .selectors import CandidateKeys, make_selector, picks_bytes_per_slot, sketch_bytes_per_token
 from .streams import Streams
 
 
@@ -91,7 +91,8 @@ def engine_gpu_bytes(cfg: FreeKVConfig, shape: ModelShape, *, num_slots: int, ma
     pages = 1 + num_slots * cfg.resident_pages
     kv = sparse * pages * p * H * D * 2 * dtype_bytes
     sketches = sparse * host_pages * p * sketch_bytes_per_token(cfg, H, D, dtype_bytes)  # summaries (+ codes)
-    tables = num_slots * (-(-max_context // p) * 4 + L * H * k * 4 + L * Hq * D * dtype_bytes + L + 8)
+    tables = num_slots * (-(-max_context // p) * 4 + L * H * k * 4 + L * Hq * D * dtype_bytes + L + 8
+                          + sparse * picks_bytes_per_slot(cfg, H, shape.group))
     masks = sparse * num_slots * H * (1 + k)
     plan = num_slots * ((cfg.resident_pages + k + 9) * 4 + 8 + 1)  # StepPlan.buffers without the dense fields
     token_lists = num_slots * H * (cfg.resident_pages * p + 2) * 4

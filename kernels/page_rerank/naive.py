@@ -52,6 +52,20 @@ def sketch_bytes(q: torch.Tensor, nbytes: int) -> torch.Tensor:
     return torch.sort(w, dim=-1, descending=True, stable=True).indices[:, :nbytes]
 
 
+def naive_sketch_picks(q: torch.Tensor, group: int, nbytes: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sketch's picks of queries q [B, Hq, D]: sel [B, H, nbytes] int32 (sketch_bytes per KV head) and
+    qp [B, H, GP, 4 * nbytes] fp32, the scaled query of head g of the group on channel 4 sel[r] + i at 4 r + i,
+    rounded to fp16 (0 for the padding heads g >= G, GP = the next power of 2)."""
+    B, Hq, D = q.shape
+    H, GP = Hq // group, 1 << (group - 1).bit_length()
+    qh = q.float().view(B, H, group, D)
+    sel = torch.stack([sketch_bytes(qh[b], nbytes) for b in range(B)]).int()  # [B, H, nbytes]
+    ch = (sel.long()[..., None] * PER_BYTE + torch.arange(PER_BYTE, device=q.device)).flatten(-2)  # [B, H, 4 nb]
+    qp = torch.zeros(B, H, GP, ch.shape[-1], dtype=torch.float32, device=q.device)
+    qp[:, :, :group] = (qh.gather(-1, ch[:, :, None, :].expand(-1, -1, group, -1)) * scale).half().float()
+    return sel, qp
+
+
 def naive_sketch_pages(
     q: torch.Tensor,
     summaries: torch.Tensor,
@@ -65,13 +79,27 @@ def naive_sketch_pages(
     q_by_slot: bool = False,
     cand_start: int = 0,
     cand_end: torch.Tensor | None = None,
+    picks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The first stage's scores [B, H, M] of every page in [cand_start, cand_end[b]): as naive_rerank_pages (per query
     head the log-sum-exp of the page's logits, softmax over the pages, group mean), but a key is its page's
     mid-range (lo + hi) / 2 except on the 4 * nbytes channels of the sketch_bytes of the group's query, which
     decode from their codes; -inf at every other page. Rows of heads outside `phase` stay unwritten (NaN).
     A logit is computed as the kernel rounds it: (q . lo + q . hi) / 2 with lo, hi and the scaled query in fp16 (a
-    tensor-core product), plus, on the picked channels, the fp16 scaled query times step * (code - 1.5) in fp32."""
+    tensor-core product), plus, on the picked channels, the fp16 scaled query times step * (code - 1.5) in fp32.
+    picks: (sel, qp) of naive_sketch_picks by request slot (as query_similarity writes them) instead of the
+    kernel's own; they must be this query's (checked)."""
+    if picks is not None:
+        G = q.shape[1] // summaries.shape[1]
+        slots = req_slots.long()
+        want = naive_sketch_picks(q[slots] if q_by_slot else q, G, nbytes, scale)
+        mine = in_phase(heads, phase)
+        mine = torch.ones(want[0].shape[:2], dtype=torch.bool, device=q.device) if mine is None else mine.clone()
+        # Padding rows share one slot (the last one's picks stay there): their scores are never used.
+        mine &= (slots[:, None] == slots[None, :]).sum(1)[:, None] == 1
+        for got, ref in zip(picks, want):
+            if not torch.equal(got[slots][mine], ref[mine]):
+                raise ValueError("picks are not this query's sketch picks")
 
     def page_logits(qh: torch.Tensor, h: int, pages: torch.Tensor) -> torch.Tensor:
         sel = sketch_bytes(qh[None], nbytes)[0]

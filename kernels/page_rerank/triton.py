@@ -210,13 +210,15 @@ def _sketch_lse_kernel(
     G: tl.constexpr, GP: tl.constexpr, LOG_GP: tl.constexpr, GD: tl.constexpr, D: tl.constexpr,
     NB: tl.constexpr, PAGE: tl.constexpr, NP: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
     Q_BY_SLOT: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+    PICKS_BY_SLOT: tl.constexpr,
 ):
     """lse[b, h, c, g] of the first stage for NP pages. Every channel counts at its page's mid-range, the picked
-    code bytes (_sketch_picks_kernel) refine their channels to the decoded keys: logit = q . mid + sum over the
-    picked channels of q * step * (code - 1.5). The mid-range term is a tensor-core product over all D channels;
-    the refinement is plain FMAs with a page's tokens in the registers of one or two threads (a picked byte's row
-    of a page is PAGE / 4 contiguous words of 4 tokens), so the sum over channels and most of the log-sum-exp over
-    tokens stay in registers, and nothing but the log-sum-exp's last step waits on another thread."""
+    code bytes (_sketch_picks_kernel's by row, or query_similarity's by request slot) refine their channels to the
+    decoded keys: logit = q . mid + sum over the picked channels of q * step * (code - 1.5). The mid-range term is
+    a tensor-core product over all D channels; the refinement is plain FMAs with a page's tokens in the registers of
+    one or two threads (a picked byte's row of a page is PAGE / 4 contiguous words of 4 tokens), so the sum over
+    channels and most of the log-sum-exp over tokens stay in registers, and nothing but the log-sum-exp's last step
+    waits on another thread."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
@@ -247,11 +249,12 @@ def _sketch_lse_kernel(
     acc2 = tl.zeros([NP, WORDS, GP], tl.float32)
     acc3 = tl.zeros([NP, WORDS, GP], tl.float32)
     shift = tl.zeros([NP, GP], tl.float32)  # sum over the picked channels of q * step
-    qp_row = qp_ptr + b * sqp_b + h * sqp_h + g * sqp_g
+    pr = slot if PICKS_BY_SLOT else b
+    qp_row = qp_ptr + pr * sqp_b + h * sqp_h + g * sqp_g
     # 16-bit summaries: 4 gathers of 2 bytes per code byte took as long as the rest of the refinement.
     HALF: tl.constexpr = summ_ptr.dtype.element_ty.primitive_bitwidth == 16
     for r in tl.static_range(NB):
-        best = tl.load(sel_ptr + b * ssel_b + h * ssel_h + r)
+        best = tl.load(sel_ptr + pr * ssel_b + h * ssel_h + r)
         row = tl.load(words_ptr + page[:, None] * sw_p + h * sw_h + best * sw_j + word[None, :] * sw_w,
                       mask=ok[:, None], other=0)  # [NP, WORDS]
         if HALF:  # the byte's 4 channels' lo and hi in one 8-byte load each
@@ -462,6 +465,7 @@ def sketch_pages(
     q_by_slot: bool = False,
     cand_start: int = 0,
     cand_end: torch.Tensor | None = None,
+    picks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See naive_sketch_pages."""
     B, G, D, H, M, p = _page_inputs(q, summaries, codes, page_table, req_slots, q_by_slot)
@@ -476,14 +480,20 @@ def sketch_pages(
     gp = triton.next_power_of_2(G)
     lse = empty(B, H, max(C, 1), gp, dtype=torch.float32, device=q.device)  # scratch
     if C:
-        sel = empty(B, H, nbytes, dtype=torch.int32, device=q.device)  # scratch
-        qp = empty(B, H, gp, nbytes * PER_BYTE, dtype=torch.float32, device=q.device)  # scratch
-        _sketch_picks_kernel[(B, H)](
-            q, req_slots, heads_arg, sel, qp, scale, *q.stride(), req_slots.stride(0), *heads_strides,
-            *sel.stride()[:2], *qp.stride()[:3],
-            G=G, GP=gp, KB=D // PER_BYTE, NB=nbytes, HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot,
-            PER_BYTE=PER_BYTE, num_warps=1,
-        )
+        if picks is None:
+            sel = empty(B, H, nbytes, dtype=torch.int32, device=q.device)  # scratch
+            qp = empty(B, H, gp, nbytes * PER_BYTE, dtype=torch.float32, device=q.device)  # scratch
+            _sketch_picks_kernel[(B, H)](
+                q, req_slots, heads_arg, sel, qp, scale, *q.stride(), req_slots.stride(0), *heads_strides,
+                *sel.stride()[:2], *qp.stride()[:3],
+                G=G, GP=gp, KB=D // PER_BYTE, NB=nbytes, HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot,
+                PER_BYTE=PER_BYTE, num_warps=1,
+            )
+        else:
+            sel, qp = picks
+            check_device(sel, qp)
+            assert sel.dim() == 3 and sel.shape[1:] == (H, nbytes) and sel.dtype == torch.int32
+            assert qp.shape[1:] == (H, gp, nbytes * PER_BYTE) and qp.dtype == torch.float32 and qp.stride(3) == 1
         np_ = max(16, SKETCH_TOKENS // p)  # >= 16 pages for the mid-range product
         words = codes.transpose(2, 3).view(torch.int32)  # [P, H, D / 4, p / 4]: 4 tokens' byte per word
         _sketch_lse_kernel[(B, H, triton.cdiv(C, np_))](
@@ -494,7 +504,7 @@ def sketch_pages(
             *qp.stride()[:3], *lse.stride()[:3],
             G=G, GP=gp, LOG_GP=gp.bit_length() - 1, GD=max(16, gp), D=D, NB=nbytes, PAGE=p, NP=np_,
             HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, LEVELS=LEVELS, BITS=CODE_BITS, PER_BYTE=PER_BYTE,
-            num_warps=SKETCH_WARPS,
+            PICKS_BY_SLOT=picks is not None, num_warps=SKETCH_WARPS,
         )
     _pool(lse, cand_args, False, heads_args, scores, C, cand_start, G)
     return scores

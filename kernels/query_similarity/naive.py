@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from freekv_kernels.page_rerank.naive import PER_BYTE, naive_sketch_picks
 
 EPS = 1e-12
 
@@ -19,11 +20,17 @@ def naive_query_similarity(
     slots: torch.Tensor | None = None,
     n_slots: torch.Tensor | None = None,
     heads: torch.Tensor | None = None,
+    picks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pick_scale: float = 1.0,
 ) -> torch.Tensor:
-    """stats, when given ([3] float64), accumulates over rows whose slot is not pad_slot: flagged KV heads,
+    """Flags [B, H]: the KV heads whose group-mean cosine similarity of q and the slot's previous query is below
+    tau (every head at tau >= 1, none at tau <= 0 unless the slot has no previous query); q becomes the previous
+    query. stats, when given ([3] float64), accumulates over rows whose slot is not pad_slot: flagged KV heads,
     the sum of the group-mean cosines of rows that had a previous query, and how many such (row, head).
     slots ([R, H, k] int32, a layer's slot table), n_slots ([B] int32) and heads ([B, H] bool, written) go
-    together: heads[b, h] = flags[b, h] or head h of request req_slots[b] holds fewer pages than n_slots[b]."""
+    together: heads[b, h] = flags[b, h] or head h of request req_slots[b] holds fewer pages than n_slots[b].
+    picks: (sel [R, H, NB] int32, qp [R, H, GP, 4 NB] fp32) receive naive_sketch_picks(q, group, NB, pick_scale)
+    at rows req_slots."""
     B, Hq, D = q.shape
     slots_idx = req_slots.long()
     prev = prev_q[slots_idx].float()  # a copy: read before the rows are overwritten below
@@ -41,6 +48,10 @@ def naive_query_similarity(
     if heads is not None:
         held = (slots[slots_idx] >= 0).sum(-1)  # [B, H] pages each head holds
         heads.copy_(flags | (held < n_slots[:, None]))
+    if picks is not None:  # the sketch's, by request slot: one computation for both selection phases
+        sel, qp = naive_sketch_picks(q, group, picks[0].shape[2], pick_scale)
+        picks[0][slots_idx] = sel
+        picks[1][slots_idx] = qp
     prev_q[slots_idx] = q.to(prev_q.dtype)
     has_prev[slots_idx] = True
     return flags

@@ -8,13 +8,14 @@ import triton.language as tl
 
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors
-from .naive import EPS
+from .naive import EPS, PER_BYTE
 
 
 @triton.jit
 def _query_similarity_kernel(
     q_ptr, prev_ptr, slots_ptr, has_prev_ptr, flags_ptr, stats_ptr, table_ptr, nslots_ptr, heads_ptr,
-    tau, H, K, pad_slot,
+    sel_ptr, qp_ptr,
+    tau, H, K, pad_slot, pick_scale,
     sq_b, sq_h, sq_d,
     sp_r, sp_h, sp_d,
     s_slot, s_has,
@@ -22,10 +23,12 @@ def _query_similarity_kernel(
     st_r, st_h, st_k,
     s_ns,
     sh_b, sh_h,
+    ssel_r, ssel_h, sqp_r, sqp_h, sqp_g,
     G: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
-    STATS: tl.constexpr, HEADS: tl.constexpr, KP: tl.constexpr,
+    STATS: tl.constexpr, HEADS: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, PER_BYTE: tl.constexpr,
 ):
-    """One program per batch row: all Hq heads as [HP, GP, D] (KV head, head in group, dim)."""
+    """One program per batch row: all Hq heads as [HP, GP, D] (KV head, head in group, dim). NB > 0: also the
+    sketch's picks of the row's query (naive_sketch_picks), by request slot, for both selection phases."""
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
     h = tl.arange(0, HP)
@@ -58,6 +61,24 @@ def _query_similarity_kernel(
                 tl.atomic_add(stats_ptr + 1, tl.sum(tl.where(h < H, mean, 0.0).to(tl.float64)))
                 # a sum, not H.to(): Triton passes an int argument equal to 1 as a constexpr
                 tl.atomic_add(stats_ptr + 2, tl.sum((h < H).to(tl.float64)))
+    if NB > 0:
+        # Per KV head the NB code bytes (PER_BYTE channels each) with the largest |q| summed over the group, ties by
+        # the lower byte, and the fp16-rounded scaled query on their channels.
+        KB: tl.constexpr = D // PER_BYTE
+        w = tl.sum(tl.sum(tl.reshape(tl.abs(qf), [HP, GP, KB, PER_BYTE]), axis=3), axis=1)  # [HP, KB]
+        jb = tl.arange(0, KB)
+        i4 = tl.arange(0, PER_BYTE)
+        hq_i = (h[:, None] * G + g[None, :]).to(tl.int64)[:, :, None]  # [HP, GP, 1]
+        pmask = ((h < H)[:, None] & (g < G)[None, :])[:, :, None]
+        for r in tl.static_range(NB):
+            best = tl.argmax(w, axis=1)  # [HP]
+            w = tl.where(jb[None, :] == best[:, None], -1.0, w)
+            tl.store(sel_ptr + slot * ssel_r + h.to(tl.int64) * ssel_h + r, best, mask=h < H)
+            ch = (PER_BYTE * best[:, None, None] + i4[None, None, :]).to(tl.int64)  # [HP, 1, PER_BYTE]
+            qv = tl.load(q_ptr + b * sq_b + hq_i * sq_h + ch * sq_d, mask=pmask, other=0.0)
+            qv = (qv.to(tl.float32) * pick_scale).to(tl.float16).to(tl.float32)
+            tl.store(qp_ptr + slot * sqp_r + h.to(tl.int64)[:, None, None] * sqp_h + g[None, :, None] * sqp_g
+                     + PER_BYTE * r + i4[None, None, :], qv, mask=(h < H)[:, None, None])
     # Other threads of this program may still be reading prev_q elements that the stores below overwrite.
     tl.debug_barrier()
     tl.store(p_ptrs, q.to(prev_ptr.dtype.element_ty), mask=mask)
@@ -76,7 +97,10 @@ def query_similarity(
     slots: torch.Tensor | None = None,
     n_slots: torch.Tensor | None = None,
     heads: torch.Tensor | None = None,
+    picks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pick_scale: float = 1.0,
 ) -> torch.Tensor:
+    """See naive_query_similarity."""
     check_device(q, prev_q, req_slots, has_prev)
     if stats is not None:
         assert stats.shape == (3,) and stats.dtype == torch.float64 and stats.is_contiguous()
@@ -91,15 +115,25 @@ def query_similarity(
         assert slots.dim() == 3 and slots.shape[1] == H and n_slots.shape == (B,) and heads.shape == (B, H)
         assert heads.dtype == torch.bool
     K = slots.shape[2] if with_heads else 1
+    GP = triton.next_power_of_2(group)
+    nb = 0
+    if picks is not None:
+        sel, qp = picks
+        check_device(sel, qp)
+        nb = sel.shape[2]
+        assert sel.dim() == 3 and sel.shape[1] == H and sel.dtype == torch.int32 and 0 < nb * PER_BYTE <= D
+        assert qp.shape[1:] == (H, GP, nb * PER_BYTE) and qp.dtype == torch.float32 and qp.stride(3) == 1
     _query_similarity_kernel[(B,)](
         q, prev_q, req_slots, has_prev, flags, flags if stats is None else stats,
         slots if with_heads else flags, n_slots if with_heads else flags, heads if with_heads else flags,
-        float(tau), H, K, pad_slot,
+        sel if nb else flags, qp if nb else flags,
+        float(tau), H, K, pad_slot, float(pick_scale),
         *q.stride(), *prev_q.stride(), req_slots.stride(0), has_prev.stride(0), *flags.stride(),
         *(slots.stride() if with_heads else (0, 0, 0)), n_slots.stride(0) if with_heads else 0,
         *(heads.stride() if with_heads else (0, 0)),
-        G=group, HP=triton.next_power_of_2(H), GP=triton.next_power_of_2(group), D=D, EPS=EPS,
-        STATS=stats is not None, HEADS=with_heads, KP=triton.next_power_of_2(K),
+        *(sel.stride()[:2] if nb else (0, 0)), *(qp.stride()[:3] if nb else (0, 0, 0)),
+        G=group, HP=triton.next_power_of_2(H), GP=GP, D=D, EPS=EPS,
+        STATS=stats is not None, HEADS=with_heads, KP=triton.next_power_of_2(K), NB=nb, PER_BYTE=PER_BYTE,
         num_warps=8 if Hq * D > 4096 else 4,
     )
     return flags

@@ -8,6 +8,7 @@ from freekv_kernels.page_rerank import (
     empty_codes,
     naive_rerank_pages,
     naive_sketch_pages,
+    naive_sketch_picks,
     naive_top_pages,
     quantize_keys,
     rerank_pages,
@@ -205,6 +206,34 @@ def test_sketch_pages_matches_reference(G, p, D, M, H, nbytes, phase):
         finite = torch.isfinite(out[0, 0])
         assert finite[start:].all() and not finite[:start].any()
         assert torch.isclose(out[0, 0, start:].sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("G,p,D,M,H,nbytes", [(1, 16, 64, 37, 2, 4), (3, 32, 128, 50, 3, 4), (8, 16, 128, 30, 2, 1)])
+@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
+def test_sketch_pages_with_picks_by_slot(G, p, D, M, H, nbytes, phase):
+    """Picks computed once by request slot (as query_similarity writes them for both phases) give the reference's
+    scores; the reference refuses picks of another query."""
+    torch.manual_seed(9)
+    qq, summ, codes, pt, rs, start, cand_end, heads, by_slot = full_scan_inputs(G, p, D, M, H, phase)
+    gp = 1 << (G - 1).bit_length()
+    sel = torch.full((R, H, nbytes), -1, dtype=torch.int32)
+    qp = torch.full((R, H, gp, 4 * nbytes), float("nan"))
+    got = naive_sketch_picks(qq[rs.long()] if by_slot else qq, G, nbytes, 0.125)
+    sel[rs.long()], qp[rs.long()] = got
+    ref = naive_sketch_pages(qq, summ, codes, pt, rs, 0.125, nbytes, heads, phase, by_slot, start, cand_end)
+    assert torch.equal(ref.nan_to_num(), naive_sketch_pages(qq, summ, codes, pt, rs, 0.125, nbytes, heads, phase,
+                                                            by_slot, start, cand_end, (sel, qp)).nan_to_num())
+    with poisoned_outputs():
+        out = sketch_pages(*[t.to(DEV) for t in (qq, summ, codes, pt, rs)], 0.125, nbytes, heads.to(DEV), phase,
+                           by_slot, start, cand_end.to(DEV), (sel.to(DEV), qp.to(DEV))).cpu()
+    mine = heads == (phase == PHASE_NOW)
+    assert_close("scores", ref[mine], out[mine], atol=1e-5, rtol=1e-4)
+    assert torch.isnan(out[~mine]).all()
+    wrong = qp.clone()
+    wrong[rs.long()] *= 2
+    with pytest.raises(ValueError, match="picks"):
+        naive_sketch_pages(qq, summ, codes, pt, rs, 0.125, nbytes, heads, phase, by_slot, start, cand_end,
+                           (sel, wrong))
 
 
 def test_sketch_reads_the_bytes_the_query_weighs():

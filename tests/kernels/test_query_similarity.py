@@ -144,3 +144,28 @@ def test_heads_that_select_before_attention(H_, G, k):
         assert torch.equal(table, table_before)
         assert_close("prev_q", ref_prev, prev)
         assert_close("has_prev", ref_has, has)
+
+
+@pytest.mark.parametrize("G,D,nb", [(1, 64, 1), (3, 128, 4), (4, 64, 16), (8, 128, 4), (4, 128, 3)])
+def test_sketch_picks_by_slot(G, D, nb):
+    """With picks, each row's sketch picks (naive_sketch_picks: bytes by group |q|, ties by the lower byte, and the
+    fp16-rounded scaled query on their channels, 0 for padding heads) land at its request slot; other slots keep
+    what they held."""
+    q, prev_q, req_slots, has_prev = make_inputs(G, D, torch.bfloat16)
+    q[0, :G] = 0.0
+    q[0, :G, 4:12] = 1.0  # the first KV head: a tie of bytes 1 and 2, then of every other byte (zeros)
+    gp = 1 << (G - 1).bit_length()
+    sel = torch.full((R, H, nb), -7, dtype=torch.int32, device=q.device)
+    qp = torch.full((R, H, gp, 4 * nb), float("nan"), device=q.device)
+    prev_ref, has_ref, sel_ref, qp_ref = prev_q.clone(), has_prev.clone(), sel.clone(), qp.clone()
+    naive_query_similarity(q, prev_ref, req_slots, has_ref, 0.5, G, picks=(sel_ref, qp_ref), pick_scale=0.3)
+    query_similarity(q, prev_q, req_slots, has_prev, 0.5, G, picks=(sel, qp), pick_scale=0.3)
+    assert torch.equal(sel, sel_ref)
+    assert torch.equal(qp.isnan(), qp_ref.isnan()) and torch.equal(qp.nan_to_num(), qp_ref.nan_to_num())
+    mine = req_slots.long()
+    assert (sel[mine] >= 0).all() and not qp[mine].isnan().any()
+    others = torch.ones(R, dtype=torch.bool)
+    others[mine.cpu()] = False
+    assert (sel[others] == -7).all() and qp[others].isnan().all()
+    assert not qp[mine][:, :, G:].any()
+    assert sel[mine[0], 0].tolist() == [1, 2, 0, *range(3, nb)][:nb]  # ties: the lower byte first
