@@ -183,6 +183,11 @@ class FreeKVEngine:
         self._host_pages: list[list[int]] = [[] for _ in range(R)]
         self._owner = [0] * R  # host-pool owner id of the request in each slot
         self._next_owner = 1
+        # Shared prefixes (docs/radix.md), per slot: leading logical pages mapped to shared host pages, the host pages
+        # of its sink pages (only once exported or shared), and the leading pages complete in the arena (every layer).
+        self._shared = [0] * R
+        self._sink_host: list[list[int]] = [[] for _ in range(R)]
+        self._complete = [0] * R
 
         self.collect_stats = collect_stats
         z = dict(dtype=torch.float64, device=self.device)
@@ -214,6 +219,7 @@ class FreeKVEngine:
         self._check_slot(slot)
         self.host.free(self._owner[slot])
         self._host_pages[slot] = []
+        self._shared[slot], self._sink_host[slot], self._complete[slot] = 0, [], 0
         self._len[slot] = 0
         self.page_table[slot] = -1
         self.slot_table[:, slot] = -1
@@ -268,28 +274,30 @@ class FreeKVEngine:
         """
         cfg, p = self.cfg, self.cfg.page_size
         n = self._len[slot]
-        if k.shape[0] != n or v.shape[0] != n:
-            raise ValueError(f"prefill of slot {slot} expects {n} tokens, got {k.shape[0]}")
+        a = self._shared[slot]  # a request started from a shared prefix passes only its suffix, from token a * p
+        if k.shape[0] != n - a * p or v.shape[0] != n - a * p:
+            raise ValueError(f"prefill of slot {slot} expects {n - a * p} tokens, got {k.shape[0]}")
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         c = (n - 1) // p
         if self.dense[layer]:
             if self.dense_outside:
                 raise ValueError(f"layer {layer} is dense and served outside the engine")
             first = self.layout.dense_base(slot) * p
-            kc[first:first + n] = k
-            vc[first:first + n] = v
+            kc[first + a * p:first + n] = k
+            vc[first + a * p:first + n] = v
             return
-        resident = [j for j in range(c + 1) if j < cfg.sink_pages or j >= c - cfg.window_pages]
+        resident = [j for j in range(a, c + 1) if j < cfg.sink_pages or j >= c - cfg.window_pages]
         for j in resident:
             row = self.layout.resident_page(slot, j) * p
             t = min(p, n - j * p)
-            kc[row:row + t] = k[j * p:j * p + t]
-            vc[row:row + t] = v[j * p:j * p + t]
-        offload = range(cfg.sink_pages, n // p - cfg.window_pages)
-        kv = self.selector.prompt_pages(slot, layer, k[:n // p * p], v[:n // p * p], offload)
+            kc[row:row + t] = k[(j - a) * p:(j - a) * p + t]
+            vc[row:row + t] = v[(j - a) * p:(j - a) * p + t]
+        offload = range(max(cfg.sink_pages, a), n // p - cfg.window_pages)
+        kv = self.selector.prompt_pages(slot, layer, k[:n // p * p - a * p], v[:n // p * p - a * p], offload)
         if offload:
             src = torch.tensor(offload, dtype=torch.int32, device=self.device)
             dst = self.page_table[slot, src.long()]
+            src = src - a  # pages of the suffix tensor
             valid = torch.ones(len(offload), dtype=torch.bool, device=self.device)
             kv = kv[0].contiguous(), kv[1].contiguous()
             self.ops.offload_pages(kv[0], kv[1], self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p,
@@ -298,6 +306,125 @@ class FreeKVEngine:
             self.prev_q[layer, slot] = q_last
         self.has_prev[layer, slot] = q_last is not None
         self.slot_table[layer, slot] = -1
+
+    # ---- shared prefixes (radix prefix sharing, docs/radix.md) --------------------------------
+
+    def owner(self, slot: int) -> int:
+        """The host-pool owner id of a slot's request: pages held for it (a kvstore LOOKUP with this request id,
+        LocalHostPool.hold) are let go with its other pages when the request is removed."""
+        self._check_slot(slot)
+        return self._owner[slot]
+
+    def _check_shareable(self, slot: int) -> None:
+        self._check_slot(slot)
+        if self.selector.needs_whole_prompt:
+            raise ValueError(f"retrieval {self.cfg.retrieval!r} writes a prompt's host pages in cluster order, not by "
+                             "position: they cannot be shared between requests")
+
+    def export_prefix(self, slot: int, num_pages: int) -> list[int]:
+        """Make the full logical pages [0, num_pages) of a prefilled slot complete in the host arena, every layer (its
+        sink pages get host pages, its resident window pages are offloaded with their summaries, engine-held dense
+        layers are copied; pages already complete are left alone) and return their host pages, for the caller to
+        retain under the prefix key. Call between steps (after end_step). With dense_outside the caller writes the
+        dense layers' slices of these host pages itself."""
+        self._check_shareable(slot)
+        cfg, p, s = self.cfg, self.cfg.page_size, self.cfg.sink_pages
+        n = self._len[slot]
+        if not 0 < num_pages <= n // p:
+            raise ValueError(f"slot {slot} holds {n} tokens: 1..{n // p} full pages can be exported, not {num_pages}")
+        need = min(s, num_pages) - len(self._sink_host[slot])
+        if need > 0:
+            self._sink_host[slot].extend(self.host.alloc_extra(self._owner[slot], need))
+        pages = (self._sink_host[slot] + self._host_pages[slot])[:num_pages]
+        todo = range(self._complete[slot], num_pages)
+        if todo:
+            self.streams.join()  # the offloads queued on the side streams are in before these writes
+            c = (n - 1) // p
+            gpu = [j for j in todo if j < s or j >= c - cfg.window_pages]  # the others are offloaded already
+            H, D = self.shape.num_kv_heads, self.shape.head_dim
+            i32 = dict(dtype=torch.int32, device=self.device)
+            src = torch.tensor([self.layout.resident_page(slot, j) for j in gpu], **i32)
+            dst = torch.tensor([pages[j] for j in gpu], **i32)
+            valid = torch.ones(len(gpu), dtype=torch.bool, device=self.device)
+            rows = torch.tensor([self.layout.dense_base(slot) + j for j in todo], device=self.device)
+            host_rows = torch.tensor([pages[j] for j in todo])
+            for layer in range(self.shape.num_layers):
+                kc, vc = self.k_cache[layer], self.v_cache[layer]
+                if self.dense[layer]:
+                    if not self.dense_outside:
+                        for i, cache in enumerate((kc, vc)):
+                            self.host.arena[host_rows, layer, :, i] = cache.view(-1, p, H, D)[rows].transpose(1, 2).cpu()
+                elif gpu:
+                    self.ops.offload_pages(kc, vc, self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p,
+                                           programs=PREFILL_OFFLOAD_PROGRAMS, codes=self.selector.codes(layer))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the arena is read next by other requests (and the CPU)
+            self._complete[slot] = num_pages
+        return list(pages)
+
+    def begin_prefill_shared(self, slot: int, prefix_pages: list[int], num_tokens: int) -> None:
+        """Start a prompt of num_tokens whose first len(prefix_pages) full pages are a shared prefix: prefix_pages are
+        the host pages of logical pages 0.. (export_prefix's list), already held for owner(slot). They are mapped,
+        never written; the sink pages and the prefix pages in this request's window are recalled from the arena into
+        its own GPU pages (every sparse layer; engine-held dense layers copy the whole prefix). Then call
+        prefill_layer with the suffix only, tokens [len(prefix_pages) * page_size, num_tokens)."""
+        self._check_shareable(slot)
+        cfg, p, s = self.cfg, self.cfg.page_size, self.cfg.sink_pages
+        if self._len[slot]:
+            raise ValueError(f"slot {slot} already holds {self._len[slot]} tokens")
+        prefix = [int(x) for x in prefix_pages]
+        P, num_host = len(prefix), self.host.arena.shape[0]
+        if not 0 < P * p < num_tokens < self.max_pages * p:
+            raise ValueError(f"a shared prefix of {P} pages needs a prompt longer than {P * p} tokens (its own "
+                             f"suffix) and shorter than max_context {self.max_pages * p}, got {num_tokens}")
+        if len(set(prefix)) != P or not all(0 <= hp < num_host for hp in prefix):
+            raise ValueError(f"shared prefix pages must be distinct host pages in [0, {num_host}): {prefix}")
+        self._sink_host[slot], self._host_pages[slot] = prefix[:s], prefix[s:]
+        updates = [(slot, j, prefix[j]) for j in range(s, P)]
+        self._ensure_host_pages(slot, -(-num_tokens // p), updates)
+        self._upload_page_table(updates)
+        self._len[slot], self._shared[slot], self._complete[slot] = num_tokens, P, P
+        c = (num_tokens - 1) // p
+        res = [j for j in range(P) if j < s or j >= c - cfg.window_pages]
+        H, D = self.shape.num_kv_heads, self.shape.head_dim
+        gpu_pages = torch.tensor([self.layout.resident_page(slot, j) for j in res], device=self.device, dtype=torch.long)
+        dense_pages = torch.arange(P, device=self.device) + self.layout.dense_base(slot)
+        for layer in range(self.shape.num_layers):
+            if self.dense[layer] and self.dense_outside:
+                continue
+            host, dst = (prefix, dense_pages) if self.dense[layer] else ([prefix[j] for j in res], gpu_pages)
+            if not host:
+                continue
+            chunk = self.host.arena[torch.tensor(host), layer].to(self.device)  # [m, H, 2, p, D]
+            self.k_cache[layer].view(-1, p, H, D)[dst] = chunk[:, :, 0].transpose(1, 2)
+            self.v_cache[layer].view(-1, p, H, D)[dst] = chunk[:, :, 1].transpose(1, 2)
+
+    def prefix_kv(self, layer: int, host_pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A shared prefix's K/V [len(host_pages) * page_size, H, D] in one layer, read from the arena onto the engine's
+        device: what the suffix's prefill attention reads instead of recomputing the prefix."""
+        H, D = self.shape.num_kv_heads, self.shape.head_dim
+        chunk = self.host.arena[torch.tensor([int(x) for x in host_pages], dtype=torch.long), layer].to(self.device)
+        return tuple(chunk[:, :, i].transpose(1, 2).reshape(-1, H, D) for i in (0, 1))
+
+    def load_prefix_summaries(self, host_pages: list[int]) -> None:
+        """Rebuild the page summaries (and key codes) of host pages from the arena: a prefix retained by an earlier
+        server, whose sketches were GPU state, before its first use here (rewrites the same bytes)."""
+        pages = [int(x) for x in host_pages]
+        if not pages:
+            return
+        H, D, p = self.shape.num_kv_heads, self.shape.head_dim, self.cfg.page_size
+        i32 = dict(dtype=torch.int32, device=self.device)
+        src, dst = torch.arange(len(pages), **i32), torch.tensor(pages, **i32)
+        valid = torch.ones(len(pages), dtype=torch.bool, device=self.device)
+        for layer in range(self.shape.num_layers):
+            if self.dense[layer]:
+                continue
+            chunk = self.host.arena[torch.tensor(pages), layer].to(self.device)
+            k, v = (chunk[:, :, i].transpose(1, 2).reshape(-1, H, D).contiguous() for i in (0, 1))
+            self.ops.offload_pages(k, v, self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p,
+                                   programs=PREFILL_OFFLOAD_PROGRAMS, codes=self.selector.codes(layer))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def stage_prefill(self, slot: int, num_tokens: int) -> None:
         """A prompt prefilled outside the engine, chunk by chunk, has grown to num_tokens: reserve its host

@@ -40,6 +40,7 @@ class LocalHostPool:
             weakref.finalize(self, _unregister, self.arena)
         self._free = list(range(num_pages - 1, -1, -1))
         self._owned: dict[int, list[int]] = {}
+        self._refs = [0] * num_pages  # owners holding each page (a shared prefix page has several)
 
     @property
     def free_pages(self) -> int:
@@ -50,13 +51,35 @@ class LocalHostPool:
             raise HostPoolFull(f"host KV pool full: {n} pages wanted, {len(self._free)} free of "
                                f"{self.arena.shape[0]}; raise the host pool size")
         pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
         self._owned.setdefault(owner, []).extend(pages)
         return pages
 
+    def alloc_extra(self, owner: int, n: int) -> list[int]:
+        """alloc, for pages outside the engine's per-token needs (export_prefix's sink pages; see KVStoreHostPool)."""
+        return self.alloc(owner, n)
+
+    def hold(self, owner: int, pages: list[int]) -> None:
+        """owner holds pages another owner holds too (a shared prefix): they return to the pool when the last
+        holder is freed. An owner id that only holds may stand for a retained prefix."""
+        pages = [int(p) for p in pages]
+        if len(set(pages)) != len(pages) or not all(0 <= p < len(self._refs) and self._refs[p] for p in pages):
+            raise ValueError(f"only distinct pages some owner holds can be shared, got {pages}")
+        for p in pages:
+            self._refs[p] += 1
+        self._owned.setdefault(owner, []).extend(pages)
+
     def free(self, owner: int) -> int:
+        """Let go of an owner's pages; returns how many of them went back to the pool (shared ones may stay)."""
         pages = self._owned.pop(owner, [])
-        self._free.extend(reversed(pages))
-        return len(pages)
+        pooled = []
+        for p in pages:
+            self._refs[p] -= 1
+            if not self._refs[p]:
+                pooled.append(p)
+        self._free.extend(reversed(pooled))
+        return len(pooled)
 
 
 def _unregister(arena: torch.Tensor) -> None:
