@@ -64,6 +64,9 @@ class KVStoreHostPool:
         self._epoch = 0  # sessions lost so far
         self._given: dict[int, int] = {}  # owner -> pages the daemon gave it (the engine's and the reserved)
         self._reserved: dict[int, list[int]] = {}  # owner -> pages given but not yet taken by the engine
+        # owner -> pages given that are not the engine's logical pages past the sink (a shared or exported prefix's
+        # sink pages): reserve does not count them.
+        self._extra: dict[int, int] = {}
         self._epoch_of: dict[int, int] = {}  # owner -> the epoch of its pages
         self._pending_free: set[int] = set()  # owners freed while down
         # Owners whose ALLOC timed out: a stopped daemon may still carry it out, so their FREE is sent all the same.
@@ -80,8 +83,56 @@ class KVStoreHostPool:
         pages, self._reserved[owner] = reserved[:n], reserved[n:]
         return pages
 
+    def alloc_extra(self, owner: int, n: int) -> list[int]:
+        """Pages beyond the engine's logical pages past the sink (export_prefix's sink pages): from the daemon, not
+        from the owner's reservation, and not counted against it."""
+        pages = self._get(owner, n)
+        self._extra[owner] = self._extra.get(owner, 0) + len(pages)
+        return pages
+
+    # ---- shared prefixes (docs/radix.md) ---------------------------------------------------------
+
+    def lookup_prefix(self, owner: int, keys, *, sink_pages: int) -> list[int]:
+        """Host pages of the longest prefix retained under keys (prefix_keys of the prompt), pinned for owner until
+        free(owner); [] on a miss or while the daemon cannot be used (the request then prefills from scratch). The
+        pages past the first sink_pages count as the owner's for reserve (the engine maps them as its logical pages
+        past the sink)."""
+        self._check_heartbeat()
+        if self.owner_lost(owner) or (self.state != "up" and not self._recover()):
+            return []
+        try:
+            hit = self.client.lookup_longest(keys, request_id=owner)
+        except KVStoreError as e:
+            if isinstance(e, DaemonUnavailable):
+                self._uncertain.add(owner)  # it may have pinned pages: free(owner) sends a FREE all the same
+            if not self._failed(e):
+                logger.error("FreeKV: kvstore LOOKUP at %s failed: %s", self.endpoint, e)
+            return []
+        if hit is None:
+            return []
+        pages = hit[1]
+        self._given[owner] = self._given.get(owner, 0) + len(pages)
+        self._extra[owner] = self._extra.get(owner, 0) + min(sink_pages, len(pages))
+        self._epoch_of.setdefault(owner, self._epoch)
+        self.used_pages += len(pages)
+        return pages
+
+    def retain_prefix(self, key: bytes, pages) -> bool:
+        """Retain pages (export_prefix's) under key; False when the daemon cannot be used or refuses (the prefix is
+        then not cached)."""
+        if self.state != "up":
+            return False
+        try:
+            self.client.retain(key, pages)
+        except KVStoreError as e:
+            if not self._failed(e):
+                logger.warning("FreeKV: kvstore RETAIN at %s failed: %s", self.endpoint, e)
+            return False
+        return True
+
     def free(self, owner: int) -> int:
         """Drop an owner's pages; never raises for the daemon's sake (while down the FREE waits for it)."""
+        self._extra.pop(owner, None)
         given = self._given.pop(owner, 0)
         self._reserved.pop(owner, None)
         epoch = self._epoch_of.pop(owner, self._epoch)
@@ -106,7 +157,7 @@ class KVStoreHostPool:
         """Make sure the daemon gave owner at least `total` pages (those the engine holds included)."""
         if self.owner_lost(owner):
             raise self._loss
-        missing = total - self._given.get(owner, 0)
+        missing = total - self._given.get(owner, 0) + self._extra.get(owner, 0)
         if missing > 0:
             self._reserved.setdefault(owner, []).extend(self._get(owner, missing))
 
