@@ -38,7 +38,11 @@ class Selector:
         e = self.engine
         return e.ops.query_similarity(q, e.prev_q[layer], plan.req_slots, e.has_prev[layer], e.tau, e.shape.group,
                                       e._stat_sim[layer] if e.collect_stats else None, e.pad_slot,
-                                      e.slot_table[layer], plan.n_slots, heads)
+                                      e.slot_table[layer], plan.n_slots, heads, self.picks(layer), e.scale)
+
+    def picks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Buffers (by request slot) for the sketch's picks that the similarity check writes, or None."""
+        return None
 
     def prompt_pages(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor, pages: range):
         """The prompt's K/V [n, H, D] as its pages `pages` go to the host arena (prefill_layer)."""
@@ -90,8 +94,8 @@ class Rerank(Selector):
         H, D, p = e.shape.num_kv_heads, e.shape.head_dim, e.cfg.page_size
         num_host = e.host.arena.shape[0]
         self._codes = [None if dense else empty_codes(num_host, H, p, D, e.device) for dense in e.dense]
-        # The sketch's picks by request slot, written with the query by the trigger (one computation for both
-        # phases; per layer, since a layer's speculative selection runs beside the next layers' triggers).
+        # The sketch's picks by request slot, written with the query by the similarity check (one computation for
+        # both phases; per layer, since a layer's speculative selection runs beside the next layers' triggers).
         nb = e.cfg.sketch_channels // PER_BYTE if e.cfg.rerank_factor else 0
         gp = 1 << (e.shape.group - 1).bit_length()
         picks = [not dense and nb > 0 for dense in e.dense]
@@ -100,17 +104,11 @@ class Rerank(Selector):
         self._qp = [torch.zeros(e.num_slots, H, gp, nb * PER_BYTE, dtype=torch.float32, device=e.device) if on
                     else None for on in picks]
 
-    def _picks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def picks(self, layer):
         return None if self._sel[layer] is None else (self._sel[layer], self._qp[layer])
 
     def codes(self, layer):
         return self._codes[layer]
-
-    def trigger(self, plan, layer, q, heads):
-        e = self.engine
-        return e.ops.query_similarity(q, e.prev_q[layer], plan.req_slots, e.has_prev[layer], e.tau, e.shape.group,
-                                      e._stat_sim[layer] if e.collect_stats else None, e.pad_slot,
-                                      e.slot_table[layer], plan.n_slots, heads, self._picks(layer), e.scale)
 
     def score(self, plan, layer, q, heads, phase):
         e = self.engine
@@ -119,7 +117,7 @@ class Rerank(Selector):
         if e.cfg.rerank_factor:
             sketch = e.ops.sketch_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots,
                                         e.scale, e.cfg.sketch_channels // PER_BYTE, heads, phase, by_slot, start,
-                                        plan.cand_end, self._picks(layer))
+                                        plan.cand_end, self.picks(layer))
             cand = e.ops.top_pages(sketch, e.cfg.rerank_pages, heads, phase)
         return e.ops.rerank_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots, cand,
                                   e.scale, heads, phase, by_slot, start, plan.cand_end)
@@ -189,7 +187,7 @@ def make_selector(cfg: FreeKVConfig, engine) -> Selector:
 
 
 def picks_bytes_per_slot(cfg: FreeKVConfig, num_kv_heads: int, group: int) -> int:
-    """GPU bytes of the rerank's sketch picks per request slot and sparse layer (Rerank._picks)."""
+    """GPU bytes of the rerank's sketch picks per request slot and sparse layer (Rerank.picks)."""
     if cfg.selection != "rerank" or not cfg.rerank_factor:
         return 0
     nb, gp = cfg.sketch_channels // PER_BYTE, 1 << (group - 1).bit_length()
