@@ -161,9 +161,18 @@ class Run:
             time.sleep(0.1)
         return daemon
 
+    def scrape(self, srv: ServerProcess, name: str) -> str:
+        """SGLang's /metrics after the scenario (saved under --out): how many FreeKV series, and the daemon restarts."""
+        with urllib.request.urlopen(srv.url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+        (self.out / f"metrics-{name}.txt").write_text(text)
+        series = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("sglang:freekv_")}
+        restarts = [line for line in text.splitlines() if line.startswith("sglang:freekv_kvstore_restarts_total")]
+        return f"/metrics: {len(series)} FreeKV series, {restarts[0] if restarts else 'no restarts series'}"
+
     def signal_daemon_mid_decode(self, name: str, fault) -> dict:
         a = self.args
-        srv = self.server(name)
+        srv = self.server(name, ["--enable-metrics"])
         try:
             reference = burst(srv.url, self.prompts, a.output_len, a.timeout)
             pid = daemon_pid(srv)
@@ -177,7 +186,8 @@ class Run:
             results = burst(srv.url, self.prompts, a.output_len, a.timeout, during=inject)
             rec = recover(srv.url, self.probe, t_fault["t"], a.recovery_deadline)
             return row(name, results, reference, healthy(srv.url) and srv.proc.poll() is None, rec,
-                       f"daemon pid {pid} -> {daemon_pid(srv)}; /health during the fault: {t_fault.get('health')}")
+                       f"daemon pid {pid} -> {daemon_pid(srv)}; /health during the fault: {t_fault.get('health')}; "
+                       f"{self.scrape(srv, name)}")
         finally:
             srv.stop()
 

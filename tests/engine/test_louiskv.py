@@ -174,8 +174,8 @@ def test_partial_budget_finds_a_scattered_cluster():
     decode([eng], reqs, H, G, L, 3, query=query, check=check)
     slot = reqs[0][0]
     for h in range(H):  # the held pages, read back from the host arena, hold every token of the topic
-        pages = eng.page_table[slot, eng.slot_table[1, slot, h].long()].long()
-        held = eng.host.arena[pages, 1, h, 0].reshape(-1, D)
+        pages = eng.page_table[slot, eng.slot_table[1, slot, h].long()].long().cpu()  # the arena is host memory
+        held = eng.host.arena[pages, 1, h, 0].reshape(-1, D).to(topic.device)
         assert int((torch.cosine_similarity(held, topic[h], dim=-1) > 0.9).sum()) == 16
 
 
