@@ -51,6 +51,7 @@ from .protocol import (
     PingReply,
     PingRequest,
     ReleaseRequest,
+    RetainChainRequest,
     RetainRequest,
     ShutdownReply,
     ShutdownRequest,
@@ -359,6 +360,13 @@ class KVStoreClient:
             keys.append(bytes(key))
             pages.append([_int(p) for p in key_pages])
         return self._call(Opcode.RETAIN, RetainRequest(keys, pages)).pages
+
+    def retain_chain(self, prefix_keys: Sequence[bytes], pages: Sequence[int], *, parent: bytes | None = None) -> list[bool]:
+        """Retain every key of a chain with one page each (keys[i] holds pages[i], linked to keys[i-1], keys[0] to
+        parent): all page-aligned prefixes of a prompt for one page id per key. Returns which keys were new."""
+        req = RetainChainRequest([bytes(k) for k in prefix_keys], [_int(p) for p in pages],
+                                 None if parent is None else bytes(parent))
+        return self._call(Opcode.RETAIN_CHAIN, req).created
 
     def release(self, prefix_key: bytes) -> bool:
         """Stop retaining prefix_key; False if it was not retained (never, already released, or evicted)."""

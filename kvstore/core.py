@@ -59,6 +59,7 @@ from .protocol import (
     Opcode,
     PingReply,
     ReleaseReply,
+    RetainChainReply,
     RetainReply,
     SessionUse,
     ShutdownReply,
@@ -69,7 +70,7 @@ from .store import PageTable
 log = logging.getLogger("freekv_kvstore")
 
 # Calls on a session's page table: journaled with their call id, and answered again when resent.
-PAGE_CALLS = frozenset({Opcode.ALLOC, Opcode.FREE, Opcode.RETAIN, Opcode.RELEASE, Opcode.LOOKUP})
+PAGE_CALLS = frozenset({Opcode.ALLOC, Opcode.FREE, Opcode.RETAIN, Opcode.RELEASE, Opcode.LOOKUP, Opcode.RETAIN_CHAIN})
 _COMPACT_BYTES = 1 << 20  # the journal is rewritten as one snapshot once its records pass this (and 4x the last)
 
 
@@ -249,6 +250,9 @@ class KVStoreCore:
 
     def _on_retain(self, session: Session, req) -> RetainReply:
         return RetainReply(*self._table(session).retain(req.keys, req.pages))
+
+    def _on_retain_chain(self, session: Session, req) -> RetainChainReply:
+        return RetainChainReply(self._table(session).retain_chain(req.keys, req.pages, req.parent))
 
     def _on_release(self, session: Session, req) -> ReleaseReply:
         return ReleaseReply(*self._table(session).release(req.keys))

@@ -31,7 +31,8 @@ from .errors import EndpointInUse, StateRejected
 
 log = logging.getLogger("freekv_kvstore")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: chain keys (parents in the table state, RETAIN_CHAIN calls)
+READABLE_FORMATS = (1, 2)
 _MAGIC = b"FKVJ"
 _HEADER = struct.Struct("!4sHHQQI")  # magic, format, reserved, epoch, snapshot bytes, snapshot crc32
 _HEADER_CRC = struct.Struct("!I")  # crc32 of the header fields above
@@ -148,8 +149,9 @@ class Journal:
         _, version, _, epoch, snap_len, snap_crc = _HEADER.unpack_from(data)
         if _HEADER_CRC.unpack_from(data, _HEADER.size)[0] != zlib.crc32(data[: _HEADER.size]):
             raise self.rejected("the journal header fails its checksum")
-        if version != FORMAT_VERSION:
-            raise self.rejected(f"the journal has format {version}, this daemon reads format {FORMAT_VERSION}")
+        if version not in READABLE_FORMATS:
+            raise self.rejected(f"the journal has format {version}, this daemon reads formats "
+                                f"{', '.join(map(str, READABLE_FORMATS))}")
         if lock_epoch is None or epoch not in (lock_epoch, lock_epoch + 1):
             raise self.rejected(
                 f"the journal is stale: it is at epoch {epoch}, the store's lock file at "

@@ -19,7 +19,7 @@ import struct
 
 from .arena import ArenaGeometry
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: RETAIN_CHAIN
 MAGIC = b"FK"
 REQUEST_HEADER = struct.Struct("!2sBBIQ")
 REPLY_HEADER = struct.Struct("!2sBBBI")
@@ -38,6 +38,7 @@ class Opcode(enum.IntEnum):
     RETAIN = 0x20
     RELEASE = 0x21
     LOOKUP = 0x22
+    RETAIN_CHAIN = 0x23
     STATS = 0x30
     PING = 0x31
     SHUTDOWN = 0x3F
@@ -206,6 +207,27 @@ class RetainReply:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class RetainChainRequest:
+    """Retain a chain of prefix keys, one page each: keys[i] holds pages[i], its parent key being keys[i-1] (keys[0]'s:
+    parent, a key already retained, or none). LOOKUP of a chain key gives its ancestors' pages then its own."""
+
+    keys: list[bytes]
+    pages: list[int]
+    parent: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.pages) or not self.keys:
+            raise ValueError(f"a chain needs one page per key, got {len(self.keys)} keys and {len(self.pages)} pages")
+        for key in self.keys + ([] if self.parent is None else [self.parent]):
+            _check_key(key)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RetainChainReply:
+    created: list[bool]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class ReleaseRequest:
     keys: list[bytes]
 
@@ -323,6 +345,7 @@ MESSAGES: dict[Opcode, MessageSpec] = {
     Opcode.RETAIN: MessageSpec(RetainRequest, RetainReply, SessionUse.REQUIRED),
     Opcode.RELEASE: MessageSpec(ReleaseRequest, ReleaseReply, SessionUse.REQUIRED),
     Opcode.LOOKUP: MessageSpec(LookupRequest, LookupReply, SessionUse.REQUIRED),
+    Opcode.RETAIN_CHAIN: MessageSpec(RetainChainRequest, RetainChainReply, SessionUse.REQUIRED),
     Opcode.STATS: MessageSpec(StatsRequest, StatsReply, SessionUse.OPTIONAL),
     Opcode.PING: MessageSpec(PingRequest, PingReply, SessionUse.OPTIONAL),
     Opcode.SHUTDOWN: MessageSpec(ShutdownRequest, ShutdownReply, SessionUse.OPTIONAL),

@@ -6,6 +6,12 @@ Plain data: no sockets, no shared memory. Every page is in exactly one state:
     cached  held only by retained prefix keys, so evictable.
 A page returns to the pool only when the last request and the last key holding it let go, so the pool never
 hands out a page somebody still holds. Every method validates its whole input before it changes anything.
+
+A key holds either its whole prefix's pages (retain) or, in a chain (retain_chain), one page linked to its parent key,
+so retaining every page-aligned prefix of a long prompt costs one page per key instead of quadratic page lists. A
+chain key's prefix is its ancestors' pages then its own. The LRU keeps every chain key before its ancestors (a use
+touches the key, then each ancestor up to the root), and eviction takes only keys with no retained child, so a chain
+is cut from its end and never leaves a key whose parent is gone.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ class PageTable:
         self._cached = 0
         self._requests: dict[int, list[int]] = {}
         self._prefixes: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()  # least recently used first
+        self._parent: dict[bytes, bytes] = {}  # chain key -> its parent key (a chain's first key has none)
+        self._children: dict[bytes, set[bytes]] = {}  # key -> its retained chain children (absent: none)
 
     @property
     def free_pages(self) -> int:
@@ -118,41 +126,82 @@ class PageTable:
         for key, pages in zip(keys, page_lists, strict=True):
             existing = self._prefixes.get(key)
             if existing is not None:
-                self._prefixes.move_to_end(key)
-                held.append(list(existing))
+                self._touch(key)
+                held.append(self.prefix_pages(key))
                 created.append(False)
                 continue
             self._prefixes[key] = tuple(pages)
             self._change(pages, 0, 1)
             held.append(list(pages))
             created.append(True)
-        while len(self._prefixes) > self.max_prefixes:
-            self._evict(next(iter(self._prefixes)))
+        self._trim_prefixes()
         return held, created
+
+    def retain_chain(self, keys: Sequence[bytes], pages: Sequence[int], parent: bytes | None = None) -> list[bool]:
+        """Retain a chain: keys[i] holds pages[i] alone, its parent being keys[i-1] (keys[0]'s: parent, a retained key,
+        or none). A key already retained keeps its page (equal keys mean equal tokens) and stays the parent of the next
+        key. Returns, per key, whether it was created."""
+        if len(keys) != len(pages) or not keys:
+            raise InvalidArgument(f"a chain needs one page per key, got {len(keys)} keys and {len(pages)} pages")
+        if parent is not None and parent not in self._prefixes:
+            raise InvalidArgument(f"parent key {parent.hex()} is not retained")
+        if len(set(keys)) != len(keys) or parent in keys:
+            raise InvalidArgument("a chain lists a key twice")
+        new = [i for i, key in enumerate(keys) if key not in self._prefixes]
+        if len({pages[i] for i in new}) != len(new):
+            raise InvalidArgument("a chain lists a page twice")
+        for i in new:
+            p = pages[i]
+            if not 0 <= p < self.num_pages:
+                raise InvalidArgument(f"page {p} is outside this arena (0..{self.num_pages - 1})")
+            if self._req_refs[p] == 0 and self._key_refs[p] == 0:
+                raise InvalidArgument(f"page {p} is free: only pages a request or a prefix holds can be retained")
+        for i, key in enumerate(keys):
+            if key in self._prefixes and self._parent.get(key) != (parent if i == 0 else keys[i - 1]):
+                raise InvalidArgument(f"key {key.hex()} is retained under another parent")
+        created = [False] * len(keys)
+        for i in new:
+            key, up = keys[i], parent if i == 0 else keys[i - 1]
+            self._prefixes[key] = (pages[i],)
+            if up is not None:
+                self._parent[key] = up
+                self._children.setdefault(up, set()).add(key)
+            self._change((pages[i],), 0, 1)
+            created[i] = True
+        self._touch(keys[-1])
+        self._trim_prefixes()
+        return created
 
     def release(self, keys: Sequence[bytes]) -> tuple[list[bool], int]:
         released, freed = [], 0
         for key in keys:
-            pages = self._prefixes.pop(key, None)
-            released.append(pages is not None)
-            if pages is not None:
-                freed += self._change(pages, 0, -1)
+            released.append(key in self._prefixes)
+            if key in self._prefixes:
+                freed += self._drop_subtree(key)
         return released, freed
 
     def lookup(self, keys: Sequence[bytes], request_id: int | None = None) -> tuple[int, list[int]]:
         """The last of keys that is retained, as (index, pages), or (-1, []). With request_id, the request
         also holds the pages until it is freed, so no eviction can hand them out while it reads them."""
         for i in range(len(keys) - 1, -1, -1):
-            pages = self._prefixes.get(keys[i])
-            if pages is None:
+            if keys[i] not in self._prefixes:
                 continue
+            pages = self.prefix_pages(keys[i])
             if request_id is not None:
                 self._check_request_room(request_id not in self._requests)
                 self._requests.setdefault(request_id, []).extend(pages)
                 self._change(pages, 1, 0)
-            self._prefixes.move_to_end(keys[i])
-            return i, list(pages)
+            self._touch(keys[i])
+            return i, pages
         return -1, []
+
+    def prefix_pages(self, key: bytes) -> list[int]:
+        """The pages of a retained key's prefix: its chain ancestors' pages, then its own."""
+        parts = [self._prefixes[key]]
+        while key in self._parent:
+            key = self._parent[key]
+            parts.append(self._prefixes[key])
+        return [p for part in reversed(parts) for p in part]
 
     def state(self) -> dict:
         """Everything a restarted daemon needs to rebuild this table exactly, orders included (the free
@@ -161,6 +210,7 @@ class PageTable:
             "free": list(self._free),
             "requests": [[rid, pages] for rid, pages in self._requests.items()],
             "prefixes": [[key, list(pages)] for key, pages in self._prefixes.items()],
+            "parents": [[key, parent] for key, parent in self._parent.items()],
             "evicted": self.evicted_prefixes,
         }
 
@@ -172,6 +222,12 @@ class PageTable:
         table._requests = {int(rid): [int(p) for p in pages] for rid, pages in state["requests"]}
         table._prefixes = OrderedDict((bytes(key), tuple(int(p) for p in pages)) for key, pages in state["prefixes"])
         table.evicted_prefixes = int(state["evicted"])
+        for key, parent in state.get("parents", ()):  # journals of format 1 have no chains
+            key, parent = bytes(key), bytes(parent)
+            if key not in table._prefixes or parent not in table._prefixes:
+                raise InvalidArgument(f"chain key {key.hex()} or its parent is not retained")
+            table._parent[key] = parent
+            table._children.setdefault(parent, set()).add(key)
         for holders, refs in ((table._requests, table._req_refs), (table._prefixes, table._key_refs)):
             for pages in holders.values():
                 for p in pages:
@@ -198,6 +254,13 @@ class PageTable:
             return "request reference counts disagree with the request table"
         if key_refs != self._key_refs:
             return "prefix reference counts disagree with the prefix table"
+        children: dict[bytes, set[bytes]] = {}
+        for key, parent in self._parent.items():
+            if key not in self._prefixes or parent not in self._prefixes:
+                return f"chain key {key.hex()} or its parent is not retained"
+            children.setdefault(parent, set()).add(key)
+        if children != self._children:
+            return "chain children disagree with the parent links"
         pool = set(self._free)
         if len(pool) != len(self._free):
             return "a page is in the free pool twice"
@@ -228,18 +291,50 @@ class PageTable:
                 pooled += 1
         return pooled
 
+    def _touch(self, key: bytes) -> None:
+        """Make key and then each of its ancestors most recently used (so ancestors stay after descendants)."""
+        while key is not None:
+            self._prefixes.move_to_end(key)
+            key = self._parent.get(key)
+
+    def _unlink(self, key: bytes) -> int:
+        """Forget one key (it has no retained children) and pool the pages only it held."""
+        parent = self._parent.pop(key, None)
+        if parent is not None:
+            siblings = self._children[parent]
+            siblings.discard(key)
+            if not siblings:
+                del self._children[parent]
+        return self._change(self._prefixes.pop(key), 0, -1)
+
+    def _drop_subtree(self, key: bytes) -> int:
+        freed = 0
+        for child in list(self._children.get(key, ())):
+            freed += self._drop_subtree(child)
+        return freed + self._unlink(key)
+
     def _evict(self, key: bytes) -> None:
-        self._change(self._prefixes.pop(key), 0, -1)
+        self._unlink(key)
         self.evicted_prefixes += 1
+
+    def _trim_prefixes(self) -> None:
+        while len(self._prefixes) > self.max_prefixes:
+            self._evict(next(k for k in self._prefixes if k not in self._children))
 
     def _evict_for(self, target_free: int) -> None:
         """Evict least recently used prefixes until target_free pages are pooled. Keys whose pages are all
-        held by requests free nothing now; they are in use, so they count as recently used. The caller has
+        held by requests free nothing now; they are in use, so they count as recently used. Chain keys with
+        retained children wait for them (a request holding a child holds its ancestors too). The caller has
         checked free + cached >= target: dropping every key with a cached page pools every cached page."""
         skipped = 0
         while len(self._free) < target_free and skipped < len(self._prefixes):
             key = next(iter(self._prefixes))
-            if all(self._req_refs[p] for p in self._prefixes[key]):
+            if key in self._children or key in self._parent:
+                key = next((k for k in self._prefixes if k not in self._children
+                            and not all(self._req_refs[p] for p in self._prefixes[k])), None)
+                if key is None:
+                    break
+            elif all(self._req_refs[p] for p in self._prefixes[key]):
                 self._prefixes.move_to_end(key)
                 skipped += 1
                 continue

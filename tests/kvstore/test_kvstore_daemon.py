@@ -64,6 +64,9 @@ def test_every_message_type_round_trips(daemons, transport):
         seen.add(Opcode.LOOKUP)
         assert c.release(keys[2]) and not c.release(keys[2])
         seen.add(Opcode.RELEASE)
+        chain = prefix_keys(range(8), page_size=4, namespace=b"chain")
+        assert c.retain_chain(chain, pages[:2]) == [True, True] and c.lookup(chain[1]) == pages[:2]
+        seen.add(Opcode.RETAIN_CHAIN)
         stats = c.stats(check=True)
         seen.add(Opcode.STATS)
         (arena,) = stats["arenas"]
@@ -89,7 +92,7 @@ def test_bad_frames_get_typed_errors_and_the_daemon_stays_up(daemons, transport,
     peer = raw_peer(d.endpoint)
     ping = codec.encode(protocol.PingRequest(d.token))
     cases = [
-        ([_header(Opcode.PING, version=2), ping], ErrorCode.VERSION_MISMATCH),
+        ([_header(Opcode.PING, version=protocol.PROTOCOL_VERSION + 1), ping], ErrorCode.VERSION_MISMATCH),
         ([_header(0x7E), ping], ErrorCode.UNKNOWN_OPCODE),
         ([_header(Opcode.PING)[:7], ping], ErrorCode.MALFORMED),  # truncated header
         ([_header(Opcode.PING)], ErrorCode.MALFORMED),  # body missing

@@ -146,7 +146,7 @@ def _replace_arena(path: Path) -> None:
 
 CASES = {
     "corrupt snapshot": (lambda j, a: _flip_byte(j, _records_at(j) - 1), {}, "snapshot fails its checksum"),
-    "other format": (lambda j, a: _rewrite_header(j, version=99), {}, "format 99, this daemon reads format 1"),
+    "other format": (lambda j, a: _rewrite_header(j, version=99), {}, "format 99, this daemon reads formats 1, 2"),
     "stale epoch": (lambda j, a: _rewrite_header(j, epoch=0), {},
                     "stale: it is at epoch 0, the store's lock file at epoch 1"),
     "no journal": (lambda j, a: j.unlink(), {}, "1 arena files but no journal"),

@@ -45,6 +45,8 @@ SAMPLES = [
     protocol.StatsReply(1, 1, "ipc:///x", 2.0, 1 << 30, 1 << 20, 1, 10, 2, 0, [ARENA_STATS], True, None),
     protocol.PingRequest("t"),
     protocol.PingReply(1, 0.5),
+    protocol.RetainChainRequest([b"k0", b"k1"], [3, 4], parent=b"p"),
+    protocol.RetainChainReply([True, False]),
     protocol.ShutdownRequest(),
     protocol.ShutdownReply(0),
     protocol.ErrorReply(int(ErrorCode.ARENA_FULL), "no room"),
@@ -55,7 +57,7 @@ def test_wire_values_are_pinned():
     """Values on the wire never change: renumbering breaks every daemon and client of another checkout."""
     assert {op.name: int(op) for op in Opcode} == {
         "HELLO": 0x01, "BYE": 0x02, "HEARTBEAT": 0x03, "ALLOC": 0x10, "FREE": 0x11, "RETAIN": 0x20,
-        "RELEASE": 0x21, "LOOKUP": 0x22, "STATS": 0x30, "PING": 0x31, "SHUTDOWN": 0x3F,
+        "RELEASE": 0x21, "LOOKUP": 0x22, "RETAIN_CHAIN": 0x23, "STATS": 0x30, "PING": 0x31, "SHUTDOWN": 0x3F,
     }  # fmt: skip
     assert [(c.name, int(c)) for c in ErrorCode] == [
         ("MALFORMED", 1), ("VERSION_MISMATCH", 2), ("UNKNOWN_OPCODE", 3), ("MESSAGE_TOO_LARGE", 4),
