@@ -201,8 +201,9 @@ class FreeKVEngine:
 
     # ---- request lifecycle -------------------------------------------------------------------
 
-    def add_request(self, slot: int | None = None) -> int:
-        """Take a free request slot (the given one, or any)."""
+    def add_request(self, slot: int | None = None, owner: int | None = None) -> int:
+        """Take a free request slot (the given one, or any). owner: the request's host-pool owner id when the caller
+        already holds pages under it (a radix hit's prefix, pinned at match time), else a new one."""
         if not self._free_slots:
             raise RuntimeError(f"all {self.max_requests} request slots are in use")
         if slot is None:
@@ -211,8 +212,9 @@ class FreeKVEngine:
             self._free_slots.remove(slot)
         else:
             raise ValueError(f"request slot {slot} is in use or out of range")
-        self._owner[slot] = self._next_owner
-        self._next_owner += 1
+        if owner is None:
+            owner, self._next_owner = self._next_owner, self._next_owner + 1
+        self._owner[slot] = owner
         return slot
 
     def remove_request(self, slot: int) -> None:

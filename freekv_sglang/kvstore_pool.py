@@ -19,6 +19,7 @@ of the batch; the engine's alloc during the step then takes them without a daemo
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -32,6 +33,17 @@ logger = logging.getLogger(__name__)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 PROBE_EVERY_S = 1.0  # while down or lost: how often a call may try the daemon again
 PROBE_TIMEOUT_S = 0.5
+
+
+def stable_client_id(runner, rank: int, instance: int = 0) -> str:
+    """The kvstore client id of a server rank: the model, port and TP rank (not the pid), so a restarted server
+    re-attaches its arena and the prefixes it retained. instance > 0 (a second backend in one process) is appended."""
+    server_args = getattr(runner, "server_args", None)
+    model = str(getattr(server_args, "model_path", None) or "model")
+    digest = hashlib.blake2b(model.encode(), digest_size=4).hexdigest()
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in model.rstrip("/").rsplit("/", 1)[-1])[:64]
+    port = getattr(server_args, "port", None)
+    return f"{name}-{digest}-port{port}-tp{rank}" + (f"-{instance}" if instance else "")
 
 
 class HostPagesUnavailable(RuntimeError):
@@ -127,6 +139,19 @@ class KVStoreHostPool:
         except KVStoreError as e:
             if not self._failed(e):
                 logger.warning("FreeKV: kvstore RETAIN at %s failed: %s", self.endpoint, e)
+            return False
+        return True
+
+    def retain_chain(self, keys, pages) -> bool:
+        """Retain pages[i] under keys[i] as one chain (RETAIN_CHAIN: every page-aligned prefix for one page id per
+        key); False when the daemon cannot be used or refuses (the prefix is then not cached)."""
+        if self.state != "up":
+            return False
+        try:
+            self.client.retain_chain(keys, pages)
+        except KVStoreError as e:
+            if not self._failed(e):
+                logger.warning("FreeKV: kvstore RETAIN_CHAIN at %s failed: %s", self.endpoint, e)
             return False
         return True
 

@@ -116,8 +116,9 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g = parser.add_argument_group(
         "FreeKV KV retrieval",
         "Keep each request's full KV cache in host memory (a kvstore daemon) and only a fixed budget of pages "
-        "per request and KV head on the GPU. Needs --disable-radix-cache; see freekv_sglang/server_args.py for "
-        f"what else is refused. Also settable for sglang.Engine / sgl.Runtime through ${ENV_KV_RETRIEVAL}=freekv "
+        "per request and KV head on the GPU. With the radix cache on, cached prefixes are shared as kvstore host "
+        "pages (docs/radix.md); see freekv_sglang/server_args.py for what is refused. Also settable for "
+        f"sglang.Engine / sgl.Runtime through ${ENV_KV_RETRIEVAL}=freekv "
         f'and ${ENV_FREEKV_ARGS}="--kv-budget ...".',
     )
     g.add_argument(
@@ -320,11 +321,13 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
     page = settings.config.page_size
     if g("page_size") not in (None, page):
         problems.append(f"--page-size is {g('page_size')} but FreeKV needs it equal to --kv-page-size {page}")
-    if not g("disable_radix_cache", False):
-        problems.append(
-            "pass --disable-radix-cache: FreeKV keeps a private budget of GPU pages per request, which the radix "
-            "cache's shared prefix pages would break"
-        )
+    if not g("disable_radix_cache", False):  # FreeKV's radix cache shares prefix host pages (docs/radix.md)
+        if (g("tp_size", 1) or 1) > 1:
+            problems.append(f"pass --disable-radix-cache with --tp-size {g('tp_size')}: FreeKV's radix cache does not "
+                            "agree prefix hits across TP ranks yet (each rank has its own kvstore arena)")
+        if g("radix_cache_backend") is not None:
+            problems.append(f"drop --radix-cache-backend {g('radix_cache_backend')}: FreeKV brings its own radix "
+                            "cache (or pass --disable-radix-cache)")
     if g("speculative_algorithm") not in (None, "", "NONE", "none"):
         problems.append(
             f"drop --speculative-algorithm {g('speculative_algorithm')}: speculative decoding (draft models, "

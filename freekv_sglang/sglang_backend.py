@@ -35,13 +35,14 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from . import metrics
 from .engine import FreeKVEngine, ModelShape
-from .kvstore_pool import HostPagesUnavailable, KVStoreHostPool
+from .kvstore_pool import HostPagesUnavailable, KVStoreHostPool, stable_client_id
+from .radix import PrefixSharing, fill_prefix_staging, namespace_of
 from .server_args import host_page_bytes, host_page_capacity
 
 logger = logging.getLogger(__name__)
 
 _ACTIVE: list["FreeKVAttnBackend"] = []
-_INSTANCE = itertools.count()  # kvstore client ids must differ between backends of one process
+_INSTANCE = itertools.count()  # kvstore client ids must differ between backends of one process (tests build several)
 # Decode steps between the log lines that report correction rate and recall bytes (reading them syncs), and between
 # the updates of FreeKV's Prometheus series (freekv_sglang.metrics, with --enable-metrics).
 STATS_EVERY = int(os.environ.get("FREEKV_STATS_EVERY", "512"))
@@ -103,13 +104,18 @@ class FreeKVAttnBackend(AttentionBackend):
         self.host = host = KVStoreHostPool(
             endpoint, num_layers=shape.num_layers, num_kv_heads=H, page_size=cfg.page_size, head_dim=shape.head_dim,
             dtype=dtype, num_pages=host_pages, rank=self.rank,
-            client_id=f"pid{os.getpid()}-tp{self.rank}-{next(_INSTANCE)}")
+            client_id=stable_client_id(runner, self.rank, next(_INSTANCE)))
         # Slot ids are req_pool_idx in [0, size]; SGLang pads captured batches with row 0.
         self.engine = FreeKVEngine(cfg, shape, max_requests=self.req_pool.size + 1, max_context=max_context,
                                    dtype=dtype, device=runner.device, host_pool=host, pad_slot=0,
                                    dense_outside=True)
         self.shape = shape
         self.last_layer = shape.num_layers - 1
+        server_args = getattr(runner, "server_args", None)
+        self.radix = None  # with SGLang's radix cache on: prefixes shared as host pages (freekv_sglang.radix)
+        if server_args is not None and not server_args.disable_radix_cache:
+            self.radix = PrefixSharing(self, namespace_of(server_args.model_path, getattr(server_args, "revision", None),
+                                                          dtype, self.rank, tp_size))
         # In a captured decode graph the side streams join after the whole model forward (logits included), so
         # the last layer's speculative selection, recall and offload overlap its MLP and the LM head.
         tail_hooks = getattr(runner, "capture_tail_hooks", None)
@@ -131,6 +137,7 @@ class FreeKVAttnBackend(AttentionBackend):
         self._plan = None
         self._extend: StagedPrefill | None = None
         self._translated = False
+        self._prefix_fill: list[tuple[int, int]] = []  # (staging page, host page) of hit prefixes to fill per layer
         self._steps = 0
         self._metrics = metrics.engine_metrics()  # None unless SGLang exports this scheduler's metrics
         summary_bytes = sum(t.numel() * t.element_size() for t in self.engine.summaries if t is not None)
@@ -157,7 +164,7 @@ class FreeKVAttnBackend(AttentionBackend):
         for slot in self._freed:
             if self.engine.is_active(slot):
                 self.engine.remove_request(slot)
-            self.staging.release(slot)  # a prompt aborted mid-prefill
+            self._unstage(slot)  # a prompt aborted mid-prefill
             self._generation.pop(slot, None)
             self._lost.pop(slot, None)
         self._freed.clear()
@@ -195,8 +202,9 @@ class FreeKVAttnBackend(AttentionBackend):
         pages to offload and to keep resident. Prompts start at token 0: FreeKV runs with the radix cache off.
         Staging pages are mapped before any layer writes, so a chunk's K/V and its prefix land in staging."""
         self._apply_frees()
-        self._extend, self._translated = None, False
+        self._extend, self._translated, self._prefix_fill = None, False, []
         slots, raw_bs, done = fb._freekv_req_slots_cpu, fb._freekv_raw_bs, fb._freekv_prefill_done_cpu
+        pins = getattr(fb, "_freekv_prefix_pins", None) or [None] * len(slots[:raw_bs])
         if slots is None or raw_bs is None:
             raise RuntimeError("FreeKV needs the extend batch's request slots on the host; the freekv_patches hooks "
                                "that carry them are not applied")
@@ -211,28 +219,39 @@ class FreeKVAttnBackend(AttentionBackend):
         lists: dict[str, list[int]] = {k: [] for k in ("map_slot", "map_col", "map_page", "off_src", "off_dst",
                                                          "res_src", "res_dst")}
         completed = []
-        for slot, a, n, fin, gen in zip(slots, fb.extend_prefix_lens_cpu, fb.seq_lens_cpu[:raw_bs].tolist(),
-                                        done, gens):
-            if a == 0:
+        for slot, a, n, fin, gen, pin in zip(slots, fb.extend_prefix_lens_cpu, fb.seq_lens_cpu[:raw_bs].tolist(),
+                                             done, gens, pins):
+            if pin is not None and pin.tokens != a:
+                if a:
+                    raise RuntimeError(f"request slot {slot}: SGLang prefills from token {a}, but the radix match "
+                                       f"pinned a shared prefix of {pin.tokens} tokens")
+                self.host.free(pin.owner)
+                pin = None
+            if a == 0 or pin is not None:  # a new request: from scratch, or from a radix hit's shared prefix
                 if eng.is_active(slot):
                     eng.remove_request(slot)
-                self.staging.release(slot)
+                self._unstage(slot)
                 self._lost.pop(slot, None)
-                eng.add_request(slot)
+                eng.add_request(slot, owner=None if pin is None else pin.owner)
                 self._generation[slot] = gen
+                if pin is not None:
+                    self._prefix_fill.extend(self.radix.stage_prefix(slot, pin))
             elif not eng.is_active(slot) or self._generation.get(slot) != gen:
                 raise RuntimeError(f"request slot {slot}: a prefill chunk from token {a} continues a prompt FreeKV "
                                    "has not staged")
-            # Staged on the GPU even when its host pages fail, so the prefill (dense attention) stays right.
-            for j, page in self.staging.grow(slot, -(-n // p)):
+            # Staged on the GPU even when its host pages fail, so the prefill (dense attention) stays right. Every
+            # staged page is mapped again: a radix hit of this batch may have pointed a shared location elsewhere.
+            prefix = self.radix.prefix_staging(slot) if self.radix is not None else []
+            self.staging.grow(slot, -(-n // p) - len(prefix))
+            staged = prefix + self.staging.pages(slot)  # by logical page
+            for j, page in enumerate(staged):
                 lists["map_slot"].append(slot)
                 lists["map_col"].append(j * p)
                 lists["map_page"].append(page)
             if fin:
                 completed.append(slot)
-            if not self._stage_host_pages(slot, n):
+            if not self._stage_host_pages(slot, n, pin):
                 continue  # nothing goes to host pages it does not have; the scheduler aborts it before decode
-            staged = self.staging.pages(slot)
             for j in range(max(a // p, cfg.sink_pages), n // p):  # pages this chunk filled, past the sink
                 lists["off_src"].append(staged[j])
                 lists["off_dst"].append(eng.host_page(slot, j))
@@ -250,19 +269,28 @@ class FreeKVAttnBackend(AttentionBackend):
         self._extend = StagedPrefill(t["off_src"], t["off_dst"], torch.ones_like(t["off_src"], dtype=torch.bool),
                                      t["res_src"].long(), t["res_dst"].long(), completed)
 
-    def _stage_host_pages(self, slot: int, n: int) -> bool:
-        """Grow a prompt to n tokens in the engine (host pages from the kvstore); False when the slot's host pages
-        are lost (now or before): its chunks are then prefilled without offload."""
+    def _stage_host_pages(self, slot: int, n: int, pin=None) -> bool:
+        """Grow a prompt to n tokens in the engine (host pages from the kvstore), starting from a radix hit's shared
+        prefix pin; False when the slot's host pages are lost (now or before): its chunks are then prefilled without
+        offload."""
         if slot not in self._lost:
             eng = self.engine
             try:  # raises for an owner whose earlier pages are gone too: nothing is written past them
                 self.host.reserve(self._owner(slot), max(0, -(-n // eng.cfg.page_size) - eng.cfg.sink_pages))
-                eng.stage_prefill(slot, n)
+                if pin is None:
+                    eng.stage_prefill(slot, n)
+                else:
+                    eng.begin_prefill_shared(slot, list(pin.pages), n)
             except HostPagesUnavailable as e:
                 self._lost[slot] = e
                 logger.warning("FreeKV rank %d: request slot %d loses its host pages (%s); it ends with an abort",
                                self.rank, slot, e)
         return slot not in self._lost
+
+    def _unstage(self, slot: int) -> None:
+        self.staging.release(slot)
+        if self.radix is not None:
+            self.radix.unstage_prefix(slot)
 
     def _translate_prefix_indices(self, fb) -> None:
         """Point the wrapped backend's planned paged-KV indices of this extend batch at staging rows."""
@@ -358,6 +386,7 @@ class FreeKVAttnBackend(AttentionBackend):
         if not self._translated:
             self._translate_prefix_indices(forward_batch)
             self._translated = True
+        fill_prefix_staging(self.engine, self.pool, lid, self._prefix_fill)
         o = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         ext = self._extend
         if ext is not None:
@@ -368,7 +397,7 @@ class FreeKVAttnBackend(AttentionBackend):
                 # Join the offloads before staging pages are reused or the engine decodes these prompts.
                 self.engine.end_step()
                 for slot in ext.completed:
-                    self.staging.release(slot)
+                    self._unstage(slot)
                 self._extend = None
         return o
 

@@ -34,6 +34,7 @@ _SEAM_MODULES = (
     "scheduler_get_new_batch_prefill",
     "kv_pool_config",
     "kv_pool_build",
+    "tree_cache_create",
     "model_runner_post_pool",
     "model_runner_dummy_batch",
     "attn_backend_wrapper",

@@ -53,6 +53,7 @@ def copy_batch_attrs(src: Any, dst: Any) -> None:
     dst._freekv_req_slots_cpu = src._freekv_req_slots_cpu
     dst._freekv_raw_bs = getattr(src, "_freekv_raw_bs", None)
     dst._freekv_prefill_done_cpu = getattr(src, "_freekv_prefill_done_cpu", None)
+    dst._freekv_prefix_pins = getattr(src, "_freekv_prefix_pins", None)
 
 
 def check_env_request_was_seen(server_args: Any) -> None:

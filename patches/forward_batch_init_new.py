@@ -10,7 +10,9 @@ puts it on the ForwardBatch, so the attention backend reads request slots withou
       (None when the ScheduleBatch had no usable mirror: the backend must refuse);
   forward_batch._freekv_raw_bs: the number of real rows (= batch_size here: no padding);
   forward_batch._freekv_prefill_done_cpu: for an extend batch, per row, whether this chunk completes the
-      request's prefill (its extend range reaches the end of its fill ids), else None.
+      request's prefill (its extend range reaches the end of its fill ids), else None;
+  forward_batch._freekv_prefix_pins: for an extend batch with the radix cache on, per row, the shared prefix the
+      radix match pinned for the request (freekv_sglang.radix.PrefixPin, taken off the request), else None.
 The tensor is borrowed from the ScheduleBatch, not copied (SGLang replaces it, never writes it in place).
 """
 
@@ -42,4 +44,11 @@ def hook(result, cls, batch, model_runner, *args, **kwargs):
         if len(done) != bs:
             done = None  # the backend refuses an extend batch without it
     result._freekv_prefill_done_cpu = done
+    result._freekv_prefix_pins = None
+    if result.forward_mode.is_extend():
+        from freekv_sglang.radix import active_sharing
+
+        sharing = active_sharing()
+        if sharing is not None:
+            result._freekv_prefix_pins = sharing.take_pins(getattr(batch, "reqs", None) or [])
     return None

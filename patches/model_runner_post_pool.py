@@ -65,7 +65,7 @@ def hook(result, self):
         pool._freekv_enabled = True
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    for name in ("_freekv_req_slots_cpu", "_freekv_raw_bs", "_freekv_prefill_done_cpu"):
+    for name in ("_freekv_req_slots_cpu", "_freekv_raw_bs", "_freekv_prefill_done_cpu", "_freekv_prefix_pins"):
         if not hasattr(ForwardBatch, name):
             setattr(ForwardBatch, name, None)
     return None

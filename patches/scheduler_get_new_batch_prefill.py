@@ -4,7 +4,8 @@ SGLang's scheduler builds the next prefill batch from its waiting queue here (ge
 kvstore cannot give this server host pages (its daemon unreachable past the deadline or of another protocol version,
 or a lost session that cannot be opened anew), FreeKV answers every waiting request with an abort naming the daemon
 and the cause (freekv_patches._aborts) instead of admitting it; the pool probes the daemon about once a second, so
-requests are admitted again as soon as it answers.
+requests are admitted again as soon as it answers. With the radix cache on, the prefix pins that matching took for
+requests it did not admit are let go once the batch is built (freekv_sglang.radix).
 """
 
 from __future__ import annotations
@@ -15,10 +16,19 @@ from ._common import settings_of
 TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 HOOK_TYPE = "AROUND"
 PARAMS = ("self", "running_batch")
-PURPOSE = "reject new requests with an abort while no kvstore can give host pages"
+PURPOSE = ("reject new requests with an abort while no kvstore can give host pages; let go of unadmitted requests' "
+           "radix prefix pins")
 
 
 def hook(orig, self, running_batch):
-    if settings_of(getattr(self, "server_args", None)) is not None and self.waiting_queue:
+    if settings_of(getattr(self, "server_args", None)) is None:
+        return orig(self, running_batch)
+    if self.waiting_queue:
         reject_waiting_requests(self)
-    return orig(self, running_batch)
+    batch = orig(self, running_batch)
+    from freekv_sglang.radix import active_sharing
+
+    sharing = active_sharing()
+    if sharing is not None:
+        sharing.release_unadmitted(batch)
+    return batch

@@ -115,14 +115,16 @@ def test_refused_with_the_flag_named(prepare, extra, flag):
     assert flag in str(e.value)
 
 
-def test_radix_cache_must_be_disabled(prepare):
-    with pytest.raises(FreeKVArgsError, match="--disable-radix-cache"):
-        prepare([*BASE, "--kv-retrieval", "freekv"])
+def test_radix_cache_is_served_but_not_across_tp_ranks(prepare):
+    sa = prepare([*BASE, "--kv-retrieval", "freekv"])
+    assert not sa.disable_radix_cache and sa._freekv.config == FreeKVConfig()
+    with pytest.raises(FreeKVArgsError, match="pass --disable-radix-cache with --tp-size 2"):
+        prepare([*BASE, "--kv-retrieval", "freekv", "--tp-size", "2"])
 
 
 def test_every_problem_is_listed_at_once(prepare):
     with pytest.raises(FreeKVArgsError) as e:
-        prepare([*BASE, "--kv-retrieval", "freekv", "--enable-mixed-chunk", "--pp-size", "2"])
+        prepare([*BASE, "--kv-retrieval", "freekv", "--enable-mixed-chunk", "--pp-size", "2", "--tp-size", "2"])
     for flag in ("--disable-radix-cache", "--enable-mixed-chunk", "--pp-size"):
         assert flag in str(e.value)
 

@@ -25,7 +25,7 @@ def test_env_turns_freekv_on(server_args_cls, monkeypatch):
 def test_env_route_gets_the_same_checks(server_args_cls, monkeypatch):
     monkeypatch.setenv("SGLANG_KV_RETRIEVAL", "freekv")
     with pytest.raises(FreeKVArgsError, match="--disable-radix-cache"):
-        server_args_cls(model_path="dummy")
+        server_args_cls(model_path="dummy", tp_size=2)
     with pytest.raises(FreeKVArgsError, match="--page-size"):
         server_args_cls(model_path="dummy", disable_radix_cache=True, page_size=16)
     with pytest.raises(FreeKVArgsError, match="--enable-mixed-chunk"):

@@ -1,0 +1,199 @@
+"""FreeKV's side of SGLang's radix cache (docs/radix.md): cached prefixes shared as kvstore host pages.
+
+SGLang's radix tree keeps a cached prefix's token slots; under FreeKV those hold only the dense layers' KV (the
+sparse layers' pool rows are staging pages, released once a prompt is in). The sparse layers' prefix lives in the
+kvstore arena as host pages retained under prefix keys (freekv_kvstore.prefix_keys, one chain key per full page), so
+a hit needs both: the radix match (dense layers' slots) and the arena's (sparse layers' pages, every layer's bytes).
+
+- Export (the radix cache's cache_finished_req, patches/_radix_cache.py): a finished request's full pages go to the
+  arena with their summaries (FreeKVEngine.export_prefix) and are retained as a chain, one key per page.
+- Match (match_prefix with a request): the radix match is cut to the arena's longest retained prefix of it, whose
+  pages are pinned for the request at once (LOOKUP with a pending owner id, which the engine takes as the request's
+  owner), so no eviction can take them before the prefill. Pins of requests the scheduler did not admit into the new
+  prefill batch are let go when get_new_batch_prefill returns (release_unadmitted).
+- Prefill (FreeKVAttnBackend._prepare_extend): a hit row starts with FreeKVEngine.begin_prefill_shared; its prefix pages
+  are staged once per host page (shared by every row of that prefix, filled from the arena layer by layer before the
+  wrapped backend reads them) and its own suffix is staged and offloaded as any prompt's.
+
+A hit costs staging pages for its prefix until its prefill completes; the match keeps the pinned prefixes of one
+batch within one context's worth of staging (the memory plan's share of the chunked prompt in flight), cutting a hit
+short rather than overrunning staging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from freekv_kvstore import prefix_keys
+
+logger = logging.getLogger(__name__)
+
+# Owner ids of pins taken at match time, apart from the engine's own counter (both are kvstore request ids).
+PIN_OWNER_BASE = 1 << 40
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixPin:
+    """Host pages of a request's shared prefix (logical pages 0..len-1), held in the arena under owner."""
+
+    owner: int
+    pages: tuple[int, ...]
+    tokens: int
+
+
+def namespace_of(model_path: str, revision: str | None, dtype: torch.dtype, rank: int, tp_size: int) -> bytes:
+    """What prefix keys are salted with: another model, revision, KV dtype or TP split never hits."""
+    return f"{model_path}|{revision or ''}|{dtype}|tp{rank}/{tp_size}".encode()
+
+
+class PrefixSharing:
+    """Per rank: pins, exports and prefix staging of one FreeKVAttnBackend."""
+
+    def __init__(self, backend: Any, namespace: bytes):
+        self.backend = backend
+        self.namespace = namespace
+        self.page_size = backend.engine.cfg.page_size
+        self._owners = itertools.count(PIN_OWNER_BASE)
+        self._pending: dict[int, Any] = {}  # id(req) -> request holding a pin not yet taken by a forward
+        self._pending_pages = 0
+        # Host pages whose page summaries this process wrote or loaded (the arena may hold a restarted server's).
+        self._summarised: set[int] = set()
+        # Prefix staging: host page -> [staging page, rows holding it]; slot -> its prefix's host pages.
+        self._staged: dict[int, list[int]] = {}
+        self._slot_prefix: dict[int, list[int]] = {}
+        self.hits = self.hit_tokens = self.exported_pages = 0
+
+    # ---- scheduler side ----------------------------------------------------------------------
+
+    def keys(self, tokens: Sequence[int], extra_key: Any) -> list[bytes]:
+        ns = self.namespace if extra_key is None else self.namespace + b"|" + repr(extra_key).encode()
+        return prefix_keys(tokens, self.page_size, namespace=ns)
+
+    def match(self, req: Any, token_ids: Sequence[int], radix_tokens: int) -> int:
+        """Pin for req the arena's longest retained prefix within the radix match of radix_tokens (page-aligned) and
+        return its length in tokens (0: prefill from scratch)."""
+        self.drop_pin(req)
+        p = self.page_size
+        pages = min(radix_tokens // p, self._stage_room())
+        if pages <= 0:
+            return 0
+        owner = next(self._owners)
+        host = self.backend.host
+        hit = host.lookup_prefix(owner, self.keys(token_ids[:pages * p], getattr(req, "extra_key", None)),
+                                 sink_pages=self.backend.engine.cfg.sink_pages)
+        if not hit:
+            host.free(owner)  # sends a FREE only if the LOOKUP may have pinned something
+            return 0
+        req._freekv_prefix_pin = PrefixPin(owner, tuple(hit), len(hit) * p)
+        self._pending[id(req)] = req
+        self._pending_pages += len(hit)
+        return len(hit) * p
+
+    def _stage_room(self) -> int:
+        # Staging beyond one context's worth is the batch's new tokens' (freekv_sglang.memory_plan); hits share that
+        # context's worth with a chunked prompt in flight.
+        staging = self.backend.staging
+        keep = staging.num_pages - self.backend.engine.max_pages
+        return staging.free_pages - keep - self._pending_pages
+
+    def drop_pin(self, req: Any) -> None:
+        pin = req.__dict__.pop("_freekv_prefix_pin", None)
+        if pin is not None:
+            self._pending.pop(id(req), None)
+            self._pending_pages -= len(pin.pages)
+            self.backend.host.free(pin.owner)
+
+    def release_unadmitted(self, batch: Any) -> None:
+        """After the scheduler built its prefill batch: let go of the pins of requests it did not admit."""
+        admitted = {id(r) for r in (getattr(batch, "reqs", None) or [])}
+        for key, req in list(self._pending.items()):
+            if key not in admitted:
+                self.drop_pin(req)
+
+    def take_pins(self, reqs: Sequence[Any]) -> list[PrefixPin | None]:
+        """The pins of an extend batch's requests, by row (the forward takes them over)."""
+        pins = []
+        for req in reqs:
+            pin = req.__dict__.pop("_freekv_prefix_pin", None)
+            if pin is not None:
+                self._pending.pop(id(req), None)
+                self._pending_pages -= len(pin.pages)
+            pins.append(pin)
+        return pins
+
+    def export(self, req: Any, kv_len: int) -> int:
+        """A request finishes: retain its full pages (every layer, summaries included) under their chain keys.
+        Returns the pages exported (0 when its prefill never completed here or its host pages are lost)."""
+        b, eng, p = self.backend, self.backend.engine, self.page_size
+        slot = getattr(req, "req_pool_idx", None)
+        if (slot is None or not eng.is_active(slot) or slot in b._lost or b.staging.pages(slot)
+                or b._generation.get(slot) != int(b.req_pool.req_generation[slot])):
+            return 0
+        num_pages = min(kv_len, eng.seq_len(slot)) // p
+        if num_pages < 1:
+            return 0
+        pages = eng.export_prefix(slot, num_pages)
+        tokens = (req.origin_input_ids + req.output_ids)[:num_pages * p]
+        if not b.host.retain_chain(self.keys(tokens, getattr(req, "extra_key", None)), pages):
+            return 0
+        self._summarised.update(pages)
+        self.exported_pages += num_pages
+        return num_pages
+
+    # ---- forward side --------------------------------------------------------------------------
+
+    def stage_prefix(self, slot: int, pin: PrefixPin) -> list[tuple[int, int]]:
+        """Stage a hit row's prefix pages (shared with the other rows of the same host pages; prefix_staging lists
+        them) and return the (staging page, host page) pairs newly staged, which the forward fills from the arena
+        layer by layer."""
+        staging, new = self.backend.staging, []
+        for hp in pin.pages:
+            entry = self._staged.get(hp)
+            if entry is None:
+                ((_, page),) = staging.grow(-1 - hp, 1)  # staging owners: request slots >= 0, prefix pages < 0
+                entry = self._staged[hp] = [page, 0]
+                new.append((page, hp))
+            entry[1] += 1
+        self._slot_prefix[slot] = list(pin.pages)
+        unknown = [hp for hp in pin.pages if hp not in self._summarised]
+        if unknown:  # retained by an earlier server on this arena: its summaries were GPU state there
+            self.backend.engine.load_prefix_summaries(unknown)
+            self._summarised.update(unknown)
+        self.hits += 1
+        self.hit_tokens += pin.tokens
+        return new
+
+    def prefix_staging(self, slot: int) -> list[int]:
+        return [self._staged[hp][0] for hp in self._slot_prefix.get(slot, ())]
+
+    def unstage_prefix(self, slot: int) -> None:
+        for hp in self._slot_prefix.pop(slot, ()):
+            entry = self._staged[hp]
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.backend.staging.release(-1 - hp)
+                del self._staged[hp]
+
+
+def fill_prefix_staging(engine: Any, pool: Any, layer: int, fill: list[tuple[int, int]]) -> None:
+    """Copy one sparse layer's K/V of host pages into staging pages of SGLang's pool: fill is [(staging, host)]."""
+    if not fill:
+        return
+    p, H, D = engine.cfg.page_size, engine.shape.num_kv_heads, engine.shape.head_dim
+    k, v = engine.prefix_kv(layer, [hp for _, hp in fill])
+    dst = torch.tensor([page for page, _ in fill], dtype=torch.long, device=k.device)
+    pool.get_key_buffer(layer).view(-1, p, H, D)[dst] = k.view(-1, p, H, D)
+    pool.get_value_buffer(layer).view(-1, p, H, D)[dst] = v.view(-1, p, H, D)
+
+
+def active_sharing() -> PrefixSharing | None:
+    """The prefix sharing of this process's FreeKV backend (one per scheduler process), or None."""
+    from .sglang_backend import _ACTIVE
+
+    return next((b.radix for b in reversed(_ACTIVE) if b.radix is not None), None)

@@ -1,0 +1,214 @@
+"""FreeKV with SGLang's radix cache on, on CPU: FreeKV's real radix cache (SGLang's RadixCache with the FreeKV hooks),
+real Req objects, FreeKV's real token pool and attention backend (the duck-typed runner and wrapped backend of
+test_freekv_backend.py) and a real kvstore daemon.
+
+A finished request's full pages are exported and retained as a chain; a later request sharing part of its prompt (a
+prefix ending mid-page) is matched to the full pages the arena holds, pinned at match time, prefilled from the
+shared prefix (sparse layers' prefix staged from the arena, the dense layer's read from the radix node's slots) and
+then decodes exactly as an engine fed its whole prompt. A pin the scheduler did not admit is let go; a restarted
+backend with the same model and port re-attaches its arena (the client id is not the pid)."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_freekv_backend import (CFG, CTX, HQ, STAGING, D, H, L, P, Inner, Request, decode_batch, extend_batch, layers,
+                                 make_pool, reference_engine)
+
+from freekv_kvstore import start_embedded
+from freekv_sglang.server_args import FreeKVServerSettings
+from freekv_sglang import sglang_backend
+from freekv_sglang.sglang_backend import FreeKVAttnBackend, on_request_freed
+
+SIZE = 6
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    handle = start_embedded(arena_gb=0.1)
+    yield handle
+    handle.stop()
+
+
+def make_backend(daemon, port=30000):
+    model_config = SimpleNamespace(num_hidden_layers=L, num_attention_heads=HQ, head_dim=D,
+                                   get_num_kv_heads=lambda tp: H // tp)
+    req_pool = SimpleNamespace(size=SIZE, req_to_token=torch.zeros(SIZE + 1, CTX, dtype=torch.int32),
+                               req_generation=torch.zeros(SIZE + 1, dtype=torch.int64))
+    server_args = SimpleNamespace(disable_radix_cache=False, model_path="/models/tiny", port=port)
+    runner = SimpleNamespace(model_config=model_config, tp_size=1, tp_rank=0, token_to_kv_pool=make_pool(),
+                             req_to_token_pool=req_pool, kv_cache_dtype=torch.float32, page_size=P, device="cpu",
+                             next_page=1, capture_tail_hooks=[], server_args=server_args)
+    settings = FreeKVServerSettings(config=CFG, kvstore_endpoint=daemon.endpoint, kvstore_arena_gb=0.01)
+    return FreeKVAttnBackend(runner, Inner(runner), settings), runner
+
+
+class Allocator:
+    """SGLang's token allocator as the radix cache sees it: what it frees is recorded."""
+
+    device = "cpu"
+
+    def __init__(self):
+        self.freed = []
+
+    def free(self, idx):
+        self.freed.extend(idx.tolist())
+
+
+def make_cache(runner):
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+    from freekv_patches._radix_cache import radix_cache_class
+
+    return radix_cache_class()(CacheInitParams(disable=False, req_to_token_pool=runner.req_to_token_pool,
+                                               token_to_kv_pool_allocator=Allocator(), page_size=P))
+
+
+def sglang_req(rid, tokens):
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return Req(rid, "", list(tokens), SamplingParams(max_new_tokens=8))
+
+
+def match(cache, req):
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    tokens = req.origin_input_ids
+    return cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, req.extra_key, limit=len(tokens) - 1), req=req))
+
+
+def run_prefill(backend, reqs, chunk, pins=None):
+    """test_freekv_backend.prefill with the batch's prefix pins on its first extend batch."""
+    first = True
+    while any(r.n < r.prompt for r in reqs):
+        batch = [r for r in reqs if r.n < r.prompt]
+        fb, ranges = extend_batch(batch, chunk)
+        fb._freekv_prefix_pins = pins if first else None
+        first = False
+        backend.init_forward_metadata(fb)
+        backend.inner.prefix_reads.clear()
+        for layer in layers():
+            k = torch.cat([r.k[layer.layer_id][a:b] for r, (a, b) in zip(batch, ranges)])
+            v = torch.cat([r.v[layer.layer_id][a:b] for r, (a, b) in zip(batch, ranges)])
+            backend.forward_extend(torch.randn(len(k), HQ * D), k.reshape(len(k), -1), v.reshape(len(k), -1),
+                                   layer, fb)
+        for lid, read in backend.inner.prefix_reads:  # every layer's prefix reads see the prompt's keys
+            torch.testing.assert_close(read, torch.cat([r.k[lid][:a] for r, (a, _) in zip(batch, ranges)]),
+                                       atol=0, rtol=0)
+        for r, (_, b) in zip(batch, ranges):
+            r.n = b
+
+
+def decode(backend, reqs, steps, ref=None, ref_slots=None):
+    for _ in range(steps):
+        fb = decode_batch(reqs)
+        backend.init_forward_metadata(fb)
+        plan = ref.begin_step(ref_slots) if ref is not None else None
+        n = len(reqs)
+        for layer in layers():
+            q, k, v = torch.randn(n, HQ * D), torch.randn(n, H * D), torch.randn(n, H * D)
+            out = backend.forward_decode(q, k, v, layer, fb)
+            if ref is not None and layer.layer_id >= CFG.dense_layers:
+                want = ref.attend(plan, layer.layer_id, q.view(n, HQ, D), k.view(n, H, D), v.view(n, H, D))
+                torch.testing.assert_close(out, want.reshape(n, HQ * D), atol=1e-6, rtol=1e-6)
+        if ref is not None:
+            ref.end_step()
+
+
+def finish(cache, backend, runner, r, req):
+    """What SGLang's release_kv_cache does for a finished request: cache_finished_req, then the slot is freed."""
+    req.req_pool_idx = r.slot
+    req.output_ids = [7] * (r.n - r.prompt)
+    cache.cache_finished_req(req, kv_len_to_handle=r.n)
+    on_request_freed(r.slot)
+
+
+@pytest.mark.parametrize("chunk", [1000, 24])
+def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon, chunk):
+    backend, runner = make_backend(daemon)
+    cache, staging = make_cache(runner), runner.token_to_kv_pool.staging
+    tokens = list(range(100, 190))  # 90 tokens: 5 full pages and a partial one
+    a = Request(runner, 1, len(tokens))
+    run_prefill(backend, [a], chunk)
+    decode(backend, [a], 3)
+    exported = backend.radix.exported_pages
+    finish(cache, backend, runner, a, sglang_req("a", tokens))
+    assert backend.radix.exported_pages == exported + 5  # 93 tokens: 5 full pages
+
+    # B shares 3.5 pages of A's prompt (a prefix ending mid-page), then its own tokens: 3 pages hit.
+    b_tokens = tokens[:56] + list(range(500, 540))
+    req_b = sglang_req("b", b_tokens)
+    result = match(cache, req_b)
+    assert len(result.device_indices) == 3 * P
+    assert torch.equal(result.device_indices, a.locs[:3 * P])
+    assert req_b._freekv_prefix_pin.tokens == 3 * P
+    # The scheduler admitted it; the forward takes its pin over.
+    backend.radix.release_unadmitted(SimpleNamespace(reqs=[req_b]))
+    (pin,) = backend.radix.take_pins([req_b])
+    b = Request(runner, 2, len(b_tokens))
+    b.locs[:3 * P] = a.locs[:3 * P]  # what prepare_for_extend writes from the prefix indices
+    runner.req_to_token_pool.req_to_token[2, :3 * P] = a.locs[:3 * P].int()
+    for lid in range(L):  # the prefix's K/V is A's (same tokens)
+        b.k[lid][:3 * P], b.v[lid][:3 * P] = a.k[lid][:3 * P], a.v[lid][:3 * P]
+    b.n = 3 * P
+    run_prefill(backend, [b], chunk, pins=[pin])
+    assert staging.free_pages == STAGING  # the prefix's staging pages went back with the prompt's
+    eng = backend.engine
+    assert eng.seq_len(2) == b.prompt and eng._shared[2] == 3
+    assert eng.page_table[2, CFG.sink_pages:3].tolist() == list(pin.pages[CFG.sink_pages:])
+    b.n = b.prompt
+    ref, ref_slots = reference_engine([b])
+    decode(backend, [b], 12, ref, ref_slots)
+
+
+def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon):
+    backend, runner = make_backend(daemon, port=30001)
+    cache = make_cache(runner)
+    tokens = list(range(1000, 1100))
+    a = Request(runner, 1, len(tokens))
+    run_prefill(backend, [a], 1000)
+    finish(cache, backend, runner, a, sglang_req("a", tokens))
+    backend._apply_frees()  # what the next step does: A's own pages go, its retained prefix stays cached
+    host = backend.host
+
+    def used():
+        return next(s for s in host.client.stats()["arenas"] if s["client_id"] == host.client.client_id)["used_pages"]
+
+    assert used() == 0
+    waiting = sglang_req("w", tokens[:80] + [1])
+    assert len(match(cache, waiting).device_indices) == 5 * P
+    assert used() == 5  # pinned for the request
+    backend.radix.release_unadmitted(SimpleNamespace(reqs=[]))  # not admitted: its pin goes
+    assert not hasattr(waiting, "_freekv_prefix_pin") and used() == 0
+    # Hits pinned for one batch stay within one context's worth of staging: further matches are cut, then miss.
+    room = backend.radix._stage_room()
+    reqs = [sglang_req(f"r{i}", tokens[:80] + [i]) for i in range(room // 5 + 1)]
+    got = [len(match(cache, r).device_indices) // P for r in reqs]
+    assert sum(got) <= room and got[0] == 5 and got[-1] < 5
+    backend.radix.release_unadmitted(None)
+    assert backend.radix._pending_pages == 0
+
+
+def test_the_kvstore_client_id_is_stable_across_restarts(daemon, monkeypatch):
+    # One backend per scheduler process, as in a server (this test process has built others).
+    monkeypatch.setattr(sglang_backend, "_INSTANCE", itertools.count())
+    backend, runner = make_backend(daemon, port=30002)
+    cid = backend.host.client.client_id
+    assert cid.startswith("tiny-") and cid.endswith("-port30002-tp0")
+    tokens = list(range(2000, 2050))
+    a = Request(runner, 1, len(tokens))
+    run_prefill(backend, [a], 1000)
+    cache = make_cache(runner)
+    finish(cache, backend, runner, a, sglang_req("a", tokens))
+    backend._apply_frees()
+    backend.host.close()  # the server stops; its retained prefix stays in the daemon
+    monkeypatch.setattr(sglang_backend, "_INSTANCE", itertools.count())
+    again, _ = make_backend(daemon, port=30002)
+    assert again.host.client.client_id == cid and again.host.client.reattached
+    keys = again.radix.keys(tokens[:48], None)
+    assert again.host.client.lookup_longest(keys) is not None
