@@ -60,8 +60,9 @@ args=(
   # Or use a daemon that is already running (freekv-kvstore --endpoint ...) instead of an embedded one:
   # --kvstore-endpoint ipc:///run/freekv/kvstore.sock
 
-  # Required: FreeKV keeps a private page budget per request, which radix prefix sharing would break.
-  --disable-radix-cache
+  # SGLang's radix cache stays on: a cached prefix's full pages are shared as kvstore host pages (every layer, once)
+  # and a hit skips their prefill (docs/radix.md; refused with --tp-size > 1). To turn prefix sharing off:
+  # --disable-radix-cache
   # FreeKV wraps the triton or flashinfer backend (triton is chosen when no backend is named). With
   # flashinfer the sparse layers attend through FlashInfer's own decode kernel and, when the budget
   # covers the context, round exactly as full attention.

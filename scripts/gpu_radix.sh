@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Issue 20, deliverable 4: radix prefix sharing on a random-weight Llama-3.1-8B shape. Three servers in turn:
+#   freekv-radix   FreeKV with SGLang's radix cache (prefixes shared as kvstore host pages, docs/radix.md)
+#   freekv-plain   FreeKV with --disable-radix-cache
+#   full-radix     plain SGLang (full KV on the GPU) with its radix cache
+# Each: one warm-up request (a 32K prefix + 256 tokens) caches the prefix; then the TTFT of a miss (a new 32K prompt)
+# and of a hit (the prefix + 256 new tokens), then 16 concurrent requests sharing the prefix (256 unique tokens each,
+# 64 greedy tokens): their TTFT and decode step (TPOT), and for FreeKV the kvstore arena's pages (an external daemon
+# polled during the burst: used = held by requests, cached = held only by retained prefixes).
+# Fits one 10-minute device call. Needs /tmp/site (the wheelhouse). Usage: bash scripts/gpu_radix.sh [BACKEND]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}; mkdir -p "$OUT"
+source scripts/gpu_env.sh || exit 1
+BACKEND=${1:-flashinfer}
+rm -rf /tmp/llama8b; python3 scripts/make_dummy_model.py llama-3.1-8b /tmp/llama8b >/dev/null || exit 1
+PORT=30003 KV=ipc:///tmp/fkv-radix.sock
+COMMON=(--model-path /tmp/llama8b --load-format dummy --port $PORT --attention-backend "$BACKEND" --page-size 32
+        --sampling-backend pytorch --grammar-backend none --context-length 34000 --max-running-requests 16
+        --chunked-prefill-size 8192 --mem-fraction-static 0.6)
+FREEKV=(--kv-retrieval freekv --kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32
+        --kvstore-endpoint $KV --kvstore-arena-gb 40)
+
+setsid python3 -m freekv_kvstore --endpoint $KV --arena-gb 42 >"$OUT/radix-kvstore.log" 2>&1 &
+DPID=$!
+trap 'kill -TERM -- -$DPID 2>/dev/null' EXIT
+
+run() {  # run NAME ARGS...
+  local name=$1; shift
+  FREEKV_STATS_EVERY=256 setsid python3 -m sglang.launch_server "${COMMON[@]}" "$@" >"$OUT/server-radix-$name.log" 2>&1 &
+  local spid=$! t0=$(date +%s)
+  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
+    kill -0 $spid 2>/dev/null || { echo "$name: server exited"; tail -20 "$OUT/server-radix-$name.log"; return 1; }
+    [ $(( $(date +%s) - t0 )) -lt 240 ] || { echo "$name: not healthy"; kill -9 -- -$spid; return 1; }
+    sleep 2
+  done
+  echo "$name healthy after $(( $(date +%s) - t0 )) s"
+  timeout 200 python3 - "$name" "$PORT" "$KV" "$OUT" <<'EOF'
+import concurrent.futures as cf, json, random, sys, threading, time
+sys.path.insert(0, "benchmarks")
+from serve_load import one_request
+name, port, kv, out = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+url = f"http://127.0.0.1:{port}"
+rng = random.Random(0)
+ids = lambda n: [rng.randrange(100, 128000) for _ in range(n)]
+prefix = ids(32768)
+req = lambda prompt, n=1: one_request(url, prompt, n, 600)
+res = {"name": name, "warmup": req(prefix + ids(256)), "miss": req(ids(32768 + 256)), "hit": req(prefix + ids(256))}
+arena = []
+def poll(stop):
+    if not name.startswith("freekv"):
+        return
+    from freekv_kvstore import daemon_stats
+    while not stop.is_set():
+        for a in daemon_stats(kv).arenas:
+            arena.append({"used_pages": a.used_pages, "cached_pages": a.cached_pages, "page_bytes": a.page_bytes})
+        time.sleep(0.2)
+stop = threading.Event(); t = threading.Thread(target=poll, args=(stop,)); t.start()
+with cf.ThreadPoolExecutor(16) as ex:
+    burst = list(ex.map(lambda _: req(prefix + ids(256), 64), range(16)))
+stop.set(); t.join()
+ok = [r for r in burst if r["ok"]]
+res["burst"] = {"ok": len(ok), "ttft_s_mean": sum(r["ttft_s"] for r in ok) / max(len(ok), 1),
+                "tpot_s_mean": sum(r["tpot_s"] for r in ok) / max(len(ok), 1), "errors": [r.get("error") for r in burst if not r["ok"]]}
+if arena:
+    peak = max(arena, key=lambda a: a["used_pages"] + a["cached_pages"])
+    res["arena_peak_gb"] = (peak["used_pages"] + peak["cached_pages"]) * peak["page_bytes"] / 1e9
+    res["arena_peak_pages"] = peak
+print(f"{name}: TTFT miss {res['miss'].get('ttft_s', float('nan')):.3f} s, hit {res['hit'].get('ttft_s', float('nan')):.3f} s; "
+      f"16 sharers: TTFT {res['burst']['ttft_s_mean']:.3f} s, decode step {res['burst']['tpot_s_mean'] * 1e3:.2f} ms, "
+      f"{res['burst']['ok']}/16 ok; arena peak {res.get('arena_peak_gb', 0):.2f} GB")
+json.dump(res, open(f"{out}/radix-{name}.json", "w"), indent=1)
+EOF
+  local rc=$?
+  grep -E "FreeKV rank|Traceback|Error" "$OUT/server-radix-$name.log" | tail -n 4
+  kill -TERM -- -$spid 2>/dev/null; sleep 3; kill -9 -- -$spid 2>/dev/null
+  return $rc
+}
+
+run freekv-radix "${FREEKV[@]}"
+run freekv-plain "${FREEKV[@]}" --disable-radix-cache
+run full-radix
