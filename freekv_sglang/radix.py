@@ -15,8 +15,8 @@ a hit needs both: the radix match (dense layers' slots) and the arena's (sparse 
   are staged once per host page (shared by every row of that prefix, filled from the arena layer by layer before the
   wrapped backend reads them) and its own suffix is staged and offloaded as any prompt's.
 
-A hit costs staging pages for its prefix until its prefill completes; the match keeps the pinned prefixes of one
-batch within one context's worth of staging (the memory plan's share of the chunked prompt in flight), cutting a hit
+A hit costs staging pages for its prefix until its prefill completes (once per host page, however many rows share
+it); the match keeps the pinned prefixes of one batch within one context's worth of staging (the memory plan's share of the chunked prompt in flight), cutting a hit
 short rather than overrunning staging.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,14 @@ logger = logging.getLogger(__name__)
 
 # Owner ids of pins taken at match time, apart from the engine's own counter (both are kvstore request ids).
 PIN_OWNER_BASE = 1 << 40
+
+
+class _Hit(list):
+    """A LOOKUP's pages, pinned under owner."""
+
+    def __init__(self, owner: int, pages: list[int]):
+        super().__init__(pages)
+        self.owner = owner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +70,7 @@ class PrefixSharing:
         self.page_size = backend.engine.cfg.page_size
         self._owners = itertools.count(PIN_OWNER_BASE)
         self._pending: dict[int, Any] = {}  # id(req) -> request holding a pin not yet taken by a forward
-        self._pending_pages = 0
+        self._pending_hp: Counter[int] = Counter()  # host pages pinned by pending requests
         # Host pages whose page summaries this process wrote or loaded (the arena may hold a restarted server's).
         self._summarised: set[int] = set()
         # Prefix staging: host page -> [staging page, rows holding it]; slot -> its prefix's host pages.
@@ -80,33 +89,48 @@ class PrefixSharing:
         return its length in tokens (0: prefill from scratch)."""
         self.drop_pin(req)
         p = self.page_size
-        pages = min(radix_tokens // p, self._stage_room())
-        if pages <= 0:
-            return 0
-        owner = next(self._owners)
-        host = self.backend.host
-        hit = host.lookup_prefix(owner, self.keys(token_ids[:pages * p], getattr(req, "extra_key", None)),
-                                 sink_pages=self.backend.engine.cfg.sink_pages)
+        keys = self.keys(token_ids[:radix_tokens // p * p], getattr(req, "extra_key", None))
+        hit = self._lookup(keys)
+        # Staging holds each host page once per batch: only pages not staged or pinned yet cost room.
+        room, fits = self._stage_room(), 0
+        for hp in hit:
+            if hp not in self._staged and hp not in self._pending_hp:
+                room -= 1
+            if room < 0:
+                break
+            fits += 1
+        if fits < len(hit):  # pin only what fits, so the pool counts exactly the request's pages
+            self.backend.host.free(hit.owner)
+            hit = self._lookup(keys[:fits]) if fits else _Hit(0, [])
         if not hit:
-            host.free(owner)  # sends a FREE only if the LOOKUP may have pinned something
             return 0
-        req._freekv_prefix_pin = PrefixPin(owner, tuple(hit), len(hit) * p)
+        req._freekv_prefix_pin = PrefixPin(hit.owner, tuple(hit), len(hit) * p)
         self._pending[id(req)] = req
-        self._pending_pages += len(hit)
+        self._pending_hp.update(hit)
         return len(hit) * p
+
+    def _lookup(self, keys: list[bytes]) -> _Hit:
+        owner = next(self._owners)
+        if not keys:
+            return _Hit(owner, [])
+        pages = self.backend.host.lookup_prefix(owner, keys, sink_pages=self.backend.engine.cfg.sink_pages)
+        if not pages:
+            self.backend.host.free(owner)  # sends a FREE only if the LOOKUP may have pinned something
+        return _Hit(owner, pages)
 
     def _stage_room(self) -> int:
         # Staging beyond one context's worth is the batch's new tokens' (freekv_sglang.memory_plan); hits share that
         # context's worth with a chunked prompt in flight.
         staging = self.backend.staging
         keep = staging.num_pages - self.backend.engine.max_pages
-        return staging.free_pages - keep - self._pending_pages
+        return staging.free_pages - keep - len(self._pending_hp)
 
     def drop_pin(self, req: Any) -> None:
         pin = req.__dict__.pop("_freekv_prefix_pin", None)
         if pin is not None:
             self._pending.pop(id(req), None)
-            self._pending_pages -= len(pin.pages)
+            self._pending_hp.subtract(pin.pages)
+            self._pending_hp = +self._pending_hp
             self.backend.host.free(pin.owner)
 
     def release_unadmitted(self, batch: Any) -> None:
@@ -123,7 +147,8 @@ class PrefixSharing:
             pin = req.__dict__.pop("_freekv_prefix_pin", None)
             if pin is not None:
                 self._pending.pop(id(req), None)
-                self._pending_pages -= len(pin.pages)
+                self._pending_hp.subtract(pin.pages)
+                self._pending_hp = +self._pending_hp
             pins.append(pin)
         return pins
 
