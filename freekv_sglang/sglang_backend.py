@@ -137,6 +137,7 @@ class FreeKVAttnBackend(AttentionBackend):
         self._plan = None
         self._extend: StagedPrefill | None = None
         self._translated = False
+        self._staged_loc = None  # this extend batch's out_cache_loc in staging rows (_extend_from_pool)
         self._prefix_fill: list[tuple[int, int]] = []  # (staging page, host page) of hit prefixes to fill per layer
         self._steps = 0
         self._metrics = metrics.engine_metrics()  # None unless SGLang exports this scheduler's metrics
@@ -202,7 +203,7 @@ class FreeKVAttnBackend(AttentionBackend):
         pages to offload and to keep resident. Prompts start at token 0: FreeKV runs with the radix cache off.
         Staging pages are mapped before any layer writes, so a chunk's K/V and its prefix land in staging."""
         self._apply_frees()
-        self._extend, self._translated, self._prefix_fill = None, False, []
+        self._extend, self._translated, self._prefix_fill, self._staged_loc = None, False, [], None
         slots, raw_bs, done = fb._freekv_req_slots_cpu, fb._freekv_raw_bs, fb._freekv_prefill_done_cpu
         pins = getattr(fb, "_freekv_prefix_pins", None) or [None] * len(slots[:raw_bs])
         if slots is None or raw_bs is None:
@@ -387,7 +388,10 @@ class FreeKVAttnBackend(AttentionBackend):
             self._translate_prefix_indices(forward_batch)
             self._translated = True
         fill_prefix_staging(self.engine, self.pool, lid, self._prefix_fill)
-        o = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+        if self._reads_chunk_from_pool():
+            o = self._extend_from_pool(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        else:
+            o = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         ext = self._extend
         if ext is not None:
             self.engine.store_staged(lid, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid),
@@ -400,6 +404,29 @@ class FreeKVAttnBackend(AttentionBackend):
                     self._unstage(slot)
                 self._extend = None
         return o
+
+    def _reads_chunk_from_pool(self) -> bool:
+        """SGLang's Triton backend with --enable-deterministic-inference (its unified extend kernel) reads the
+        chunk's own K/V back from the pool at out_cache_loc, not from the k / v it is given."""
+        return bool(getattr(self.inner, "enable_deterministic", False)) and \
+            not hasattr(self.inner.forward_metadata, "prefill_wrappers")
+
+    def _extend_from_pool(self, q, k, v, layer, fb, save_kv_cache, **kwargs):
+        """A staged layer's extend for a backend that reads the chunk from the pool: write the chunk first (the
+        pool translates its locations to staging rows), then let the kernel read those staging rows. Without
+        this it reads SGLang's token locations in a staging-sized buffer: out of bounds."""
+        if save_kv_cache:
+            scales = () if getattr(layer, "k_scale", None) is None else (layer.k_scale, layer.v_scale)
+            pool = self.pool
+            pool.set_kv_buffer(layer, fb.out_cache_loc, k.view(-1, pool.head_num, pool.head_dim),
+                               v.view(-1, pool.head_num, pool.v_head_dim), *scales)
+        if self._staged_loc is None:
+            self._staged_loc = self.pool.translate(fb.out_cache_loc)
+        raw, fb.out_cache_loc = fb.out_cache_loc, self._staged_loc
+        try:
+            return self.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=False, **kwargs)
+        finally:
+            fb.out_cache_loc = raw
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         lid = layer.layer_id

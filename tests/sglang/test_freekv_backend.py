@@ -81,14 +81,34 @@ class Inner:
         return torch.zeros_like(q)
 
 
+class UnifiedInner(Inner):
+    """Triton's extend under --enable-deterministic-inference (its unified kernel): the chunk is written only when
+    save_kv_cache, and read back, with the prefix, from the pool at out_cache_loc."""
+
+    enable_deterministic = True
+
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.chunk_reads = []
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kw):
+        pool = self.runner.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer, fb.out_cache_loc, k.view(-1, H, D), v.view(-1, H, D))
+        keys = pool.get_key_buffer(layer.layer_id)
+        self.prefix_reads.append((layer.layer_id, keys[self.forward_metadata.kv_indices].clone()))
+        self.chunk_reads.append((layer.layer_id, keys[fb.out_cache_loc].clone()))
+        return torch.zeros_like(q)
+
+
 @pytest.fixture(scope="module")
 def daemon():
-    handle = start_embedded(arena_gb=0.1)  # every test keeps its backend connected
+    handle = start_embedded(arena_gb=0.15)  # every test keeps its backend connected
     yield handle
     handle.stop()
 
 
-def make_backend(daemon, tail_hooks=True):
+def make_backend(daemon, tail_hooks=True, inner=Inner):
     model_config = SimpleNamespace(num_hidden_layers=L, num_attention_heads=HQ, head_dim=D,
                                    get_num_kv_heads=lambda tp: H // tp)
     req_pool = SimpleNamespace(size=SIZE, req_to_token=torch.zeros(SIZE + 1, CTX, dtype=torch.int32),
@@ -99,7 +119,7 @@ def make_backend(daemon, tail_hooks=True):
     if not tail_hooks:
         del runner.capture_tail_hooks
     settings = FreeKVServerSettings(config=CFG, kvstore_endpoint=daemon.endpoint, kvstore_arena_gb=0.01)
-    return FreeKVAttnBackend(runner, Inner(runner), settings), runner
+    return FreeKVAttnBackend(runner, inner(runner), settings), runner
 
 
 def layers():
@@ -149,6 +169,11 @@ def prefill(backend, reqs, chunk: int):
         for lid, read in backend.inner.prefix_reads:
             want = torch.cat([r.k[lid][:a] for r, (a, _) in zip(batch, ranges)])
             torch.testing.assert_close(read, want, atol=0, rtol=0)
+        for lid, read in getattr(backend.inner, "chunk_reads", ()):
+            torch.testing.assert_close(read, torch.cat([r.k[lid][a:b] for r, (a, b) in zip(batch, ranges)]),
+                                       atol=0, rtol=0)
+        if hasattr(backend.inner, "chunk_reads"):
+            backend.inner.chunk_reads.clear()
         for r, (_, b) in zip(batch, ranges):
             r.n = b
 
@@ -217,6 +242,26 @@ def test_chunked_prefill_stages_then_decodes_like_the_engine(daemon, chunk):
     prefill(backend, [new], chunk)
     backend.init_forward_metadata(decode_batch([new, reqs[1]]))
     assert eng.is_active(3) and eng.seq_len(3) == new.n
+
+
+def test_deterministic_triton_reads_the_chunk_from_staging(daemon):
+    """The unified extend kernel reads the chunk back from the pool: at staging rows for sparse layers (SGLang's
+    token locations would index past the staging buffer), and the decode after it matches the engine."""
+    backend, runner = make_backend(daemon, inner=UnifiedInner)
+    reqs = [Request(runner, 2, 90), Request(runner, 4, 45)]
+    prefill(backend, reqs, 37)  # checks the chunk reads too
+    assert runner.token_to_kv_pool.staging.free_pages == STAGING
+    ref, ref_slots = reference_engine(reqs)
+    fb = decode_batch(reqs)
+    backend.init_forward_metadata(fb)
+    plan = ref.begin_step(ref_slots)
+    for layer in layers():
+        q, k, v = torch.randn(2, HQ * D), torch.randn(2, H * D), torch.randn(2, H * D)
+        out = backend.forward_decode(q, k, v, layer, fb)
+        if layer.layer_id >= CFG.dense_layers:
+            want = ref.attend(plan, layer.layer_id, q.view(2, HQ, D), k.view(2, H, D), v.view(2, H, D))
+            torch.testing.assert_close(out, want.reshape(2, HQ * D), atol=1e-6, rtol=1e-6)
+    ref.end_step()
 
 
 def test_a_prompt_freed_mid_prefill_releases_its_staging(daemon):
