@@ -175,6 +175,10 @@ class Run:
         srv = self.server(name, ["--enable-metrics"])
         try:
             reference = burst(srv.url, self.prompts, a.output_len, a.timeout)
+            failed = [r for r in reference if r["outcome"] != "completed"]
+            if failed:  # no fault yet: the server itself does not serve these prompts
+                raise RuntimeError(f"the undisturbed run lost {len(failed)} of {len(reference)} requests "
+                                   f"({failed[0]['message'][:120]}); server log tail:\n{srv.tail(12)}")
             pid = daemon_pid(srv)
             t_fault = {}
 
@@ -360,24 +364,30 @@ def main() -> None:
     args = ap.parse_args()
     run = Run(args)
     rows = []
-    for name in args.scenarios.split(","):
+    print(f"{'scenario':<15}" + "".join(f"{c:>15}" for c in COLUMNS) + "  note", flush=True)
+    for name in args.scenarios.split(","):  # each row as it ends: a call cut off by its time limit keeps them
         try:
             rows.append(SCENARIOS[name](run))
         except Exception as e:  # the scenario could not run: say so in its row, go on with the next
-            rows.append({"scenario": name, "error": f"{type(e).__name__}: {e}"[:500]})
+            rows.append({"scenario": name, "error": f"{type(e).__name__}: {e}"[:2000]})
         (run.out / "faults.json").write_text(json.dumps(rows, indent=1) + os.linesep)
-    cols = ("sent", "completed", "aborted", "lost", "equal_outputs", "server_alive", "recovery_s")
-    print(f"{'scenario':<15}" + "".join(f"{c:>15}" for c in cols) + "  note")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['scenario']:<15} did not run: {r['error']}")
-            continue
-        rec = "-" if r["recovery_s"] is None else f"{r['recovery_s']:.1f}"
-        vals = [r["sent"], r["completed"], r["aborted"], r["lost"], "-" if r["equal_outputs"] is None
-                else r["equal_outputs"], "yes" if r["server_alive"] else "NO", rec]
-        print(f"{r['scenario']:<15}" + "".join(f"{v!s:>15}" for v in vals) + f"  {r['note']}")
-        for m in r["messages"]:
-            print(f"{'':<15}  message: {m}")
+        print_row(rows[-1])
+
+
+COLUMNS = ("sent", "completed", "aborted", "lost", "equal_outputs", "server_alive", "recovery_s")
+
+
+def print_row(r: dict) -> None:
+    if "error" in r:
+        print(f"{r['scenario']:<15} did not run: {r['error']}", flush=True)
+        return
+    rec = "-" if r["recovery_s"] is None else f"{r['recovery_s']:.1f}"
+    vals = [r["sent"], r["completed"], r["aborted"], r["lost"], "-" if r["equal_outputs"] is None
+            else r["equal_outputs"], "yes" if r["server_alive"] else "NO", rec]
+    print(f"{r['scenario']:<15}" + "".join(f"{v!s:>15}" for v in vals) + f"  {r['note']}")
+    for m in r["messages"]:
+        print(f"{'':<15}  message: {m}")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

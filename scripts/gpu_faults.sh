@@ -4,13 +4,19 @@
 #   bash scripts/gpu_faults.sh   (carry .gpu-model/2; the wheelhouse must already be unpacked in /tmp/site by an
 #                                 earlier call that carried .gpu-wheels)
 # Runs benchmarks/faults.py against FreeKV servers of SmolLM2; table on stdout, JSON and server logs under $OUT.
-# Seven scenarios start eight servers: to stay within one call's 10 minutes, run them in two calls, e.g.
-#   bash scripts/gpu_faults.sh --scenarios daemon-kill,daemon-stop,daemon-gone,daemon-lost
-#   bash scripts/gpu_faults.sh --scenarios server-restart,arena-full,malformed
+# Seven scenarios start eight servers, about 2.5 minutes each (H100, session 13): run them in three calls, e.g.
+#   bash scripts/gpu_faults.sh --deterministic --scenarios daemon-kill,daemon-stop,daemon-gone
+#   bash scripts/gpu_faults.sh --scenarios daemon-lost,server-restart
+#   bash scripts/gpu_faults.sh --scenarios arena-full,malformed
+# Rows print as each scenario ends; the run's folder (faults.json, server and daemon logs) comes back as one
+# $OUT/faults-HHMMSS.tgz, since a call returns at most 8 files. --deterministic (SGLang's deterministic inference) makes
+# the greedy outputs comparable with the undisturbed run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
 source scripts/gpu_env.sh || exit 1
 pkill -9 -f sglang.launch_server 2>/dev/null; pkill -9 -f freekv_kvstore 2>/dev/null; sleep 1
 bash scripts/gpu_smollm2.sh build >/dev/null || exit 1
-python3 benchmarks/faults.py --model-path /tmp/smollm2 --out "$OUT/faults" "$@" 2>&1 | tail -n 40
+RUN=/tmp/faults-run; rm -rf "$RUN"
+python3 benchmarks/faults.py --model-path /tmp/smollm2 --out "$RUN" "$@" 2>&1 | grep -v "it/s\]"
+tar czf "$OUT/faults-$(date +%H%M%S).tgz" -C "$RUN" .
