@@ -59,6 +59,9 @@ args=(
   --kvstore-arena-gb "${ARENA_GB:-16}"
   # Or use a daemon that is already running (freekv-kvstore --endpoint ...) instead of an embedded one:
   # --kvstore-endpoint ipc:///run/freekv/kvstore.sock
+  # Seconds a kvstore call waits for the daemon (resending meanwhile) before the requests that need it end with an
+  # abort: at least the 2 s an embedded daemon's supervisor takes to restart it.
+  --kvstore-timeout 5
 
   # SGLang's radix cache stays on: a cached prefix's full pages are shared as kvstore host pages (every layer, once)
   # and a hit skips their prefill (docs/radix.md; refused with --tp-size > 1). To turn prefix sharing off:

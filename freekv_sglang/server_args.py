@@ -36,6 +36,9 @@ SUPPORTED_ATTENTION_BACKENDS = ("triton", "flashinfer")
 # Set when the user names no attention backend at all, before SGLang resolves its own default.
 DEFAULT_ATTENTION_BACKEND = "triton"
 DEFAULT_KVSTORE_ARENA_GB = 16.0
+DEFAULT_KVSTORE_TIMEOUT_S = 5.0
+# An embedded daemon is restarted within 2 s of a crash; a shorter deadline would end requests a restart could save.
+MIN_KVSTORE_TIMEOUT_S = 2.5
 
 _GiB = 1 << 30
 _DEFAULTS = FreeKVConfig()
@@ -65,8 +68,9 @@ _KNOB_FLAGS = {
 _FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_selection", "kv_rerank_factor",
                 "kv_sketch_channels")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
-FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb")
-FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb")
+FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb", "kvstore_timeout")
+FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb",
+         "--kvstore-timeout")
 
 
 class FreeKVArgsError(ValueError):
@@ -81,11 +85,13 @@ class FreeKVServerSettings:
     kvstore_endpoint: the kvstore daemon to connect to. None until the launcher starts an embedded daemon (when no
         --kvstore-endpoint was given), after which it holds that daemon's endpoint.
     kvstore_arena_gb: arena budget in GiB of the embedded daemon (unused with an external one).
+    kvstore_timeout_s: how long a kvstore call may wait for the daemon before the requests that need it end.
     """
 
     config: FreeKVConfig
     kvstore_endpoint: str | None = None
     kvstore_arena_gb: float = DEFAULT_KVSTORE_ARENA_GB
+    kvstore_timeout_s: float = DEFAULT_KVSTORE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, FreeKVConfig):
@@ -93,6 +99,9 @@ class FreeKVServerSettings:
         gb = self.kvstore_arena_gb
         if isinstance(gb, bool) or not isinstance(gb, (int, float)) or not gb > 0:
             raise FreeKVArgsError(f"--kvstore-arena-gb must be a positive number of GiB, got {gb!r}")
+        t = self.kvstore_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not MIN_KVSTORE_TIMEOUT_S <= t <= 600:
+            raise FreeKVArgsError(f"--kvstore-timeout must be {MIN_KVSTORE_TIMEOUT_S:g} to 600 seconds, got {t!r}")
         if self.kvstore_endpoint is not None and not self.kvstore_endpoint.startswith(("ipc://", "tcp://")):
             raise FreeKVArgsError(
                 f"--kvstore-endpoint must be ipc://<path> or tcp://<host>:<port>, got {self.kvstore_endpoint!r}"
@@ -190,6 +199,10 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kvstore-arena-gb", type=float, default=None, metavar="GIB",
                    help="host-memory budget of the embedded kvstore daemon in GiB; must fit in the host's memory "
                         f"and /dev/shm (default {DEFAULT_KVSTORE_ARENA_GB:g})")
+    g.add_argument("--kvstore-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long a kvstore call waits for the daemon (resending meanwhile) before the requests "
+                        "that need it end with an abort; at least the 2 s an embedded daemon takes to restart "
+                        f"(default {DEFAULT_KVSTORE_TIMEOUT_S:g})")
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -267,11 +280,12 @@ def settings_from_values(values: Mapping[str, Any]) -> FreeKVServerSettings | No
         config = FreeKVConfig(**knobs)
     except ValueError as e:
         raise FreeKVArgsError(f"{_name_flags(str(e))}") from e
-    arena = values.get("kvstore_arena_gb")
+    arena, timeout = values.get("kvstore_arena_gb"), values.get("kvstore_timeout")
     return FreeKVServerSettings(
         config=config,
         kvstore_endpoint=values.get("kvstore_endpoint") or None,
         kvstore_arena_gb=DEFAULT_KVSTORE_ARENA_GB if arena is None else arena,
+        kvstore_timeout_s=DEFAULT_KVSTORE_TIMEOUT_S if timeout is None else timeout,
     )
 
 

@@ -104,7 +104,7 @@ class FreeKVAttnBackend(AttentionBackend):
         self.host = host = KVStoreHostPool(
             endpoint, num_layers=shape.num_layers, num_kv_heads=H, page_size=cfg.page_size, head_dim=shape.head_dim,
             dtype=dtype, num_pages=host_pages, rank=self.rank,
-            client_id=stable_client_id(runner, self.rank, next(_INSTANCE)))
+            client_id=stable_client_id(runner, self.rank, next(_INSTANCE)), timeout_s=settings.kvstore_timeout_s)
         # Slot ids are req_pool_idx in [0, size]; SGLang pads captured batches with row 0.
         self.engine = FreeKVEngine(cfg, shape, max_requests=self.req_pool.size + 1, max_context=max_context,
                                    dtype=dtype, device=runner.device, host_pool=host, pad_slot=0,

@@ -108,7 +108,7 @@ def daemon():
     handle.stop()
 
 
-def make_backend(daemon, tail_hooks=True, inner=Inner):
+def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0):
     model_config = SimpleNamespace(num_hidden_layers=L, num_attention_heads=HQ, head_dim=D,
                                    get_num_kv_heads=lambda tp: H // tp)
     req_pool = SimpleNamespace(size=SIZE, req_to_token=torch.zeros(SIZE + 1, CTX, dtype=torch.int32),
@@ -118,7 +118,8 @@ def make_backend(daemon, tail_hooks=True, inner=Inner):
                              next_page=1, capture_tail_hooks=[])  # page 0 absorbs padding writes
     if not tail_hooks:
         del runner.capture_tail_hooks
-    settings = FreeKVServerSettings(config=CFG, kvstore_endpoint=daemon.endpoint, kvstore_arena_gb=0.01)
+    settings = FreeKVServerSettings(config=CFG, kvstore_endpoint=daemon.endpoint, kvstore_arena_gb=0.01,
+                                    kvstore_timeout_s=timeout_s)
     return FreeKVAttnBackend(runner, inner(runner), settings), runner
 
 
@@ -246,8 +247,10 @@ def test_chunked_prefill_stages_then_decodes_like_the_engine(daemon, chunk):
 
 def test_deterministic_triton_reads_the_chunk_from_staging(daemon):
     """The unified extend kernel reads the chunk back from the pool: at staging rows for sparse layers (SGLang's
-    token locations would index past the staging buffer), and the decode after it matches the engine."""
-    backend, runner = make_backend(daemon, inner=UnifiedInner)
+    token locations would index past the staging buffer), and the decode after it matches the engine. The kvstore
+    calls wait --kvstore-timeout."""
+    backend, runner = make_backend(daemon, inner=UnifiedInner, timeout_s=7.5)
+    assert backend.host.client._channel.timeout_s == 7.5
     reqs = [Request(runner, 2, 90), Request(runner, 4, 45)]
     prefill(backend, reqs, 37)  # checks the chunk reads too
     assert runner.token_to_kv_pool.staging.free_pages == STAGING

@@ -40,10 +40,11 @@ def test_freekv_settings_reach_server_args(prepare):
     sa = prepare([*FREEKV, "--kv-budget", "1024", "--kv-sink", "64", "--kv-window", "256", "--kv-page-size", "64",
                   "--kv-correction-threshold", "0.8", "--kv-dense-layers", "2", "--kv-recall", "all",
                   "--kv-recall-programs", "64", "--kv-selection", "means", "--kv-rerank-factor", "8",
-                  "--kvstore-arena-gb", "4"])
+                  "--kvstore-arena-gb", "4", "--kvstore-timeout", "12.5"])
     want = FreeKVConfig(budget=1024, sink=64, window=256, page_size=64, tau=0.8, dense_layers=2, recall="all",
                         recall_programs=64, selection="means", rerank_factor=8)
-    assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0)
+    assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0,
+                                              kvstore_timeout_s=12.5)
     assert sa.page_size == 64
     assert sa.attention_backend == "triton"  # named for the user, before SGLang picks its own default
     back = pickle.loads(pickle.dumps(sa))  # what the scheduler processes receive
@@ -55,6 +56,7 @@ def test_defaults_come_from_freekv_config(prepare):
     sa = prepare(FREEKV)
     assert sa._freekv.config == FreeKVConfig()
     assert sa._freekv.kvstore_endpoint is None and sa._freekv.kvstore_arena_gb == 16.0
+    assert sa._freekv.kvstore_timeout_s == 5.0
     assert sa.page_size == FreeKVConfig().page_size
 
 
@@ -104,6 +106,8 @@ REFUSED = [
     (["--kv-recall-programs", "-1"], "--kv-recall-programs"),
     (["--kv-rerank-factor", "-1"], "--kv-rerank-factor"),
     (["--kvstore-arena-gb", "0"], "--kvstore-arena-gb"),
+    (["--kvstore-timeout", "1"], "--kvstore-timeout"),  # shorter than an embedded daemon's restart
+    (["--kvstore-timeout", "nan"], "--kvstore-timeout"),
     (["--kvstore-endpoint", "http://host:1"], "--kvstore-endpoint"),
 ]
 
