@@ -25,10 +25,10 @@ def hook(orig, self, running_batch):
         return orig(self, running_batch)
     if self.waiting_queue:
         reject_waiting_requests(self)
-    batch = orig(self, running_batch)
+    plan = orig(self, running_batch)  # a NextBatchPlan in 0.5.16, not the batch
     from freekv_sglang.radix import active_sharing
 
     sharing = active_sharing()
     if sharing is not None:
-        sharing.release_unadmitted(batch)
-    return batch
+        sharing.release_unadmitted(plan.batch_to_run)
+    return plan

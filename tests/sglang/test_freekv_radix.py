@@ -194,6 +194,30 @@ def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon):
     assert not backend.radix._pending_hp and used() == 0
 
 
+def test_the_scheduler_seam_keeps_the_pins_of_the_batch_it_built(daemon):
+    # get_new_batch_prefill returns a NextBatchPlan: the pins of the requests in its batch_to_run are the forward's.
+    from sglang.srt.managers.schedule_batch import NextBatchPlan
+
+    from freekv_patches import scheduler_get_new_batch_prefill as seam
+
+    backend, runner = make_backend(daemon, port=30003)
+    cache = make_cache(runner)
+    tokens = list(range(3000, 3050))
+    a = Request(runner, 1, len(tokens))
+    run_prefill(backend, [a], 1000)
+    finish(cache, backend, runner, a, sglang_req("a", tokens))
+    admitted, waiting = sglang_req("x", tokens[:40] + [1]), sglang_req("y", tokens[:40] + [2])
+    assert len(match(cache, admitted).device_indices) == len(match(cache, waiting).device_indices) == 2 * P
+    scheduler = SimpleNamespace(server_args=SimpleNamespace(_freekv=object()), waiting_queue=[])
+    plan = NextBatchPlan(batch_to_run=SimpleNamespace(reqs=[admitted]), running_batch=None)
+    assert seam.hook(lambda self, running: plan, scheduler, None) is plan
+    assert admitted._freekv_prefix_pin.tokens == 2 * P and not hasattr(waiting, "_freekv_prefix_pin")
+    (pin,) = backend.radix.take_pins([admitted])
+    assert pin is not None
+    backend.host.free(pin.owner)
+    seam.hook(lambda self, running: NextBatchPlan(batch_to_run=None, running_batch=None), scheduler, None)
+
+
 def test_the_kvstore_client_id_is_stable_across_restarts(daemon, monkeypatch):
     # One backend per scheduler process, as in a server (this test process has built others).
     monkeypatch.setattr(sglang_backend, "_INSTANCE", itertools.count())
