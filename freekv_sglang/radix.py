@@ -5,8 +5,9 @@ sparse layers' pool rows are staging pages, released once a prompt is in). The s
 kvstore arena as host pages retained under prefix keys (freekv_kvstore.prefix_keys, one chain key per full page), so
 a hit needs both: the radix match (dense layers' slots) and the arena's (sparse layers' pages, every layer's bytes).
 
-- Export (the radix cache's cache_finished_req, patches/_radix_cache.py): a finished request's full pages go to the
-  arena with their summaries (FreeKVEngine.export_prefix) and are retained as a chain, one key per page.
+- Export (the radix cache's cache_unfinished_req once a prompt's prefill completed, and cache_finished_req;
+  patches/_radix_cache.py): the request's full pages go to the arena with their summaries
+  (FreeKVEngine.export_prefix) and are retained as a chain, one key per page.
 - Match (match_prefix with a request): the radix match is cut to the arena's longest retained prefix of it, whose
   pages are pinned for the request at once (LOOKUP with a pending owner id, which the engine takes as the request's
   owner), so no eviction can take them before the prefill. Pins of requests the scheduler did not admit into the new
@@ -153,23 +154,25 @@ class PrefixSharing:
         return pins
 
     def export(self, req: Any, kv_len: int) -> int:
-        """A request finishes: retain its full pages (every layer, summaries included) under their chain keys.
-        Returns the pages exported (0 when its prefill never completed here or its host pages are lost)."""
+        """A request's prompt completed its prefill, or the request finished: retain its first kv_len tokens' full
+        pages (every layer, summaries included) under their chain keys. Returns the pages newly exported (0 when its
+        prefill is not complete here, its host pages are lost, or they were exported already)."""
         b, eng, p = self.backend, self.backend.engine, self.page_size
         slot = getattr(req, "req_pool_idx", None)
         if (slot is None or not eng.is_active(slot) or slot in b._lost or b.staging.pages(slot)
                 or b._generation.get(slot) != int(b.req_pool.req_generation[slot])):
             return 0
         num_pages = min(kv_len, eng.seq_len(slot)) // p
-        if num_pages < 1:
+        done = eng._complete[slot]  # pages complete in the arena: exported before, or a hit's shared prefix
+        if num_pages <= done:
             return 0
         pages = eng.export_prefix(slot, num_pages)
         tokens = (req.origin_input_ids + req.output_ids)[:num_pages * p]
         if not b.host.retain_chain(self.keys(tokens, getattr(req, "extra_key", None)), pages):
             return 0
         self._summarised.update(pages)
-        self.exported_pages += num_pages
-        return num_pages
+        self.exported_pages += num_pages - done
+        return num_pages - done
 
     # ---- forward side --------------------------------------------------------------------------
 

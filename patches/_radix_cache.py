@@ -6,8 +6,9 @@ prefix comes from the kvstore arena (freekv_sglang.radix). So:
     request); the tree is matched again at that length so the locked node is the one the request uses;
   - cache_finished_req: the finished request's full pages are exported to the arena and retained under their keys
     before SGLang inserts its tokens (a radix node's eviction leaves the arena's keys to the arena's LRU);
-  - cache_unfinished_req (a chunk of a long prompt) exports nothing: a prompt's sink pages are staged, not exported,
-    until its prefill completes, so other requests hit its prefix only once it finished.
+  - cache_unfinished_req once a prompt's prefill completed: its full pages are exported the same way, so requests
+    arriving while it decodes hit its prefix; for a chunk of a prompt still in prefill (chunked=True) nothing is
+    exported (its sink pages are staged, not on the engine's GPU pages, until the prefill completes).
 A match without a request (the scheduling policy's prefix estimate) is the tree's alone.
 """
 
@@ -48,5 +49,12 @@ def radix_cache_class() -> type:
             if is_insert and not self.disable and not self.disable_finished_insert:
                 sharing().export(req, kv_len_to_handle)
             return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
+
+        def cache_unfinished_req(self, req, chunked=False):
+            # SGLang calls this once a prompt's prefill completed (chunked=False), so its prefix is shared while it
+            # decodes; the export of its output pages waits for cache_finished_req.
+            if not chunked and not self.disable:
+                sharing().export(req, len(req.get_fill_ids()))
+            return super().cache_unfinished_req(req, chunked=chunked)
 
     return FreeKVRadixCache

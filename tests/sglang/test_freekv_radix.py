@@ -11,6 +11,7 @@ backend with the same model and port re-attaches its arena (the client id is not
 from __future__ import annotations
 
 import itertools
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -71,7 +72,7 @@ def sglang_req(rid, tokens):
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    return Req(rid, "", list(tokens), SamplingParams(max_new_tokens=8))
+    return Req(rid, "", array("q", tokens), SamplingParams(max_new_tokens=8))  # SGLang 0.5.16 holds arrays
 
 
 def match(cache, req):
@@ -123,21 +124,38 @@ def decode(backend, reqs, steps, ref=None, ref_slots=None):
 def finish(cache, backend, runner, r, req):
     """What SGLang's release_kv_cache does for a finished request: cache_finished_req, then the slot is freed."""
     req.req_pool_idx = r.slot
-    req.output_ids = [7] * (r.n - r.prompt)
+    req.output_ids = array("q", [7] * (r.n - r.prompt))
     cache.cache_finished_req(req, kv_len_to_handle=r.n)
     on_request_freed(r.slot)
 
 
+def prefilled(cache, r, req):
+    """What SGLang's prefill result does for a request whose prompt is in and that goes on decoding:
+    cache_unfinished_req."""
+    req.req_pool_idx = r.slot
+    req._refresh_fill_ids()  # what init_next_round_input did when it was scheduled
+    req.set_extend_range(0, r.prompt)
+    req.last_node = cache.root_node
+    cache.cache_unfinished_req(req)
+
+
 @pytest.mark.parametrize("chunk", [1000, 24])
-def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon, chunk):
+@pytest.mark.parametrize("export_at", ["finish", "prefill"])
+def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon, chunk, export_at):
     backend, runner = make_backend(daemon)
     cache, staging = make_cache(runner), runner.token_to_kv_pool.staging
+    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
     tokens = list(range(100, 190))  # 90 tokens: 5 full pages and a partial one
     a = Request(runner, 1, len(tokens))
+    req_a = sglang_req("a", tokens)
     run_prefill(backend, [a], chunk)
-    decode(backend, [a], 3)
     exported = backend.radix.exported_pages
-    finish(cache, backend, runner, a, sglang_req("a", tokens))
+    if export_at == "prefill":  # shared while A decodes
+        prefilled(cache, a, req_a)
+        assert backend.radix.exported_pages == exported + 5
+    decode(backend, [a], 3)
+    if export_at == "finish":
+        finish(cache, backend, runner, a, req_a)
     assert backend.radix.exported_pages == exported + 5  # 93 tokens: 5 full pages
 
     # B shares 3.5 pages of A's prompt (a prefix ending mid-page), then its own tokens: 3 pages hit.
@@ -164,6 +182,9 @@ def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon
     b.n = b.prompt
     ref, ref_slots = reference_engine([b])
     decode(backend, [b], 12, ref, ref_slots)
+    if export_at == "prefill":  # A's pages were exported at its prefill: finishing adds none
+        finish(cache, backend, runner, a, req_a)
+        assert backend.radix.exported_pages == exported + 5
 
 
 def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon):
