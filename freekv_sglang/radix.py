@@ -85,12 +85,12 @@ class PrefixSharing:
         ns = self.namespace if extra_key is None else self.namespace + b"|" + repr(extra_key).encode()
         return prefix_keys(tokens, self.page_size, namespace=ns)
 
-    def match(self, req: Any, token_ids: Sequence[int], radix_tokens: int) -> int:
-        """Pin for req the arena's longest retained prefix within the radix match of radix_tokens (page-aligned) and
-        return its length in tokens (0: prefill from scratch)."""
+    def match(self, req: Any, token_ids: Sequence[int], max_tokens: int) -> int:
+        """Pin for req the arena's longest retained prefix of token_ids[:max_tokens] (page-aligned) and return its
+        length in tokens (0: prefill from scratch)."""
         self.drop_pin(req)
         p = self.page_size
-        keys = self.keys(token_ids[:radix_tokens // p * p], getattr(req, "extra_key", None))
+        keys = self.keys(token_ids[:max_tokens // p * p], getattr(req, "extra_key", None))
         hit = self._lookup(keys)
         # Staging holds each host page once per batch: only pages not staged or pinned yet cost room.
         room, fits = self._stage_room(), 0
@@ -167,12 +167,40 @@ class PrefixSharing:
         if num_pages <= done:
             return 0
         pages = eng.export_prefix(slot, num_pages)
+        self._export_dense(slot, pages, done)
         tokens = (req.origin_input_ids + req.output_ids)[:num_pages * p]
         if not b.host.retain_chain(self.keys(tokens, getattr(req, "extra_key", None)), pages):
             return 0
         self._summarised.update(pages)
         self.exported_pages += num_pages - done
         return num_pages - done
+
+    def load_dense(self, req: Any, start: int, locs: torch.Tensor) -> None:
+        """Write the dense layers' K/V of req's pinned prefix, tokens [start, start + len(locs)), from the arena into
+        SGLang's token slots locs: a prefix the radix tree does not hold (evicted there, or retained by an earlier
+        server) gets its dense layers back without recomputing them."""
+        pin, p = req._freekv_prefix_pin, self.page_size
+        pages = torch.tensor(pin.pages[start // p:(start + len(locs)) // p], dtype=torch.long)
+        eng, pool = self.backend.engine, self.backend.pool
+        H, D = eng.shape.num_kv_heads, eng.shape.head_dim
+        for layer in range(eng.shape.num_layers):
+            if eng.dense[layer]:
+                chunk = eng.host.arena[pages, layer]  # [m, H, 2, p, D]
+                for i, buf in enumerate((pool.get_key_buffer(layer), pool.get_value_buffer(layer))):
+                    buf[locs] = chunk[:, :, i].transpose(1, 2).reshape(-1, H, D).to(buf.device, buf.dtype)
+
+    def _export_dense(self, slot: int, pages: list[int], first: int) -> None:
+        """Copy the dense layers' K/V of a slot's logical pages [first, len(pages)) from SGLang's token pool into their
+        host pages (the engine does not hold dense layers under SGLang), so a retained prefix is whole."""
+        p, eng, pool = self.page_size, self.backend.engine, self.backend.pool
+        H, D = eng.shape.num_kv_heads, eng.shape.head_dim
+        rows = self.backend.req_pool.req_to_token[slot, first * p:len(pages) * p].long()
+        dst = torch.tensor(pages[first:], dtype=torch.long)
+        for layer in range(eng.shape.num_layers):
+            if eng.dense[layer]:
+                for i, buf in enumerate((pool.get_key_buffer(layer), pool.get_value_buffer(layer))):
+                    kv = buf[rows.to(buf.device)].view(-1, p, H, D).transpose(1, 2)
+                    eng.host.arena[dst, layer, :, i] = kv.to("cpu", eng.host.arena.dtype)
 
     # ---- forward side --------------------------------------------------------------------------
 

@@ -16,8 +16,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_freekv_backend import (CFG, CTX, HQ, STAGING, D, H, L, P, Inner, Request, decode_batch, extend_batch, layers,
-                                 make_pool, reference_engine)
+from test_freekv_backend import (CFG, CTX, HQ, STAGING, TOKENS, D, H, L, P, Inner, Request, decode_batch, extend_batch,
+                                 layers, make_pool, reference_engine)
+
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from freekv_kvstore import start_embedded
 from freekv_sglang.server_args import FreeKVServerSettings
@@ -48,12 +50,21 @@ def make_backend(daemon, port=30000):
 
 
 class Allocator:
-    """SGLang's token allocator as the radix cache sees it: what it frees is recorded."""
+    """SGLang's token allocator as the radix cache sees it: new page-aligned slots past the requests' (runner.next_page),
+    and what it frees is recorded."""
 
     device = "cpu"
 
-    def __init__(self):
-        self.freed = []
+    def __init__(self, runner):
+        self.runner, self.freed = runner, []
+
+    def available_size(self):
+        return TOKENS - self.runner.next_page * P
+
+    def alloc(self, n):
+        first = self.runner.next_page * P
+        self.runner.next_page += n // P
+        return torch.arange(first, first + n)
 
     def free(self, idx):
         self.freed.extend(idx.tolist())
@@ -65,7 +76,7 @@ def make_cache(runner):
     from freekv_patches._radix_cache import radix_cache_class
 
     return radix_cache_class()(CacheInitParams(disable=False, req_to_token_pool=runner.req_to_token_pool,
-                                               token_to_kv_pool_allocator=Allocator(), page_size=P))
+                                               token_to_kv_pool_allocator=Allocator(runner), page_size=P))
 
 
 def sglang_req(rid, tokens):
@@ -257,3 +268,50 @@ def test_the_kvstore_client_id_is_stable_across_restarts(daemon, monkeypatch):
     assert again.host.client.client_id == cid and again.host.client.reattached
     keys = again.radix.keys(tokens[:48], None)
     assert again.host.client.lookup_longest(keys) is not None
+
+
+@pytest.mark.parametrize("how", ["restart", "evicted"])
+def test_a_prefix_the_tree_lacks_is_loaded_from_the_arena(daemon, monkeypatch, how):
+    # The arena keeps a retained prefix whole (dense layers' slices included) while the tree lost it: evicted there,
+    # or a new server on the same arena (its tree starts empty). A hit loads the dense layers into new token slots.
+    monkeypatch.setattr(sglang_backend, "_INSTANCE", itertools.count())
+    backend, runner = make_backend(daemon, port=30005 if how == "restart" else 30006)
+    cache = make_cache(runner)
+    tokens = list(range(4000, 4090))
+    a = Request(runner, 1, len(tokens))
+    run_prefill(backend, [a], 24)
+    finish(cache, backend, runner, a, sglang_req("a", tokens))
+    backend._apply_frees()
+    if how == "restart":
+        backend.host.close()
+        monkeypatch.setattr(sglang_backend, "_INSTANCE", itertools.count())
+        backend, runner = make_backend(daemon, port=30005)  # a new token pool: the dense layer's slots hold zeros
+        assert backend.host.client.reattached
+        cache = make_cache(runner)
+    else:
+        cache.evict(EvictParams(num_tokens=TOKENS))
+    assert cache.total_size() == 0
+    b_tokens = tokens[:56] + list(range(600, 640))
+    req_b = sglang_req("b", b_tokens)
+    result = match(cache, req_b)
+    assert len(result.device_indices) == 3 * P and cache.total_size() == 3 * P
+    assert req_b._freekv_prefix_pin.tokens == 3 * P
+    locs = result.device_indices
+    pool = runner.token_to_kv_pool
+    torch.testing.assert_close(pool.get_key_buffer(0)[locs], a.k[0][:3 * P], atol=0, rtol=0)
+    torch.testing.assert_close(pool.get_value_buffer(0)[locs], a.v[0][:3 * P], atol=0, rtol=0)
+    # Matched again (another request of that prefix), the tree holds it now.
+    other = sglang_req("c", b_tokens[:50] + [1])
+    assert torch.equal(match(cache, other).device_indices, locs)
+    backend.radix.release_unadmitted(SimpleNamespace(reqs=[req_b]))
+    (pin,) = backend.radix.take_pins([req_b])
+    b = Request(runner, 2, len(b_tokens))
+    b.locs[:3 * P] = locs
+    runner.req_to_token_pool.req_to_token[2, :3 * P] = locs.int()
+    for lid in range(L):
+        b.k[lid][:3 * P], b.v[lid][:3 * P] = a.k[lid][:3 * P], a.v[lid][:3 * P]
+    b.n = 3 * P
+    run_prefill(backend, [b], 24, pins=[pin])  # every layer's prefix reads (dense and sparse) see A's keys
+    b.n = b.prompt
+    ref, ref_slots = reference_engine([b])
+    decode(backend, [b], 12, ref, ref_slots)
