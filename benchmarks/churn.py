@@ -1,19 +1,30 @@
-"""How many selected pages change per decode step on the real SmolLM2-135M (CPU): the delta that FreeKV recalls.
+"""How the real SmolLM2-135M's decode attention churns (CPU): the pages FreeKV recalls per step, how often it corrects,
+and how concentrated attention is, per sparse layer, for each selection. These are the statistics the structured
+keys of benchmarks/engine_decode.py (--keys structured, benchmarks/realistic_churn.py) are fitted to.
 
     python3 benchmarks/churn.py --text ../shared/papers/freekv-iclr.txt --context 3000 --new 64 \
-        --out results/churn-smollm2.json
+        --selections rerank,means --out results/churn-smollm2.json
 
-The prompt is the first --context tokens of a text file, then "In short, this paper" and greedy generation.
-Two runs with the same prompt, of 2 and 2 + --new tokens. The difference of their recalled bytes is what the
-steady-state steps recall, without the first selection's fill. This is given per step and per KV head of each
-sparse layer, in pages and as a share of the budget's pages. On the GPU, one step of a batch of B requests recalls
-about B x (that share) x the budget's KV bytes over PCIe (benchmarks/decode.py measures it in the server).
+The prompt is the first --context tokens of a text file, then "In short, this paper" and greedy generation. The first
+--warm decode steps fill the selection slots and are not counted; over the next --new steps, per sparse layer (the
+means over layers in the table, every layer in the JSON):
+  correction rate   the share of KV-head checks below tau (selected and recalled before attention)
+  changed share     pages recalled per step and KV head, over the budget's pages: the share of the selection that
+                    changes per step (before attention and speculative), which is what delta recall moves
+  cos mean / std    the group-mean cosine of adjacent queries per KV head, over (head, step)
+  boundary          the share of steps whose mean cosine over all query heads is below 0.7 (LouisKV's boundary)
+  top-k / top-1     attention mass of the k best pages (k = the budget's pages; also k / 2 and 2k) / of the best
+                    page, over the candidate pages (exact keys); covered: the mass of the pages the selection attended
+  oracle change     the share of the k best pages that were not the k best at the previous step
+On the GPU, one step of a batch of B requests recalls about B x (changed share) x the budget's KV bytes per sparse
+layer over PCIe (benchmarks/decode.py measures it in the server).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -22,20 +33,43 @@ from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.hf_adapter import FreeKVModel
 from freekv_sglang.hf_models import load_smollm2
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from realistic_churn import ChurnProbe, counters, summarize  # noqa: E402
 
-def generate(model, cfg: FreeKVConfig, ids: list[int], new: int) -> tuple[FreeKVModel, list[int], dict, int]:
-    """The model, its greedy tokens, the engine's stats and the bytes it recalled."""
-    fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + new + 16)
-    out = fm.generate([ids], new)[0]
-    st = fm.engine.stats()
-    return fm, out, st, st["recall_bytes_now"] + st["recall_bytes_speculative"]
+COLUMNS = ("correction_rate", "changed_share", "changed_share_now", "cos_mean", "cos_std", "boundary",
+           "top_half_k_mass", "topk_mass", "top_2k_mass", "top1_mass", "covered_mass", "oracle_change")
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| source | selection | " + " | ".join(c.replace("_", " ") for c in COLUMNS) + " |",
+             "| --- | --- |" + " ---: |" * len(COLUMNS)]
+    for r in rows:
+        lines.append(f"| {r['source']} | {r['selection']} | " + " | ".join(f"{r['mean'][c]:.3f}" for c in COLUMNS)
+                     + " |")
+    return "\n".join(lines)
+
+
+def run(model, cfg: FreeKVConfig, ids: list[int], warm: int, new: int) -> tuple[dict, list[int]]:
+    """One greedy decode of warm + new steps, measured over the last new."""
+    fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + warm + new + 16)
+    probe = fm.engine.probe = ChurnProbe(fm.engine)
+    cache = fm.prefill(ids)
+    slot = fm.load_prefill(cache)
+    out = [cache.first_token]
+    for i in range(warm + new):
+        if i == warm:
+            probe.active, before = True, counters(fm.engine)
+        out += fm.decode_step([slot], [out[-1]])
+    return summarize(probe, fm.engine, before, new, 1), out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--text", required=True, help="a natural-language text file; its first --context tokens prompt")
     ap.add_argument("--context", type=int, default=3000)
-    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--new", type=int, default=64, help="measured decode steps")
+    ap.add_argument("--warm", type=int, default=2, help="decode steps before them (the slots' first fill)")
+    ap.add_argument("--selections", default="rerank,means")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--sink", type=int, default=32)
     ap.add_argument("--window", type=int, default=64)
@@ -49,30 +83,19 @@ def main() -> None:
     if len(ids) < args.context:
         raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than --context {args.context}")
     ids += tok("\n\nIn short, this paper")["input_ids"]
-    cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
-                       tau=args.tau, dense_layers=1)
-    base = generate(model, cfg, ids, 2)[3]
-    fm, out, st, total = generate(model, cfg, ids, 2 + args.new)
-
-    shape = fm.engine.shape
-    heads = (shape.num_layers - cfg.dense_layers) * shape.num_kv_heads
-    pages = (total - base) / args.new / st["recall_page_bytes"] / heads
-    budget_pages = args.budget // args.page_size
-    rates, cosines = list(st["correction_rate"].values()), list(st["mean_cosine"].values())
-    row = {"model": "SmolLM2-135M-Instruct", "prompt_tokens": len(ids), "new_tokens": args.new,
-           "budget": args.budget, "sink": args.sink, "window": args.window, "page_size": args.page_size,
-           "tau": args.tau, "pages_per_head_per_step": round(pages, 2), "budget_pages": budget_pages,
-           "share_of_budget_per_step": round(pages / budget_pages, 3),
-           "correction_rate": round(sum(rates) / len(rates), 3),
-           "mean_adjacent_query_cosine": round(sum(cosines) / len(cosines), 3),
-           "text": Path(args.text).name, "generated": tok.decode(out)}
-    print("| prompt tokens | budget pages | pages recalled / head / step | share of budget | correction rate | "
-          "mean adjacent-query cosine |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {len(ids)} | {budget_pages} | {row['pages_per_head_per_step']} | {row['share_of_budget_per_step']} | "
-          f"{row['correction_rate']} | {row['mean_adjacent_query_cosine']} |")
+    rows = []
+    for selection in [s for s in args.selections.split(",") if s]:
+        cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
+                           tau=args.tau, dense_layers=1, selection=selection)
+        stats, out = run(model, cfg, ids, args.warm, args.new)
+        rows.append({"source": "SmolLM2-135M", "selection": selection, "prompt_tokens": len(ids), "new_tokens": args.new,
+                     "budget": args.budget, "sink": args.sink, "window": args.window, "page_size": args.page_size,
+                     "tau": args.tau, "budget_pages": cfg.select_pages, "text": Path(args.text).name,
+                     "generated": tok.decode(out), **stats})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_layer"}), flush=True)
+    print(table(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(row, indent=1))
+    Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
