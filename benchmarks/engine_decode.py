@@ -2,6 +2,7 @@
 
     python3 benchmarks/engine_decode.py --contexts 32768 --batches 1,4,16 --steps 4096 --out results/engine-decode.json
     python3 benchmarks/engine_decode.py --device cpu --contexts 2048 --batches 1 --steps 8 --layers 2   # smoke
+    python3 benchmarks/engine_decode.py --keys structured --contexts 32768 --batches 1,16 --steps 2048
 
 The SGLang server refuses --kv-retrieval louiskv (its chunked prefill does not hand whole prompts to the
 clustering), so this drives FreeKVEngine directly, as benchmarks/profile_step.py does: Llama-3.1-8B's attention
@@ -13,14 +14,21 @@ in one CUDA graph and replayed (eager on CPU). Step time is therefore the attent
 
 Per config (context, batch, policy) each request gets a random prompt (K and V ~ N(0, 1) per layer; LouisKV
 clusters it with its k-means at prefill), then `--steps` decode steps with random new K/V and synthetic queries
-whose step-to-step similarity is set by two knobs, per request, layer and query head:
+whose step-to-step similarity is set by two knobs (--keys random, the default), per request, layer and query head:
   q_t = sqrt(D) * normalize(a * normalize(q_{t-1}) + sqrt(1 - a^2) * normalize(noise))   (--similarity a)
 so the cosine of adjacent queries is about a (within ~0.03 per head at D 128), and with probability --shift per
 step and request every query of the request is drawn afresh (a topic shift, cosine ~0). With the defaults
 (a 0.9, shift 0.02) FreeKV's tau 0.9 sits at the cosine, so it flags a good share of heads every step (SmolLM2 on
 real prompts: mean cosine 0.84, correction rate 0.72, benchmarks/NOTES.md), while LouisKV's boundary_tau 0.7 fires
 at shifts only; a 0.97 makes FreeKV flag little beyond the shifts too. Random keys make attention diffuse: which
-pages are selected carries no accuracy meaning here, only how many are recalled and what it costs.
+pages are selected carries no accuracy meaning here, only how many are recalled and what it costs; and since every
+page scores alike, the top-k flips on tiny query changes, so a selector recalls far more than on a real model.
+
+--keys structured: keys, values and queries from benchmarks/realistic_churn.py's StructuredKV instead, whose
+attention is concentrated on a few pages of the request's current topic that stay relevant over steps, with query
+churn and topic shifts fitted to SmolLM2-135M (NOTES.md, thirteenth session; --similarity is unused, --shift is the
+topic-shift rate). --shape smollm2 runs SmolLM2-135M's attention shape (30 layers, 9 / 3 heads, head dim 64), the
+geometry the fit was made at; the default is llama8b.
 
 Policies (--policies): freekv (the default selection: sketch + rerank, speculative with correction at tau),
 freekv-means (FreeKV with MeanS selection), louiskv (retrieval at semantic boundaries of clusters and segments).
@@ -29,12 +37,20 @@ Reported per config, over the timed steps (after --warmup steps that fill the sl
                       select and recall before attention); LouisKV: the share of (request, sparse layer) steps at a
                       semantic boundary (engine.stats() counts a boundary as all heads of the row flagged)
   recall_mb_per_step  K+V bytes recalled host->GPU per step, all requests and layers (before attention / after)
+  changed_share       pages recalled per (request, sparse layer, KV head) and step over the budget's pages: the share
+                      of the selection that changes per step (FreeKV: before attention and speculative together)
   step_ms             median (and mean, p90) time of one step over all requests: the graph's replay, synchronised
                       before and after; the host's prepare_step and the query drift run outside the timed region
-Rows go to --out as JSON, merged by (context, batch, policy, layers, similarity, shift, steps), so configs can be
-run in several invocations (each GPU command is limited in time). Host memory is batch x context x 128 KiB at 32
-layers (the arena keeps every layer); configs above --host-gb are skipped with a note: run them with fewer
---layers (step time and bytes scale with the sparse layers, retrieval shares do not).
+With --probe (the default on CPU; eager steps only, it reads the host arena every layer), also the probe's
+statistics of benchmarks/realistic_churn.py: attention mass of the best k pages (topk_mass), of the best page, of the
+selection (covered_mass), and the share of the best k pages that change per step (oracle_change). The probe runs
+inside the step, so its step times are not speed figures.
+Rows go to --out as JSON, merged by (context, batch, policy, layers, keys, shape, similarity, shift, steps), so
+configs can be run in several invocations (each GPU command is limited in time). The host arena keeps every layer:
+batch x (context + steps) x 128 KiB at the Llama shape's 32 layers (batch 16 at 32K: 77 GB). A config whose arena
+exceeds --host-gb runs with fewer layers instead, as many as fit (the row's `layers` says how many and
+`layers_reduced_from` what was asked): step time and bytes scale with the sparse layers, shares do not. If
+registering the arena with CUDA fails anyway, the config is skipped with the error in the row.
 """
 
 from __future__ import annotations
@@ -52,7 +68,12 @@ import torch
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
 
-HQ, H, D = 32, 8, 128
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from realistic_churn import STRUCTURED, ChurnProbe, StructuredKV, counters, summarize  # noqa: E402
+
+PROBED = ("topk_mass", "top1_mass", "covered_mass", "oracle_change", "cos_mean", "changed_share_now")
+# Attention shapes (layers, query heads, KV heads, head dim).
+SHAPES = {"llama8b": (32, 32, 8, 128), "smollm2": (30, 9, 3, 64)}
 DEFAULTS = FreeKVConfig()
 POLICIES = {
     "freekv": dict(retrieval="freekv"),
@@ -61,7 +82,8 @@ POLICIES = {
 }
 
 
-def host_bytes(batch: int, context: int, layers: int, dtype_bytes: int = 2) -> int:
+def host_bytes(batch: int, context: int, layers: int, shape: str = "llama8b", dtype_bytes: int = 2) -> int:
+    _, _, H, D = SHAPES[shape]
     return batch * context * layers * H * 2 * D * dtype_bytes
 
 
@@ -72,11 +94,12 @@ def unit(x: torch.Tensor) -> torch.Tensor:
 class Queries:
     """The static query buffer q [L, B, Hq, D] and its per-step drift (see the module docstring)."""
 
-    def __init__(self, layers: int, batch: int, similarity: float, shift: float, device, dtype, seed: int):
+    def __init__(self, layers: int, batch: int, hq: int, d: int, similarity: float, shift: float, device, dtype,
+                 seed: int):
         self.gen = torch.Generator(device=device).manual_seed(seed)
         self.a, self.b, self.shift = similarity, math.sqrt(max(0.0, 1 - similarity ** 2)), shift
-        self.scale = math.sqrt(D)
-        self.q = unit(self._randn(layers, batch, HQ, D)).mul_(self.scale).to(dtype)
+        self.scale = math.sqrt(d)
+        self.q = unit(self._randn(layers, batch, hq, d)).mul_(self.scale).to(dtype)
         self.shifts = torch.zeros((), dtype=torch.int64, device=device)  # fresh draws so far (no host sync)
 
     def _randn(self, *shape):
@@ -91,10 +114,27 @@ class Queries:
         self.q.copy_(new.mul_(self.scale))
 
 
-def run_config(args, context: int, batch: int, policy: str) -> dict:
+class Structured:
+    """--keys structured: StructuredKV's queries and new K/V copied into the step's static buffers."""
+
+    def __init__(self, gen: StructuredKV, dtype):
+        self.gen = gen
+        self.q = gen.queries().to(dtype)
+        self.kv = gen.step_kv().to(dtype)
+        self.shifts = gen.shifts
+
+    def advance(self) -> None:
+        self.gen.advance()
+        self.q.copy_(self.gen.queries())
+        self.kv.copy_(self.gen.step_kv())
+
+
+def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict:
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    L, graph = args.layers, args.graph and dev.type == "cuda"
+    _, HQ, H, D = SHAPES[args.shape]
+    L, probe = layers, args.probe
+    graph = args.graph and dev.type == "cuda" and not probe
     cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
                        tau=args.tau, dense_layers=1, boundary_tau=args.boundary_tau, **POLICIES[policy])
     max_context = context + args.warmup + args.steps + 8
@@ -103,12 +143,24 @@ def run_config(args, context: int, batch: int, policy: str) -> dict:
                        device=dev, backend=args.backend, pad_slot=0, dense_outside=True,
                        host_pages=batch * max_pages)
     gen = torch.Generator(device=dev).manual_seed(args.seed)
+    structured = None
+    if args.keys == "structured":
+        # The same seed for every policy of a config: they see the same keys and queries.
+        structured = StructuredKV(L, batch, HQ, H, D, dev, args.seed, **{**STRUCTURED, "shift": args.shift})
     slots = list(range(1, batch + 1))
     t0 = time.perf_counter()
-    for s in slots:
+    for row, s in enumerate(slots):
         eng.add_request(s)
         eng.begin_prefill(s, context)
+        if structured is not None:
+            prompt = structured.prompt(row, context, args.page_size)
+            next(prompt)  # layer 0 is dense and outside
+            q_last = structured.queries()
         for layer in range(1, L):
+            if structured is not None:
+                k, v = (x.to(dtype) for x in next(prompt))
+                eng.prefill_layer(s, layer, k, v, q_last[layer, row].to(dtype))
+                continue
             k, v = (torch.randn(context, H, D, generator=gen, device=dev, dtype=torch.float32).to(dtype)
                     for _ in range(2))
             eng.prefill_layer(s, layer, k, v, torch.randn(HQ, D, generator=gen, device=dev).to(dtype))
@@ -116,10 +168,15 @@ def run_config(args, context: int, batch: int, policy: str) -> dict:
         torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
 
-    queries = Queries(L, batch, args.similarity, args.shift, dev, dtype, args.seed + 1)
+    if structured is not None:
+        queries = Structured(structured, dtype)
+        kv = queries.kv
+    else:
+        queries = Queries(L, batch, HQ, D, args.similarity, args.shift, dev, dtype, args.seed + 1)
+        kv = torch.zeros(2, L, batch, H, D, device=dev, dtype=dtype)
     q = queries.q
-    kv = torch.zeros(2, L, batch, H, D, device=dev, dtype=dtype)
     lens = [context]
+    churn = eng.probe = ChurnProbe(eng) if probe else None
 
     def step():
         plan = eng.plan(batch)
@@ -131,7 +188,8 @@ def run_config(args, context: int, batch: int, policy: str) -> dict:
         lens[0] += 1
         eng.prepare_step(slots, lens=[lens[0]] * batch)
         queries.advance()
-        kv.normal_(generator=gen)
+        if structured is None:
+            kv.normal_(generator=gen)
 
     def sync():
         if dev.type == "cuda":
@@ -142,7 +200,6 @@ def run_config(args, context: int, batch: int, policy: str) -> dict:
         step()
     run = step
     if graph:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from profile_step import capture
 
         advance()
@@ -154,6 +211,8 @@ def run_config(args, context: int, batch: int, policy: str) -> dict:
         run()
     sync()
     before, shifts0 = eng.stats(), queries.shifts.clone()
+    if churn is not None:
+        churn.active, counts0 = True, counters(eng)
     times = []
     for _ in range(args.steps):
         advance()
@@ -171,7 +230,9 @@ def run_config(args, context: int, batch: int, policy: str) -> dict:
     later = (after["recall_pages_speculative"] - before["recall_pages_speculative"]) * page_bytes
     times.sort()
     row = {"context": context, "batch": batch, "policy": policy, "layers": L, "sparse_layers": L - 1,
-           "similarity": args.similarity, "shift": args.shift, "steps": n, "graph": graph,
+           "keys": args.keys, "shape": args.shape, "heads": [HQ, H, D],
+           "similarity": args.similarity if structured is None else None, "shift": args.shift, "steps": n,
+           "graph": graph,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "budget": cfg.budget, "page_size": cfg.page_size, "tau": cfg.tau, "boundary_tau": cfg.boundary_tau,
            "selection": cfg.selection if policy != "louiskv" else None,
@@ -180,28 +241,36 @@ def run_config(args, context: int, batch: int, policy: str) -> dict:
            "recall_mb_per_step": round((now + later) / n / 1e6, 3),
            "recall_mb_per_step_now": round(now / n / 1e6, 3),
            "recall_mb_per_step_after": round(later / n / 1e6, 3),
+           "changed_share": round((now + later) / page_bytes / (n * batch * (L - 1) * H * cfg.select_pages), 4),
            "step_ms": round(statistics.median(times), 3), "step_ms_mean": round(statistics.fmean(times), 3),
            "step_ms_p90": round(times[int(0.9 * (n - 1))], 3), "prefill_s": round(prefill_s, 2)}
     row["query_shift_share"] = round(int(queries.shifts - shifts0) / (n * batch), 4)
+    if churn is not None:
+        row["probe"] = summarize(churn, eng, counts0, n, batch)
+        row.update({key: row["probe"]["mean"][key] for key in PROBED})
     del eng
     return row
 
 
 def row_key(r: dict) -> tuple:
-    return tuple(r.get(k) for k in ("context", "batch", "policy", "layers", "similarity", "shift", "steps", "device"))
+    return tuple(r.get(k) for k in ("context", "batch", "policy", "layers", "keys", "shape", "similarity", "shift",
+                                    "steps", "device"))
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| context | batch | policy | retrieval share | MB recalled / step (before attn / after) "
-            "| step ms (median / p90) |\n| ---: | ---: | --- | ---: | ---: | ---: |")
+    head = ("| keys | context | batch | layers | policy | retrieval share | changed share | MB recalled / step "
+            "(before attn / after) | step ms (median / p90) | top-k mass | oracle change |\n"
+            "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     lines = [head]
     for r in rows:
+        first = f"| {r.get('keys', 'random')} | {r['context']} | {r['batch']} | {r['layers']} | {r['policy']} |"
         if "skipped" in r:
-            lines.append(f"| {r['context']} | {r['batch']} | {r['policy']} | skipped: {r['skipped']} | | |")
+            lines.append(f"{first} skipped: {r['skipped']} | | | | | |")
             continue
-        lines.append(f"| {r['context']} | {r['batch']} | {r['policy']} | {r['retrieval_share']:.4f} | "
+        probed = (f"{r['topk_mass']:.3f} | {r['oracle_change']:.3f}" if "topk_mass" in r else "- | -")
+        lines.append(f"{first} {r['retrieval_share']:.4f} | {r['changed_share']:.3f} | "
                      f"{r['recall_mb_per_step']:.2f} ({r['recall_mb_per_step_now']:.2f} / "
-                     f"{r['recall_mb_per_step_after']:.2f}) | {r['step_ms']:.3f} / {r['step_ms_p90']:.3f} |")
+                     f"{r['recall_mb_per_step_after']:.2f}) | {r['step_ms']:.3f} / {r['step_ms_p90']:.3f} | {probed} |")
     return "\n".join(lines)
 
 
@@ -212,9 +281,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--policies", default="freekv,freekv-means,louiskv", help=f"from {','.join(POLICIES)}")
     ap.add_argument("--steps", type=int, default=4096, help="timed decode steps (the paper's long outputs: >= 4K)")
     ap.add_argument("--warmup", type=int, default=16, help="untimed steps first (at least 3 are eager)")
-    ap.add_argument("--layers", type=int, default=32, help="model layers; the first is dense and left out")
-    ap.add_argument("--similarity", type=float, default=0.9, help="adjacent-query cosine a (see above)")
-    ap.add_argument("--shift", type=float, default=0.02, help="per step and request: chance of a fresh query")
+    ap.add_argument("--layers", type=int, default=None, help="model layers (default: the shape's); the first is "
+                    "dense and left out")
+    ap.add_argument("--keys", choices=("random", "structured"), default="random",
+                    help="random N(0, 1) keys with drifting queries, or StructuredKV's topic structure")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="llama8b", help="attention shape")
+    ap.add_argument("--similarity", type=float, default=0.9, help="--keys random: adjacent-query cosine a")
+    ap.add_argument("--shift", type=float, default=None, help="per step and request: chance of a fresh query "
+                    "(random, default 0.02) or of a topic shift (structured, default the fitted STRUCTURED's)")
     ap.add_argument("--budget", type=int, default=DEFAULTS.budget)
     ap.add_argument("--sink", type=int, default=DEFAULTS.sink)
     ap.add_argument("--window", type=int, default=DEFAULTS.window)
@@ -225,7 +299,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on cuda, fp32 on cpu")
     ap.add_argument("--backend", default=None, help="engine ops: triton (cuda default) or torch (cpu default)")
     ap.add_argument("--no-graph", dest="graph", action="store_false", help="eager steps on cuda too")
-    ap.add_argument("--host-gb", type=float, default=100.0, help="skip configs whose host arena exceeds this")
+    ap.add_argument("--probe", action=argparse.BooleanOptionalAction, default=None,
+                    help="attention statistics per step (default: on for cpu; eager steps only)")
+    # 65 GiB failed to register with CUDA on a 128 GB H100 host (batch 16 at 32K, 32 layers): stay well below it.
+    ap.add_argument("--host-gb", type=float, default=40.0,
+                    help="host arena limit: a config above it runs with as many layers as fit")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/engine-decode.json")
     return ap
@@ -234,6 +312,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    args.layers = args.layers or SHAPES[args.shape][0]
+    if args.shift is None:
+        args.shift = 0.02 if args.keys == "random" else STRUCTURED["shift"]
+    args.probe = args.device == "cpu" if args.probe is None else args.probe
     if not 0 <= args.similarity <= 1 or not 0 <= args.shift <= 1:
         raise SystemExit("--similarity and --shift must lie in [0, 1]")
     if args.layers < 2 or args.steps < 1:
@@ -256,17 +338,25 @@ def main(argv: list[str] | None = None) -> int:
     for context in [int(x) for x in args.contexts.split(",")]:
         for batch in [int(x) for x in args.batches.split(",")]:
             for policy in policies:
-                need = host_bytes(batch, context + args.steps, args.layers, dtype_bytes)
-                if need > args.host_gb * 1e9:
-                    r = {"context": context, "batch": batch, "policy": policy, "layers": args.layers,
-                         "similarity": args.similarity, "shift": args.shift, "steps": args.steps,
-                         "skipped": f"host arena {need / 1e9:.0f} GB > --host-gb {args.host_gb:g}; "
-                                    f"use --layers {max(2, int(args.layers * args.host_gb * 1e9 / need))}"}
-                    print(json.dumps(r), flush=True)
-                    rows.append(r)
-                    continue
-                r = run_config(args, context, batch, policy)
-                print(json.dumps(r), flush=True)
+                tokens = context + args.warmup + args.steps + 8
+                per_layer = host_bytes(batch, tokens, 1, args.shape, dtype_bytes)
+                layers = min(args.layers, int(args.host_gb * 1e9 // per_layer))
+                note = {"context": context, "batch": batch, "policy": policy, "layers": layers, "keys": args.keys,
+                        "shape": args.shape, "similarity": args.similarity if args.keys == "random" else None,
+                        "shift": args.shift, "steps": args.steps}
+                if layers < 2:
+                    r = {**note, "skipped": f"host arena {2 * per_layer / 1e9:.0f} GB at 2 layers > --host-gb "
+                                            f"{args.host_gb:g}"}
+                else:
+                    try:
+                        r = run_config(args, context, batch, policy, layers)
+                    except RuntimeError as err:  # cudaHostRegister refusing the arena: note it, go on
+                        r = {**note, "skipped": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
+                    if layers < args.layers:
+                        r["layers_reduced_from"] = args.layers
+                        r["note"] = (f"host arena {args.layers * per_layer / 1e9:.0f} GB at {args.layers} layers > "
+                                     f"--host-gb {args.host_gb:g}: ran {layers} layers")
+                print(json.dumps({k: v for k, v in r.items() if k != "probe"}), flush=True)
                 rows.append(r)
                 save()
                 if args.device.startswith("cuda"):
