@@ -11,11 +11,15 @@ batch and tau, a CUDA-graph-captured step (plan, 31 sparse layers, join) is time
   full-KV          FlashInfer decode over the whole context, 31 layers: what full-KV SGLang pays here.
 Then one eager step under torch.profiler: kernels launched per step and GPU time per kernel, grouped.
 Queries are random (tau 0.9 flags nearly every head) or drift slowly from the previous step's (tau 0.9
-then flags few heads); tau 0 never corrects; tau 1 with --kv-recall all recalls every selected page of every
+then flags few heads), over random N(0, 1) keys; or structured: keys, values and queries from
+benchmarks/realistic_churn.py's StructuredKV (attention concentrated on a few pages of a topic that persists, query
+churn fitted to SmolLM2-135M); tau 0 never corrects; tau 1 with --kv-recall all recalls every selected page of every
 head before attention, every step: the recall-bound case; tau 1 with drifting queries selects every head before
 attention but recalls few pages, as random weights do in the server (benchmarks/decode.py). For each row, the bytes recalled in the profiled step
 over the recall kernels' GPU time, beside the host-to-GPU copy peak measured at the start of the same run.
-Each row's engine registers batch x context x 128 KiB of host memory with CUDA: batch 16 at 32K takes 69 GB.
+Each row's engine registers batch x context x 4 KiB per layer of host memory with CUDA: batch 16 at 32K and 32 layers
+takes 69 GB, which failed to register on a 128 GB H100 host. A batch whose arena exceeds --host-gb runs with as many
+layers as fit (printed, and `layers` in its rows; times scale with the sparse layers).
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from freekv_sglang.flashinfer_attention import FlashInferHeadAttention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode import copy_peak_gbps
+from realistic_churn import STRUCTURED, StructuredKV
 
-L, HQ, H, D = 32, 32, 8, 128
+LAYERS, HQ, H, D = 32, 32, 8, 128
 BF = torch.bfloat16
 
 
@@ -78,8 +83,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--context", type=int, default=32000)
     ap.add_argument("--rows", default="0.9:random:delta,0.9:drifting:delta,0:random:delta,1:random:all,"
-                    "1:drifting:delta", help="tau:queries:recall[:selection[/rerank_factor]] per row (selection: "
-                    "the engine's default unless given, e.g. 0.9:random:delta:means or 0.9:drifting:delta:rerank/0)")
+                    "1:drifting:delta", help="tau:queries:recall[:selection[/rerank_factor]] per row (queries: random, "
+                    "drifting or structured; selection: the engine's default unless given, e.g. "
+                    "0.9:random:delta:means or 0.9:structured:delta:rerank/0)")
+    ap.add_argument("--layers", type=int, default=LAYERS, help="model layers; the first is dense and left out")
+    # 65 GiB failed to register with CUDA on a 128 GB H100 host (batch 16 at 32K, 32 layers): stay well below it.
+    ap.add_argument("--host-gb", type=float, default=40.0, help="host arena limit: fewer layers above it")
     ap.add_argument("--out", default="results/profile-step.json")
     args = ap.parse_args()
     import flashinfer
@@ -91,27 +100,41 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; host->GPU copy peak {peak:.1f} GB/s", flush=True)
     rows, keep = [], []
     for B in [int(b) for b in args.batches.split(",")]:
+        host_pages = B * (args.context // 32 + 32)
+        per_layer = host_pages * H * 2 * 32 * D * 2
+        L = min(args.layers, int(args.host_gb * 1e9 // per_layer))
+        if L < 2:
+            print(f"batch {B}: skipped, host arena {2 * per_layer / 1e9:.0f} GB at 2 layers > --host-gb", flush=True)
+            continue
+        if L < args.layers:
+            print(f"batch {B}: {L} layers instead of {args.layers} (host arena {args.layers * per_layer / 1e9:.0f} "
+                  f"GB > --host-gb {args.host_gb:g})", flush=True)
         for spec in args.rows.split(","):
             tau_s, queries, recall, *sel = spec.split(":")
             selection, _, factor = (sel[0] if sel else FreeKVConfig().selection).partition("/")
-            if queries not in ("random", "drifting"):
-                raise SystemExit(f"--rows: queries must be random or drifting, got {queries!r}")
+            if queries not in ("random", "drifting", "structured"):
+                raise SystemExit(f"--rows: queries must be random, drifting or structured, got {queries!r}")
             tau, drift = float(tau_s), queries == "drifting"
+            gen = StructuredKV(L, B, HQ, H, D, "cuda", 0, **STRUCTURED) if queries == "structured" else None
             cfg = FreeKVConfig(budget=2048, sink=128, window=512, page_size=32, tau=tau, dense_layers=1,
                                recall=recall, selection=selection,
                                rerank_factor=int(factor) if factor else FreeKVConfig().rerank_factor)
             eng = FreeKVEngine(cfg, ModelShape(L, HQ, H, D), max_requests=B + 1, max_context=args.context + 512,
                                dtype=BF, device="cuda", backend="triton", pad_slot=0, dense_outside=True,
-                               host_pages=B * (args.context // 32 + 32))
+                               host_pages=host_pages)
             fi = FlashInferHeadAttention(inner, cfg, HQ, H, D, eng.num_slots, torch.device("cuda"))
             slots = list(range(1, B + 1))
-            for s in slots:
+            for row, s in enumerate(slots):
                 eng.add_request(s)
                 eng.begin_prefill(s, args.context)
+                prompt = gen.prompt(row, args.context, 32) if gen is not None else None
+                if prompt is not None:
+                    next(prompt)  # layer 0 is dense and outside
                 for layer in range(1, L):
-                    eng.prefill_layer(s, layer, torch.randn(args.context, H, D, device="cuda", dtype=BF),
-                                      torch.randn(args.context, H, D, device="cuda", dtype=BF))
-            q = torch.randn(L, B, HQ, D, device="cuda", dtype=BF)
+                    k, v = ((x.to(BF) for x in next(prompt)) if prompt is not None else
+                            (torch.randn(args.context, H, D, device="cuda", dtype=BF) for _ in range(2)))
+                    eng.prefill_layer(s, layer, k, v)
+            q = torch.randn(L, B, HQ, D, device="cuda", dtype=BF) if gen is None else gen.queries().to(BF)
             kv = torch.randn(2, L, B, H, D, device="cuda", dtype=BF)
             lens = [args.context]
             meta = layer_meta()
@@ -127,7 +150,11 @@ def main() -> None:
                 lens[0] += 1
                 eng.prepare_step(slots, lens=[lens[0]] * B)
                 fi.plan([lens[0]] * B, graph=True)
-                if drift:
+                if gen is not None:
+                    gen.advance()
+                    q.copy_(gen.queries())
+                    kv.copy_(gen.step_kv())
+                elif drift:
                     q.mul_(0.995).add_(torch.randn_like(q), alpha=0.1)
                 else:
                     q.normal_()
@@ -172,7 +199,7 @@ def main() -> None:
             kernels = sum(v[0] for v in by_name.values())
             gpu_ms = sum(v[1] for v in by_name.values())
             top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
-            row = {"batch": B, "tau": tau, "recall": recall, "queries": "drifting" if drift else "random",
+            row = {"batch": B, "layers": L, "tau": tau, "recall": recall, "queries": queries,
                    "selection": selection, "rerank_factor": cfg.rerank_factor,
                    "correction_rate": round(rate, 3), "step_ms_graph": round(step_ms, 3),
                    "recall_mb_per_step": round(recalled / 1e6, 2), "recall_kernel_ms": round(recall_ms, 3),
@@ -202,7 +229,7 @@ def main() -> None:
         keep.append(w)  # FlashInfer graph-mode wrappers must outlive the process's later plans
         qf = torch.randn(B, HQ, D, device="cuda", dtype=BF)
         full_ms = graph_time(lambda: [w.run(qf, (kc[:, None], kc[:, None])) for _ in range(L - 1)])
-        rows.append({"batch": B, "full_kv_attention_ms": round(full_ms, 3)})
+        rows.append({"batch": B, "layers": L, "full_kv_attention_ms": round(full_ms, 3)})
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -210,7 +237,7 @@ def main() -> None:
                                           "context": args.context, "rows": rows}, indent=1))
     for r in rows:
         if "top_kernels" in r:
-            print(f"\nbatch {r['batch']} tau {r['tau']} recall {r['recall']} {r['queries']} "
+            print(f"\nbatch {r['batch']} ({r['layers']} layers) tau {r['tau']} recall {r['recall']} {r['queries']} "
                   f"{r['selection']}/{r['rerank_factor']}: "
                   f"{r['eager_kernels_per_step']} kernels, {r['eager_gpu_ms_per_step']} ms GPU per eager step; step "
                   f"{r['step_ms_graph']} ms in a graph; recall {r['recall_mb_per_step']} MB in {r['recall_kernel_ms']} "
