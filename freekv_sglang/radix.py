@@ -3,14 +3,16 @@
 SGLang's radix tree keeps a cached prefix's token slots; under FreeKV those hold only the dense layers' KV (the
 sparse layers' pool rows are staging pages, released once a prompt is in). The sparse layers' prefix lives in the
 kvstore arena as host pages retained under prefix keys (freekv_kvstore.prefix_keys, one chain key per full page), so
-a hit needs both: the radix match (dense layers' slots) and the arena's (sparse layers' pages, every layer's bytes).
+a hit needs the arena's (every layer's bytes) and token slots holding its dense layers (the radix node's, or loaded).
 
 - Export (the radix cache's cache_unfinished_req once a prompt's prefill completed, and cache_finished_req;
   patches/_radix_cache.py): the request's full pages go to the arena with their summaries
-  (FreeKVEngine.export_prefix) and are retained as a chain, one key per page.
-- Match (match_prefix with a request): the radix match is cut to the arena's longest retained prefix of it, whose
-  pages are pinned for the request at once (LOOKUP with a pending owner id, which the engine takes as the request's
-  owner), so no eviction can take them before the prefill. Pins of requests the scheduler did not admit into the new
+  (FreeKVEngine.export_prefix) and the dense layers' slices from SGLang's pool, and are retained as a chain, one key
+  per page.
+- Match (match_prefix with a request): the arena's longest retained prefix of the request's tokens, whose pages are
+  pinned for the request at once (LOOKUP with a pending owner id, which the engine takes as the request's owner), so
+  no eviction can take them before the prefill. The radix match is cut to it or, where the tree lacks it, its dense
+  layers are loaded into new token slots (load_dense). Pins of requests the scheduler did not admit into the new
   prefill batch are let go when get_new_batch_prefill returns (release_unadmitted).
 - Prefill (FreeKVAttnBackend._prepare_extend): a hit row starts with FreeKVEngine.begin_prefill_shared; its prefix pages
   are staged once per host page (shared by every row of that prefix, filled from the arena layer by layer before the
@@ -57,9 +59,14 @@ class PrefixPin:
     tokens: int
 
 
+# What a retained page holds, in its keys: pages retained before the dense layers' slices were exported (format 1)
+# must not be loaded into the dense layers by a newer server on the same arena.
+PAGE_FORMAT = 2
+
+
 def namespace_of(model_path: str, revision: str | None, dtype: torch.dtype, rank: int, tp_size: int) -> bytes:
     """What prefix keys are salted with: another model, revision, KV dtype or TP split never hits."""
-    return f"{model_path}|{revision or ''}|{dtype}|tp{rank}/{tp_size}".encode()
+    return f"{model_path}|{revision or ''}|{dtype}|tp{rank}/{tp_size}|pages{PAGE_FORMAT}".encode()
 
 
 class PrefixSharing:
