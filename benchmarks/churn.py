@@ -88,7 +88,8 @@ def main() -> None:
         cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
                            tau=args.tau, dense_layers=1, selection=selection)
         stats, out = run(model, cfg, ids, args.warm, args.new)
-        rows.append({"source": "SmolLM2-135M", "selection": selection, "prompt_tokens": len(ids), "new_tokens": args.new,
+        rows.append({"source": "SmolLM2-135M", "selection": selection, "prompt_tokens": len(ids),
+                     "new_tokens": args.new,
                      "budget": args.budget, "sink": args.sink, "window": args.window, "page_size": args.page_size,
                      "tau": args.tau, "budget_pages": cfg.select_pages, "text": Path(args.text).name,
                      "generated": tok.decode(out), **stats})

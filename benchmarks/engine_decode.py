@@ -146,7 +146,7 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
     structured = None
     if args.keys == "structured":
         # The same seed for every policy of a config: they see the same keys and queries.
-        structured = StructuredKV(L, batch, HQ, H, D, dev, args.seed, **{**STRUCTURED, "shift": args.shift})
+        structured = StructuredKV(L, batch, HQ, H, D, context, dev, args.seed, **{**STRUCTURED, "shift": args.shift})
     slots = list(range(1, batch + 1))
     t0 = time.perf_counter()
     for row, s in enumerate(slots):

@@ -115,7 +115,8 @@ def main() -> None:
             if queries not in ("random", "drifting", "structured"):
                 raise SystemExit(f"--rows: queries must be random, drifting or structured, got {queries!r}")
             tau, drift = float(tau_s), queries == "drifting"
-            gen = StructuredKV(L, B, HQ, H, D, "cuda", 0, **STRUCTURED) if queries == "structured" else None
+            gen = None if queries != "structured" else StructuredKV(L, B, HQ, H, D, args.context, "cuda", 0,
+                                                                    **STRUCTURED)
             cfg = FreeKVConfig(budget=2048, sink=128, window=512, page_size=32, tau=tau, dense_layers=1,
                                recall=recall, selection=selection,
                                rerank_factor=int(factor) if factor else FreeKVConfig().rerank_factor)

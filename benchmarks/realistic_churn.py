@@ -8,7 +8,7 @@ reads a few pages that stay relevant over many steps, and its tail of the top-k 
 layer, KV head):
   - T topic directions u_1..u_T (random unit vectors in R^D; the requests differ in which topic each page holds).
     The context is a sequence of segments of geometric length (mean seg_tokens), each on a uniformly drawn topic,
-    so topics recur over the context as in a long text and the current topic holds about 1/T of it at any length.
+    so topics recur over the context as in a long text and the current topic holds about 1/T of it.
   - keys k_i = kappa_h (1 + sigma g_j) u_{z_j} + content c_j + eps_i for token i of page j: the segment's topic with
     a page strength (g_j ~ N(0, 1)), a page content vector c_j ~ N(0, I) shared by the page's tokens (what a page is
     about beyond its topic), and token noise eps_i ~ N(0, I). kappa_h = kappa x LogNormal(0, kappa_spread).
@@ -26,8 +26,10 @@ content (alpha u_c + sqrt(1 - alpha^2) xi) . c_j per page (a part fixed while th
 to it, and a part that moves with xi; each ~N(0, 1) times its weight), plus N(0, 1) per token. So the mass sits on
 the current topic's pages, ordered by strength and by how well their content matches the query; the moving content
 term reorders the tail of the top-k as xi drifts, the topic term keeps the head of it. The terms are in logit units
-and do not depend on D (the page size does matter: a page's log-sum-exp averages its tokens' noise). STRUCTURED holds the parameters fitted to
-SmolLM2-135M's statistics (benchmarks/churn.py; NOTES.md, thirteenth session).
+and do not depend on D (the page size does matter: a page's log-sum-exp averages its tokens' noise).
+The number of topics grows with the prompt as distinct words grow with a text (Heaps' law): T = topics x
+(context / 4096)^heaps. STRUCTURED holds the parameters fitted to SmolLM2-135M's statistics (benchmarks/churn.py;
+NOTES.md, thirteenth session).
 
 The probe (ChurnProbe), installed as engine.probe: per sparse layer, over (row, KV head) cases after attention,
 from the exact keys of the candidate pages (eager, CPU or small shapes only: it reads the host arena):
@@ -55,7 +57,7 @@ from freekv_sglang.selectors import page_attention_mass
 # share of steps below it is how often a real model's queries jump, which the topic shifts stand for.
 BOUNDARY_TAU = 0.7
 # Generator parameters fitted to SmolLM2-135M on CPU (NOTES.md, thirteenth session).
-STRUCTURED = dict(topics=12, seg_tokens=256, kappa=2.0, kappa_spread=0.0, sigma=0.2, content=1.75, alpha=0.8,
+STRUCTURED = dict(topics=12, heaps=0.5, seg_tokens=256, kappa=3.0, kappa_spread=0.0, sigma=0.2, content=1.75, alpha=0.8,
                   rho=0.6, head_spread=0.3, step_spread=0.35, shift=0.01)
 
 
@@ -64,19 +66,22 @@ def unit(x: torch.Tensor) -> torch.Tensor:
 
 
 class StructuredKV:
-    """Keys, values and queries with topic structure (module docstring). Layers are the engine's sparse layers,
-    indexed 0..layers-1 here; all state lives on `device` in fp32 (the caller casts)."""
+    """Keys, values and queries with topic structure (module docstring) for `batch` requests of `context` prompt
+    tokens. Layers are indexed as the engine's; all state lives on `device` in fp32 (the caller casts)."""
 
-    def __init__(self, layers: int, batch: int, q_heads: int, kv_heads: int, head_dim: int, device, seed: int, *,
-                 topics: int, seg_tokens: int, kappa: float, kappa_spread: float, sigma: float, content: float,
-                 alpha: float, rho: float, head_spread: float, step_spread: float, shift: float):
+    def __init__(self, layers: int, batch: int, q_heads: int, kv_heads: int, head_dim: int, context: int, device,
+                 seed: int, *, topics: float, heaps: float, seg_tokens: int, kappa: float, kappa_spread: float,
+                 sigma: float, content: float, alpha: float, rho: float, head_spread: float, step_spread: float,
+                 shift: float):
         self.L, self.B, self.Hq, self.H, self.D = layers, batch, q_heads, kv_heads, head_dim
         self.G = q_heads // kv_heads
-        self.T, self.seg, self.sigma, self.alpha, self.shift = topics, seg_tokens, sigma, alpha, shift
+        # Topics in a prompt of `context` tokens: Heaps' law, as distinct words grow with a text's length.
+        self.T = max(2, round(topics * (context / 4096) ** heaps))
+        self.seg, self.sigma, self.alpha, self.shift = seg_tokens, sigma, alpha, shift
         self.step_spread, self.content = step_spread, content
         self.dev = torch.device(device)
         self.gen = torch.Generator(device=self.dev).manual_seed(seed)
-        self.u = unit(self._randn(layers, kv_heads, topics, head_dim))  # [L, H, T, D]
+        self.u = unit(self._randn(layers, kv_heads, self.T, head_dim))  # [L, H, T, D]
         # Per (layer, KV head): focus kappa_h and how far its query's content part moves per step.
         self.kappa = kappa * torch.exp(kappa_spread * self._randn(layers, kv_heads))
         self.one_minus_rho = ((1 - rho) * torch.exp(head_spread * self._randn(layers, kv_heads))).clamp(max=2.0)
@@ -144,9 +149,8 @@ class StructuredKV:
         noise = unit(self._randn(*self.xi.shape))
         self.xi = unit(rho * self.xi + (1 - rho * rho).clamp_min(0).sqrt() * noise)
         fresh = self._rand(self.B) < self.shift
-        if self.T > 1:
-            other = (self.topic + 1 + self._randint(self.T - 1, self.B)) % self.T
-            self.topic = torch.where(fresh, other, self.topic)
+        other = (self.topic + 1 + self._randint(self.T - 1, self.B)) % self.T
+        self.topic = torch.where(fresh, other, self.topic)
         self.xi = torch.where(fresh[None, :, None, None], unit(self._randn(*self.xi.shape)), self.xi)
         self.shifts += fresh.sum()
 
@@ -230,7 +234,8 @@ def summarize(probe: ChurnProbe, engine, before: torch.Tensor, steps: int, rows:
         d["correction_rate"] = flagged / checks
         d["changed_share"] = (now + later) / (checks * k)
         d["changed_share_now"] = now / (checks * k)
-    keys = ("top_half_k_mass", "topk_mass", "top_2k_mass", "top1_mass", "covered_mass", "boundary", "oracle_change", "cos_mean", "cos_std", "below_tau",
+    keys = ("top_half_k_mass", "topk_mass", "top_2k_mass", "top1_mass", "covered_mass", "boundary", "oracle_change",
+            "cos_mean", "cos_std", "below_tau",
             "correction_rate", "changed_share", "changed_share_now")
     mean = {key: sum(d[key] for d in layers.values()) / max(len(layers), 1) for key in keys}
     return {"mean": {key: round(v, 4) for key, v in mean.items()},
