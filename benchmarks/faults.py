@@ -136,7 +136,8 @@ class Run:
 
     def server(self, name: str, extra: list[str] | None = None, env: dict | None = None) -> ServerProcess:
         a = self.args
-        flags = ["--model-path", a.model_path, "--attention-backend", "triton", "--sampling-backend", "pytorch",
+        flags = ["--model-path", a.model_path, *a.model_args.split(), "--attention-backend", "triton",
+                 "--sampling-backend", "pytorch",
                  "--grammar-backend", "none", "--disable-radix-cache", "--page-size", "16",
                  "--mem-fraction-static", "0.3", "--max-running-requests", str(max(16, a.requests)),
                  "--kv-retrieval", "freekv", *a.freekv_args.split(), *(extra or [])]
@@ -319,6 +320,7 @@ class Run:
             srv.stop()
         bogus = dict(os.environ, SGLANG_KV_RETRIEVAL="freekv", FREEKV_ARGS="--kv-budget lots")
         proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", a.model_path,
+                                 *a.model_args.split(),
                                  "--port", str(a.port)], env=bogus, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
         try:
@@ -342,6 +344,8 @@ SCENARIOS = {"daemon-kill": Run.daemon_kill, "daemon-stop": Run.daemon_stop, "da
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-path", required=True)
+    ap.add_argument("--model-args", default="", help="more server flags for the model, e.g. '--load-format dummy "
+                    "--tokenizer-path DIR/tokenizer' for scripts/make_dummy_model.py's folders")
     ap.add_argument("--out", default="results/faults")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--port", type=int, default=30011)

@@ -2,6 +2,7 @@
 
     python3 scripts/make_dummy_model.py llama-3.1-8b /tmp/llama8b
     python3 scripts/make_dummy_model.py qwen2.5-7b /tmp/qwen7b
+    python3 scripts/make_dummy_model.py smollm2-135m /tmp/smollm2-dummy
 
 A word-level tokenizer over the full vocabulary lets SGLang and bench_serving (random-ids) run offline; serve with
 --tokenizer-path OUT/tokenizer (see below).
@@ -22,6 +23,11 @@ SHAPES = {
         model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
         num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072, rope_theta=1000000.0,
         rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False),
+    # SmolLM2-135M-Instruct's shapes: server fault and equality runs without bringing its weights over.
+    "smollm2-135m": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+        rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True),
 }
 
 
