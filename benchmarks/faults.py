@@ -10,6 +10,7 @@ undisturbed run of the same prompts, whether the server answers /health afterwar
 (from the fault to the first new request that completes). Rows go to a table on stdout and to faults.json.
 
   daemon-kill     `--requests` requests decoding, kill -9 of the embedded kvstore daemon after `--fault-after` s
+                  (daemon-kill and daemon-stop share one server and its undisturbed run)
                   (its supervisor restarts it; every request should complete)
   daemon-stop     the same with SIGSTOP of the daemon for 10 s, then SIGCONT (past the 5 s deadline of a kvstore call:
                   the requests that need a new host page meanwhile end with the abort, the others complete)
@@ -133,9 +134,11 @@ class Run:
         rng = random.Random(0)
         self.prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.requests)]
         self.probe = [rng.randrange(100, 30000) for _ in range(32)]
+        self._embedded: tuple[ServerProcess, list[dict]] | None = None  # embedded_server()
 
     def server(self, name: str, extra: list[str] | None = None, env: dict | None = None) -> ServerProcess:
         a = self.args
+        self.close()  # one server on the port at a time: the shared embedded one goes first
         flags = ["--model-path", a.model_path, *a.model_args.split(), "--attention-backend", "triton",
                  "--sampling-backend", "pytorch",
                  "--grammar-backend", "none", "--disable-radix-cache", "--page-size", "16",
@@ -171,30 +174,44 @@ class Run:
         restarts = [line for line in text.splitlines() if line.startswith("sglang:freekv_kvstore_restarts_total")]
         return f"/metrics: {len(series)} FreeKV series, {restarts[0] if restarts else 'no restarts series'}"
 
-    def signal_daemon_mid_decode(self, name: str, fault) -> dict:
+    def embedded_server(self) -> tuple[ServerProcess, list[dict]]:
+        """The server with an embedded daemon and its undisturbed run, shared by daemon-kill and daemon-stop (one start
+        and one reference run less); started again when the last scenario left it dead."""
         a = self.args
-        srv = self.server(name, ["--enable-metrics"])
-        try:
+        if self._embedded is not None and (self._embedded[0].proc.poll() is not None or not healthy(self._embedded[0].url)):
+            self.close()
+        if self._embedded is None:
+            srv = self.server("embedded", ["--enable-metrics"])
             reference = burst(srv.url, self.prompts, a.output_len, a.timeout)
             failed = [r for r in reference if r["outcome"] != "completed"]
             if failed:  # no fault yet: the server itself does not serve these prompts
+                srv.stop()
                 raise RuntimeError(f"the undisturbed run lost {len(failed)} of {len(reference)} requests "
                                    f"({failed[0]['message'][:120]}); server log tail:\n{srv.tail(12)}")
-            pid = daemon_pid(srv)
-            t_fault = {}
+            self._embedded = (srv, reference)
+        return self._embedded
 
-            def inject():
-                time.sleep(a.fault_after)
-                t_fault["t"] = time.time()
-                fault(pid, lambda: t_fault.setdefault("health", health(srv.url)))
+    def close(self) -> None:
+        if self._embedded is not None:
+            self._embedded[0].stop()
+            self._embedded = None
 
-            results = burst(srv.url, self.prompts, a.output_len, a.timeout, during=inject)
-            rec = recover(srv.url, self.probe, t_fault["t"], a.recovery_deadline)
-            return row(name, results, reference, healthy(srv.url) and srv.proc.poll() is None, rec,
-                       f"daemon pid {pid} -> {daemon_pid(srv)}; /health during the fault: {t_fault.get('health')}; "
-                       f"{self.scrape(srv, name)}")
-        finally:
-            srv.stop()
+    def signal_daemon_mid_decode(self, name: str, fault) -> dict:
+        a = self.args
+        srv, reference = self.embedded_server()
+        pid = daemon_pid(srv)
+        t_fault = {}
+
+        def inject():
+            time.sleep(a.fault_after)
+            t_fault["t"] = time.time()
+            fault(pid, lambda: t_fault.setdefault("health", health(srv.url)))
+
+        results = burst(srv.url, self.prompts, a.output_len, a.timeout, during=inject)
+        rec = recover(srv.url, self.probe, t_fault["t"], a.recovery_deadline)
+        return row(name, results, reference, healthy(srv.url) and srv.proc.poll() is None, rec,
+                   f"daemon pid {pid} -> {daemon_pid(srv)}; /health during the fault: {t_fault.get('health')}; "
+                   f"{self.scrape(srv, name)}")
 
     def daemon_kill(self) -> dict:
         def kill(pid, check_health):
@@ -369,13 +386,16 @@ def main() -> None:
     run = Run(args)
     rows = []
     print(f"{'scenario':<15}" + "".join(f"{c:>15}" for c in COLUMNS) + "  note", flush=True)
-    for name in args.scenarios.split(","):  # each row as it ends: a call cut off by its time limit keeps them
-        try:
-            rows.append(SCENARIOS[name](run))
-        except Exception as e:  # the scenario could not run: say so in its row, go on with the next
-            rows.append({"scenario": name, "error": f"{type(e).__name__}: {e}"[:2000]})
-        (run.out / "faults.json").write_text(json.dumps(rows, indent=1) + os.linesep)
-        print_row(rows[-1])
+    try:
+        for name in args.scenarios.split(","):  # each row as it ends: a call cut off by its time limit keeps them
+            try:
+                rows.append(SCENARIOS[name](run))
+            except Exception as e:  # the scenario could not run: say so in its row, go on with the next
+                rows.append({"scenario": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            (run.out / "faults.json").write_text(json.dumps(rows, indent=1) + os.linesep)
+            print_row(rows[-1])
+    finally:
+        run.close()
 
 
 COLUMNS = ("sent", "completed", "aborted", "lost", "equal_outputs", "server_alive", "recovery_s")

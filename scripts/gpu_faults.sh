@@ -4,7 +4,8 @@
 #   bash scripts/gpu_faults.sh   (carry .gpu-model/2; the wheelhouse must already be unpacked in /tmp/site by an
 #                                 earlier call that carried .gpu-wheels)
 # Runs benchmarks/faults.py against FreeKV servers of SmolLM2; table on stdout, JSON and server logs under $OUT.
-# Seven scenarios start eight servers, about 2.5 minutes each (H100, session 13): run them in three calls, e.g.
+# Seven scenarios start seven servers (daemon-kill and daemon-stop share one), about 2.5 minutes a scenario (H100,
+# session 13): run them in three calls, e.g.
 #   bash scripts/gpu_faults.sh --deterministic --scenarios daemon-kill,daemon-stop,daemon-gone
 #   bash scripts/gpu_faults.sh --scenarios daemon-lost,server-restart
 #   bash scripts/gpu_faults.sh --scenarios arena-full,malformed
