@@ -294,20 +294,32 @@ class FreeKVEngine:
             t = min(p, n - j * p)
             kc[row:row + t] = k[(j - a) * p:(j - a) * p + t]
             vc[row:row + t] = v[(j - a) * p:(j - a) * p + t]
-        offload = range(max(cfg.sink_pages, a), n // p - cfg.window_pages)
-        kv = self.selector.prompt_pages(slot, layer, k[:n // p * p - a * p], v[:n // p * p - a * p], offload)
-        if offload:
-            src = torch.tensor(offload, dtype=torch.int32, device=self.device)
-            dst = self.page_table[slot, src.long()]
-            src = src - a  # pages of the suffix tensor
-            valid = torch.ones(len(offload), dtype=torch.bool, device=self.device)
-            kv = kv[0].contiguous(), kv[1].contiguous()
-            self.ops.offload_pages(kv[0], kv[1], self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p,
-                                   programs=PREFILL_OFFLOAD_PROGRAMS, codes=self.selector.codes(layer))
+        offload = self._prompt_offload(slot)
+        lo = (offload.start - a) * p  # in the suffix tensor
+        self._offload_prompt(slot, layer, k[lo:lo + len(offload) * p], v[lo:lo + len(offload) * p], offload)
         if q_last is not None:
             self.prev_q[layer, slot] = q_last
         self.has_prev[layer, slot] = q_last is not None
         self.slot_table[layer, slot] = -1
+
+    def _prompt_offload(self, slot: int) -> range:
+        """The logical pages of a prompt (from its shared prefix on) that are offloaded at prefill: every full page
+        past the sink and before the window the first decode step holds."""
+        cfg, n = self.cfg, self._len[slot]
+        return range(max(cfg.sink_pages, self._shared[slot]), n // cfg.page_size - cfg.window_pages)
+
+    def _offload_prompt(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor, pages: range) -> None:
+        """Offload a prompt's pages `pages`, whose K/V are k, v [len(pages) * page_size, H, D], in the selector's
+        order (LouisKV's clusters), to their host pages."""
+        k, v = self.selector.prompt_pages(slot, layer, k, v, pages)
+        if pages:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            src = torch.arange(len(pages), **i32)
+            dst = self.page_table[slot, pages.start:pages.stop]
+            valid = torch.ones(len(pages), dtype=torch.bool, device=self.device)
+            self.ops.offload_pages(k.contiguous(), v.contiguous(), self.host.arena[:, layer], self.summaries[layer],
+                                   src, dst, valid, self.cfg.page_size, programs=PREFILL_OFFLOAD_PROGRAMS,
+                                   codes=self.selector.codes(layer))
 
     # ---- shared prefixes (radix prefix sharing, docs/radix.md) --------------------------------
 
@@ -430,8 +442,7 @@ class FreeKVEngine:
 
     def stage_prefill(self, slot: int, num_tokens: int) -> None:
         """A prompt prefilled outside the engine, chunk by chunk, has grown to num_tokens: reserve its host
-        pages. Its K/V pages arrive through store_staged, one layer at a time."""
-        self._check_whole_prompts()
+        pages. Its K/V pages arrive through store_staged, one layer at a time (and store_staged_prompt)."""
         self._check_slot(slot)
         p = self.cfg.page_size
         if not self._len[slot] < num_tokens < self.max_pages * p:
@@ -441,11 +452,6 @@ class FreeKVEngine:
         self._ensure_host_pages(slot, -(-num_tokens // p), updates)
         self._upload_page_table(updates)
         self._len[slot] = num_tokens
-
-    def _check_whole_prompts(self) -> None:
-        if self.selector.needs_whole_prompt:
-            raise ValueError(f"retrieval {self.cfg.retrieval!r} orders a prompt's pages by clusters of all its keys: "
-                             "prefill whole prompts with begin_prefill / prefill_layer, not staged chunks")
 
     def host_page(self, slot: int, page: int) -> int:
         """Host page of logical page `page` (past the sink pages) of a slot."""
@@ -458,7 +464,9 @@ class FreeKVEngine:
         pages offload_src and write them to host pages offload_dst; copy pages resident_src to the engine's
         GPU pages resident_dst (the sink and window of prompts that completed). Runs on the recall stream
         after the work queued so far, so it overlaps the next layers; end_step joins it."""
-        self._check_whole_prompts()
+        if self.selector.needs_whole_prompt and offload_src.numel():
+            raise ValueError(f"retrieval {self.cfg.retrieval!r} orders a prompt's pages by clusters of all its keys: "
+                             "offload a staged prompt whole with store_staged_prompt once its last chunk is in")
         st, p, D = self.streams, self.cfg.page_size, self.shape.head_dim
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         e = st.record()
@@ -470,6 +478,22 @@ class FreeKVEngine:
             H = self.shape.num_kv_heads
             kc.view(-1, p, H, D)[resident_dst] = k_src.view(-1, p, H, D)[resident_src]
             vc.view(-1, p, H, D)[resident_dst] = v_src.view(-1, p, H, D)[resident_src]
+
+    def store_staged_prompt(self, layer: int, slot: int, k_src: torch.Tensor, v_src: torch.Tensor,
+                            staged: torch.Tensor) -> None:
+        """One sparse layer of a prompt whose last chunk is in, whole in an outside paged cache k_src/v_src
+        [T, H, D] (staged: the staging page of each of its logical pages, a device tensor): offload the pages
+        prefill_layer would, in the selector's order. For a selector that needs the whole prompt (LouisKV clusters
+        all its keys), instead of store_staged's offload as chunks fill. Recall stream, like store_staged."""
+        st, p, H, D = self.streams, self.cfg.page_size, self.shape.num_kv_heads, self.shape.head_dim
+        pages = self._prompt_offload(slot)
+        e = st.record()
+        with st.on("recall"):
+            st.wait(e)
+            src = staged[pages.start:pages.start + len(pages)].long()
+            k = k_src.view(-1, p, H, D)[src].flatten(0, 1)
+            v = v_src.view(-1, p, H, D)[src].flatten(0, 1)
+            self._offload_prompt(slot, layer, k, v, pages)
 
     # ---- decode ------------------------------------------------------------------------------
 

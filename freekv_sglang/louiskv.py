@@ -8,9 +8,11 @@ the engine's.
   between boundaries nothing is selected or recalled, except that a head holding fewer pages than it could (a
   context shorter than the budget) fills its empty slots. Nothing selects speculatively after attention.
 - Prompt units (4.2): after prefill each sparse layer's offloaded prompt keys are clustered per KV head with k-means
-  (freekv_kernels.kmeans, n / cluster_size clusters). The host pages of those tokens are written in cluster order
-  per KV head (attention does not depend on the order of its keys, which carry their RoPE already), so a cluster is
-  one run of tokens over one or a few consecutive pages instead of scattered over the prompt.
+  (freekv_kernels.kmeans, n / cluster_size clusters), all of them at once: a prompt SGLang prefills in chunks is
+  clustered from staging in its last chunk's forward (FreeKVEngine.store_staged_prompt), never per chunk. The host
+  pages of those tokens are written in cluster order per KV head (attention does not depend on the order of its
+  keys, which carry their RoPE already), so a cluster is one run of tokens over one or a few consecutive pages
+  instead of scattered over the prompt.
 - Output units (4.2): pages leaving the window form temporal segments: a page starts a new segment when a boundary
   fired at one of its tokens, or the open segment would exceed `segment` tokens; otherwise it joins the open one
   (freekv_kernels.segments). The prompt's last pages, in the window at prefill, become segments the same way.
@@ -116,14 +118,11 @@ class LouisKV(Selector):
         self.seg_len[layer][slot] = 0
         if not pages:
             return k, v
-        lo, hi = pages.start * p, pages.stop * p
-        units = cluster_prompt(k[lo:hi], (hi - lo) // cfg.cluster_size, cfg.kmeans_iters, p, e.ops.kmeans_keys)
+        units = cluster_prompt(k, k.shape[0] // cfg.cluster_size, cfg.kmeans_iters, p, e.ops.kmeans_keys)
         upp = cfg.units_per_page
         u = torch.arange(len(pages) * upp, device=e.device)
         rows = e.page_table[slot, pages.start + u // upp].long() * upp + u % upp
         self.centroids[layer][rows] = units.centroids.transpose(0, 1).to(e.dtype)
         self.counts[layer][rows] = units.counts.T
         self.ranges[layer][e.page_table[slot, pages.start:pages.stop].long()] = units.ranges
-        k, v = k.clone(), v.clone()
-        k[lo:hi], v[lo:hi] = reorder(k[lo:hi], units.order), reorder(v[lo:hi], units.order)
-        return k, v
+        return reorder(k, units.order), reorder(v, units.order)

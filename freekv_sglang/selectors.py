@@ -45,7 +45,8 @@ class Selector:
         return None
 
     def prompt_pages(self, slot: int, layer: int, k: torch.Tensor, v: torch.Tensor, pages: range):
-        """The prompt's K/V [n, H, D] as its pages `pages` go to the host arena (prefill_layer)."""
+        """The K/V [len(pages) * page_size, H, D] of a prompt's pages `pages` as they go to the host arena at prefill
+        (every prompt of the request passes here, `pages` possibly empty)."""
         return k, v
 
     def after_offload(self, plan, layer: int) -> None:

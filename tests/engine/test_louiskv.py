@@ -209,8 +209,10 @@ def test_louiskv_refusals_and_memory():
                      device=DEV, method="freekv")
     eng = make_engine(cfg, 2, 2, 2)
     s = eng.add_request()
-    with pytest.raises(ValueError, match="prefill whole prompts"):
-        eng.stage_prefill(s, 100)
+    eng.stage_prefill(s, 100)
+    z = torch.zeros(1, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="store_staged_prompt"):  # a staged prompt's pages go whole, not per chunk
+        eng.store_staged(1, eng.k_cache[1], eng.v_cache[1], z, z, z.bool(), z.long(), z.long())
     with pytest.raises(ValueError, match="cluster_size"):
         louiskv(cluster_size=12)
     with pytest.raises(ValueError, match="segment"):
@@ -224,3 +226,51 @@ def test_louiskv_refusals_and_memory():
     plan = sum(t.numel() * t.element_size() for t in vars(e._plan).values() if isinstance(t, torch.Tensor))
     reserved = engine_gpu_bytes(cfg, shape, num_slots=3, max_context=700, host_pages=40, dtype_bytes=2)
     assert sum(tensors.values()) + plan <= reserved
+
+
+def test_a_staged_prompt_stored_whole_decodes_like_prefill_layer():
+    """A prompt grown chunk by chunk (stage_prefill) and held in an outside paged cache in scattered pages, then
+    stored whole per layer (store_staged_prompt, plus its sink and window copied by store_staged): the same clusters,
+    host pages and decode as prefill_layer given the whole prompt."""
+    torch.manual_seed(6)
+    H, G, L, p = 2, 2, 3, 16
+    cfg = louiskv(budget=4 * 16, tau=0.7)
+    ref, eng = (make_engine(cfg, H, G, L, max_context=1024) for _ in range(2))
+    reqs = prefill([ref], [530, 70], H, G, L)  # the second prompt offloads nothing: sink and window only
+    stage = torch.randperm(64)  # staging page of each logical page, scattered
+    for slot, kv in reqs:
+        s = eng.add_request()
+        assert s == slot
+        n = kv[0][0].shape[0]
+        for chunk_end in (min(n, 200), n):
+            if chunk_end > eng.seq_len(s):
+                eng.stage_prefill(s, chunk_end)
+        staged = stage[:-(-n // p)].to(DEV)
+        for layer in range(1, L):
+            K, V = (torch.zeros(64 * p, H, D) for _ in range(2))
+            rows = (stage[:-(-n // p), None] * p + torch.arange(p)).flatten()[:n]
+            K[rows], V[rows] = kv[layer][0], kv[layer][1]
+            c = (n - 1) // p
+            res = [j for j in range(c + 1) if j < cfg.sink_pages or j >= c - cfg.window_pages]
+            src = stage[res].to(DEV)
+            dst = torch.tensor([eng.layout.resident_page(s, j) for j in res], device=DEV)
+            empty = torch.zeros(0, dtype=torch.int32, device=DEV)
+            eng.store_staged(layer, K.to(DEV), V.to(DEV), empty, empty, empty.bool(), src, dst)
+            eng.store_staged_prompt(layer, s, K.to(DEV), V.to(DEV), staged)
+        eng.prefill_layer(s, 0, kv[0][0].to(DEV), kv[0][1].to(DEV))  # the dense layer is the engine's here
+        eng.end_step()
+    sel = [e.selector for e in (ref, eng)]
+    for layer in range(1, L):
+        for name in ("centroids", "counts", "ranges"):
+            assert torch.equal(getattr(sel[0], name)[layer], getattr(sel[1], name)[layer]), name
+    assert torch.equal(ref.page_table, eng.page_table)
+    hp = ref.page_table[ref.page_table >= 0].long().cpu()
+    assert torch.equal(ref.host.arena[hp, 1:], eng.host.arena[hp, 1:])  # the sparse layers' pages, in cluster order
+
+    def check(b, layer, outs, q, K, V):
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-6, rtol=1e-6)
+
+    for e in (ref, eng):
+        e.has_prev.zero_()  # the staged path has no last prompt query: the first step retrieves either way
+    decode([ref, eng], reqs, H, G, L, 12, check=check)
+    assert torch.equal(ref.slot_table, eng.slot_table)
