@@ -205,10 +205,10 @@ class FreeKVAttnBackend(AttentionBackend):
         self._apply_frees()
         self._extend, self._translated, self._prefix_fill, self._staged_loc = None, False, [], None
         slots, raw_bs, done = fb._freekv_req_slots_cpu, fb._freekv_raw_bs, fb._freekv_prefill_done_cpu
-        pins = getattr(fb, "_freekv_prefix_pins", None) or [None] * len(slots[:raw_bs])
         if slots is None or raw_bs is None:
             raise RuntimeError("FreeKV needs the extend batch's request slots on the host; the freekv_patches hooks "
                                "that carry them are not applied")
+        pins = getattr(fb, "_freekv_prefix_pins", None) or [None] * len(slots[:raw_bs])
         if raw_bs == 0:  # a CUDA-graph capture batch: no request
             return
         if done is None or fb.extend_prefix_lens_cpu is None or fb.seq_lens_cpu is None:
