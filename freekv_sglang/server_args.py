@@ -377,13 +377,9 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
     if (g("tokenizer_worker_num", 1) or 1) > 1:
         problems.append(f"use --tokenizer-worker-num 1 (got {g('tokenizer_worker_num')}): FreeKV's /health check of "
                         "its kvstore daemon is installed on the single HTTP process's app")
-    if settings.config.retrieval == "louiskv":
-        problems.append(
-            "--kv-retrieval louiskv is not served by SGLang yet: LouisKV orders a prompt's host pages by k-means "
-            "clusters of all its keys, and the FreeKV backend stages chunked prompts page by page; use "
-            "--kv-retrieval freekv here, LouisKV through the engine (freekv_sglang.engine, the HF adapter, "
-            "python -m freekv_sglang.accuracy --methods louiskv)"
-        )
+    if settings.config.retrieval == "louiskv" and not g("disable_radix_cache", False):
+        problems.append("pass --disable-radix-cache with --kv-retrieval louiskv: LouisKV writes each prompt's host "
+                        "pages in the order of its own k-means clusters, so no request can share them as a prefix")
     supported = " or ".join(SUPPORTED_ATTENTION_BACKENDS)
     for name in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
         value = g(name)
@@ -398,7 +394,7 @@ def check_server_args(server_args: Any, settings: FreeKVServerSettings) -> None:
     """Raise FreeKVArgsError listing every problem of server_args_problems."""
     problems = server_args_problems(server_args, settings)
     if problems:
-        raise FreeKVArgsError(_refusal(problems))
+        raise FreeKVArgsError(_refusal(problems, retrieval=settings.config.retrieval))
 
 
 def model_problems(hf_config: Any, config: FreeKVConfig | None = None) -> list[str]:
@@ -437,7 +433,7 @@ def check_model(hf_config: Any, config: FreeKVConfig | None = None) -> None:
     config is known)."""
     problems = model_problems(hf_config, config)
     if problems:
-        raise FreeKVArgsError(_refusal(problems, what="this model"))
+        raise FreeKVArgsError(_refusal(problems, what="this model", retrieval=(config or FreeKVConfig()).retrieval))
 
 
 def host_page_bytes(config: FreeKVConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -485,6 +481,6 @@ def _text_config(hf_config: Any) -> Any:
     return getattr(hf_config, "text_config", None) or hf_config
 
 
-def _refusal(problems: list[str], what: str = "these server arguments") -> str:
+def _refusal(problems: list[str], what: str = "these server arguments", retrieval: str = "freekv") -> str:
     lines = "\n".join(f"  - {p}" for p in problems)
-    return f"--kv-retrieval freekv cannot run with {what}:\n{lines}"
+    return f"--kv-retrieval {retrieval} cannot run with {what}:\n{lines}"

@@ -6,8 +6,9 @@ wrapped backend, which writes the chunk's K/V through the pool's page map and re
 translated locations (the backend's planned prefix indices are translated in place before the first sparse
 layer). After each sparse layer, the pages the chunk filled are summarised and offloaded to the kvstore arena on a
 side stream; when a prompt's last chunk is in, its sink and window pages go to the engine's GPU pages and its
-staging pages are released. Sparse layers then decode through the FreeKV engine alone (sink + recalled slots +
-window), writing nothing to SGLang's pool.
+staging pages are released. LouisKV offloads nothing per chunk: in the last chunk's forward each sparse layer
+clusters the whole staged prompt and offloads it in cluster order (engine.store_staged_prompt). Sparse layers then
+decode through the FreeKV engine alone (sink + recalled slots + window), writing nothing to SGLang's pool.
 
 Request identity: the engine's slot is SGLang's req_pool_idx; a new request in a reused slot is recognised by
 ReqToTokenPool.req_generation, and the free hook releases a slot's host and staging pages.
@@ -51,7 +52,9 @@ STATS_EVERY = int(os.environ.get("FREEKV_STATS_EVERY", "512"))
 @dataclasses.dataclass
 class StagedPrefill:
     """Device index vectors of one extend batch: pages to offload (staging page -> host page) and, for prompts
-    this batch completes, sink and window pages to copy (staging page -> engine page)."""
+    this batch completes, sink and window pages to copy (staging page -> engine page). A retrieval that needs
+    whole prompts (LouisKV) offloads nothing as chunks fill: `whole` lists the prompts this batch completes, each
+    with the staging page of every logical page, for store_staged_prompt."""
 
     offload_src: torch.Tensor
     offload_dst: torch.Tensor
@@ -59,6 +62,7 @@ class StagedPrefill:
     resident_src: torch.Tensor
     resident_dst: torch.Tensor
     completed: list[int]
+    whole: list[tuple[int, torch.Tensor]]
 
 
 def _capturing() -> bool:
@@ -200,8 +204,10 @@ class FreeKVAttnBackend(AttentionBackend):
 
     def _prepare_extend(self, fb) -> None:
         """Host side of an extend batch: stage each chunk's new pages, grow the engine's prompts, and list the
-        pages to offload and to keep resident. Prompts start at token 0: FreeKV runs with the radix cache off.
-        Staging pages are mapped before any layer writes, so a chunk's K/V and its prefix land in staging."""
+        pages to offload and to keep resident. A prompt starts at token 0 or at a radix hit's shared prefix.
+        Staging pages are mapped before any layer writes, so a chunk's K/V and its prefix land in staging.
+        A prompt stays staged until its last chunk is in (its prefix is read from staging), so a whole-prompt
+        retrieval (LouisKV) offloads it then, from staging."""
         self._apply_frees()
         self._extend, self._translated, self._prefix_fill, self._staged_loc = None, False, [], None
         slots, raw_bs, done = fb._freekv_req_slots_cpu, fb._freekv_raw_bs, fb._freekv_prefill_done_cpu
@@ -219,7 +225,7 @@ class FreeKVAttnBackend(AttentionBackend):
         gens = self.req_pool.req_generation[slots].tolist()
         lists: dict[str, list[int]] = {k: [] for k in ("map_slot", "map_col", "map_page", "off_src", "off_dst",
                                                          "res_src", "res_dst")}
-        completed = []
+        completed, whole = [], []
         for slot, a, n, fin, gen, pin in zip(slots, fb.extend_prefix_lens_cpu, fb.seq_lens_cpu[:raw_bs].tolist(),
                                              done, gens, pins):
             if pin is not None and pin.tokens != a:
@@ -253,9 +259,13 @@ class FreeKVAttnBackend(AttentionBackend):
                 completed.append(slot)
             if not self._stage_host_pages(slot, n, pin):
                 continue  # nothing goes to host pages it does not have; the scheduler aborts it before decode
-            for j in range(max(a // p, cfg.sink_pages), n // p):  # pages this chunk filled, past the sink
-                lists["off_src"].append(staged[j])
-                lists["off_dst"].append(eng.host_page(slot, j))
+            if eng.selector.needs_whole_prompt:
+                if fin:
+                    whole.append((slot, staged))
+            else:
+                for j in range(max(a // p, cfg.sink_pages), n // p):  # pages this chunk filled, past the sink
+                    lists["off_src"].append(staged[j])
+                    lists["off_dst"].append(eng.host_page(slot, j))
             if fin:
                 c = (n - 1) // p
                 for j in range(c + 1):
@@ -267,8 +277,9 @@ class FreeKVAttnBackend(AttentionBackend):
         if lists["map_slot"]:
             locs = self.req_pool.req_to_token[t["map_slot"].long(), t["map_col"].long()]
             self.pool.page_map[(locs // p).long()] = t["map_page"]
+        whole = [(slot, torch.tensor(staged, dtype=torch.int32).to(dev, non_blocking=True)) for slot, staged in whole]
         self._extend = StagedPrefill(t["off_src"], t["off_dst"], torch.ones_like(t["off_src"], dtype=torch.bool),
-                                     t["res_src"].long(), t["res_dst"].long(), completed)
+                                     t["res_src"].long(), t["res_dst"].long(), completed, whole)
 
     def _stage_host_pages(self, slot: int, n: int, pin=None) -> bool:
         """Grow a prompt to n tokens in the engine (host pages from the kvstore), starting from a radix hit's shared
@@ -394,9 +405,11 @@ class FreeKVAttnBackend(AttentionBackend):
             o = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         ext = self._extend
         if ext is not None:
-            self.engine.store_staged(lid, self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid),
-                                     ext.offload_src, ext.offload_dst, ext.offload_valid, ext.resident_src,
-                                     ext.resident_dst)
+            kb, vb = self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid)
+            self.engine.store_staged(lid, kb, vb, ext.offload_src, ext.offload_dst, ext.offload_valid,
+                                     ext.resident_src, ext.resident_dst)
+            for slot, staged in ext.whole:  # LouisKV: the prompt's clusters, now that all its keys are in
+                self.engine.store_staged_prompt(lid, slot, kb, vb, staged)
             if lid == self.last_layer:
                 # Join the offloads before staging pages are reused or the engine decodes these prompts.
                 self.engine.end_step()

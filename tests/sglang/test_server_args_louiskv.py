@@ -1,5 +1,5 @@
-"""--kv-retrieval louiskv and its --kv-* knobs: parsed into FreeKVConfig, refused naming the flag, and refused by
-the SGLang server (whose chunked prefill LouisKV's prompt clustering does not take yet)."""
+"""--kv-retrieval louiskv and its --kv-* knobs: parsed into FreeKVConfig, refused naming the flag; served by SGLang
+with the radix cache off (a prompt's host pages are in its own cluster order, so they cannot be shared)."""
 
 import types
 
@@ -32,8 +32,23 @@ def test_refused_naming_the_flag(argv, flag):
         settings_from_argv(argv)
 
 
-def test_sglang_refuses_louiskv_for_now():
-    args = types.SimpleNamespace(disable_radix_cache=True, page_size=None)
-    problems = server_args_problems(args, settings_from_argv(["--kv-retrieval", "louiskv"]))
-    assert len(problems) == 1 and "--kv-retrieval louiskv is not served by SGLang yet" in problems[0]
-    assert not server_args_problems(args, settings_from_argv(["--kv-retrieval", "freekv"]))
+def test_sglang_serves_louiskv_without_the_radix_cache():
+    louiskv, freekv = (settings_from_argv(["--kv-retrieval", m]) for m in ("louiskv", "freekv"))
+    off = types.SimpleNamespace(disable_radix_cache=True, page_size=None)
+    assert not server_args_problems(off, louiskv) and not server_args_problems(off, freekv)
+    on = types.SimpleNamespace(disable_radix_cache=False, page_size=None)
+    problems = server_args_problems(on, louiskv)
+    assert len(problems) == 1 and problems[0].startswith("pass --disable-radix-cache with --kv-retrieval louiskv")
+    assert not server_args_problems(on, freekv)
+
+
+def test_sglang_cli_refuses_louiskv_with_the_radix_cache(plugins):
+    """Through SGLang's own parsing (the radix cache is its default); the refusal names the policy and the flag."""
+    from sglang.srt.server_args import prepare_server_args
+
+    base = ["--model-path", "dummy", "--kv-retrieval", "louiskv"]
+    with pytest.raises(FreeKVArgsError) as e:
+        prepare_server_args(base)
+    assert "--kv-retrieval louiskv cannot run" in str(e.value) and "pass --disable-radix-cache" in str(e.value)
+    sa = prepare_server_args([*base, "--disable-radix-cache", "--kv-cluster-size", "8"])
+    assert sa._freekv.config.retrieval == "louiskv" and sa._freekv.config.cluster_size == 8
