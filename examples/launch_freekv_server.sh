@@ -50,8 +50,10 @@ args=(
   --kv-sketch-channels 16
   # --kv-retrieval louiskv instead retrieves only at semantic boundaries (the query's similarity to the previous
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
-  # iterations), generated KV in segments of up to --kv-segment tokens; the server refuses it until its chunked
-  # prefill hands whole prompts to the clustering (README, LouisKV).
+  # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
+  # (--kv-correction-threshold, --kv-recall-programs, --kv-selection, --kv-rerank-factor, --kv-sketch-channels).
+  # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
+  # --disable-radix-cache (README, LouisKV).
   # --kv-prefill tsp (FastKV's token-selective propagation after layer --kv-tsp-layer, keeping --kv-tsp-keep tokens)
   # runs in the engine and the accuracy harness; the server refuses it for now (README, FastKV).
   # Host-memory budget (GiB) of the embedded kvstore daemon that holds every request's full KV cache.
@@ -64,7 +66,7 @@ args=(
   --kvstore-timeout 5
 
   # SGLang's radix cache stays on: a cached prefix's full pages are shared as kvstore host pages (every layer, once)
-  # and a hit skips their prefill (docs/radix.md; refused with --tp-size > 1). To turn prefix sharing off:
+  # and a hit skips their prefill (docs/radix.md; refused with --tp-size > 1 and with louiskv). To turn it off:
   # --disable-radix-cache
   # FreeKV wraps the triton or flashinfer backend (triton is chosen when no backend is named). With
   # flashinfer the sparse layers attend through FlashInfer's own decode kernel and, when the budget
