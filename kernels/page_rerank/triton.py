@@ -508,10 +508,11 @@ def sketch_top_pages(
     out = empty(B, H, num, dtype=torch.int32, device=q.device)
     if B * H == 0 or num == 0:
         return out
+    kp = max(2, triton.next_power_of_2(num))
     _pool_top_kernel[(B, H)](
         lse, cand_end, heads_arg, out, C, cand_start, M, num, *lse.stride()[:3], cand_end.stride(0), *heads_strides,
         *out.stride(),
-        G=G, GP=lse.shape[3], CP=max(2, triton.next_power_of_2(max(C, 1))), KP=max(2, triton.next_power_of_2(num)),
+        G=G, GP=lse.shape[3], CP=max(kp, triton.next_power_of_2(max(C, 1))), KP=kp,  # topk keeps at most its input
         HEADS=with_heads, WANT=want, NEG_INF_KEY=_NEG_INF_KEY, num_warps=POOL_WARPS,
     )
     return out

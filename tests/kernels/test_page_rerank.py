@@ -239,7 +239,7 @@ def test_sketch_pages_with_picks_by_slot(G, p, D, M, H, nbytes, phase):
 
 
 @pytest.mark.parametrize("G,p,D,M,H,nbytes,num", [(1, 16, 64, 37, 2, 4, 8), (3, 32, 128, 50, 3, 4, 64),
-                                                  (4, 16, 128, 21, 2, 3, 5), (8, 32, 64, 40, 1, 16, 16)])
+                                                  (4, 16, 128, 21, 2, 3, 5), (8, 32, 64, 40, 1, 16, 100)])
 @pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
 @pytest.mark.parametrize("picks", [False, True])
 def test_sketch_top_pages_matches_reference(G, p, D, M, H, nbytes, num, phase, picks):
