@@ -26,6 +26,7 @@ from ..page_select.triton import (
     TOPK_SINGLE,
     TOPK_WARPS,
     _heads_args,
+    _pack_keys,
     _sort_keys,
     _topk_kernel,
 )
@@ -49,9 +50,13 @@ def _top_pages_kernel(
             return
     top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
     i = tl.arange(0, KP)
-    page = 0x7FFFFFFF - top.to(tl.int32)
-    sel = tl.where(((top >> 32).to(tl.int32) <= NEG_INF_KEY), -1, page)
-    tl.store(out_ptr + b * so_b + h * so_h + i.to(tl.int64) * so_c, sel, mask=i < NUM)
+    tl.store(out_ptr + b * so_b + h * so_h + i.to(tl.int64) * so_c, _key_pages(top, NEG_INF_KEY), mask=i < NUM)
+
+
+@triton.jit
+def _key_pages(top, NEG_INF_KEY: tl.constexpr):
+    """The pages of packed keys (_pack_keys), -1 for a -inf score or padding."""
+    return tl.where((top >> 32).to(tl.int32) <= NEG_INF_KEY, -1, 0x7FFFFFFF - top.to(tl.int32))
 
 
 def top_pages(scores: torch.Tensor, num: int, heads: torch.Tensor | None = None, phase: int = 1) -> torch.Tensor:
@@ -548,13 +553,9 @@ def _pool_top_kernel(
     end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
     logical = cand_start + i
     pooled = tl.where((i < C) & (logical < end), pooled, neg_inf)
-    f = tl.where(pooled == 0.0, 0.0, pooled)  # -0.0 ties with +0.0, as in torch's sort
-    bits = f.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
-    top = tl.topk((key.to(tl.int64) << 32) | (0x7FFFFFFF - logical).to(tl.int64), KP)
+    top = tl.topk(_pack_keys(pooled, logical), KP)
     k = tl.arange(0, KP)
-    sel = tl.where((top >> 32).to(tl.int32) <= NEG_INF_KEY, -1, 0x7FFFFFFF - top.to(tl.int32))
-    tl.store(out_ptr + b * so_b + h * so_h + k.to(tl.int64) * so_c, sel, mask=k < NUM)
+    tl.store(out_ptr + b * so_b + h * so_h + k.to(tl.int64) * so_c, _key_pages(top, NEG_INF_KEY), mask=k < NUM)
 
 
 def _sketch_lse(q, summaries, codes, page_table, req_slots, scale, nbytes, heads, phase, q_by_slot, cand_start,
