@@ -108,7 +108,7 @@ def daemon():
     handle.stop()
 
 
-def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0):
+def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0, cfg=CFG):
     model_config = SimpleNamespace(num_hidden_layers=L, num_attention_heads=HQ, head_dim=D,
                                    get_num_kv_heads=lambda tp: H // tp)
     req_pool = SimpleNamespace(size=SIZE, req_to_token=torch.zeros(SIZE + 1, CTX, dtype=torch.int32),
@@ -118,7 +118,7 @@ def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0):
                              next_page=1, capture_tail_hooks=[])  # page 0 absorbs padding writes
     if not tail_hooks:
         del runner.capture_tail_hooks
-    settings = FreeKVServerSettings(config=CFG, kvstore_endpoint=daemon.endpoint, kvstore_arena_gb=0.01,
+    settings = FreeKVServerSettings(config=cfg, kvstore_endpoint=daemon.endpoint, kvstore_arena_gb=0.01,
                                     kvstore_timeout_s=timeout_s)
     return FreeKVAttnBackend(runner, inner(runner), settings), runner
 
@@ -155,28 +155,34 @@ def extend_batch(reqs, chunk: int):
     return fb, ranges
 
 
+def extend_once(backend, reqs, chunk: int):
+    """One extend batch: the next chunk of each request; each sparse layer's prefix reads (and chunk reads, for a
+    backend that reads the chunk from the pool) see the prompt's keys."""
+    fb, ranges = extend_batch(reqs, chunk)
+    backend.init_forward_metadata(fb)
+    inner = backend.inner
+    inner.prefix_reads.clear()
+    for layer in layers():
+        rows = torch.cat([r.k[layer.layer_id][a:b] for r, (a, b) in zip(reqs, ranges)])
+        v = torch.cat([r.v[layer.layer_id][a:b] for r, (a, b) in zip(reqs, ranges)])
+        backend.forward_extend(torch.randn(len(rows), HQ * D), rows.reshape(len(rows), -1),
+                               v.reshape(len(rows), -1), layer, fb)
+    for lid, read in inner.prefix_reads:
+        want = torch.cat([r.k[lid][:a] for r, (a, _) in zip(reqs, ranges)])
+        torch.testing.assert_close(read, want, atol=0, rtol=0)
+    for lid, read in getattr(inner, "chunk_reads", ()):
+        torch.testing.assert_close(read, torch.cat([r.k[lid][a:b] for r, (a, b) in zip(reqs, ranges)]),
+                                   atol=0, rtol=0)
+    if hasattr(inner, "chunk_reads"):
+        inner.chunk_reads.clear()
+    for r, (_, b) in zip(reqs, ranges):
+        r.n = b
+
+
 def prefill(backend, reqs, chunk: int):
-    """Prefill every prompt in chunks, checking that each sparse layer's prefix reads see the prompt's keys."""
+    """Prefill every prompt in chunks (extend_once until each prompt is in)."""
     while any(r.n < r.prompt for r in reqs):
-        batch = [r for r in reqs if r.n < r.prompt]
-        fb, ranges = extend_batch(batch, chunk)
-        backend.init_forward_metadata(fb)
-        backend.inner.prefix_reads.clear()
-        for layer in layers():
-            rows = torch.cat([r.k[layer.layer_id][a:b] for r, (a, b) in zip(batch, ranges)])
-            v = torch.cat([r.v[layer.layer_id][a:b] for r, (a, b) in zip(batch, ranges)])
-            backend.forward_extend(torch.randn(len(rows), HQ * D), rows.reshape(len(rows), -1),
-                                   v.reshape(len(rows), -1), layer, fb)
-        for lid, read in backend.inner.prefix_reads:
-            want = torch.cat([r.k[lid][:a] for r, (a, _) in zip(batch, ranges)])
-            torch.testing.assert_close(read, want, atol=0, rtol=0)
-        for lid, read in getattr(backend.inner, "chunk_reads", ()):
-            torch.testing.assert_close(read, torch.cat([r.k[lid][a:b] for r, (a, b) in zip(batch, ranges)]),
-                                       atol=0, rtol=0)
-        if hasattr(backend.inner, "chunk_reads"):
-            backend.inner.chunk_reads.clear()
-        for r, (_, b) in zip(batch, ranges):
-            r.n = b
+        extend_once(backend, [r for r in reqs if r.n < r.prompt], chunk)
 
 
 def decode_batch(reqs, pad_to=None):
@@ -191,9 +197,9 @@ def decode_batch(reqs, pad_to=None):
                            _freekv_req_slots_cpu=slots, _freekv_raw_bs=len(reqs))
 
 
-def reference_engine(reqs):
+def reference_engine(reqs, cfg=CFG):
     shape = ModelShape(L, HQ, H, D)
-    eng = FreeKVEngine(CFG, shape, max_requests=len(reqs), max_context=CTX, dtype=torch.float32, device="cpu")
+    eng = FreeKVEngine(cfg, shape, max_requests=len(reqs), max_context=CTX, dtype=torch.float32, device="cpu")
     slots = []
     for r in reqs:
         s = eng.add_request()

@@ -10,18 +10,15 @@ its staging and is never offloaded. The radix cache is refused with LouisKV (tes
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from test_freekv_backend import (CTX, HQ, SIZE, STAGING, D, H, L, P, Inner, Request, UnifiedInner, decode_batch,
-                                 extend_batch, layers, make_pool)
+from test_freekv_backend import (HQ, STAGING, D, H, L, P, Inner, Request, UnifiedInner, decode_batch, extend_once,
+                                 layers, reference_engine)
+from test_freekv_backend import make_backend as backend_of
 
 from freekv_kvstore import start_embedded
 from freekv_sglang.config import FreeKVConfig
-from freekv_sglang.engine import FreeKVEngine, ModelShape
-from freekv_sglang.server_args import FreeKVServerSettings
-from freekv_sglang.sglang_backend import FreeKVAttnBackend, on_request_freed
+from freekv_sglang.sglang_backend import on_request_freed
 
 CFG = FreeKVConfig(budget=32, sink=16, window=16, page_size=P, dense_layers=1, retrieval="louiskv",
                    boundary_tau=0.7, segment=32)
@@ -35,58 +32,17 @@ def daemon():
 
 
 def make_backend(daemon, inner=Inner):
-    model_config = SimpleNamespace(num_hidden_layers=L, num_attention_heads=HQ, head_dim=D,
-                                   get_num_kv_heads=lambda tp: H // tp)
-    req_pool = SimpleNamespace(size=SIZE, req_to_token=torch.zeros(SIZE + 1, CTX, dtype=torch.int32),
-                               req_generation=torch.zeros(SIZE + 1, dtype=torch.int64))
-    runner = SimpleNamespace(model_config=model_config, tp_size=1, tp_rank=0, token_to_kv_pool=make_pool(),
-                             req_to_token_pool=req_pool, kv_cache_dtype=torch.float32, page_size=P, device="cpu",
-                             next_page=1, capture_tail_hooks=[])
-    settings = FreeKVServerSettings(config=CFG, kvstore_endpoint=daemon.endpoint, kvstore_arena_gb=0.01)
-    backend = FreeKVAttnBackend(runner, inner(runner), settings)
+    backend, runner = backend_of(daemon, inner=inner, cfg=CFG)
     stored = []  # (slot, layer) of every whole-prompt store, in call order
     whole = backend.engine.store_staged_prompt
     backend.engine.store_staged_prompt = lambda layer, slot, *a: (stored.append((slot, layer)), whole(layer, slot, *a))
     return backend, runner, stored
 
 
-def reference_engine(reqs):
-    eng = FreeKVEngine(CFG, ModelShape(L, HQ, H, D), max_requests=len(reqs), max_context=CTX, dtype=torch.float32,
-                       device="cpu")
-    slots = []
-    for r in reqs:
-        s = eng.add_request()
-        eng.begin_prefill(s, r.prompt)
-        for layer in range(L):
-            eng.prefill_layer(s, layer, r.k[layer], r.v[layer])
-        slots.append(s)
-    return eng, slots
-
-
-def extend_once(backend, reqs, chunk):
-    """One extend batch: the next chunk of each request; each sparse layer's prefix reads see the prompt's keys."""
-    fb, ranges = extend_batch(reqs, chunk)
-    backend.init_forward_metadata(fb)
-    inner = backend.inner
-    inner.prefix_reads.clear()
-    for layer in layers():
-        k = torch.cat([r.k[layer.layer_id][a:b] for r, (a, b) in zip(reqs, ranges)])
-        v = torch.cat([r.v[layer.layer_id][a:b] for r, (a, b) in zip(reqs, ranges)])
-        backend.forward_extend(torch.randn(len(k), HQ * D), k.reshape(len(k), -1), v.reshape(len(k), -1), layer, fb)
-    for lid, read in inner.prefix_reads:
-        torch.testing.assert_close(read, torch.cat([r.k[lid][:a] for r, (a, _) in zip(reqs, ranges)]), atol=0, rtol=0)
-    for lid, read in getattr(inner, "chunk_reads", ()):
-        torch.testing.assert_close(read, torch.cat([r.k[lid][a:b] for r, (a, b) in zip(reqs, ranges)]), atol=0, rtol=0)
-    if hasattr(inner, "chunk_reads"):
-        inner.chunk_reads.clear()
-    for r, (_, b) in zip(reqs, ranges):
-        r.n = b
-
-
 def decode_like_the_engine(backend, reqs, steps=16):
     """Decode the backend's requests beside a reference engine given the whole prompts; queries that hold for a
     few steps and jump now and then, so some steps are semantic boundaries and most are not."""
-    ref, ref_slots = reference_engine(reqs)
+    ref, ref_slots = reference_engine(reqs, CFG)
     sparse = L - CFG.dense_layers
     base = torch.randn(len(reqs), L, HQ, D)
     for step in range(steps):
