@@ -4,7 +4,8 @@
         --configs full,freekv,tau0,tau1,recall-all --out results/decode
 
 For each server configuration: build a random-weight model of the shape (scripts/make_dummy_model.py,
---load-format dummy), launch SGLang (FlashInfer, CUDA graphs on, page 32, no radix cache), and for each
+--load-format dummy), launch SGLang (FlashInfer, CUDA graphs on, page 32, the radix cache on as a server's default
+unless --radix-cache off; the prompts are random, so nothing hits), and for each
 batch B send B requests of `context` random tokens at once (streamed, greedy, `output_len` new tokens).
 Per cell: the decode step time (the span in which the whole batch decodes, per token), TPOT p50 (which
 also counts stalls while the batch's later requests prefill), output throughput, TTFT p50, and for FreeKV the correction rate and the recall
@@ -208,6 +209,9 @@ def main() -> None:
                     "--kvstore-arena-gb 36")
     ap.add_argument("--mem-fraction-static", default="0.75", help="'auto': SGLang's own choice for the GPU")
     ap.add_argument("--chunked-prefill", type=int, default=32768, help="--chunked-prefill-size of every server")
+    ap.add_argument("--radix-cache", choices=("on", "off"), default="on",
+                    help="on: every server keeps SGLang's default radix cache (FreeKV: its prompts are retained in the "
+                    "kvstore); off: --disable-radix-cache, as the speed tables before session 14 ran")
     ap.add_argument("--port", type=int, default=30010)
     ap.add_argument("--out", default="results/decode")
     args = ap.parse_args()
@@ -232,12 +236,14 @@ def main() -> None:
     print(f"{gpu}; host->GPU copy peak {peak:.1f} GB/s", flush=True)
     running = max_running_requests(args.max_running, numeric, args.context, args.chunked_prefill)
     common = ["--attention-backend", "flashinfer", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-              "--disable-radix-cache", "--page-size", "32", "--context-length", str(args.context + args.output_len + 64),
+              *(["--disable-radix-cache"] if args.radix_cache == "off" else []),
+              "--page-size", "32", "--context-length", str(args.context + args.output_len + 64),
               "--max-running-requests", str(running), "--chunked-prefill-size", str(args.chunked_prefill)]
     if args.mem_fraction_static != "auto":
         common += ["--mem-fraction-static", args.mem_fraction_static]
     env = dict(os.environ, FREEKV_STATS_EVERY="64")
     result = {"gpu": gpu, "copy_peak_gbps": round(peak, 1), "shape": args.shape, "context": args.context,
+              "radix_cache": args.radix_cache,
               "output_len": args.output_len, "freekv_args": args.freekv_args, "cells": []}
     for name in configs:
         base, *more = name.split()

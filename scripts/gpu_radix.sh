@@ -7,21 +7,22 @@
 # and of a hit (the prefix + 256 new tokens), then 16 concurrent requests sharing the prefix (256 unique tokens each,
 # 64 greedy tokens): their TTFT and decode step (TPOT), and for FreeKV the kvstore arena's pages (an external daemon
 # polled during the burst: used = held by requests, cached = held only by retained prefixes).
-# Fits one 10-minute device call. Needs /tmp/site (the wheelhouse). Usage: bash scripts/gpu_radix.sh [BACKEND]
+# Fits one 10-minute device call. Needs /tmp/site (the wheelhouse). Usage: [RUNS=a,b] bash scripts/gpu_radix.sh [BACKEND]
+# (RUNS: which of the three servers, in order; default all). The arena holds 16 unshared 32K prompts (freekv-plain).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
 source scripts/gpu_env.sh || exit 1
-BACKEND=${1:-flashinfer}
+BACKEND=${1:-flashinfer} RUNS=${RUNS:-freekv-radix,freekv-plain,full-radix}
 rm -rf /tmp/llama8b; python3 scripts/make_dummy_model.py llama-3.1-8b /tmp/llama8b >/dev/null || exit 1
 PORT=30003 KV=ipc:///tmp/fkv-radix.sock
 COMMON=(--model-path /tmp/llama8b --load-format dummy --port $PORT --attention-backend "$BACKEND" --page-size 32
         --sampling-backend pytorch --grammar-backend none --context-length 34000 --max-running-requests 16
         --chunked-prefill-size 8192 --mem-fraction-static 0.6)
 FREEKV=(--kv-retrieval freekv --kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32
-        --kvstore-endpoint $KV --kvstore-arena-gb 40)
+        --kvstore-endpoint $KV --kvstore-arena-gb 72)
 
-setsid python3 -m freekv_kvstore --endpoint $KV --arena-gb 42 >"$OUT/radix-kvstore.log" 2>&1 &
+setsid python3 -m freekv_kvstore --endpoint $KV --arena-gb 74 >"$OUT/radix-kvstore.log" 2>&1 &
 DPID=$!
 trap 'kill -TERM -- -$DPID 2>/dev/null' EXIT
 
@@ -77,6 +78,11 @@ EOF
   return $rc
 }
 
-run freekv-radix "${FREEKV[@]}"
-run freekv-plain "${FREEKV[@]}" --disable-radix-cache
-run full-radix
+for name in ${RUNS//,/ }; do
+  case $name in
+    freekv-radix) run freekv-radix "${FREEKV[@]}" ;;
+    freekv-plain) run freekv-plain "${FREEKV[@]}" --disable-radix-cache ;;
+    full-radix) run full-radix ;;
+    *) echo "unknown run $name (RUNS: freekv-radix, freekv-plain, full-radix)"; exit 2 ;;
+  esac
+done
