@@ -335,17 +335,28 @@ class FreeKVEngine:
             raise ValueError(f"retrieval {self.cfg.retrieval!r} writes a prompt's host pages in cluster order, not by "
                              "position: they cannot be shared between requests")
 
-    def export_prefix(self, slot: int, num_pages: int) -> list[int]:
+    def export_prefix(self, slot: int, num_pages: int,
+                      staged: tuple[Callable[[int], tuple[torch.Tensor, torch.Tensor]], list[int]] | None = None
+                      ) -> list[int]:
         """Make the full logical pages [0, num_pages) of a prefilled slot complete in the host arena, every layer (its
         sink pages get host pages, its resident window pages are offloaded with their summaries, engine-held dense
         layers are copied; pages already complete are left alone) and return their host pages, for the caller to
         retain under the prefix key. Call between steps (after end_step). With dense_outside the caller writes the
-        dense layers' slices of these host pages itself."""
+        dense layers' slices of these host pages itself.
+
+        staged: for a prompt still being prefilled outside the engine (stage_prefill, store_staged), where its pages
+        are: (kv, pages), kv(layer) giving a sparse layer's outside paged cache k, v [T, H, D] and pages the staging
+        page of each logical page. Its sink pages are only there until the prompt completes (store_staged then copies
+        them to the engine's GPU pages) and store_staged offloaded its full pages past the sink as chunks filled, so
+        only the sink pages are written. The caller makes sure the staging pages hold their chunks (their forward is
+        done)."""
         self._check_shareable(slot)
         cfg, p, s = self.cfg, self.cfg.page_size, self.cfg.sink_pages
         n = self._len[slot]
         if not 0 < num_pages <= n // p:
             raise ValueError(f"slot {slot} holds {n} tokens: 1..{n // p} full pages can be exported, not {num_pages}")
+        if staged is not None and not self.dense_outside:
+            raise ValueError("a staged prompt's dense layers are the caller's: export from staging needs dense_outside")
         need = min(s, num_pages) - len(self._sink_host[slot])
         if need > 0:
             self._sink_host[slot].extend(self.host.alloc_extra(self._owner[slot], need))
@@ -353,11 +364,16 @@ class FreeKVEngine:
         todo = range(self._complete[slot], num_pages)
         if todo:
             self.streams.join()  # the offloads queued on the side streams are in before these writes
-            c = (n - 1) // p
-            gpu = [j for j in todo if j < s or j >= c - cfg.window_pages]  # the others are offloaded already
+            if staged is None:
+                c = (n - 1) // p
+                gpu = [j for j in todo if j < s or j >= c - cfg.window_pages]  # the others are offloaded already
+                src_pages = [self.layout.resident_page(slot, j) for j in gpu]
+            else:
+                gpu = [j for j in todo if j < s]
+                src_pages = [staged[1][j] for j in gpu]
             H, D = self.shape.num_kv_heads, self.shape.head_dim
             i32 = dict(dtype=torch.int32, device=self.device)
-            src = torch.tensor([self.layout.resident_page(slot, j) for j in gpu], **i32)
+            src = torch.tensor(src_pages, **i32)
             dst = torch.tensor([pages[j] for j in gpu], **i32)
             valid = torch.ones(len(gpu), dtype=torch.bool, device=self.device)
             rows = torch.tensor([self.layout.dense_base(slot) + j for j in todo], device=self.device)
@@ -369,6 +385,8 @@ class FreeKVEngine:
                         for i, cache in enumerate((kc, vc)):
                             self.host.arena[host_rows, layer, :, i] = cache.view(-1, p, H, D)[rows].transpose(1, 2).cpu()
                 elif gpu:
+                    if staged is not None:
+                        kc, vc = staged[0](layer)
                     self.ops.offload_pages(kc, vc, self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p,
                                            programs=PREFILL_OFFLOAD_PROGRAMS, codes=self.selector.codes(layer))
             if self.device.type == "cuda":

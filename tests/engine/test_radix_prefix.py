@@ -18,9 +18,10 @@ KEY_OWNER = 1 << 40  # a host-pool owner standing for the retained prefix
 CFG = FreeKVConfig(budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)
 
 
-def make_engine(cfg=CFG):
+def make_engine(cfg=CFG, dense_outside=False):
     shape = ModelShape(num_layers=L, num_q_heads=H * G, num_kv_heads=H, head_dim=D)
-    return FreeKVEngine(cfg, shape, max_requests=4, max_context=512, dtype=torch.float32, device=DEV, backend="torch")
+    return FreeKVEngine(cfg, shape, max_requests=4, max_context=512, dtype=torch.float32, device=DEV, backend="torch",
+                        dense_outside=dense_outside)
 
 
 def prompt(n, prefix=None):
@@ -128,11 +129,51 @@ def test_two_sharers_a_sharer_exporting_further_and_summaries_rebuilt_from_the_a
     assert eng.host.free_pages == eng.host.arena.shape[0]
 
 
+def test_a_staged_prompt_exports_its_pages_so_far_as_a_whole_prompt_would():
+    # A prompt prefilled outside the engine in chunks (SGLang: staging pages, store_staged offloading each chunk's full
+    # pages past the sink) exports its full pages before its last chunk: the sink page from staging, the rest as
+    # store_staged offloaded them. Bytes and summaries equal a whole prompt's export of the same pages.
+    torch.manual_seed(2)
+    eng, whole = make_engine(dense_outside=True), make_engine(dense_outside=True)
+    p, sink = CFG.page_size, CFG.sink_pages
+    data = prompt(150)
+    sparse = [layer for layer in range(L) if not eng.dense[layer]]
+    k_st = [torch.zeros(10 * p, H, D, device=DEV) for _ in range(L)]  # staging page j holds logical page j
+    v_st = [torch.zeros(10 * p, H, D, device=DEV) for _ in range(L)]
+    staged = (lambda layer: (k_st[layer], v_st[layer]), list(range(10)))
+    i32 = dict(dtype=torch.int32, device=DEV)
+    none = torch.zeros(0, dtype=torch.long, device=DEV)
+    s, start = eng.add_request(), 0
+    for end in (40, 80):
+        eng.stage_prefill(s, end)
+        for layer in sparse:
+            k_st[layer][start:end], v_st[layer][start:end] = data[layer][0][start:end], data[layer][1][start:end]
+            full = range(max(start // p, sink), end // p)
+            eng.store_staged(layer, k_st[layer], v_st[layer], torch.tensor(list(full), **i32),
+                             torch.tensor([eng.host_page(s, j) for j in full], **i32),
+                             torch.ones(len(full), dtype=torch.bool, device=DEV), none, none)
+        eng.end_step()
+        start = end
+    pages = eng.export_prefix(s, 5, staged)
+    w = whole.add_request()
+    whole.begin_prefill(w, 80)
+    for layer in sparse:
+        whole.prefill_layer(w, layer, data[layer][0][:80], data[layer][1][:80])
+    want = whole.export_prefix(w, 5)
+    for layer in sparse:
+        assert torch.equal(eng.host.arena[pages, layer], whole.host.arena[want, layer])
+        assert torch.equal(eng.summaries[layer][pages], whole.summaries[layer][want])
+    free = eng.host.free_pages
+    assert eng.export_prefix(s, 5, staged) == pages and eng.host.free_pages == free  # nothing new: nothing written
+
+
 def test_bad_shared_starts_are_refused():
     eng = make_engine()
     a = prefill(eng, prompt(40))
     with pytest.raises(ValueError, match="1..2 full pages"):
         eng.export_prefix(a, 3)
+    with pytest.raises(ValueError, match="needs dense_outside"):  # its dense layers would be the engine's, unwritten
+        eng.export_prefix(a, 2, (lambda layer: (eng.k_cache[layer], eng.v_cache[layer]), [0, 1, 2]))
     pages = eng.export_prefix(a, 2)
     s = eng.add_request()
     with pytest.raises(ValueError, match="longer than 32 tokens"):
