@@ -5,10 +5,10 @@ sparse layers' pool rows are staging pages, released once a prompt is in). The s
 kvstore arena as host pages retained under prefix keys (freekv_kvstore.prefix_keys, one chain key per full page), so
 a hit needs the arena's (every layer's bytes) and token slots holding its dense layers (the radix node's, or loaded).
 
-- Export (the radix cache's cache_unfinished_req once a prompt's prefill completed, and cache_finished_req;
-  patches/_radix_cache.py): the request's full pages go to the arena with their summaries
-  (FreeKVEngine.export_prefix) and the dense layers' slices from SGLang's pool, and are retained as a chain, one key
-  per page.
+- Export (the radix cache's cache_unfinished_req after each prefill chunk and once a prompt's prefill completed, and
+  cache_finished_req; patches/_radix_cache.py): the request's full pages so far go to the arena with their summaries
+  (FreeKVEngine.export_prefix; a prompt still in prefill from its staging pages) and the dense layers' slices from
+  SGLang's pool, and are retained as a chain, one key per page.
 - Match (match_prefix with a request): the arena's longest retained prefix of the request's tokens, whose pages are
   pinned for the request at once (LOOKUP with a pending owner id, which the engine takes as the request's owner), so
   no eviction can take them before the prefill. The radix match is cut to it or, where the tree lacks it, its dense
@@ -161,19 +161,29 @@ class PrefixSharing:
         return pins
 
     def export(self, req: Any, kv_len: int) -> int:
-        """A request's prompt completed its prefill, or the request finished: retain its first kv_len tokens' full
-        pages (every layer, summaries included) under their chain keys. Returns the pages newly exported (0 when its
-        prefill is not complete here, its host pages are lost, or they were exported already)."""
+        """A request's prompt was prefilled up to kv_len (after any chunk, or complete), or the request finished:
+        retain its first kv_len tokens' full pages (every layer, summaries included) under their chain keys. Returns
+        the pages newly exported (0 when its host pages are lost, or they were exported already)."""
         b, eng, p = self.backend, self.backend.engine, self.page_size
         slot = getattr(req, "req_pool_idx", None)
-        if (slot is None or not eng.is_active(slot) or slot in b._lost or b.staging.pages(slot)
+        if (slot is None or not eng.is_active(slot) or slot in b._lost
                 or b._generation.get(slot) != int(b.req_pool.req_generation[slot])):
             return 0
         num_pages = min(kv_len, eng.seq_len(slot)) // p
         done = eng._complete[slot]  # pages complete in the arena: exported before, or a hit's shared prefix
         if num_pages <= done:
             return 0
-        pages = eng.export_prefix(slot, num_pages)
+        staged = None
+        if b.staging.pages(slot):  # still in prefill: its sink pages are in staging, and the chunk may be in flight
+            if eng.device.type == "cuda":
+                # SGLang stashes a chunk (cache_unfinished_req(chunked=True)) before that chunk's forward is known
+                # to be done (under the overlap scheduler it is still running): its staging and dense slots, and
+                # store_staged's offload of its pages, must be written before they are read and retained.
+                torch.cuda.synchronize(eng.device)
+            pool = b.pool
+            staged = (lambda layer: (pool.get_key_buffer(layer), pool.get_value_buffer(layer)),
+                      self.prefix_staging(slot) + b.staging.pages(slot))
+        pages = eng.export_prefix(slot, num_pages, staged)
         self._export_dense(slot, pages, done)
         tokens = (req.origin_input_ids + req.output_ids)[:num_pages * p]
         if not b.host.retain_chain(self.keys(tokens, getattr(req, "extra_key", None)), pages):

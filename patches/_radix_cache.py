@@ -8,9 +8,10 @@ prefix comes from the kvstore arena (freekv_sglang.radix). So:
     tree. The tree is then matched again at that length, so the locked node is the one the request uses;
   - cache_finished_req: the finished request's full pages are exported to the arena and retained under their keys
     before SGLang inserts its tokens (a radix node's eviction leaves the arena's keys to the arena's LRU);
-  - cache_unfinished_req once a prompt's prefill completed: its full pages are exported the same way, so requests
-    arriving while it decodes hit its prefix; for a chunk of a prompt still in prefill (chunked=True) nothing is
-    exported (its sink pages are staged, not on the engine's GPU pages, until the prefill completes).
+  - cache_unfinished_req after each chunk of a prompt (chunked=True) and once its prefill completed: its full pages
+    so far are exported the same way (a prompt still in prefill from its staging pages, the device synchronised
+    first), so requests admitted while it still prefills, or decodes, hit the part already computed; each export
+    writes only the pages the last one did not.
 A match without a request (the scheduling policy's prefix estimate) is the tree's alone.
 """
 
@@ -75,9 +76,10 @@ def radix_cache_class() -> type:
             return super().cache_finished_req(req, is_insert, kv_len_to_handle=kv_len_to_handle)
 
         def cache_unfinished_req(self, req, chunked=False):
-            # SGLang calls this once a prompt's prefill completed (chunked=False), so its prefix is shared while it
-            # decodes; the export of its output pages waits for cache_finished_req.
-            if not chunked and not self.disable:
+            # SGLang calls this after each chunk of a prompt (chunked=True, inserting the chunk into the tree) and
+            # once the prompt completed: its full pages so far are retained first, so a request matched next finds
+            # in the arena what the tree holds; the export of its output pages waits for cache_finished_req.
+            if not self.disable:
                 sharing().export(req, len(req.get_fill_ids()))
             return super().cache_unfinished_req(req, chunked=chunked)
 

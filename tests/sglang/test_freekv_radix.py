@@ -5,8 +5,10 @@ test_freekv_backend.py) and a real kvstore daemon.
 A finished request's full pages are exported and retained as a chain; a later request sharing part of its prompt (a
 prefix ending mid-page) is matched to the full pages the arena holds, pinned at match time, prefilled from the
 shared prefix (sparse layers' prefix staged from the arena, the dense layer's read from the radix node's slots) and
-then decodes exactly as an engine fed its whole prompt. A pin the scheduler did not admit is let go; a restarted
-backend with the same model and port re-attaches its arena (the client id is not the pid)."""
+then decodes exactly as an engine fed its whole prompt. A chunked prompt is exported chunk by chunk, so a request
+admitted while it still prefills hits its chunks; one aborted mid-prefill leaves them retained. A pin the scheduler
+did not admit is let go; a restarted backend with the same model and port re-attaches its arena (the client id is not
+the pid)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ SIZE = 6
 
 @pytest.fixture(scope="module")
 def daemon():
-    handle = start_embedded(arena_gb=0.1)
+    handle = start_embedded(arena_gb=0.15)  # each backend keeps its 0.01 GB arena (a restart re-attaches it)
     yield handle
     handle.stop()
 
@@ -94,26 +96,27 @@ def match(cache, req):
     return cache.match_prefix(MatchPrefixParams(key=RadixKey(tokens, req.extra_key, limit=len(tokens) - 1), req=req))
 
 
+def prefill_chunk(backend, reqs, chunk, pins=None):
+    """One extend batch, the next chunk of each request (test_freekv_backend.extend_once with the prefix pins)."""
+    fb, ranges = extend_batch(reqs, chunk)
+    fb._freekv_prefix_pins = pins
+    backend.init_forward_metadata(fb)
+    backend.inner.prefix_reads.clear()
+    for layer in layers():
+        k = torch.cat([r.k[layer.layer_id][a:b] for r, (a, b) in zip(reqs, ranges)])
+        v = torch.cat([r.v[layer.layer_id][a:b] for r, (a, b) in zip(reqs, ranges)])
+        backend.forward_extend(torch.randn(len(k), HQ * D), k.reshape(len(k), -1), v.reshape(len(k), -1), layer, fb)
+    for lid, read in backend.inner.prefix_reads:  # every layer's prefix reads see the prompt's keys
+        torch.testing.assert_close(read, torch.cat([r.k[lid][:a] for r, (a, _) in zip(reqs, ranges)]), atol=0, rtol=0)
+    for r, (_, b) in zip(reqs, ranges):
+        r.n = b
+
+
 def run_prefill(backend, reqs, chunk, pins=None):
-    """test_freekv_backend.prefill with the batch's prefix pins on its first extend batch."""
-    first = True
+    """Chunks until every prompt is in, the batch's prefix pins on its first extend batch."""
     while any(r.n < r.prompt for r in reqs):
-        batch = [r for r in reqs if r.n < r.prompt]
-        fb, ranges = extend_batch(batch, chunk)
-        fb._freekv_prefix_pins = pins if first else None
-        first = False
-        backend.init_forward_metadata(fb)
-        backend.inner.prefix_reads.clear()
-        for layer in layers():
-            k = torch.cat([r.k[layer.layer_id][a:b] for r, (a, b) in zip(batch, ranges)])
-            v = torch.cat([r.v[layer.layer_id][a:b] for r, (a, b) in zip(batch, ranges)])
-            backend.forward_extend(torch.randn(len(k), HQ * D), k.reshape(len(k), -1), v.reshape(len(k), -1),
-                                   layer, fb)
-        for lid, read in backend.inner.prefix_reads:  # every layer's prefix reads see the prompt's keys
-            torch.testing.assert_close(read, torch.cat([r.k[lid][:a] for r, (a, _) in zip(batch, ranges)]),
-                                       atol=0, rtol=0)
-        for r, (_, b) in zip(batch, ranges):
-            r.n = b
+        prefill_chunk(backend, [r for r in reqs if r.n < r.prompt], chunk, pins)
+        pins = None
 
 
 def decode(backend, reqs, steps, ref=None, ref_slots=None):
@@ -146,8 +149,40 @@ def prefilled(cache, r, req):
     req.req_pool_idx = r.slot
     req._refresh_fill_ids()  # what init_next_round_input did when it was scheduled
     req.set_extend_range(0, r.prompt)
-    req.last_node = cache.root_node
+    if req.last_node is None:  # not stashed as chunks before
+        req.last_node = cache.root_node
     cache.cache_unfinished_req(req)
+
+
+def stash(cache, r, req):
+    """What SGLang's scheduler does with a chunked prompt before its next chunk (stash_chunked_request): the chunks so
+    far go to the tree, cache_unfinished_req(chunked=True)."""
+    if req.req_pool_idx is None:
+        req.req_pool_idx, req.last_node = r.slot, cache.root_node
+        req._refresh_fill_ids()
+    req.set_extend_range(0, r.n)
+    cache.cache_unfinished_req(req, chunked=True)
+
+
+def admit(backend, runner, req, prefix, slot, tokens):
+    """The scheduler admits req, matched to prefix's first `tokens` tokens: its pin goes to the forward, its prefix
+    locations (and K/V) are prefix's. Returns its Request and pin."""
+    backend.radix.release_unadmitted(SimpleNamespace(reqs=[req]))
+    (pin,) = backend.radix.take_pins([req])
+    r = Request(runner, slot, len(req.origin_input_ids))
+    r.locs[:tokens] = prefix.locs[:tokens]  # what prepare_for_extend writes from the prefix indices
+    runner.req_to_token_pool.req_to_token[slot, :tokens] = prefix.locs[:tokens].int()
+    for lid in range(L):  # the same tokens: the same K/V
+        r.k[lid][:tokens], r.v[lid][:tokens] = prefix.k[lid][:tokens], prefix.v[lid][:tokens]
+    r.n = tokens
+    return r, pin
+
+
+def arena_pages(backend):
+    """The backend's arena: pages held by requests, and pages held only by retained prefixes."""
+    host = backend.host
+    arena = next(s for s in host.client.stats()["arenas"] if s["client_id"] == host.client.client_id)
+    return arena["used_pages"], arena["cached_pages"]
 
 
 @pytest.mark.parametrize("chunk", [1000, 24])
@@ -176,15 +211,7 @@ def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon
     assert len(result.device_indices) == 3 * P
     assert torch.equal(result.device_indices, a.locs[:3 * P])
     assert req_b._freekv_prefix_pin.tokens == 3 * P
-    # The scheduler admitted it; the forward takes its pin over.
-    backend.radix.release_unadmitted(SimpleNamespace(reqs=[req_b]))
-    (pin,) = backend.radix.take_pins([req_b])
-    b = Request(runner, 2, len(b_tokens))
-    b.locs[:3 * P] = a.locs[:3 * P]  # what prepare_for_extend writes from the prefix indices
-    runner.req_to_token_pool.req_to_token[2, :3 * P] = a.locs[:3 * P].int()
-    for lid in range(L):  # the prefix's K/V is A's (same tokens)
-        b.k[lid][:3 * P], b.v[lid][:3 * P] = a.k[lid][:3 * P], a.v[lid][:3 * P]
-    b.n = 3 * P
+    b, pin = admit(backend, runner, req_b, a, 2, 3 * P)  # the forward takes its pin over
     run_prefill(backend, [b], chunk, pins=[pin])
     assert staging.free_pages == STAGING  # the prefix's staging pages went back with the prompt's
     eng = backend.engine
@@ -198,6 +225,68 @@ def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon
         assert backend.radix.exported_pages == exported + 5
 
 
+def test_a_chunked_prompt_is_shared_chunk_by_chunk_while_it_prefills(daemon):
+    backend, runner = make_backend(daemon, port=30007)
+    cache, radix, eng = make_cache(runner), backend.radix, backend.engine
+    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
+    tokens = list(range(5000, 5150))  # 150 tokens: 9 full pages and a partial one, in chunks of 40 (2.5 pages)
+    a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
+    exported = radix.exported_pages
+    for full in (2, 5):
+        prefill_chunk(backend, [a], 40)
+        stash(cache, a, req_a)
+        assert radix.exported_pages == exported + full  # its full pages so far, the staged sink page included
+    assert cache.total_size() == 5 * P and runner.token_to_kv_pool.staging.pages(1)  # A is still in prefill
+
+    # B shares 4.5 pages of A's prompt: admitted now, it hits the 4 full pages A's first chunks exported.
+    b_tokens = tokens[:72] + list(range(700, 730))
+    req_b = sglang_req("b", b_tokens)
+    assert torch.equal(match(cache, req_b).device_indices, a.locs[:4 * P])
+    b, pin = admit(backend, runner, req_b, a, 2, 4 * P)
+    assert pin.tokens == 4 * P and list(pin.pages) == (eng._sink_host[1] + eng._host_pages[1])[:4]
+    # A's third chunk and B's suffix in one batch: both rows map A's prefix locations, A's staging pages and B's
+    # prefix pages staged from the arena, of equal bytes (prefill_chunk checks every row's prefix reads).
+    prefill_chunk(backend, [a, b], 40, pins=[None, pin])
+    assert b.n == b.prompt and eng._shared[2] == 4
+    stash(cache, a, req_a)
+    assert radix.exported_pages == exported + 7
+    prefill_chunk(backend, [a], 40)  # A's last chunk
+    assert a.n == a.prompt
+    prefilled(cache, a, req_a)
+    assert radix.exported_pages == exported + 9  # only the rest: each full page of A exported once
+    # One chain of A's pages, B's pin its first four; A holds its 10 pages (its sink page once), B its 3 own.
+    index, pages = backend.host.client.lookup_longest(radix.keys(tokens[:9 * P], None))
+    assert index == 8 and pages == (eng._sink_host[1] + eng._host_pages[1])[:9] and pages[:4] == list(pin.pages)
+    assert arena_pages(backend) == (10 + 3, 0)
+    ref, ref_slots = reference_engine([a, b])
+    decode(backend, [a, b], 12, ref, ref_slots)
+
+
+def test_a_prompt_aborted_mid_prefill_leaves_its_exported_chunks_to_the_tree_and_the_arena(daemon):
+    backend, runner = make_backend(daemon, port=30008)
+    cache = make_cache(runner)
+    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
+    tokens = list(range(6000, 6150))
+    a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
+    for _ in range(3):
+        prefill_chunk(backend, [a], 40)
+        stash(cache, a, req_a)
+    assert a.n == 120 and arena_pages(backend) == (8, 0)  # 7 full pages exported, the partial eighth A's own
+    # Aborted before its last chunk: SGLang's release_kv_cache without insert, then the slot is freed.
+    cache.cache_finished_req(req_a, is_insert=False, kv_len_to_handle=a.n)
+    on_request_freed(1)
+    backend._apply_frees()
+    assert arena_pages(backend) == (0, 7)  # its partial page went; the exported pages stay retained
+    assert cache.total_size() == cache.evictable_size() == 7 * P  # the tree keeps its chunks, unlocked
+    # A request admitted later hits them (the staged sink page A exported included) and decodes like its whole prompt.
+    req_c = sglang_req("c", tokens[:7 * P] + list(range(900, 920)))
+    assert torch.equal(match(cache, req_c).device_indices, a.locs[:7 * P])
+    c, pin = admit(backend, runner, req_c, a, 3, 7 * P)
+    run_prefill(backend, [c], 40, pins=[pin])
+    ref, ref_slots = reference_engine([c])
+    decode(backend, [c], 12, ref, ref_slots)
+
+
 def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon):
     backend, runner = make_backend(daemon, port=30001)
     cache = make_cache(runner)
@@ -206,24 +295,20 @@ def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon):
     run_prefill(backend, [a], 1000)
     finish(cache, backend, runner, a, sglang_req("a", tokens))
     backend._apply_frees()  # what the next step does: A's own pages go, its retained prefix stays cached
-    host = backend.host
 
-    def used():
-        return next(s for s in host.client.stats()["arenas"] if s["client_id"] == host.client.client_id)["used_pages"]
-
-    assert used() == 0
+    assert arena_pages(backend)[0] == 0
     waiting = sglang_req("w", tokens[:80] + [1])
     assert len(match(cache, waiting).device_indices) == 5 * P
-    assert used() == 5  # pinned for the request
+    assert arena_pages(backend)[0] == 5  # pinned for the request
     backend.radix.release_unadmitted(SimpleNamespace(reqs=[]))  # not admitted: its pin goes
-    assert not hasattr(waiting, "_freekv_prefix_pin") and used() == 0
+    assert not hasattr(waiting, "_freekv_prefix_pin") and arena_pages(backend)[0] == 0
     # Rows sharing a prefix stage its pages once: many sharers fit in one batch's staging room.
     room = backend.radix._stage_room()
     sharers = [sglang_req(f"s{i}", tokens[:80] + [i]) for i in range(room)]
     assert all(len(match(cache, r).device_indices) == 5 * P for r in sharers) and backend.radix._stage_room() == room - 5
-    assert used() == 5  # pages held once however many requests pin them
+    assert arena_pages(backend)[0] == 5  # pages held once however many requests pin them
     backend.radix.release_unadmitted(None)
-    assert not backend.radix._pending_hp and used() == 0
+    assert not backend.radix._pending_hp and arena_pages(backend)[0] == 0
 
 
 def test_the_scheduler_seam_keeps_the_pins_of_the_batch_it_built(daemon):
