@@ -376,14 +376,14 @@ class FreeKVEngine:
             src = torch.tensor(src_pages, **i32)
             dst = torch.tensor([pages[j] for j in gpu], **i32)
             valid = torch.ones(len(gpu), dtype=torch.bool, device=self.device)
-            rows = torch.tensor([self.layout.dense_base(slot) + j for j in todo], device=self.device)
-            host_rows = torch.tensor([pages[j] for j in todo])
+            rows = self.page_rows([self.layout.dense_base(slot) + j for j in todo])
+            host_rows = torch.tensor([pages[j] for j in todo], **i32)
             for layer in range(self.shape.num_layers):
                 kc, vc = self.k_cache[layer], self.v_cache[layer]
                 if self.dense[layer]:
                     if not self.dense_outside:
-                        for i, cache in enumerate((kc, vc)):
-                            self.host.arena[host_rows, layer, :, i] = cache.view(-1, p, H, D)[rows].transpose(1, 2).cpu()
+                        self.ops.pages_to_host(kc.view(-1, H, D), vc.view(-1, H, D), rows, self.host.arena[:, layer],
+                                               host_rows)
                 elif gpu:
                     if staged is not None:
                         kc, vc = staged[0](layer)
@@ -419,24 +419,23 @@ class FreeKVEngine:
         c = (num_tokens - 1) // p
         res = [j for j in range(P) if j < s or j >= c - cfg.window_pages]
         H, D = self.shape.num_kv_heads, self.shape.head_dim
-        gpu_pages = torch.tensor([self.layout.resident_page(slot, j) for j in res], device=self.device, dtype=torch.long)
-        dense_pages = torch.arange(P, device=self.device) + self.layout.dense_base(slot)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        sparse = (torch.tensor([prefix[j] for j in res], **i32), self.page_rows([self.layout.resident_page(slot, j)
+                                                                                for j in res]))
+        dense = (torch.tensor(prefix, **i32), self.page_rows(range(self.layout.dense_base(slot),
+                                                                   self.layout.dense_base(slot) + P)))
         for layer in range(self.shape.num_layers):
             if self.dense[layer] and self.dense_outside:
                 continue
-            host, dst = (prefix, dense_pages) if self.dense[layer] else ([prefix[j] for j in res], gpu_pages)
-            if not host:
-                continue
-            chunk = self.host.arena[torch.tensor(host), layer].to(self.device)  # [m, H, 2, p, D]
-            self.k_cache[layer].view(-1, p, H, D)[dst] = chunk[:, :, 0].transpose(1, 2)
-            self.v_cache[layer].view(-1, p, H, D)[dst] = chunk[:, :, 1].transpose(1, 2)
+            host, rows = dense if self.dense[layer] else sparse
+            self.ops.pages_from_host(self.host.arena[:, layer], host, self.k_cache[layer].view(-1, H, D),
+                                     self.v_cache[layer].view(-1, H, D), rows)
 
-    def prefix_kv(self, layer: int, host_pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A shared prefix's K/V [len(host_pages) * page_size, H, D] in one layer, read from the arena onto the engine's
-        device: what the suffix's prefill attention reads instead of recomputing the prefix."""
-        H, D = self.shape.num_kv_heads, self.shape.head_dim
-        chunk = self.host.arena[torch.tensor([int(x) for x in host_pages], dtype=torch.long), layer].to(self.device)
-        return tuple(chunk[:, :, i].transpose(1, 2).reshape(-1, H, D) for i in (0, 1))
+    def page_rows(self, pages) -> torch.Tensor:
+        """The token rows [len(pages) * page_size] of whole pages of a paged [T, H, D] cache, on the engine's device."""
+        p = self.cfg.page_size
+        first = torch.tensor([int(x) for x in pages], dtype=torch.int64, device=self.device)
+        return (first[:, None] * p + torch.arange(p, device=self.device)).flatten()
 
     def load_prefix_summaries(self, host_pages: list[int]) -> None:
         """Rebuild the page summaries (and key codes) of host pages from the arena: a prefix retained by an earlier
@@ -448,11 +447,12 @@ class FreeKVEngine:
         i32 = dict(dtype=torch.int32, device=self.device)
         src, dst = torch.arange(len(pages), **i32), torch.tensor(pages, **i32)
         valid = torch.ones(len(pages), dtype=torch.bool, device=self.device)
+        rows = self.page_rows(range(len(pages)))
+        k, v = (torch.empty(len(pages) * p, H, D, dtype=self.dtype, device=self.device) for _ in range(2))
         for layer in range(self.shape.num_layers):
             if self.dense[layer]:
                 continue
-            chunk = self.host.arena[torch.tensor(pages), layer].to(self.device)
-            k, v = (chunk[:, :, i].transpose(1, 2).reshape(-1, H, D).contiguous() for i in (0, 1))
+            self.ops.pages_from_host(self.host.arena[:, layer], dst, k, v, rows)
             self.ops.offload_pages(k, v, self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p,
                                    programs=PREFILL_OFFLOAD_PROGRAMS, codes=self.selector.codes(layer))
         if self.device.type == "cuda":

@@ -9,6 +9,8 @@ _OPS = {
     "write_kv": ("kv_write", "write_kv"),
     "offload_pages": ("offload", "offload_pages"),
     "recall_pages": ("recall", "recall_pages"),
+    "pages_from_host": ("page_copy", "pages_from_host"),  # whole prompts: radix prefix sharing
+    "pages_to_host": ("page_copy", "pages_to_host"),
     "query_similarity": ("query_similarity", "query_similarity"),
     "score_pages": ("page_select", "score_pages"),
     "select_slots": ("page_select", "select_slots"),

@@ -36,6 +36,8 @@ import torch
 
 from freekv_kvstore import prefix_keys
 
+from .kvstore_pool import HostPagesUnavailable
+
 logger = logging.getLogger(__name__)
 
 # Owner ids of pins taken at match time, apart from the engine's own counter (both are kvstore request ids).
@@ -84,7 +86,7 @@ class PrefixSharing:
         # Prefix staging: host page -> [staging page, rows holding it]; slot -> its prefix's host pages.
         self._staged: dict[int, list[int]] = {}
         self._slot_prefix: dict[int, list[int]] = {}
-        self.hits = self.hit_tokens = self.exported_pages = 0
+        self.hits = self.hit_tokens = self.exported_pages = self.export_failures = 0
 
     # ---- scheduler side ----------------------------------------------------------------------
 
@@ -183,7 +185,14 @@ class PrefixSharing:
             pool = b.pool
             staged = (lambda layer: (pool.get_key_buffer(layer), pool.get_value_buffer(layer)),
                       self.prefix_staging(slot) + b.staging.pages(slot))
-        pages = eng.export_prefix(slot, num_pages, staged)
+        try:
+            pages = eng.export_prefix(slot, num_pages, staged)
+        except HostPagesUnavailable as e:
+            # No host pages for its sink (arena full, daemon refusing): the prompt is not shared, the request goes on;
+            # the tree's matches are cut to what the arena retained.
+            self.export_failures += 1
+            logger.warning("FreeKV: a prompt of %d pages is not shared: %s", num_pages, e)
+            return 0
         self._export_dense(slot, pages, done)
         tokens = (req.origin_input_ids + req.output_ids)[:num_pages * p]
         if not b.host.retain_chain(self.keys(tokens, getattr(req, "extra_key", None)), pages):
@@ -197,27 +206,27 @@ class PrefixSharing:
         SGLang's token slots locs: a prefix the radix tree does not hold (evicted there, or retained by an earlier
         server) gets its dense layers back without recomputing them."""
         pin, p = req._freekv_prefix_pin, self.page_size
-        pages = torch.tensor(pin.pages[start // p:(start + len(locs)) // p], dtype=torch.long)
         eng, pool = self.backend.engine, self.backend.pool
-        H, D = eng.shape.num_kv_heads, eng.shape.head_dim
+        pages = torch.tensor(pin.pages[start // p:(start + len(locs)) // p], dtype=torch.int32, device=eng.device)
         for layer in range(eng.shape.num_layers):
             if eng.dense[layer]:
-                chunk = eng.host.arena[pages, layer]  # [m, H, 2, p, D]
-                for i, buf in enumerate((pool.get_key_buffer(layer), pool.get_value_buffer(layer))):
-                    buf[locs] = chunk[:, :, i].transpose(1, 2).reshape(-1, H, D).to(buf.device, buf.dtype)
+                eng.ops.pages_from_host(eng.host.arena[:, layer], pages, pool.get_key_buffer(layer),
+                                        pool.get_value_buffer(layer), locs.to(eng.device, torch.int64))
 
     def _export_dense(self, slot: int, pages: list[int], first: int) -> None:
         """Copy the dense layers' K/V of a slot's logical pages [first, len(pages)) from SGLang's token pool into their
         host pages (the engine does not hold dense layers under SGLang), so a retained prefix is whole."""
         p, eng, pool = self.page_size, self.backend.engine, self.backend.pool
-        H, D = eng.shape.num_kv_heads, eng.shape.head_dim
-        rows = self.backend.req_pool.req_to_token[slot, first * p:len(pages) * p].long()
-        dst = torch.tensor(pages[first:], dtype=torch.long)
+        if first >= len(pages):
+            return
+        rows = self.backend.req_pool.req_to_token[slot, first * p:len(pages) * p].to(eng.device, torch.int64)
+        dst = torch.tensor(pages[first:], dtype=torch.int32, device=eng.device)
         for layer in range(eng.shape.num_layers):
             if eng.dense[layer]:
-                for i, buf in enumerate((pool.get_key_buffer(layer), pool.get_value_buffer(layer))):
-                    kv = buf[rows.to(buf.device)].view(-1, p, H, D).transpose(1, 2)
-                    eng.host.arena[dst, layer, :, i] = kv.to("cpu", eng.host.arena.dtype)
+                eng.ops.pages_to_host(pool.get_key_buffer(layer), pool.get_value_buffer(layer), rows,
+                                      eng.host.arena[:, layer], dst)
+        if eng.device.type == "cuda":
+            torch.cuda.synchronize(eng.device)  # in the arena before it is retained: other servers may read it
 
     # ---- forward side --------------------------------------------------------------------------
 
@@ -258,11 +267,9 @@ def fill_prefix_staging(engine: Any, pool: Any, layer: int, fill: list[tuple[int
     """Copy one sparse layer's K/V of host pages into staging pages of SGLang's pool: fill is [(staging, host)]."""
     if not fill:
         return
-    p, H, D = engine.cfg.page_size, engine.shape.num_kv_heads, engine.shape.head_dim
-    k, v = engine.prefix_kv(layer, [hp for _, hp in fill])
-    dst = torch.tensor([page for page, _ in fill], dtype=torch.long, device=k.device)
-    pool.get_key_buffer(layer).view(-1, p, H, D)[dst] = k.view(-1, p, H, D)
-    pool.get_value_buffer(layer).view(-1, p, H, D)[dst] = v.view(-1, p, H, D)
+    host = torch.tensor([hp for _, hp in fill], dtype=torch.int32, device=engine.device)
+    engine.ops.pages_from_host(engine.host.arena[:, layer], host, pool.get_key_buffer(layer),
+                               pool.get_value_buffer(layer), engine.page_rows([page for page, _ in fill]))
 
 
 def active_sharing() -> PrefixSharing | None:

@@ -72,8 +72,8 @@ def test_a_shared_start_decodes_like_a_prefill_from_scratch_and_outlives_the_exp
     pages = eng.export_prefix(a, P)
     assert len(pages) == P and eng.export_prefix(a, P) == pages  # exporting again writes nothing new
     for layer, (k, v, _) in enumerate(a_data):  # every layer, dense included, sink and window pages included
-        pk, pv = eng.prefix_kv(layer, pages)
-        assert torch.equal(pk, k[:P * CFG.page_size]) and torch.equal(pv, v[:P * CFG.page_size])
+        pk, pv = (eng.host.arena[pages, layer, :, i].transpose(1, 2).reshape(-1, *k.shape[1:]) for i in (0, 1))
+        assert torch.equal(pk, k[:P * CFG.page_size].cpu()) and torch.equal(pv, v[:P * CFG.page_size].cpu())
     eng.host.hold(KEY_OWNER, pages)  # retained
     b_data = prompt(P * CFG.page_size + suffix, prefix=a_data)
     free_before = eng.host.free_pages

@@ -400,3 +400,29 @@ def test_a_prefix_the_tree_lacks_is_loaded_from_the_arena(daemon, monkeypatch, h
     b.n = b.prompt
     ref, ref_slots = reference_engine([b])
     decode(backend, [b], 12, ref, ref_slots)
+
+
+def test_a_full_arena_at_export_leaves_the_prompt_unshared_and_the_request_running(daemon):
+    """The export needs host pages for the prompt's sink pages (the rest are the request's already): with the arena
+    full it gets ArenaFull from the real daemon. The prompt is then not shared, nothing raises into the scheduler,
+    the request decodes on, and a later match finds nothing in the arena."""
+    backend, runner = make_backend(daemon, port=30009)
+    cache, radix, client = make_cache(runner), backend.radix, backend.host.client
+    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
+    tokens = list(range(7000, 7100))
+    a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
+    run_prefill(backend, [a], 1000)
+    arena = next(s for s in client.stats()["arenas"] if s["client_id"] == client.client_id)
+    filler = 10**6
+    client.alloc(filler, arena["free_pages"])  # another owner takes every free page
+    exported = radix.exported_pages
+    prefilled(cache, a, req_a)
+    assert radix.exported_pages == exported and radix.export_failures == 1
+    assert client.lookup_longest(radix.keys(tokens[:6 * P], None)) is None
+    ref, ref_slots = reference_engine([a])
+    decode(backend, [a], 8, ref, ref_slots)
+    client.free(filler)
+    req_b = sglang_req("b", tokens[:80] + [1, 2, 3])
+    assert len(match(cache, req_b).device_indices) == 0  # the tree's match is cut to the arena's (none)
+    finish(cache, backend, runner, a, req_a)  # with room again, the export at finish shares it
+    assert radix.exported_pages == exported + 6

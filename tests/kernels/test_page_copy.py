@@ -1,0 +1,89 @@
+"""pages_from_host / pages_to_host against their torch references: whole pages of every KV head between the HND host
+arena and NHD token rows anywhere in a buffer; nothing else is written."""
+
+import pytest
+import torch
+
+from freekv_kernels.page_copy import naive_pages_from_host, naive_pages_to_host, pages_from_host, pages_to_host
+from freekv_kernels.testing import assert_close, device
+
+DEV = device()
+SHAPES = [(H, D, p) for H in (1, 3, 8) for D in (64, 80, 128) for p in (16, 32)]
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def arena(N, H, p, D, dtype, fill=None):
+    """A host arena layer [N, H, 2, p, D], pinned on a CUDA machine so the kernel reaches it over UVA."""
+    t = torch.randn(N, H, 2, p, D).to(dtype) if fill is None else torch.full((N, H, 2, p, D), fill, dtype=dtype)
+    return t.pin_memory() if DEV.type == "cuda" else t
+
+
+def case(H, D, p, dtype, n, seed):
+    """n distinct host pages of an arena of 3n + 5, and n * p distinct token rows of a buffer of 2 n p + 7 rows in
+    a shuffled order (SGLang's token locations need not be page-contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    N, T = 3 * n + 5, 2 * n * p + 7
+    pages = torch.randperm(N, generator=g)[:n].int()
+    rows = torch.randperm(T, generator=g)[:n * p].long()
+    return N, T, pages, rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,D,p", SHAPES)
+def test_pages_from_host_write_exactly_their_rows(H, D, p, dtype):
+    N, T, pages, rows = case(H, D, p, dtype, n=5, seed=H * 1000 + D * 10 + p)
+    host = arena(N, H, p, D, dtype)
+    ref_k, ref_v = (torch.full((T, H, D), float("nan"), dtype=dtype) for _ in range(2))
+    naive_pages_from_host(host, pages, ref_k, ref_v, rows)
+    k, v = (torch.full((T, H, D), float("nan"), dtype=dtype, device=DEV) for _ in range(2))
+    pages_from_host(host, pages.to(DEV), k, v, rows.to(DEV))
+    written = torch.zeros(T, dtype=torch.bool)
+    written[rows] = True
+    for name, ref, out in (("k", ref_k, k.cpu()), ("v", ref_v, v.cpu())):
+        assert_close(name, ref[written], out[written], atol=0, rtol=0)
+        assert torch.isnan(out[~written]).all(), f"{name}: a row outside `rows` was written"
+    # The reference itself: token t of page i, head h.
+    i, t, h = 3, p - 1, H - 1
+    assert torch.equal(ref_v[rows[i * p + t], h], host[pages[i], h, 1, t])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,D,p", SHAPES)
+def test_pages_to_host_write_exactly_their_pages(H, D, p, dtype):
+    N, T, pages, rows = case(H, D, p, dtype, n=4, seed=7 + H + D + p)
+    k, v = torch.randn(T, H, D).to(dtype), torch.randn(T, H, D).to(dtype)
+    ref = arena(N, H, p, D, dtype, fill=float("nan"))
+    naive_pages_to_host(k, v, rows, ref, pages)
+    out = arena(N, H, p, D, dtype, fill=float("nan"))
+    pages_to_host(k.to(DEV), v.to(DEV), rows.to(DEV), out, pages.to(DEV))
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    mine = torch.zeros(N, dtype=torch.bool)
+    mine[pages.long()] = True
+    assert_close("arena", ref[mine], out[mine], atol=0, rtol=0)
+    assert torch.isnan(out[~mine]).all(), "a page outside `pages` was written"
+    assert torch.equal(ref[pages[1], H - 1, 0, 2], k[rows[p + 2], H - 1])
+
+
+def test_a_round_trip_through_a_strided_pool_returns_the_pages():
+    """K and V as views of one [T, 2, H, D] buffer (non-contiguous rows), as an interleaved pool would hand them."""
+    H, D, p, n = 8, 128, 16, 6
+    N, T, pages, rows = case(H, D, p, torch.bfloat16, n, seed=3)
+    host = arena(N, H, p, D, torch.bfloat16)
+    buf = torch.full((T, 2, H, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+    pages_from_host(host, pages.to(DEV), buf[:, 0], buf[:, 1], rows.to(DEV))
+    back = arena(N, H, p, D, torch.bfloat16, fill=0.0)
+    pages_to_host(buf[:, 0], buf[:, 1], rows.to(DEV), back, pages.to(DEV))
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(back[pages.long()], host[pages.long()])
+
+
+def test_bad_shapes_are_refused():
+    host = arena(4, 2, 16, 64, torch.float32)
+    k = torch.zeros(64, 2, 64, device=DEV)
+    pages = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="need 32 rows"):
+        pages_from_host(host, pages, k, k.clone(), torch.arange(31, device=DEV))
+    with pytest.raises(ValueError, match="disagree"):
+        pages_from_host(host, pages, torch.zeros(64, 3, 64, device=DEV), k, torch.arange(32, device=DEV))
