@@ -212,7 +212,7 @@ def bench_select(
     rerank_factors: tuple[int, ...] = (2, 4, 0), sketch_channels: int = 16,
 ) -> dict | list[dict]:
     try:
-        from freekv_kernels.page_rerank import empty_codes, rerank_pages, sketch_top_pages
+        from freekv_kernels.page_rerank import empty_codes, rerank_pages, sketch_pages, top_pages
         from freekv_kernels.page_select import PHASE_NOW, score_pages, select_slots
     except ImportError as e:
         print(f"\nselection: skipped, freekv_kernels.page_select is not importable ({e})")
@@ -251,8 +251,9 @@ def bench_select(
                         return score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling, heads)
                     cand = None
                     if factor:
-                        cand = sketch_top_pages(q, summaries, codes, page_table, req_slots, D**-0.5, nbytes,
-                                                factor * k, heads, cand_start=0, cand_end=cand_end)
+                        s = sketch_pages(q, summaries, codes, page_table, req_slots, D**-0.5, nbytes, heads,
+                                         cand_start=0, cand_end=cand_end)
+                        cand = top_pages(s, factor * k, heads)
                     return rerank_pages(q, summaries, codes, page_table, req_slots, cand, D**-0.5, heads,
                                         cand_start=0, cand_end=cand_end)
 

@@ -116,9 +116,10 @@ class Rerank(Selector):
         by_slot, start = phase == PHASE_LATER, e.cfg.sink_pages
         cand = None  # rerank_factor 0: every candidate page
         if e.cfg.rerank_factor:
-            cand = e.ops.sketch_top_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots,
-                                          e.scale, e.cfg.sketch_channels // PER_BYTE, e.cfg.rerank_pages, heads, phase,
-                                          by_slot, start, plan.cand_end, self.picks(layer))
+            sketch = e.ops.sketch_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots,
+                                        e.scale, e.cfg.sketch_channels // PER_BYTE, heads, phase, by_slot, start,
+                                        plan.cand_end, self.picks(layer))
+            cand = e.ops.top_pages(sketch, e.cfg.rerank_pages, heads, phase)
         return e.ops.rerank_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots, cand,
                                   e.scale, heads, phase, by_slot, start, plan.cand_end)
 

@@ -116,15 +116,15 @@ MEANS = {"_page_logits_kernel": 1, "_pool_scores_kernel": 1, "_select_slots_kern
 # The rerank with rerank_factor 0: every page's code log-sum-exps and their pooled scores, then the same selection
 # and recall.
 EVERY_PAGE = {"_rerank_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
-# The default rerank: the sketch's log-sum-exps (its byte picks come with the similarity check), then its pooling and
-# top candidates in one kernel.
-SELECT = {**EVERY_PAGE, "_sketch_lse_kernel": 1, "_pool_top_kernel": 1}
+# The default rerank: the sketch's log-sum-exps (its byte picks come with the similarity check), pooled scores and
+# top candidates first.
+SELECT = {**EVERY_PAGE, "_sketch_lse_kernel": 1, "_rerank_pool_kernel": 2, "_top_pages_kernel": 1}
 
 
 @pytest.mark.parametrize("recall", ["delta", "all"])
 def test_freekv_layer_launches(monkeypatch, recall):
-    """17 launches per sparse layer with the default rerank selection: 4 on the compute stream (similarity with the
-    sketch's byte picks, KV write, attention and its split combine), 6 on the select stream before attention, 7 on
+    """19 launches per sparse layer with the default rerank selection: 4 on the compute stream (similarity with the
+    sketch's byte picks, KV write, attention and its split combine), 7 on the select stream before attention, 8 on
     the recall stream; no torch glue anywhere."""
     got = count_step(monkeypatch, recall=recall)
     assert got == {
@@ -144,7 +144,7 @@ def test_outside_attention_layer_launches(monkeypatch):
 
 
 def test_means_quest_and_streaming_layer_launches(monkeypatch):
-    """The rerank of every page (no sketch: 2 launches fewer per selection), MeanS (13 launches), Quest (max
+    """The rerank of every page (no sketch: 3 launches fewer per selection), MeanS (13 launches), Quest (max
     pooling: no pooling kernel) and StreamingLLM (nothing selected: no side-stream selection)."""
     every = count_step(monkeypatch, factor=0)
     assert every["select"] == EVERY_PAGE and every["recall"] == {**EVERY_PAGE, "_offload_pages_kernel": 1}
