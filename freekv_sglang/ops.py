@@ -15,7 +15,6 @@ _OPS = {
     "score_pages": ("page_select", "score_pages"),
     "select_slots": ("page_select", "select_slots"),
     "sketch_pages": ("page_rerank", "sketch_pages"),
-    "sketch_top_pages": ("page_rerank", "sketch_top_pages"),
     "top_pages": ("page_rerank", "top_pages"),
     "rerank_pages": ("page_rerank", "rerank_pages"),
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),

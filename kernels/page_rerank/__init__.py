@@ -9,12 +9,11 @@ from .naive import (
     naive_rerank_pages,
     naive_sketch_pages,
     naive_sketch_picks,
-    naive_sketch_top_pages,
     naive_top_pages,
     quantize_keys,
     sketch_bytes,
 )
-from .triton import rerank_pages, sketch_pages, sketch_top_pages, top_pages
+from .triton import rerank_pages, sketch_pages, top_pages
 
 __all__ = [
     "CODE_BITS",
@@ -23,12 +22,10 @@ __all__ = [
     "naive_rerank_pages",
     "naive_sketch_pages",
     "naive_sketch_picks",
-    "naive_sketch_top_pages",
     "naive_top_pages",
     "quantize_keys",
     "rerank_pages",
     "sketch_bytes",
     "sketch_pages",
-    "sketch_top_pages",
     "top_pages",
 ]

@@ -117,29 +117,6 @@ def naive_sketch_pages(
                              page_logits)
 
 
-def naive_sketch_top_pages(
-    q: torch.Tensor,
-    summaries: torch.Tensor,
-    codes: torch.Tensor,
-    page_table: torch.Tensor,
-    req_slots: torch.Tensor,
-    scale: float,
-    nbytes: int,
-    num: int,
-    heads: torch.Tensor | None = None,
-    phase: int = 1,
-    q_by_slot: bool = False,
-    cand_start: int = 0,
-    cand_end: torch.Tensor | None = None,
-    picks: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """[B, H, num] int32: the num best pages of the sketch (naive_top_pages of naive_sketch_pages): the rerank's
-    candidates."""
-    scores = naive_sketch_pages(q, summaries, codes, page_table, req_slots, scale, nbytes, heads, phase, q_by_slot,
-                                cand_start, cand_end, picks)
-    return naive_top_pages(scores, num, heads, phase)
-
-
 def naive_top_pages(
     scores: torch.Tensor,
     num: int,

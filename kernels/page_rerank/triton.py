@@ -3,8 +3,6 @@
 sketch_pages: the first stage: per (row, KV head) the code bytes the query weighs most (_sketch_picks_kernel), then
 every page scored from its mid-range and those bytes (_sketch_lse_kernel), pooled like the rerank.
 top_pages: the staged bitonic top-k of select_slots (same packed keys, same tie order), ending in page ids.
-sketch_top_pages: the sketch's best pages, its pooling and top-k in one kernel (_pool_top_kernel) where a row's
-candidates fit one stage: the rerank's candidates.
 rerank_pages: one kernel computes, per (row, KV head, block of candidates), each candidate page's log-sum-exp of
 its decoded-key logits for the G query heads: the page's min / max summary and p * D / 4 code bytes, decoded
 per channel and multiplied with the query on tensor cores (see _rerank_lse_kernel);
@@ -26,7 +24,6 @@ from ..page_select.triton import (
     TOPK_SINGLE,
     TOPK_WARPS,
     _heads_args,
-    _pack_keys,
     _sort_keys,
     _topk_kernel,
 )
@@ -475,102 +472,17 @@ def sketch_pages(
     picks: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """See naive_sketch_pages."""
-    lse, C, cand_args, heads_args = _sketch_lse(q, summaries, codes, page_table, req_slots, scale, nbytes, heads,
-                                                phase, q_by_slot, cand_start, cand_end, picks)
-    B, H, M = req_slots.shape[0], summaries.shape[1], page_table.shape[1]
-    scores = empty(B, H, M, dtype=torch.float32, device=q.device)
-    if B * H:
-        _pool(lse, cand_args, False, heads_args, scores, C, cand_start, q.shape[1] // H)
-    return scores
-
-
-def sketch_top_pages(
-    q: torch.Tensor,
-    summaries: torch.Tensor,
-    codes: torch.Tensor,
-    page_table: torch.Tensor,
-    req_slots: torch.Tensor,
-    scale: float,
-    nbytes: int,
-    num: int,
-    heads: torch.Tensor | None = None,
-    phase: int = 1,
-    q_by_slot: bool = False,
-    cand_start: int = 0,
-    cand_end: torch.Tensor | None = None,
-    picks: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """See naive_sketch_top_pages. Up to TOPK_SINGLE candidates (32K tokens at p 32) one kernel pools and picks, with
-    no row of scores between them; longer rows pool into scores and take top_pages's stages."""
-    B, H, M = req_slots.shape[0], summaries.shape[1], page_table.shape[1]
-    G = q.shape[1] // H
-    if M - cand_start > TOPK_SINGLE:
-        return top_pages(sketch_pages(q, summaries, codes, page_table, req_slots, scale, nbytes, heads, phase,
-                                      q_by_slot, cand_start, cand_end, picks), num, heads, phase)
-    lse, C, cand_args, heads_args = _sketch_lse(q, summaries, codes, page_table, req_slots, scale, nbytes, heads,
-                                                phase, q_by_slot, cand_start, cand_end, picks)
-    heads_arg, heads_strides, with_heads, want = heads_args
-    out = empty(B, H, num, dtype=torch.int32, device=q.device)
-    if B * H == 0 or num == 0:
-        return out
-    kp = max(2, triton.next_power_of_2(num))
-    _pool_top_kernel[(B, H)](
-        lse, cand_end, heads_arg, out, C, cand_start, M, num, *lse.stride()[:3], cand_end.stride(0), *heads_strides,
-        *out.stride(),
-        G=G, GP=lse.shape[3], CP=max(kp, triton.next_power_of_2(max(C, 1))), KP=kp,  # topk keeps at most its input
-        HEADS=with_heads, WANT=want, NEG_INF_KEY=_NEG_INF_KEY, num_warps=POOL_WARPS,
-    )
-    return out
-
-
-@triton.jit
-def _pool_top_kernel(
-    lse_ptr, cend_ptr, heads_ptr, out_ptr,
-    C, cand_start, M, NUM,
-    sl_b, sl_h, sl_c, s_cend,
-    sh_b, sh_h,
-    so_b, so_h, so_c,
-    G: tl.constexpr, GP: tl.constexpr, CP: tl.constexpr, KP: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
-    NEG_INF_KEY: tl.constexpr,
-):
-    """out[b, h, :NUM]: the NUM candidates with the best pooled score (the group mean of each query head's softmax
-    over the candidates, as _rerank_pool_kernel computes it), best first, ties by the lower page, -1 past the
-    candidates: the whole row of C <= CP log-sum-exps in registers, pooled, packed as top_pages's keys, one topk."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
-        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
-            return
-    neg_inf = float("-inf")
-    i = tl.arange(0, CP)
-    g = tl.arange(0, GP)
-    ok = (i < C)[:, None] & (g < G)[None, :]
-    x = tl.load(lse_ptr + b * sl_b + h * sl_h + i[:, None] * sl_c + g[None, :], mask=ok, other=neg_inf)
-    m = tl.max(x, axis=0)
-    m_safe = tl.where(m == neg_inf, 0.0, m)
-    inv_l = 1.0 / tl.maximum(tl.sum(tl.exp(x - m_safe[None, :]), axis=0), 1.0)  # >= 1 where the head has a candidate
-    pooled = tl.sum(tl.exp(x - m_safe[None, :]) * inv_l[None, :], axis=1) / G
-    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
-    logical = cand_start + i
-    pooled = tl.where((i < C) & (logical < end), pooled, neg_inf)
-    top = tl.topk(_pack_keys(pooled, logical), KP)
-    k = tl.arange(0, KP)
-    tl.store(out_ptr + b * so_b + h * so_h + k.to(tl.int64) * so_c, _key_pages(top, NEG_INF_KEY), mask=k < NUM)
-
-
-def _sketch_lse(q, summaries, codes, page_table, req_slots, scale, nbytes, heads, phase, q_by_slot, cand_start,
-                cand_end, picks) -> tuple:
-    """The sketch's per-candidate log-sum-exps [B, H, C, GP] (scratch) and what pooling them needs."""
     B, G, D, H, M, p = _page_inputs(q, summaries, codes, page_table, req_slots, q_by_slot)
     assert 0 < nbytes <= D // PER_BYTE and p & (p - 1) == 0 and p >= 4
     assert codes.stride(2) == 1, "the sketch reads code rows as words: a byte-major store (empty_codes)"
     C, cand_args = _full_scan(req_slots, cand_start, cand_end, M)
     heads_args = _heads_args(heads, phase, req_slots)
     heads_arg, heads_strides, with_heads, want = heads_args
+    scores = empty(B, H, M, dtype=torch.float32, device=q.device)
+    if B * H == 0:
+        return scores
     gp = triton.next_power_of_2(G)
     lse = empty(B, H, max(C, 1), gp, dtype=torch.float32, device=q.device)  # scratch
-    if B * H == 0:
-        return lse, C, cand_args, heads_args
     if C:
         if picks is None:
             sel = empty(B, H, nbytes, dtype=torch.int32, device=q.device)  # scratch
@@ -598,4 +510,5 @@ def _sketch_lse(q, summaries, codes, page_table, req_slots, scale, nbytes, heads
             HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, LEVELS=LEVELS, BITS=CODE_BITS, PER_BYTE=PER_BYTE,
             PICKS_BY_SLOT=picks is not None, num_warps=SKETCH_WARPS,
         )
-    return lse, C, cand_args, heads_args
+    _pool(lse, cand_args, False, heads_args, scores, C, cand_start, G)
+    return scores

@@ -9,13 +9,11 @@ from freekv_kernels.page_rerank import (
     naive_rerank_pages,
     naive_sketch_pages,
     naive_sketch_picks,
-    naive_sketch_top_pages,
     naive_top_pages,
     quantize_keys,
     rerank_pages,
     sketch_bytes,
     sketch_pages,
-    sketch_top_pages,
     top_pages,
 )
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
@@ -236,52 +234,6 @@ def test_sketch_pages_with_picks_by_slot(G, p, D, M, H, nbytes, phase):
     with pytest.raises(ValueError, match="picks"):
         naive_sketch_pages(qq, summ, codes, pt, rs, 0.125, nbytes, heads, phase, by_slot, start, cand_end,
                            (sel, wrong))
-
-
-@pytest.mark.parametrize("G,p,D,M,H,nbytes,num", [(1, 16, 64, 37, 2, 4, 8), (3, 32, 128, 50, 3, 4, 64),
-                                                  (4, 16, 128, 21, 2, 3, 5), (8, 32, 64, 40, 1, 16, 100)])
-@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
-@pytest.mark.parametrize("picks", [False, True])
-def test_sketch_top_pages_matches_reference(G, p, D, M, H, nbytes, num, phase, picks):
-    """The sketch's best num pages in one pooling-and-top-k kernel: the reference's pages by their reference scores
-    (a candidate whose score ties the last one within rounding may take its place), best first, -1 past the row's
-    candidates (none, one, part, all; num above the candidates too); rows of heads outside the phase unwritten."""
-    torch.manual_seed(10)
-    qq, summ, codes, pt, rs, start, cand_end, heads, by_slot = full_scan_inputs(G, p, D, M, H, phase)
-    both = None
-    if picks:
-        gp = 1 << (G - 1).bit_length()
-        sel, qp = torch.zeros(R, H, nbytes, dtype=torch.int32), torch.zeros(R, H, gp, 4 * nbytes)
-        sel[rs.long()], qp[rs.long()] = naive_sketch_picks(qq[rs.long()] if by_slot else qq, G, nbytes, 0.125)
-        both = (sel, qp)
-    scores = naive_sketch_pages(qq, summ, codes, pt, rs, 0.125, nbytes, heads, phase, by_slot, start, cand_end, both)
-    ref = naive_sketch_top_pages(qq, summ, codes, pt, rs, 0.125, nbytes, num, heads, phase, by_slot, start, cand_end,
-                                 both)
-    with poisoned_outputs():
-        out = sketch_top_pages(*[t.to(DEV) for t in (qq, summ, codes, pt, rs)], 0.125, nbytes, num, heads.to(DEV),
-                               phase, by_slot, start, cand_end.to(DEV),
-                               None if both is None else tuple(t.to(DEV) for t in both)).cpu()
-    mine = heads == (phase == PHASE_NOW)
-    assert (out[~mine] < -(2**29)).all()  # poison left in place
-    for b, h in mine.nonzero().tolist():
-        got, want = out[b, h], ref[b, h]
-        assert torch.equal(got < 0, want < 0) and (got[got < 0] == -1).all()
-        picked = got[got >= 0].long()
-        assert len(set(picked.tolist())) == len(picked) and ((picked >= start) & (picked < cand_end[b])).all()
-        torch.testing.assert_close(scores[b, h, picked], scores[b, h, want[want >= 0].long()], atol=1e-6, rtol=1e-5)
-
-
-def test_sketch_top_pages_of_long_rows_take_top_pages_stages():
-    """Rows longer than one top-k stage pool into scores first: the same pages as top_pages of sketch_pages."""
-    torch.manual_seed(11)
-    G, p, D, H, M, num = 4, 16, 64, 1, 1100, 40
-    q, summ, codes, pt, rs, _ = rerank_inputs(G, p, D, M, H, torch.bfloat16)
-    cand_end = torch.tensor([M, 700, 3, M], dtype=torch.int32).to(DEV)
-    args = [t.to(DEV) for t in (q[:B], summ, codes, pt, rs)]
-    with poisoned_outputs():
-        out = sketch_top_pages(*args, 0.125, 4, num, cand_start=2, cand_end=cand_end).cpu()
-    want = top_pages(sketch_pages(*args, 0.125, 4, cand_start=2, cand_end=cand_end), num).cpu()
-    assert torch.equal(out, want) and (out[2, 0, 1:] == -1).all()
 
 
 def test_sketch_reads_the_bytes_the_query_weighs():
