@@ -15,14 +15,27 @@ The pool is in one of three states:
 
 Pages can be reserved ahead of a step (reserve), from the scheduler, where a failure can still take the request out
 of the batch; the engine's alloc during the step then takes them without a daemon call.
+
+The pool publishes its state for the server's /health (freekv_patches._health, in the HTTP process): a small JSON file
+per pool (state, reason, message, rank, pid), under /dev/shm (the temporary directory where there is none), named from
+its client id (stable_client_id: model, port, TP rank), replaced atomically (tmp file + os.replace) at every state
+change and removed when the pool closes or its process exits. A daemon that answers a PING says nothing about this
+pool: its session may be lost for good (a new one refused), and then every request aborts. read_pool_states gives a
+server's live pools' states (files of dead processes, e.g. a server killed with -9, are ignored).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import tempfile
 import time
+import uuid
+import weakref
 
+import psutil
 import torch
 
 from freekv_kvstore import ArenaFull, ArenaGeometry, DaemonUnavailable, KVStoreClient, KVStoreError, SessionExpired
@@ -33,17 +46,82 @@ logger = logging.getLogger(__name__)
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 PROBE_EVERY_S = 1.0  # while down or lost: how often a call may try the daemon again
 PROBE_TIMEOUT_S = 0.5
+STATE_PREFIX = "freekv-pool"  # published state files: <dir>/freekv-pool.<uid>.<client id>.json
+
+
+def server_identity(server_args) -> str:
+    """What every TP rank's client id of one server starts with: the model and the port."""
+    model = str(getattr(server_args, "model_path", None) or "model")
+    digest = hashlib.blake2b(model.encode(), digest_size=4).hexdigest()
+    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in model.rstrip("/").rsplit("/", 1)[-1])[:64]
+    port = getattr(server_args, "port", None)
+    return f"{name}-{digest}-port{port}"
 
 
 def stable_client_id(runner, rank: int, instance: int = 0) -> str:
     """The kvstore client id of a server rank: the model, port and TP rank (not the pid), so a restarted server
     re-attaches its arena and the prefixes it retained. instance > 0 (a second backend in one process) is appended."""
-    server_args = getattr(runner, "server_args", None)
-    model = str(getattr(server_args, "model_path", None) or "model")
-    digest = hashlib.blake2b(model.encode(), digest_size=4).hexdigest()
-    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in model.rstrip("/").rsplit("/", 1)[-1])[:64]
-    port = getattr(server_args, "port", None)
-    return f"{name}-{digest}-port{port}-tp{rank}" + (f"-{instance}" if instance else "")
+    return (f"{server_identity(getattr(runner, 'server_args', None))}-tp{rank}"
+            + (f"-{instance}" if instance else ""))
+
+
+# ---- the published state (read by the HTTP process's /health) -------------------------------------
+
+
+def state_dir() -> str:
+    """Where pools publish their state: /dev/shm (memory, cleared at boot), else the temporary directory."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def _state_name(client_id: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in client_id)
+    return f"{STATE_PREFIX}.{os.getuid()}.{safe}.json"
+
+
+def state_path(client_id: str) -> str:
+    return os.path.join(state_dir(), _state_name(client_id))
+
+
+def _remove_state(path: str, token: str) -> None:
+    """Remove a pool's state file, unless another pool (a later one with the same client id) has replaced it."""
+    try:
+        with open(path) as f:
+            if json.load(f).get("token") != token:
+                return
+        os.unlink(path)
+    except (OSError, ValueError):
+        pass
+
+
+def _alive(state: dict) -> bool:
+    """Whether the process that published state still runs (the pid and its start time: pids are reused)."""
+    try:
+        return abs(psutil.Process(int(state["pid"])).create_time() - float(state["proc_start"])) < 0.05
+    except psutil.AccessDenied:
+        return True
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
+def read_pool_states(identity: str) -> list[dict]:
+    """The published states of the live pools of the server `identity` (server_identity), one per TP rank that has
+    opened its pool, in file-name order. A rank without a file has not opened its pool yet (or closed it)."""
+    directory = state_dir()
+    prefix = _state_name(f"{identity}-tp")[:-len(".json")]
+    states = []
+    try:
+        names = sorted(e.name for e in os.scandir(directory) if e.name.startswith(prefix) and e.name.endswith(".json"))
+    except OSError:
+        return []
+    for name in names:
+        try:
+            with open(os.path.join(directory, name)) as f:
+                state = json.load(f)
+        except (OSError, ValueError):  # removed meanwhile (a replace is atomic: a file is whole or absent)
+            continue
+        if isinstance(state, dict) and _alive(state):
+            states.append(state)
+    return states
 
 
 class HostPagesUnavailable(RuntimeError):
@@ -69,8 +147,10 @@ class KVStoreHostPool:
         self.endpoint = self.client.endpoint
         self.arena = self.client.arena  # its address never changes, even across a new session
         self.num_pages = self.client.num_pages
+        self.rank, self.client_id = rank, client_id
         self.state = "up"
         self._problem: HostPagesUnavailable | None = None  # why the pool is down or lost
+        self._retry_error: str | None = None  # while lost: why the last new session was refused
         self._loss: HostPagesUnavailable | None = None  # why the pages of the last lost session are gone
         self._next_probe = 0.0
         self._epoch = 0  # sessions lost so far
@@ -85,6 +165,14 @@ class KVStoreHostPool:
         self._uncertain: set[int] = set()
         # Pages this pool holds, counted from the daemon's answers (no call of its own: read by the metrics).
         self.used_pages = 0
+        self.state_path = state_path(client_id)
+        self._state_token = uuid.uuid4().hex  # this pool's files (a later pool of the same client id replaces them)
+        self._proc_start = psutil.Process().create_time()
+        self._state_warned = False
+        self._publish()
+        # Removed by close(), at interpreter exit, or when the pool is collected. A process killed without either
+        # leaves it: read_pool_states ignores files of dead processes, and the rank's next pool replaces it.
+        self._unpublish = weakref.finalize(self, _remove_state, self.state_path, self._state_token)
 
     # ---- what the engine calls ----------------------------------------------------------------
 
@@ -199,6 +287,7 @@ class KVStoreHostPool:
         return self._problem
 
     def close(self) -> None:
+        self._unpublish()
         self.client.close()
 
     # ---- internals ---------------------------------------------------------------------------
@@ -238,6 +327,7 @@ class KVStoreHostPool:
                 self._problem = HostPagesUnavailable(reason, f"the kvstore daemon at {self.endpoint} cannot be "
                                                              f"used: {e}")
                 self._next_probe = time.monotonic() + PROBE_EVERY_S
+                self._publish()
                 logger.error("FreeKV: %s; requests that need new host pages end with an abort until it answers",
                              self._problem)
         else:
@@ -257,6 +347,8 @@ class KVStoreHostPool:
         self._reserved.clear()
         self.used_pages = 0
         self._next_probe = 0.0  # a new session may be opened at once
+        self._retry_error = None
+        self._publish()
         logger.error("FreeKV: %s; every request holding host pages on this rank ends with an abort", self._problem)
 
     def _recover(self) -> bool:
@@ -279,8 +371,40 @@ class KVStoreHostPool:
                 self._failed(e)  # may find the session lost; anything else keeps it down
             else:
                 logger.warning("FreeKV: no new kvstore session at %s yet: %s", self.endpoint, e)
+                error = f"{type(e).__name__}: {e}"
+                if error != self._retry_error:  # /health says why no session opens (rewritten when that changes)
+                    self._retry_error = error
+                    self._publish()
             return False
         logger.warning("FreeKV: the kvstore daemon at %s answers again%s", self.endpoint,
                        " (new session: the lost requests' pages are gone)" if self.state == "lost" else "")
-        self.state, self._problem = "up", None
+        self.state, self._problem, self._retry_error = "up", None, None
+        self._publish()
         return True
+
+    def _publish(self) -> None:
+        """Write the pool's state for /health: a new file put in place with os.replace, so a reader sees the old
+        state or the new one, never part of one. Never raises (a failure is logged once)."""
+        message = None if self._problem is None else str(self._problem)
+        if message is not None and self._retry_error is not None:
+            message += f"; no new session yet: {self._retry_error}"
+        state = {"state": self.state, "reason": None if self._problem is None else self._problem.reason,
+                 "message": message, "client_id": self.client_id, "rank": self.rank, "endpoint": self.endpoint,
+                 "pid": os.getpid(), "proc_start": self._proc_start, "token": self._state_token, "since": time.time()}
+        directory, name = os.path.split(self.state_path)
+        tmp = None
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+            with os.fdopen(fd, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, self.state_path)
+        except OSError as e:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            if not self._state_warned:
+                self._state_warned = True
+                logger.warning("FreeKV: cannot publish the host pool's state at %s (/health will not see it): %s",
+                               self.state_path, e)
