@@ -371,7 +371,8 @@ def main() -> None:
     ap.add_argument("--arena-gb", type=float, default=4.0, help="the external daemons' arena")
     ap.add_argument("--down-s", type=float, default=15.0,
                     help="daemon-gone/-lost: seconds without a daemon (past the 5 s deadline of a kvstore call)")
-    ap.add_argument("--small-arena-gb", type=float, default=0.05, help="arena-full's arena")
+    ap.add_argument("--small-arena-gb", type=float, default=0.4,
+                    help="arena-full's arena (SmolLM2: ~17K tokens, two long prompts; it must hold one prefill chunk)")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=4000)
     ap.add_argument("--long-len", type=int, default=7000, help="arena-full's prompt length")
