@@ -42,10 +42,9 @@ class MemoryPlan:
 
 def plan_memory(available_bytes: int, *, cfg: FreeKVConfig, shape: ModelShape, dtype_bytes: int, host_pages: int,
                 context_len: int, prefill_tokens: int, max_running_requests: int | None = None,
-                max_total_tokens: int | None = None, chunk_tokens: int = 0) -> MemoryPlan:
+                max_total_tokens: int | None = None) -> MemoryPlan:
     """Split `available_bytes` of GPU memory. `prefill_tokens`: the most new tokens one prefill batch holds
-    (SGLang's max_prefill_tokens or chunk size, whichever is larger); `context_len`: the longest request;
-    `chunk_tokens`: the largest prefill chunk (and prefill CUDA graph) SGLang runs, which the token pool must hold."""
+    (SGLang's max_prefill_tokens or chunk size, whichever is larger); `context_len`: the longest request."""
     p, H, D = cfg.page_size, shape.num_kv_heads, shape.head_dim
     tokens = host_pages * p
     if max_total_tokens is not None:
@@ -53,12 +52,6 @@ def plan_memory(available_bytes: int, *, cfg: FreeKVConfig, shape: ModelShape, d
     if tokens < p:
         raise FreeKVArgsError(f"the kvstore arena holds {host_pages} pages of this model: pass a larger "
                               "--kvstore-arena-gb")
-    if tokens < chunk_tokens:
-        # SGLang writes a whole chunk's tokens into the pool (and captures prefill graphs of that many): a pool
-        # smaller than one chunk fails on the device at start-up (seen: store_kvcache's index assert).
-        raise FreeKVArgsError(f"the kvstore arena holds {tokens} tokens of this model, fewer than one prefill chunk "
-                              f"of {chunk_tokens}: pass a larger --kvstore-arena-gb (or --max-total-tokens) or a "
-                              "smaller --chunked-prefill-size")
     sparse_layers = shape.num_layers - cfg.dense_layers
     dense_bytes = (tokens + p) * cfg.dense_layers * H * D * 2 * dtype_bytes + (tokens // p + 1) * 4  # + page map
     staging_page_bytes = sparse_layers * p * H * D * 2 * dtype_bytes

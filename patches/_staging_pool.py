@@ -15,6 +15,7 @@ import torch
 
 @functools.cache
 def staging_pool_class(base: type) -> type:
+    from sglang.srt.mem_cache import memory_pool
     from sglang.srt.mem_cache.memory_pool import unwrap_write_loc
 
     from freekv_sglang.server_args import FreeKVArgsError
@@ -54,6 +55,17 @@ def staging_pool_class(base: type) -> type:
             if self.is_staged(layer.layer_id if layer_id is None else layer_id):
                 loc_info = self.translate(unwrap_write_loc(loc_info)[0])
             return super().set_kv_buffer(layer, loc_info, cache_k, cache_v, *args, **kwargs)
+
+        def _store_kv_layer(self, layer_idx: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor):
+            if not self.is_staged(layer_idx + self.start_layer):
+                return super()._store_kv_layer(layer_idx, loc, cache_k, cache_v)
+            # SGLang bounds every layer's write by the token pool (size + page_size, its store kernel's device
+            # assert); a staged layer's rows are staging rows, past that bound when the arena is small.
+            k_buf, v_buf = self.k_buffer[layer_idx], self.v_buffer[layer_idx]
+            memory_pool._set_kv_buffer_impl(cache_k, cache_v, k_buf, v_buf, loc, row_dim=self.row_dim,
+                                            store_dtype=self.store_dtype, device_module=self.device_module,
+                                            size_limit=k_buf.shape[0], alt_stream=self.alt_stream,
+                                            same_kv_dim=self.same_kv_dim)
 
     FreeKVTokenToKVPool.__name__ = FreeKVTokenToKVPool.__qualname__ = f"FreeKV{base.__name__}"
     return FreeKVTokenToKVPool

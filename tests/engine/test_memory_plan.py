@@ -65,14 +65,3 @@ def test_plan_spends_the_gpu_on_request_slots():
     assert plan_memory(int(60e9), max_running_requests=8, **kw).max_requests == 8
     with pytest.raises(FreeKVArgsError, match="--mem-fraction-static"):
         plan_memory(int(5e9), **kw)
-
-
-def test_an_arena_smaller_than_a_prefill_chunk_is_refused_naming_the_flags():
-    """SGLang writes a whole chunk into the token pool (and captures prefill graphs that long): a pool sized from a
-    smaller arena failed on the device at start-up (H200, session 14: a 2,160-token arena, 8,192-token chunks)."""
-    cfg, shape = FreeKVConfig(page_size=16), ModelShape(30, 9, 3, 64)
-    kw = dict(cfg=cfg, shape=shape, dtype_bytes=2, context_len=8192, prefill_tokens=16384)
-    with pytest.raises(FreeKVArgsError, match="fewer than one prefill chunk of 8192.*--kvstore-arena-gb.*"
-                                              "--chunked-prefill-size"):
-        plan_memory(int(40e9), host_pages=135, chunk_tokens=8192, **kw)
-    assert plan_memory(int(40e9), host_pages=512, chunk_tokens=8192, **kw).tokens == 8192

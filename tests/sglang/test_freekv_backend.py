@@ -423,3 +423,33 @@ def test_metrics_are_fed_where_the_stats_are_logged(daemon, monkeypatch):
     used_after, _ = _arena_used_pages(backend)
     assert series.kvstore_used_pages.value == used_after < used
     assert series.aborted_requests.value == 0
+
+
+def test_a_staged_layer_bounds_its_writes_by_its_staging_rows(monkeypatch):
+    """SGLang bounds a layer's KV write by the token pool (size + page_size; on CUDA its store kernel asserts): a staged
+    layer writes staging rows, past that bound when the arena (the token pool) is smaller than the staging (H200,
+    session 14: a 17,360-token pool, 24,832 staging rows, a device-side assert while capturing prefill graphs)."""
+    from sglang.srt.mem_cache import memory_pool
+
+    from freekv_patches._staging_pool import staging_pool_class
+
+    pool = staging_pool_class(memory_pool.MHATokenToKVPool)(
+        64, page_size=P, dtype=torch.float32, head_num=H, head_dim=D, layer_num=L, device="cpu",
+        enable_memory_saver=False, start_layer=0, end_layer=L, enable_alt_stream=False, enable_kv_cache_copy=False,
+        post_capture_active=False, freekv_dense_layers=CFG.dense_layers, freekv_staging_pages=STAGING)
+    seen, store = [], memory_pool._set_kv_buffer_impl
+
+    def bounded(k, v, k_cache, v_cache, indices, **kw):
+        seen.append(kw["size_limit"])
+        assert int(indices.max()) < kw["size_limit"] <= k_cache.shape[0], "a write past the bound it was given"
+        return store(k, v, k_cache, v_cache, indices, **kw)
+
+    monkeypatch.setattr(memory_pool, "_set_kv_buffer_impl", bounded)
+    pool.page_map[0] = STAGING - 1  # token page 0 -> the last staging page, rows past the 80-row token pool
+    loc = torch.arange(P)
+    k, v = torch.randn(P, H, D), torch.randn(P, H, D)
+    pool.set_kv_buffer(SimpleNamespace(layer_id=1), loc, k, v)
+    pool.set_kv_buffer(SimpleNamespace(layer_id=0), loc, k, v)  # the dense layer: token rows, the pool's bound
+    assert seen == [(STAGING + 1) * P, 64 + P]
+    rows = torch.arange((STAGING - 1) * P, STAGING * P)
+    assert torch.equal(pool.k_buffer[1][rows], k) and torch.equal(pool.v_buffer[0][loc], v)
