@@ -25,7 +25,7 @@ def one_request(url: str, ids: list[int], output_len: int, timeout: float) -> di
             "sampling_params": {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}}
     req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
-    stamps, tokens = [], 0
+    stamps, tokens, cached = [], 0, None
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             for raw in r:
@@ -33,6 +33,7 @@ def one_request(url: str, ids: list[int], output_len: int, timeout: float) -> di
                 if not line.startswith("data:") or line == "data: [DONE]":
                     continue
                 msg = json.loads(line[5:])
+                cached = msg.get("meta_info", {}).get("cached_tokens", cached)  # the prompt's radix-cache hit
                 n = msg.get("meta_info", {}).get("completion_tokens", tokens)
                 if n > tokens:
                     stamps.append(time.perf_counter())
@@ -43,7 +44,8 @@ def one_request(url: str, ids: list[int], output_len: int, timeout: float) -> di
         return {"ok": False, "error": f"{tokens} of {output_len} tokens", "tokens": tokens}
     ttft = stamps[0] - t0
     tpot = (stamps[-1] - stamps[0]) / max(tokens - 1, 1)
-    return {"ok": True, "ttft_s": ttft, "tpot_s": tpot, "latency_s": stamps[-1] - t0, "tokens": tokens}
+    return {"ok": True, "ttft_s": ttft, "tpot_s": tpot, "latency_s": stamps[-1] - t0, "tokens": tokens,
+            "cached_tokens": cached}
 
 
 def main() -> None:

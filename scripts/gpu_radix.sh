@@ -4,7 +4,8 @@
 #   freekv-plain   FreeKV with --disable-radix-cache
 #   full-radix     plain SGLang (full KV on the GPU) with its radix cache
 # Each: one warm-up request (a 32K prefix + 256 tokens) caches the prefix; then the TTFT of a miss (a new 32K prompt)
-# and of a hit (the prefix + 256 new tokens), then 16 concurrent requests sharing the prefix (256 unique tokens each,
+# and of a hit (the prefix + 256 new tokens), a sharer sent 0.5 s into another new 32K prompt's prefill (it hits the
+# chunks exported so far: SGLang's cached_tokens), then 16 concurrent requests sharing the prefix (256 unique tokens each,
 # 64 greedy tokens): their TTFT and decode step (TPOT), and for FreeKV the kvstore arena's pages (an external daemon
 # polled during the burst: used = held by requests, cached = held only by retained prefixes).
 # Fits one 10-minute device call. Needs /tmp/site (the wheelhouse). Usage: [RUNS=a,b] bash scripts/gpu_radix.sh [BACKEND]
@@ -47,6 +48,13 @@ ids = lambda n: [rng.randrange(100, 128000) for _ in range(n)]
 prefix = ids(32768)
 req = lambda prompt, n=1: one_request(url, prompt, n, 600)
 res = {"name": name, "warmup": req(prefix + ids(256)), "miss": req(ids(32768 + 256)), "hit": req(prefix + ids(256))}
+# A sharer sent while a new 32K prompt is still prefilling (chunks of 8192): it hits the chunks exported so far.
+second = ids(32768)
+with cf.ThreadPoolExecutor(2) as ex:
+    first = ex.submit(req, second + ids(256))
+    time.sleep(0.5)
+    res["mid_prefill_sharer"] = req(second + ids(256))
+    res["mid_prefill_first"] = first.result()
 arena = []
 def poll(stop):
     if not name.startswith("freekv"):
@@ -67,7 +75,11 @@ if arena:
     peak = max(arena, key=lambda a: a["used_pages"] + a["cached_pages"])
     res["arena_peak_gb"] = (peak["used_pages"] + peak["cached_pages"]) * peak["page_bytes"] / 1e9
     res["arena_peak_pages"] = peak
-print(f"{name}: TTFT miss {res['miss'].get('ttft_s', float('nan')):.3f} s, hit {res['hit'].get('ttft_s', float('nan')):.3f} s; "
+mid = res["mid_prefill_sharer"]
+print(f"{name}: sharer sent 0.5 s into a 32K prefill: TTFT {mid.get('ttft_s', float('nan')):.3f} s, "
+      f"{mid.get('cached_tokens')} tokens cached (the first: {res['mid_prefill_first'].get('ttft_s', float('nan')):.3f} s)")
+print(f"{name}: TTFT miss {res['miss'].get('ttft_s', float('nan')):.3f} s, hit {res['hit'].get('ttft_s', float('nan')):.3f} s "
+      f"({res['hit'].get('cached_tokens')} tokens cached); "
       f"16 sharers: TTFT {res['burst']['ttft_s_mean']:.3f} s, decode step {res['burst']['tpot_s_mean'] * 1e3:.2f} ms, "
       f"{res['burst']['ok']}/16 ok; arena peak {res.get('arena_peak_gb', 0):.2f} GB")
 json.dump(res, open(f"{out}/radix-{name}.json", "w"), indent=1)
