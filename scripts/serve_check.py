@@ -3,7 +3,9 @@
     python3 scripts/serve_check.py --model /tmp/smollm2 --out results [--attention-backend triton]
 
 Both servers use the same page size and no radix cache, so the only difference is FreeKV decode
-attention. With the budget above every context FreeKV attends to exactly the tokens full attention
+attention. With --radix both keep SGLang's radix cache (FreeKV: prefixes shared through the kvstore arena) and the
+prompts share prefixes of several lengths, page-aligned and ending mid-page: each base prompt is sent first, then its
+sharers concurrently, and each request's cached_tokens is recorded, so the comparison covers hits. With the budget above every context FreeKV attends to exactly the tokens full attention
 does, and over FlashInfer it runs FlashInfer's own decode kernel on them in the same order, so
 greedy outputs must agree token for token. The default adds --enable-deterministic-inference to both
 servers: without it SGLang's GEMMs and norms round differently with the batch's composition, which
@@ -38,13 +40,17 @@ def post(url: str, body: dict, timeout: float = 300) -> dict:
 
 
 class Server(ServerProcess):
-    def generate(self, ids: list[int], max_new: int, margins: list | None = None) -> list[int]:
-        """Greedy token ids; with `margins`, also appends the top-1 minus top-2 logprob per position."""
+    def generate(self, ids: list[int], max_new: int, margins: list | None = None, cached: list | None = None
+                 ) -> list[int]:
+        """Greedy token ids; with `margins`, also appends the top-1 minus top-2 logprob per position; with `cached`,
+        the prompt tokens the radix cache held."""
         out = post(self.url + "/generate", {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 2,
                                             "sampling_params": {"max_new_tokens": max_new, "temperature": 0,
                                                                 "ignore_eos": True}})
         if margins is not None:
             margins.append([t[0][0] - t[1][0] for t in out["meta_info"]["output_top_logprobs"]])
+        if cached is not None:
+            cached.append(out["meta_info"].get("cached_tokens"))
         return [t[1] for t in out["meta_info"]["output_token_logprobs"]]
 
 
@@ -64,6 +70,21 @@ def prompts(model: str, n: int, seed: int) -> list[list[int]]:
     return out
 
 
+def shared_prompts(model: str, n: int, seed: int, page: int = 32) -> tuple[list[list[int]], list[list[int]]]:
+    """Base prompts, and for each its sharers: the base cut at a page boundary, mid-page (13 tokens past one) and 5
+    tokens before its end, each followed by a question of its own."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    bases, sharers = prompts(model, n, seed), []
+    for i, base in enumerate(bases):
+        half = len(base) // 2 // page * page
+        for j, cut in enumerate((half, half + 13, len(base) - 5)):
+            tail = tok(f" Question {i}.{j}: what is the pass key? The pass key is", add_special_tokens=False)
+            sharers.append(base[:cut] + tail["input_ids"])
+    return bases, sharers
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -73,6 +94,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--freekv-args", default="--kv-budget 8192 --kv-sink 64 --kv-window 128 --kv-page-size 32 "
                     "--kvstore-arena-gb 4")
+    ap.add_argument("--radix", action="store_true", help="both servers with the radix cache, prompts sharing prefixes")
     ap.add_argument("--extra-args", default="--enable-deterministic-inference",
                     help="passed to both servers, e.g. '--enable-deterministic-inference --disable-cuda-graph'")
     args = ap.parse_args()
@@ -80,25 +102,36 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("FREEKV_STATS_EVERY", "16")
     common = ["--attention-backend", args.attention_backend, *args.extra_args.split()]
+    base_args = [a for a in COMMON if not (args.radix and a == "--disable-radix-cache")]
     result: dict = {"attention_backend": args.attention_backend, "freekv_args": args.freekv_args,
-                    "extra_args": args.extra_args}
+                    "extra_args": args.extra_args, "radix": args.radix}
     servers: list[Server] = []
     try:
         # One after the other: servers that profile GPU memory at the same time see each other's buffers.
         for name, port, extra in (("plain", 30000, common),
                                   ("freekv", 30001, common + ["--kv-retrieval", "freekv", *args.freekv_args.split()])):
-            s = Server(name, port, ["--model-path", args.model, *COMMON, *extra], out / f"server-{name}.log")
+            s = Server(name, port, ["--model-path", args.model, *base_args, *extra], out / f"server-{name}.log")
             servers.append(s)
             result[f"{s.name}_healthy_s"] = round(s.wait(600), 1)
             print(f"[{s.name}] healthy after {result[f'{s.name}_healthy_s']} s", flush=True)
-        ps = prompts(args.model, args.prompts, seed=0)
+        if args.radix:
+            bases, sharers = shared_prompts(args.model, max(args.prompts // 4, 1), seed=0)
+            ps = bases + sharers
+        else:
+            bases, ps = [], prompts(args.model, args.prompts, seed=0)
         result["prompt_tokens"] = [len(p) for p in ps]
         outs = {}
         for s in servers:
             t0 = time.time()
-            with cf.ThreadPoolExecutor(len(ps)) as ex:  # all prompts at once: continuous batching
-                outs[s.name] = list(ex.map(lambda p: s.generate(p, args.max_new_tokens), ps))
+            first = [s.generate(p, args.max_new_tokens) for p in bases]  # in the radix cache before their sharers
+            rest, hits = ps[len(bases):], [[] for _ in ps[len(bases):]]
+            with cf.ThreadPoolExecutor(len(rest)) as ex:  # the rest at once: continuous batching
+                outs[s.name] = first + list(ex.map(lambda i: s.generate(rest[i], args.max_new_tokens, cached=hits[i]),
+                                                   range(len(rest))))
             result[f"{s.name}_seconds"] = round(time.time() - t0, 2)
+            if args.radix:  # what each sharer's admission found cached (its base, or more where a sharer came first)
+                result[f"{s.name}_sharer_cached_tokens"] = [h[0] for h in hits]
+                print(f"[{s.name}] sharers' cached tokens: {result[f'{s.name}_sharer_cached_tokens']}")
         # SGLang's own spread: the plain server again, one request at a time (other batch shapes, other
         # kernel splits). bf16 near-ties flip there too; FreeKV should agree with plain about as often.
         margins: list[list[float]] = []
