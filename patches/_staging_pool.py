@@ -57,10 +57,9 @@ def staging_pool_class(base: type) -> type:
             return super().set_kv_buffer(layer, loc_info, cache_k, cache_v, *args, **kwargs)
 
         def _store_kv_layer(self, layer_idx: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor):
-            if not self.is_staged(layer_idx + self.start_layer):
-                return super()._store_kv_layer(layer_idx, loc, cache_k, cache_v)
             # SGLang bounds every layer's write by the token pool (size + page_size, its store kernel's device
-            # assert); a staged layer's rows are staging rows, past that bound when the arena is small.
+            # assert): here each layer's bound is its own buffer's rows, the same for a dense layer, while a staged
+            # layer's rows are staging rows, past the token pool when the arena is small.
             k_buf, v_buf = self.k_buffer[layer_idx], self.v_buffer[layer_idx]
             memory_pool._set_kv_buffer_impl(cache_k, cache_v, k_buf, v_buf, loc, row_dim=self.row_dim,
                                             store_dtype=self.store_dtype, device_module=self.device_module,
