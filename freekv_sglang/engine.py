@@ -342,7 +342,7 @@ class FreeKVEngine:
         sink pages get host pages, its resident window pages are offloaded with their summaries, engine-held dense
         layers are copied; pages already complete are left alone) and return their host pages, for the caller to
         retain under the prefix key. Call between steps (after end_step). With dense_outside the caller writes the
-        dense layers' slices of these host pages itself.
+        dense layers' slices of these host pages itself, and synchronises the device before the pages are read.
 
         staged: for a prompt still being prefilled outside the engine (stage_prefill, store_staged), where its pages
         are: (kv, pages), kv(layer) giving a sparse layer's outside paged cache k, v [T, H, D] and pages the staging
@@ -389,7 +389,7 @@ class FreeKVEngine:
                         kc, vc = staged[0](layer)
                     self.ops.offload_pages(kc, vc, self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p,
                                            programs=PREFILL_OFFLOAD_PROGRAMS, codes=self.selector.codes(layer))
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and not self.dense_outside:
                 torch.cuda.synchronize(self.device)  # the arena is read next by other requests (and the CPU)
             self._complete[slot] = num_pages
         return list(pages)

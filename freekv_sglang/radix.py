@@ -225,8 +225,8 @@ class PrefixSharing:
             if eng.dense[layer]:
                 eng.ops.pages_to_host(pool.get_key_buffer(layer), pool.get_value_buffer(layer), rows,
                                       eng.host.arena[:, layer], dst)
-        if eng.device.type == "cuda":
-            torch.cuda.synchronize(eng.device)  # in the arena before it is retained: other servers may read it
+        if eng.device.type == "cuda":  # export_prefix's pages and these in the arena before they are retained
+            torch.cuda.synchronize(eng.device)
 
     # ---- forward side --------------------------------------------------------------------------
 
