@@ -49,11 +49,16 @@ PROBE_TIMEOUT_S = 0.5
 STATE_PREFIX = "freekv-pool"  # published state files: <dir>/freekv-pool.<uid>.<client id>.json
 
 
+def _file_safe(text: str) -> str:
+    """text with every character but letters, digits and ._- replaced by _ (names of ids and files)."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+
+
 def server_identity(server_args) -> str:
     """What every TP rank's client id of one server starts with: the model and the port."""
     model = str(getattr(server_args, "model_path", None) or "model")
     digest = hashlib.blake2b(model.encode(), digest_size=4).hexdigest()
-    name = "".join(c if c.isalnum() or c in "._-" else "_" for c in model.rstrip("/").rsplit("/", 1)[-1])[:64]
+    name = _file_safe(model.rstrip("/").rsplit("/", 1)[-1])[:64]
     port = getattr(server_args, "port", None)
     return f"{name}-{digest}-port{port}"
 
@@ -74,8 +79,7 @@ def state_dir() -> str:
 
 
 def _state_name(client_id: str) -> str:
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in client_id)
-    return f"{STATE_PREFIX}.{os.getuid()}.{safe}.json"
+    return f"{STATE_PREFIX}.{os.getuid()}.{_file_safe(client_id)}.json"
 
 
 def state_path(client_id: str) -> str:

@@ -26,22 +26,12 @@ from freekv_kvstore import ArenaGeometry, KVStoreClient
 from freekv_kvstore.journal import discard_store
 from freekv_sglang import kvstore_pool
 from freekv_sglang.kvstore_pool import KVStoreHostPool, read_pool_states, server_identity, stable_client_id
-from test_freekv_aborts import Daemon, get, wait_until
+from test_freekv_aborts import daemon, get, wait_until  # noqa: F401 (daemon: the aborts tests' fixture)
 
 pytestmark = pytest.mark.timeout(180)
 
 SERVER_ARGS = SimpleNamespace(model_path="org/Some-Model", port=30123)
 GEOMETRY = dict(num_layers=2, num_kv_heads=2, page_size=4, head_dim=16)
-
-
-@pytest.fixture
-def daemon():
-    workdir = Path(__import__("tempfile").mkdtemp(prefix="fkv-hl-", dir="/tmp"))  # ipc paths are short
-    d = Daemon(workdir)
-    d.start()
-    yield d
-    d.stop()
-    __import__("shutil").rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture
