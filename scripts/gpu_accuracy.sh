@@ -19,12 +19,7 @@ setsid python3 -m sglang.launch_server --model-path /tmp/smollm2 --port $PORT --
   --max-running-requests 16 --kv-retrieval freekv --kv-budget 1024 --kv-sink 64 --kv-window 128 --kv-page-size 16 \
   --kv-correction-threshold 0.9 --kv-dense-layers 1 --kvstore-arena-gb 4 >"$OUT/server-acc.log" 2>&1 &
 SPID=$!
-t0=$(date +%s)
-until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
-  kill -0 $SPID 2>/dev/null || { echo "server exited"; tail -30 "$OUT/server-acc.log"; exit 1; }
-  [ $(( $(date +%s) - t0 )) -lt 300 ] || { echo "not healthy"; kill -9 -- -$SPID; exit 1; }
-  sleep 2
-done
+wait_healthy freekv $PORT $SPID "$OUT/server-acc.log" 300 || exit 1
 "${ACC[@]}" --backend sglang --url http://127.0.0.1:$PORT --tasks passkey --lengths 8192 --budgets 1024 \
   --server-method freekv-server-tau0.9 --server-budget 1024 --out "$OUT/acc-server" 2>&1 | tail -n 12
 kill -TERM -- -$SPID 2>/dev/null; sleep 3; kill -9 -- -$SPID 2>/dev/null

@@ -16,13 +16,7 @@ FREEKV_STATS_EVERY=64 setsid python3 -m sglang.launch_server --model-path /tmp/l
   --kv-retrieval freekv --kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32 --kvstore-arena-gb 24 \
   >"$OUT/server-llama8b-freekv.log" 2>&1 &
 SPID=$!
-t0=$(date +%s)
-until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
-  kill -0 $SPID 2>/dev/null || { echo "server exited"; tail -30 "$OUT/server-llama8b-freekv.log"; exit 1; }
-  [ $(( $(date +%s) - t0 )) -lt 400 ] || { echo "not healthy in 400 s"; tail -30 "$OUT/server-llama8b-freekv.log"; kill -9 -- -$SPID; exit 1; }
-  sleep 2
-done
-echo "healthy after $(( $(date +%s) - t0 )) s"
+wait_healthy freekv $PORT $SPID "$OUT/server-llama8b-freekv.log" 400 || exit 1
 python3 benchmarks/serve_load.py --url http://127.0.0.1:$PORT --input-len 32000 --output-len 256 \
   --num-prompts 8 --concurrency 4 --vocab 128000 --out "$OUT/serve-load-llama8b-freekv.json" 2>&1 | tee "$OUT/serve-load.log"
 rc=${PIPESTATUS[0]}

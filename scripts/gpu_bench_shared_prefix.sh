@@ -23,13 +23,8 @@ for name in ${RUNS//,/ }; do
   esac
   FREEKV_STATS_EVERY=256 setsid python3 -m sglang.launch_server "${COMMON[@]}" "${extra[@]}" \
     >"$OUT/server-gsp-$name.log" 2>&1 &
-  spid=$! t0=$(date +%s)
-  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
-    kill -0 $spid 2>/dev/null || { echo "$name: server exited"; tail -20 "$OUT/server-gsp-$name.log"; continue 2; }
-    [ $(( $(date +%s) - t0 )) -lt 400 ] || { echo "$name: not healthy"; kill -9 -- -$spid; continue 2; }
-    sleep 2
-  done
-  echo "$name healthy after $(( $(date +%s) - t0 )) s"
+  spid=$!
+  wait_healthy "$name" $PORT $spid "$OUT/server-gsp-$name.log" 400 || continue
   timeout 300 python3 benchmarks/bench_shared_prefix.py --backend sglang --port $PORT \
     --dataset-name generated-shared-prefix --tokenizer /tmp/llama8b/tokenizer --seed 1 \
     --gsp-num-groups 4 --gsp-prompts-per-group 16 --gsp-system-prompt-len "$GSP_SYSTEM" --gsp-question-len 256 \

@@ -13,13 +13,8 @@ run() {  # run NAME ARGS...
   FREEKV_STATS_EVERY=256 setsid python3 -m sglang.launch_server --model-path /tmp/llama8b --load-format dummy --port $PORT \
     --attention-backend flashinfer --sampling-backend pytorch --grammar-backend none --disable-radix-cache --page-size 32 \
     --context-length 34000 --max-running-requests 4 --mem-fraction-static 0.6 "$@" >"$OUT/server-$name.log" 2>&1 &
-  local spid=$! t0=$(date +%s)
-  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
-    kill -0 $spid 2>/dev/null || { echo "$name: server exited"; tail -20 "$OUT/server-$name.log"; return 1; }
-    [ $(( $(date +%s) - t0 )) -lt 300 ] || { echo "$name: not healthy"; kill -9 -- -$spid; return 1; }
-    sleep 2
-  done
-  echo "$name healthy after $(( $(date +%s) - t0 )) s"
+  local spid=$!
+  wait_healthy "$name" $PORT $spid "$OUT/server-$name.log" 300 || return 1
   for c in 1 4; do
     echo "$name concurrency $c:"
     python3 benchmarks/serve_load.py --url http://127.0.0.1:$PORT --input-len 32000 --output-len 128 --num-prompts $c \

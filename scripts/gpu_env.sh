@@ -22,3 +22,15 @@ for group, items in eps.items():
         print(f"{k} = {v}")
 PY
 export PYTHONPATH=/tmp/fkv-src:/tmp/fkv-site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+
+wait_healthy() {  # NAME PORT PID LOG LIMIT_S: 0 once the server's /health answers; else its log's tail, its process
+  local name=$1 port=$2 pid=$3 log=$4 limit=$5 t0  # group killed (it was started with setsid) and 1
+  t0=$(date +%s)
+  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" 2>/dev/null; do
+    kill -0 "$pid" 2>/dev/null || { echo "$name: server exited"; tail -30 "$log"; return 1; }
+    [ $(( $(date +%s) - t0 )) -lt "$limit" ] || { echo "$name: not healthy in $limit s"; tail -30 "$log"
+                                                  kill -9 -- -"$pid"; return 1; }
+    sleep 2
+  done
+  echo "$name healthy after $(( $(date +%s) - t0 )) s"
+}

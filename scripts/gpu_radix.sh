@@ -30,13 +30,8 @@ trap 'kill -TERM -- -$DPID 2>/dev/null' EXIT
 run() {  # run NAME ARGS...
   local name=$1; shift
   FREEKV_STATS_EVERY=256 setsid python3 -m sglang.launch_server "${COMMON[@]}" "$@" >"$OUT/server-radix-$name.log" 2>&1 &
-  local spid=$! t0=$(date +%s)
-  until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
-    kill -0 $spid 2>/dev/null || { echo "$name: server exited"; tail -20 "$OUT/server-radix-$name.log"; return 1; }
-    [ $(( $(date +%s) - t0 )) -lt 240 ] || { echo "$name: not healthy"; kill -9 -- -$spid; return 1; }
-    sleep 2
-  done
-  echo "$name healthy after $(( $(date +%s) - t0 )) s"
+  local spid=$!
+  wait_healthy "$name" $PORT $spid "$OUT/server-radix-$name.log" 240 || return 1
   timeout 200 python3 - "$name" "$PORT" "$KV" "$OUT" <<'EOF'
 import concurrent.futures as cf, json, random, sys, threading, time
 sys.path.insert(0, "benchmarks")
