@@ -47,13 +47,9 @@ def _top_pages_kernel(
             return
     top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
     i = tl.arange(0, KP)
-    tl.store(out_ptr + b * so_b + h * so_h + i.to(tl.int64) * so_c, _key_pages(top, NEG_INF_KEY), mask=i < NUM)
-
-
-@triton.jit
-def _key_pages(top, NEG_INF_KEY: tl.constexpr):
-    """The pages of packed keys (_pack_keys), -1 for a -inf score or padding."""
-    return tl.where((top >> 32).to(tl.int32) <= NEG_INF_KEY, -1, 0x7FFFFFFF - top.to(tl.int32))
+    page = 0x7FFFFFFF - top.to(tl.int32)
+    sel = tl.where(((top >> 32).to(tl.int32) <= NEG_INF_KEY), -1, page)
+    tl.store(out_ptr + b * so_b + h * so_h + i.to(tl.int64) * so_c, sel, mask=i < NUM)
 
 
 def top_pages(scores: torch.Tensor, num: int, heads: torch.Tensor | None = None, phase: int = 1) -> torch.Tensor:

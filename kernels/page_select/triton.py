@@ -255,17 +255,12 @@ def _sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK: tl.constexpr, PACKED
         pad = tl.full([CHUNK], NEG_INF_KEY, tl.int32).to(tl.int64) << 32
         x = tl.where(ok, tl.load(src, mask=ok, other=0), pad)
     else:
-        x = _pack_keys(tl.load(src, mask=ok, other=float("-inf")).to(tl.float32), j)
+        f = tl.load(src, mask=ok, other=float("-inf")).to(tl.float32)
+        f = tl.where(f == 0.0, 0.0, f)  # -0.0 ties with +0.0, as in torch's sort
+        bits = f.to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+        x = (key.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)
     return x
-
-
-@triton.jit
-def _pack_keys(f, j):
-    """fp32 scores f at pages j as int64 keys whose descending order is descending score, ties by lower page."""
-    f = tl.where(f == 0.0, 0.0, f)  # -0.0 ties with +0.0, as in torch's sort
-    bits = f.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
-    return (key.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)
 
 
 @triton.jit
