@@ -54,7 +54,7 @@ from .host_pool import HostPool, LocalHostPool
 from .layout import Layout, StepPlan
 from .ops import load_ops
 from .selectors import CandidateKeys, make_selector, picks_bytes_per_slot, sketch_bytes_per_token
-from .streams import Streams
+from .streams import StepTimer, Streams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +167,7 @@ class FreeKVEngine:
         self.probe: Callable | None = None
 
         self.streams = Streams(self.device)
+        self.timer: StepTimer | None = None  # enable_step_timing
         # Step inputs live in static buffers so a captured step replays with new values.
         self._step_slots = torch.full((R,), self.pad_slot, dtype=torch.int32, device=self.device)
         self._step_lens = torch.ones(R, dtype=torch.int32, device=self.device)
@@ -621,18 +622,43 @@ class FreeKVEngine:
         slots (the latter heads' evictions) wait for the recall after attention, with the speculative heads'."""
         ops, B = self.ops, plan.req_slots.shape[0]
         heads, recall = self._now_heads[layer][:B], self._recall[layer][:B]
+        timer = self.timer
+        if timer is not None:
+            timer.mark(layer, phase, 0)
         scores = self.selector.score(plan, layer, q, heads, phase)
         ops.select_slots(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
                          self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
                          self.pad_slot)
+        if timer is not None:
+            timer.mark(layer, phase, 1)
         ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
                          self.slot_table[layer], plan.req_slots, plan.slot_pages, recall, phase, self.cfg.page_size,
                          programs=self.cfg.recall_programs if phase == PHASE_LATER else 0)
+        if timer is not None:
+            timer.mark(layer, phase, 2)
 
     def end_step(self) -> None:
         self.streams.join()
 
     # ---- statistics --------------------------------------------------------------------------
+
+    def enable_step_timing(self) -> bool:
+        """Time every decode step's selection and recall from now on (StepTimer; before a CUDA graph is captured, so
+        that the graph holds the events). Only on a GPU: returns whether timing is on."""
+        if self.device.type == "cuda" and self.timer is None:
+            self.timer = StepTimer()
+        return self.timer is not None
+
+    def step_times(self) -> dict[str, dict[str, float]] | None:
+        """The last decode step's seconds of selection (scoring and slot commit) and of recall, summed over the sparse
+        layers, by phase ("before_attention", "speculative"): {"selection": {...}, "recall": {...}}; None without
+        timing or before the first step. Synchronises."""
+        times = None if self.timer is None else self.timer.read()
+        if times is None:
+            return None
+        names = {PHASE_NOW: "before_attention", PHASE_LATER: "speculative"}
+        return {kind: {names[phase]: t[i] for phase, t in times.items()}
+                for i, kind in enumerate(("selection", "recall"))}
 
     def stats(self) -> dict:
         """Per sparse layer: correction rate (flagged KV-head checks), mean adjacent-query cosine, and

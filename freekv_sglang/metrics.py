@@ -15,8 +15,9 @@ Gauges made in those same processes, named and labelled as SGLang's: the `sglang
 
 The engine's counters are read where FreeKV already logs them (FreeKVAttnBackend, every FREEKV_STATS_EVERY decode
 steps: reading them synchronises the GPU), never per step; the series therefore lag by up to that many steps.
-Selection and recall time are not exported: they run on side streams inside the captured decode graph, and timing
-them would take events read back on the host; the engine accumulates no time.
+Selection and recall time are sampled there too: with metrics on, the engine records timing events around each
+sparse layer's selection and recall on the streams that run them, inside the captured decode graph (StepTimer), and
+each read observes the last decode step's totals in a histogram: one step in FREEKV_STATS_EVERY, not every step.
 
 With metrics off nothing here imports prometheus_client or registers anything.
 """
@@ -33,7 +34,9 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "sglang:freekv_"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-PHASES = ("before_attention", "speculative")  # the `phase` label of the recall series
+PHASES = ("before_attention", "speculative")  # the `phase` label of the recall and timing series
+# A step's selection or recall over all sparse layers: ~0.1 ms (1 request, little selecting) to tens of ms.
+STEP_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 _lock = threading.Lock()
 _scheduler_labels: dict[str, str] | None = None
@@ -84,7 +87,7 @@ class SchedulerSeries:
     """The scheduler process's FreeKV series, each a child with SGLang's scheduler labels."""
 
     def __init__(self, labels: Mapping[str, str]):
-        from prometheus_client import Counter, Gauge
+        from prometheus_client import Counter, Gauge, Histogram
 
         names = list(labels)
 
@@ -116,6 +119,17 @@ class SchedulerSeries:
                                     "head).")
         self.kvstore_used_pages = gauge("kvstore_used_pages", "Pages of this scheduler's kvstore arena in use.")
         self.kvstore_free_pages = gauge("kvstore_free_pages", "Pages of this scheduler's kvstore arena free.")
+        def histogram(name: str, doc: str):
+            family = Histogram(PREFIX + name, doc, labelnames=[*names, "phase"], buckets=STEP_SECONDS_BUCKETS)
+            return {p: family.labels(**labels, phase=p) for p in PHASES}
+
+        self.selection_seconds = histogram("selection_seconds",
+                                           "Seconds a sampled decode step spent scoring pages and committing slots, "
+                                           "summed over the sparse layers, by phase (one step in "
+                                           "FREEKV_STATS_EVERY; GPU only).")
+        self.recall_seconds = histogram("recall_seconds",
+                                        "Seconds a sampled decode step spent recalling pages from host memory, summed "
+                                        "over the sparse layers, by phase (one step in FREEKV_STATS_EVERY; GPU only).")
         aborted = Counter(PREFIX + "aborted_requests_total",
                           "Requests FreeKV ended with an abort because their host pages could not be had, by reason: "
                           "kvstore_unreachable, kvstore_version_mismatch, kvstore_session_lost, kvstore_arena_full, "
@@ -133,7 +147,8 @@ class EngineMetrics:
         self._last = dict.fromkeys(self.KEYS, 0)
 
     def update(self, stats: Mapping[str, Any], *, resident_pages: int, arena_used_pages: int | None = None,
-               arena_pages: int | None = None) -> None:
+               arena_pages: int | None = None, step_times: Mapping[str, Mapping[str, float]] | None = None) -> None:
+        """step_times: FreeKVEngine.step_times() (the sampled step), or None where the engine does not time."""
         s = self.series
         d = {k: int(stats[k]) - self._last[k] for k in self.KEYS}
         if any(v < 0 for v in d.values()):  # a new engine's counters (never expected in a server): start over
@@ -152,6 +167,9 @@ class EngineMetrics:
         if arena_used_pages is not None and arena_pages is not None:
             s.kvstore_used_pages.set(arena_used_pages)
             s.kvstore_free_pages.set(arena_pages - arena_used_pages)
+        for kind, series in (("selection", s.selection_seconds), ("recall", s.recall_seconds)):
+            for phase, seconds in (step_times or {}).get(kind, {}).items():
+                series[phase].observe(seconds)
 
 
 def engine_metrics() -> EngineMetrics | None:

@@ -145,6 +145,8 @@ class FreeKVAttnBackend(AttentionBackend):
         self._prefix_fill: list[tuple[int, int]] = []  # (staging page, host page) of hit prefixes to fill per layer
         self._steps = 0
         self._metrics = metrics.engine_metrics()  # None unless SGLang exports this scheduler's metrics
+        if self._metrics is not None:
+            self.engine.enable_step_timing()  # before SGLang captures its decode graphs
         summary_bytes = sum(t.numel() * t.element_size() for t in self.engine.summaries if t is not None)
         gpu_bytes = summary_bytes + sum(t.numel() * t.element_size() for t in self.engine.k_cache + self.engine.v_cache)
         logger.info("FreeKV on rank %d: %s; %d host pages (%.1f GB) at %s; engine GPU memory %.2f GB for %d request "
@@ -358,7 +360,7 @@ class FreeKVAttnBackend(AttentionBackend):
             active = sum(1 for slot in range(eng.num_slots) if eng.is_active(slot))
             self._metrics.update(st, resident_pages=active * eng.cfg.resident_pages,
                                  arena_used_pages=getattr(host, "used_pages", None),
-                                 arena_pages=getattr(host, "num_pages", None))
+                                 arena_pages=getattr(host, "num_pages", None), step_times=eng.step_times())
 
     # ---- AttentionBackend contract -----------------------------------------------------------
 

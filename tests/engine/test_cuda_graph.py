@@ -58,3 +58,41 @@ def test_graph_replay_equals_eager(tau, retrieval, prefill_alike):
     se, sg = eager.stats(), graphed.stats()
     assert se["recall_bytes_now"] == sg["recall_bytes_now"]
     assert se["recall_bytes_speculative"] == sg["recall_bytes_speculative"]
+
+
+def test_step_timing_inside_a_graph(prefill_alike):
+    """With step timing on, a replayed graph re-records the timing events: every step's times are its own."""
+    H, G, D, L, bs = 2, 4, 64, 3, 2
+    cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=1.0, dense_layers=1)
+    e = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=bs, max_context=2048, dtype=torch.bfloat16,
+                     device="cuda", backend="triton")
+    assert e.enable_step_timing() and e.step_times() is None  # nothing ran yet
+    slots = prefill_alike([e], [900, 1200], dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(L, bs, H * G, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(L, bs, H, D, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        plan = e.plan(bs)
+        for layer in range(L):
+            e.attend(plan, layer, q[layer], kv[layer], kv[layer])
+        e.end_step()
+
+    e.prepare_step(slots)
+    step()  # eager: compiles, and times
+    eager = e.step_times()
+    assert set(eager) == {"selection", "recall"}
+    for kind in eager.values():
+        assert set(kind) == {"before_attention", "speculative"} and all(t > 0 for t in kind.values())
+    graph = torch.cuda.CUDAGraph()
+    e.prepare_step(slots)
+    with torch.cuda.graph(graph):
+        step()
+    seen = []
+    for _ in range(3):
+        e.prepare_step(slots)
+        graph.replay()
+        t = e.step_times()
+        assert all(x > 0 for kind in t.values() for x in kind.values())
+        seen.append(t["selection"]["before_attention"])
+    assert len(set(seen)) > 1, "the replays did not record the timing events again"
+

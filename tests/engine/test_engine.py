@@ -326,6 +326,12 @@ def test_bad_usage_is_refused():
         make_engine(cfg, 2, 2, 2, method="bogus")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU side is test_cuda_graph.py's step timing test")
+def test_step_timing_needs_a_gpu():
+    eng = make_engine(FreeKVConfig(budget=32, sink=16, window=16, page_size=16), 2, 2, 2)
+    assert eng.enable_step_timing() is False and eng.step_times() is None
+
+
 @pytest.mark.parametrize("tau", [0.0, 0.6, 1.0])
 def test_triton_kernels_match_oracle(tau):
     """The same oracle check with every op from the Triton kernels (interpreter on CPU, CUDA on GPU)."""

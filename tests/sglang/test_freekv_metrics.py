@@ -135,11 +135,17 @@ def test_series_on_sglang_metrics_endpoint(tmp_path, monkeypatch):
     rank0, rank1 = {**LABELS, "tp_rank": 0}, {**LABELS, "tp_rank": 1}
     # rank 0: two reports (the second carries the totals); rank 1: one report and three aborted requests
     s1, s2 = stats(512, 20480, 2048, 300, 5000), stats(1024, 40960, 3072, 420, 9000)
+    # rank 0's engine times its steps (a GPU): two sampled steps; rank 1's does not (step_times None)
+    t1 = {"selection": {"before_attention": 0.0004, "speculative": 0.0021},
+          "recall": {"before_attention": 0.0009, "speculative": 0.0030}}
+    t2 = {"selection": {"before_attention": 0.0007, "speculative": 0.0019},
+          "recall": {"before_attention": 0.0012, "speculative": 0.0061}}
     kw1 = dict(resident_pages=2 * 85, arena_used_pages=300, arena_pages=1000)
     kw2 = dict(resident_pages=3 * 85, arena_used_pages=450, arena_pages=1000)
     aborted = [["kvstore_unreachable", 2], ["kvstore_session_lost", 1]]
-    run_process(SCHEDULER, mp_dir, json.dumps([rank0, [[s1, kw1], [s2, kw2]], []]))
-    run_process(SCHEDULER, mp_dir, json.dumps([rank1, [[s1, kw1]], aborted]))
+    run_process(SCHEDULER, mp_dir, json.dumps([rank0, [[s1, {**kw1, "step_times": t1}],
+                                                        [s2, {**kw2, "step_times": t2}]], []]))
+    run_process(SCHEDULER, mp_dir, json.dumps([rank1, [[s1, {**kw1, "step_times": None}]], aborted]))
     launcher = _kvstore.launcher_metric_labels(SimpleNamespace(served_model_name="smollm2", disaggregation_mode="null",
                                                                extra_metric_labels={"cluster": "a"}))
     assert launcher == {"model_name": "smollm2", "engine_type": "unified", "cluster": "a"}
@@ -147,6 +153,20 @@ def test_series_on_sglang_metrics_endpoint(tmp_path, monkeypatch):
 
     samples, types = freekv_samples(scrape_sglang_metrics(monkeypatch, mp_dir))
     n = "sglang:freekv_"
+    # The timing histograms: rank 0's two samples per phase; rank 1 observed nothing.
+    for kind in ("selection", "recall"):
+        name = f"{n}{kind}_seconds"
+        for phase in ("before_attention", "speculative"):
+            seen = [t[kind][phase] for t in (t1, t2)]
+            assert samples.pop(key(name + "_count", rank0, phase=phase)) == 2
+            assert samples.pop(key(name + "_sum", rank0, phase=phase)) == pytest.approx(sum(seen))
+            for le in ("0.0005", "0.001", "0.0025", "0.005", "+Inf"):
+                got = samples.pop(key(name + "_bucket", rank0, phase=phase, le=le))
+                assert got == sum(x <= float(le) for x in seen), (name, phase, le)
+            assert samples.pop(key(name + "_count", rank1, phase=phase), 0) == 0
+        for k in [k for k in samples if k[0].startswith(name)]:  # the other buckets, and rank 1's zeros
+            assert k[0] == name + "_bucket" or dict(k[1])["tp_rank"] == "1", k
+            samples.pop(k)
     want = {key(n + "kvstore_restarts_total", launcher): 1}
     for labels, (st, kw), rate in ((rank0, (s2, kw2), (3072 - 2048) / (40960 - 20480)),
                                    (rank1, (s1, kw1), 2048 / 20480)):
@@ -169,7 +189,9 @@ def test_series_on_sglang_metrics_endpoint(tmp_path, monkeypatch):
     counters = ["decode_steps", "kv_head_checks", "kv_head_corrections", "recall_pages", "recall_bytes",
                 "aborted_requests", "kvstore_restarts"]
     gauges = ["correction_rate", "resident_pages", "kvstore_used_pages", "kvstore_free_pages"]
-    assert types == {**{n + c: "counter" for c in counters}, **{n + g: "gauge" for g in gauges}}
+    histograms = ["selection_seconds", "recall_seconds"]
+    assert types == {**{n + c: "counter" for c in counters}, **{n + g: "gauge" for g in gauges},
+                     **{n + h: "histogram" for h in histograms}}
 
 
 def test_nothing_registered_with_metrics_off(tmp_path):
