@@ -71,6 +71,7 @@ from freekv_sglang.engine import FreeKVEngine, ModelShape
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from realistic_churn import STRUCTURED, ChurnProbe, StructuredKV, counters, summarize  # noqa: E402
 
+PHASE_NAMES = {"before_attention": "now", "speculative": "after"}  # row names of the engine's timing phases
 PROBED = ("topk_mass", "top1_mass", "covered_mass", "oracle_change", "cos_mean", "changed_share_now")
 # Attention shapes (layers, query heads, KV heads, head dim).
 SHAPES = {"llama8b": (32, 32, 8, 128), "smollm2": (30, 9, 3, 64)}
@@ -177,6 +178,7 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
     q = queries.q
     lens = [context]
     churn = eng.probe = ChurnProbe(eng) if probe else None
+    timing = args.step_timing and eng.enable_step_timing()  # before the capture: the graph holds the events
 
     def step():
         plan = eng.plan(batch)
@@ -213,7 +215,7 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
     before, shifts0 = eng.stats(), queries.shifts.clone()
     if churn is not None:
         churn.active, counts0 = True, counters(eng)
-    times = []
+    times, phase_ms = [], {}
     for _ in range(args.steps):
         advance()
         sync()
@@ -221,6 +223,10 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
         run()
         sync()
         times.append((time.perf_counter() - t) * 1e3)
+        if timing:  # outside the timed region (it synchronises again)
+            for kind, by_phase in eng.step_times().items():
+                for phase, sec in by_phase.items():
+                    phase_ms.setdefault(f"{kind}_ms_{PHASE_NAMES[phase]}", []).append(sec * 1e3)
     after = eng.stats()
     n = args.steps
     checks = after["checks"] - before["checks"]
@@ -245,6 +251,8 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
            "step_ms": round(statistics.median(times), 3), "step_ms_mean": round(statistics.fmean(times), 3),
            "step_ms_p90": round(times[int(0.9 * (n - 1))], 3), "prefill_s": round(prefill_s, 2)}
     row["query_shift_share"] = round(int(queries.shifts - shifts0) / (n * batch), 4)
+    row["step_timing"] = bool(timing)
+    row.update({name: round(statistics.median(v), 3) for name, v in phase_ms.items()})
     if churn is not None:
         row["probe"] = summarize(churn, eng, counts0, n, batch)
         row.update({key: row["probe"]["mean"][key] for key in PROBED})
@@ -254,23 +262,28 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
 
 def row_key(r: dict) -> tuple:
     return tuple(r.get(k) for k in ("context", "batch", "policy", "layers", "keys", "shape", "similarity", "shift",
-                                    "steps", "device"))
+                                    "steps", "device", "tau", "step_timing"))
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| keys | context | batch | layers | policy | retrieval share | changed share | MB recalled / step "
-            "(before attn / after) | step ms (median / p90) | top-k mass | oracle change |\n"
-            "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    head = ("| keys | context | batch | layers | policy | tau | retrieval share | changed share | MB recalled / step "
+            "(before attn / after) | step ms (median / p90) | selection ms (before attn / after) | top-k mass | "
+            "oracle change |\n"
+            "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     lines = [head]
     for r in rows:
-        first = f"| {r.get('keys', 'random')} | {r['context']} | {r['batch']} | {r['layers']} | {r['policy']} |"
+        first = (f"| {r.get('keys', 'random')} | {r['context']} | {r['batch']} | {r['layers']} | {r['policy']} | "
+                 f"{r.get('tau', '')} |")
         if "skipped" in r:
-            lines.append(f"{first} skipped: {r['skipped']} | | | | | |")
+            lines.append(f"{first} skipped: {r['skipped']} | | | | | | |")
             continue
         probed = (f"{r['topk_mass']:.3f} | {r['oracle_change']:.3f}" if "topk_mass" in r else "- | -")
+        timed = (f"{r['selection_ms_now']:.3f} / {r.get('selection_ms_after', 0.0):.3f}" if "selection_ms_now" in r
+                 else "-")
         lines.append(f"{first} {r['retrieval_share']:.4f} | {r['changed_share']:.3f} | "
                      f"{r['recall_mb_per_step']:.2f} ({r['recall_mb_per_step_now']:.2f} / "
-                     f"{r['recall_mb_per_step_after']:.2f}) | {r['step_ms']:.3f} / {r['step_ms_p90']:.3f} | {probed} |")
+                     f"{r['recall_mb_per_step_after']:.2f}) | {r['step_ms']:.3f} / {r['step_ms_p90']:.3f} | {timed} | "
+                     f"{probed} |")
     return "\n".join(lines)
 
 
@@ -304,6 +317,10 @@ def parser() -> argparse.ArgumentParser:
     # 65 GiB failed to register with CUDA on a 128 GB H100 host (batch 16 at 32K, 32 layers): stay well below it.
     ap.add_argument("--host-gb", type=float, default=40.0,
                     help="host arena limit: a config above it runs with as many layers as fit")
+    ap.add_argument("--step-timing", action="store_true",
+                    help="GPU: time each step's selection and recall per phase with the engine's timing events (as "
+                         "the server does with --enable-metrics) and report their medians; the events sit in the "
+                         "graph, so step_ms then includes their cost")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/engine-decode.json")
     return ap

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Issue 18's cost under realistic query churn, one GPU call (the wheelhouse already in /tmp/site from an earlier call,
+# or .gpu-wheels carried): the step-timing GPU tests, then benchmarks/engine_decode.py with structured keys (churn
+# fitted to SmolLM2), the default selection (rerank/2) against MeanS at the correction thresholds in TAUS, each step's
+# selection and recall timed per phase by the engine's timing events (--step-timing), and one row per batch without
+# the events (their own cost). Rows merge into $OUT/engine-decode-cost.json as each config ends.
+#   BATCHES=1,16 TAUS=0.8,0.9 STEPS=256 bash scripts/gpu_selection_cost.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}; mkdir -p "$OUT"
+source scripts/gpu_env.sh || exit 1
+BATCHES=${BATCHES:-1,16}; TAUS=${TAUS:-0.8,0.9}; STEPS=${STEPS:-256}; CONTEXT=${CONTEXT:-32768}
+JSON="$OUT/engine-decode-cost.json"
+if [ "${TESTS:-1}" != 0 ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/engine/test_cuda_graph.py -k step_timing 2>&1 | tail -n 3
+fi
+ED=(python3 benchmarks/engine_decode.py --keys structured --contexts "$CONTEXT" --batches "$BATCHES" --steps "$STEPS"
+    --out "$JSON")
+for tau in ${TAUS//,/ }; do
+  "${ED[@]}" --policies freekv,freekv-means --tau "$tau" --step-timing 2>&1 | grep -v "^{\|^|" | tail -n 3
+done
+"${ED[@]}" --policies freekv --tau "${TAUS%%,*}" 2>&1 | grep -v "^{\|^|" | tail -n 3  # without the timing events
+python3 - "$JSON" <<'PY'
+import json, sys
+sys.path.insert(0, "benchmarks")
+from engine_decode import table
+print(table(json.load(open(sys.argv[1]))["rows"]))
+PY
