@@ -178,7 +178,8 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
     q = queries.q
     lens = [context]
     churn = eng.probe = ChurnProbe(eng) if probe else None
-    timing = args.step_timing and eng.enable_step_timing()  # before the capture: the graph holds the events
+    # Before the capture: the graph holds the events.
+    timing = args.step_timing and eng.enable_step_timing(sample_layers=args.timed_layers)
 
     def step():
         plan = eng.plan(batch)
@@ -251,7 +252,7 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
            "step_ms": round(statistics.median(times), 3), "step_ms_mean": round(statistics.fmean(times), 3),
            "step_ms_p90": round(times[int(0.9 * (n - 1))], 3), "prefill_s": round(prefill_s, 2)}
     row["query_shift_share"] = round(int(queries.shifts - shifts0) / (n * batch), 4)
-    row["step_timing"] = bool(timing)
+    row["step_timing"] = (args.timed_layers or L - 1) if timing else 0  # timed sparse layers
     row.update({name: round(statistics.median(v), 3) for name, v in phase_ms.items()})
     if churn is not None:
         row["probe"] = summarize(churn, eng, counts0, n, batch)
@@ -321,6 +322,9 @@ def parser() -> argparse.ArgumentParser:
                     help="GPU: time each step's selection and recall per phase with the engine's timing events (as "
                          "the server does with --enable-metrics) and report their medians; the events sit in the "
                          "graph, so step_ms then includes their cost")
+    ap.add_argument("--timed-layers", type=int, default=None,
+                    help="--step-timing in this many sparse layers spread over the depth, scaled to all (the server "
+                         "times 4); default every sparse layer")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/engine-decode.json")
     return ap

@@ -642,16 +642,18 @@ class FreeKVEngine:
 
     # ---- statistics --------------------------------------------------------------------------
 
-    def enable_step_timing(self) -> bool:
-        """Time every decode step's selection and recall from now on (StepTimer; before a CUDA graph is captured, so
-        that the graph holds the events). Only on a GPU: returns whether timing is on."""
+    def enable_step_timing(self, sample_layers: int | None = None) -> bool:
+        """Time decode steps' selection and recall from now on (StepTimer; before a CUDA graph is captured, so that
+        the graph holds the events): in every sparse layer, or in sample_layers of them spread over the depth, their
+        times scaled to all. Only on a GPU: returns whether timing is on."""
         if self.device.type == "cuda" and self.timer is None:
-            self.timer = StepTimer()
+            sparse = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
+            self.timer = StepTimer(sparse, sample_layers)
         return self.timer is not None
 
     def step_times(self) -> dict[str, dict[str, float]] | None:
         """The last decode step's seconds of selection (scoring and slot commit) and of recall, summed over the sparse
-        layers, by phase ("before_attention", "speculative"): {"selection": {...}, "recall": {...}}; None without
+        layers (estimated from the timed ones where enable_step_timing sampled), by phase ("before_attention", "speculative"): {"selection": {...}, "recall": {...}}; None without
         timing or before the first step. Synchronises."""
         times = None if self.timer is None else self.timer.read()
         if times is None:

@@ -15,9 +15,10 @@ Gauges made in those same processes, named and labelled as SGLang's: the `sglang
 
 The engine's counters are read where FreeKV already logs them (FreeKVAttnBackend, every FREEKV_STATS_EVERY decode
 steps: reading them synchronises the GPU), never per step; the series therefore lag by up to that many steps.
-Selection and recall time are sampled there too: with metrics on, the engine records timing events around each
-sparse layer's selection and recall on the streams that run them, inside the captured decode graph (StepTimer), and
-each read observes the last decode step's totals in a histogram: one step in FREEKV_STATS_EVERY, not every step.
+Selection and recall time are sampled there too: with metrics on, the engine records timing events around the
+selection and recall of 4 sparse layers spread over the depth, on the streams that run them, inside the captured
+decode graph (StepTimer; timing every layer would cost ~10% of a one-request step), and each read observes the last
+decode step's times, scaled to all sparse layers, in a histogram: one step in FREEKV_STATS_EVERY, not every step.
 
 With metrics off nothing here imports prometheus_client or registers anything.
 """
@@ -125,11 +126,12 @@ class SchedulerSeries:
 
         self.selection_seconds = histogram("selection_seconds",
                                            "Seconds a sampled decode step spent scoring pages and committing slots, "
-                                           "summed over the sparse layers, by phase (one step in "
+                                           "over the sparse layers (4 timed, scaled), by phase (one step in "
                                            "FREEKV_STATS_EVERY; GPU only).")
         self.recall_seconds = histogram("recall_seconds",
-                                        "Seconds a sampled decode step spent recalling pages from host memory, summed "
-                                        "over the sparse layers, by phase (one step in FREEKV_STATS_EVERY; GPU only).")
+                                        "Seconds a sampled decode step spent recalling pages from host memory, over "
+                                        "the sparse layers (4 timed, scaled), by phase (one step in "
+                                        "FREEKV_STATS_EVERY; GPU only).")
         aborted = Counter(PREFIX + "aborted_requests_total",
                           "Requests FreeKV ended with an abort because their host pages could not be had, by reason: "
                           "kvstore_unreachable, kvstore_version_mismatch, kvstore_session_lost, kvstore_arena_full, "

@@ -48,17 +48,26 @@ class Streams:
 
 
 class StepTimer:
-    """Times each sparse layer's selection and recall in both phases of a decode step with timing events recorded
-    on the stream that runs them. They are external events, so a CUDA graph capture turns them into event record
-    nodes that every replay records again (an ordinary event would become a cross-stream dependency instead);
-    read() gives the last step's totals. Costs 3 event nodes per layer and phase: made only where metrics are on."""
+    """Times sparse layers' selection and recall in both phases of a decode step with timing events recorded on the
+    stream that runs them. They are external events, so a CUDA graph capture turns them into event record nodes that
+    every replay records again (an ordinary event would become a cross-stream dependency instead); read() gives the
+    last step's totals. Each timed layer costs 3 event nodes per phase (~2 us each on an H200: timing all 31 sparse
+    layers of a Llama-3.1-8B step added 0.43 ms to a 4.5 ms engine step), so a server times a few layers spread over
+    the depth and scales their sum to every sparse layer."""
 
     MARKS = 3  # before scoring, after the slot commit, after the recall
 
-    def __init__(self):
+    def __init__(self, sparse_layers: list[int], sample: int | None = None):
+        n = len(sparse_layers)
+        if sample is not None and 0 < sample < n:  # evenly spread: the layers' correction rates differ with depth
+            sparse_layers = [sparse_layers[int((i + 0.5) * n / sample)] for i in range(sample)]
+        self.layers = set(sparse_layers)
+        self.scale = n / max(len(self.layers), 1)
         self._events: dict[tuple[int, int], list[torch.cuda.Event]] = {}
 
     def mark(self, layer: int, phase: int, i: int) -> None:
+        if layer not in self.layers:
+            return
         evs = self._events.get((layer, phase))
         if evs is None:
             evs = self._events[(layer, phase)] = [torch.cuda.Event(enable_timing=True, external=True)
@@ -66,8 +75,8 @@ class StepTimer:
         evs[i].record()
 
     def read(self) -> dict[int, tuple[float, float]] | None:
-        """{phase: (selection seconds, recall seconds)} summed over the sparse layers, of the last step that ran
-        (eager or replayed); None before any. Synchronises the device."""
+        """{phase: (selection seconds, recall seconds)} of the last step that ran (eager or replayed), summed over the
+        timed layers and scaled to all sparse layers; None before any. Synchronises the device."""
         if not self._events:
             return None
         torch.cuda.synchronize()
@@ -75,4 +84,4 @@ class StepTimer:
         for (_, phase), (start, selected, recalled) in self._events.items():
             sel, rec = out.get(phase, (0.0, 0.0))
             out[phase] = (sel + start.elapsed_time(selected) / 1e3, rec + selected.elapsed_time(recalled) / 1e3)
-        return out
+        return {phase: (sel * self.scale, rec * self.scale) for phase, (sel, rec) in out.items()}

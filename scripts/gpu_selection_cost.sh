@@ -2,8 +2,8 @@
 # Issue 18's cost under realistic query churn, one GPU call (the wheelhouse already in /tmp/site from an earlier call,
 # or .gpu-wheels carried): the step-timing GPU tests, then benchmarks/engine_decode.py with structured keys (churn
 # fitted to SmolLM2), the default selection (rerank/2) against MeanS at the correction thresholds in TAUS, each step's
-# selection and recall timed per phase by the engine's timing events (--step-timing), and one row per batch without
-# the events (their own cost). Rows merge into $OUT/engine-decode-cost.json as each config ends.
+# selection and recall timed per phase by the engine's timing events (--step-timing), and per batch one row without
+# the events and one with the server's 4 timed layers (the events' own cost). Rows merge into $OUT/engine-decode-cost.json as each config ends.
 #   BATCHES=1,16 TAUS=0.8,0.9 STEPS=256 bash scripts/gpu_selection_cost.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,9 @@ ED=(python3 benchmarks/engine_decode.py --keys structured --contexts "$CONTEXT" 
 for tau in ${TAUS//,/ }; do
   "${ED[@]}" --policies freekv,freekv-means --tau "$tau" --step-timing 2>&1 | grep -v "^{\|^|" | tail -n 3
 done
-"${ED[@]}" --policies freekv --tau "${TAUS%%,*}" 2>&1 | grep -v "^{\|^|" | tail -n 3  # without the timing events
+# The events' own cost: without them, and with the server's 4 timed layers (--enable-metrics).
+"${ED[@]}" --policies freekv --tau "${TAUS%%,*}" 2>&1 | grep -v "^{\|^|" | tail -n 3
+"${ED[@]}" --policies freekv --tau "${TAUS%%,*}" --step-timing --timed-layers 4 2>&1 | grep -v "^{\|^|" | tail -n 3
 python3 - "$JSON" <<'PY'
 import json, sys
 sys.path.insert(0, "benchmarks")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from freekv_kernels.page_select import PHASE_NOW
 
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
@@ -96,3 +97,25 @@ def test_step_timing_inside_a_graph(prefill_alike):
         seen.append(t["selection"]["before_attention"])
     assert len(set(seen)) > 1, "the replays did not record the timing events again"
 
+
+def test_step_timing_of_sampled_layers(prefill_alike):
+    """A timer over one of two sparse layers scales its times by two (no event in the other layer)."""
+    H, G, D, L = 2, 4, 64, 3
+    cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=1.0, dense_layers=1)
+    e = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=1, max_context=2048, dtype=torch.bfloat16,
+                     device="cuda", backend="triton")
+    assert e.enable_step_timing(sample_layers=1) and e.timer.layers == {1} and e.timer.scale == 2
+    slots = prefill_alike([e], [1500], dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(L, 1, H * G, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(L, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    e.prepare_step(slots)
+    plan = e.plan(1)
+    for layer in range(L):
+        e.attend(plan, layer, q[layer], kv[layer], kv[layer])
+    e.end_step()
+    assert {layer for layer, _ in e.timer._events} == {1}
+    t = e.step_times()
+    assert all(x > 0 for kind in t.values() for x in kind.values())
+    start, selected, recalled = e.timer._events[(1, PHASE_NOW)]
+    assert t["selection"]["before_attention"] == pytest.approx(2 * start.elapsed_time(selected) / 1e3)
+    assert t["recall"]["before_attention"] == pytest.approx(2 * selected.elapsed_time(recalled) / 1e3)

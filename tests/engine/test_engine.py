@@ -332,6 +332,16 @@ def test_step_timing_needs_a_gpu():
     assert eng.enable_step_timing() is False and eng.step_times() is None
 
 
+def test_step_timer_samples_layers_over_the_depth():
+    from freekv_sglang.streams import StepTimer
+
+    t = StepTimer(list(range(1, 32)), 4)  # Llama-3.1-8B: 31 sparse layers, the server's 4 timed
+    assert t.layers == {4, 12, 20, 28} and t.scale == 31 / 4
+    t = StepTimer([1, 2, 3], None)
+    assert t.layers == {1, 2, 3} and t.scale == 1
+    assert StepTimer([1, 2, 3], 8).layers == {1, 2, 3}
+
+
 @pytest.mark.parametrize("tau", [0.0, 0.6, 1.0])
 def test_triton_kernels_match_oracle(tau):
     """The same oracle check with every op from the Triton kernels (interpreter on CPU, CUDA on GPU)."""
