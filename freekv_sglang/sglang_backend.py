@@ -128,13 +128,18 @@ class FreeKVAttnBackend(AttentionBackend):
             raise RuntimeError("FreeKV joins its side streams through ModelRunner.capture_tail_hooks (sglang 0.5.16); "
                                "this SGLang has none")
         tail_hooks.append(self._join_after_forward)
-        # Wrapping FlashInfer, sparse layers attend through FlashInfer's own decode kernel so they round as
-        # the server's full attention does; wrapping Triton, through the engine's split-K kernel.
-        self.flashinfer = None
+        # Sparse layers attend through the wrapped backend's own decode kernel (FlashInfer's or SGLang's Triton
+        # one), one row per (request, KV head), so they round as the server's full attention does.
+        self.head_attention = None
         if type(inner).__name__ == "FlashInferAttnBackend":
             from .flashinfer_attention import FlashInferHeadAttention
 
-            self.flashinfer = FlashInferHeadAttention(inner, cfg, Hq, H, shape.head_dim, self.engine.num_slots,
+            self.head_attention = FlashInferHeadAttention(inner, cfg, Hq, H, shape.head_dim, self.engine.num_slots,
+                                                          runner.device)
+        elif type(inner).__name__ == "TritonAttnBackend":
+            from .triton_attention import TritonHeadAttention
+
+            self.head_attention = TritonHeadAttention(inner, cfg, Hq, H, shape.head_dim, self.engine.num_slots,
                                                       runner.device)
         self._generation: dict[int, int] = {}
         self._freed: set[int] = set()
@@ -326,8 +331,8 @@ class FreeKVAttnBackend(AttentionBackend):
         self._apply_frees()
         if in_capture:
             self.engine.prepare_step([], pad_to=fb.batch_size)
-            if self.flashinfer is not None:
-                self.flashinfer.plan([1] * fb.batch_size, graph=True)
+            if self.head_attention is not None:
+                self.head_attention.plan([1] * fb.batch_size, graph=True)
             return
         slots = getattr(fb, "_freekv_req_slots_cpu", None)
         raw_bs = getattr(fb, "_freekv_raw_bs", None)
@@ -345,8 +350,8 @@ class FreeKVAttnBackend(AttentionBackend):
                 raise RuntimeError(f"request slot {slot} reached decode though its host pages are lost "
                                    f"({self._lost[slot]}): freekv_patches' scheduler hook did not take it out")
         self.engine.prepare_step(slots, pad_to=fb.batch_size, lens=lens)
-        if self.flashinfer is not None:
-            self.flashinfer.plan(lens + [1] * (fb.batch_size - raw_bs), graph=graph)
+        if self.head_attention is not None:
+            self.head_attention.plan(lens + [1] * (fb.batch_size - raw_bs), graph=graph)
         self._steps += 1
         if self._steps % STATS_EVERY == 0:
             self._log_stats()
@@ -455,7 +460,7 @@ class FreeKVAttnBackend(AttentionBackend):
                                "(no attention sinks, logit capping or custom scaling)")
         s = self.shape
         k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
-        attention = None if self.flashinfer is None else functools.partial(self.flashinfer.attend, layer)
+        attention = None if self.head_attention is None else functools.partial(self.head_attention.attend, layer)
         o = eng.attend(self._plan, lid, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention)
         if lid == self.last_layer and not _capturing():
             eng.end_step()  # eager; a captured graph joins in _join_after_forward
