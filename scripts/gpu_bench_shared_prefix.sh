@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 20, deliverable 4: SGLang's serving benchmark on its generated-shared-prefix dataset (benchmarks/
 # bench_shared_prefix.py runs `sglang.benchmark.serving` offline) against a FreeKV server with its radix cache and a
-# full-KV SGLang server with its radix cache, random-weight Llama-3.1-8B shape, FlashInfer. Groups of requests share
+# full-KV SGLang server with its radix cache, random-weight Llama-3.1-8B shape, FlashInfer (or $ATTENTION_BACKEND). Groups of requests share
 # a long system prompt (GSP_SYSTEM tokens, default 16K); each request adds its own question and answer.
 # Needs /tmp/site (the wheelhouse). Usage: [RUNS=freekv,full] bash scripts/gpu_bench_shared_prefix.sh
 set -uo pipefail
@@ -12,7 +12,7 @@ RUNS=${RUNS:-freekv,full} GSP_SYSTEM=${GSP_SYSTEM:-16384}
 rm -rf /tmp/llama8b; python3 scripts/make_dummy_model.py llama-3.1-8b /tmp/llama8b >/dev/null || exit 1
 PORT=30004
 COMMON=(--model-path /tmp/llama8b --load-format dummy --tokenizer-path /tmp/llama8b/tokenizer --port $PORT
-        --attention-backend flashinfer --page-size 32 --sampling-backend pytorch --grammar-backend none
+        --attention-backend "${ATTENTION_BACKEND:-flashinfer}" --page-size 32 --sampling-backend pytorch --grammar-backend none
         --context-length 34000 --max-running-requests 16 --chunked-prefill-size 8192 --mem-fraction-static 0.6)
 for name in ${RUNS//,/ }; do
   case $name in
