@@ -169,9 +169,10 @@ class EngineMetrics:
         if arena_used_pages is not None and arena_pages is not None:
             s.kvstore_used_pages.set(arena_used_pages)
             s.kvstore_free_pages.set(arena_pages - arena_used_pages)
-        for kind, series in (("selection", s.selection_seconds), ("recall", s.recall_seconds)):
-            for phase, seconds in (step_times or {}).get(kind, {}).items():
-                series[phase].observe(seconds)
+        if step_times:
+            for kind, series in (("selection", s.selection_seconds), ("recall", s.recall_seconds)):
+                for phase, seconds in step_times.get(kind, {}).items():
+                    series[phase].observe(seconds)
 
 
 def engine_metrics() -> EngineMetrics | None:
