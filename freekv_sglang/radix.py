@@ -85,6 +85,9 @@ class PrefixSharing:
         self._summarised: set[int] = set()
         # Prefix staging: host page -> [staging page, rows holding it]; slot -> its prefix's host pages.
         self._staged: dict[int, list[int]] = {}
+        # Exported pages of prompts still in prefill: host page -> (slot, the staging page holding it). A hit on them
+        # reads that staging page (equal bytes) instead of staging a copy from the arena.
+        self._inflight: dict[int, tuple[int, int]] = {}
         self._slot_prefix: dict[int, list[int]] = {}
         self.hits = self.hit_tokens = self.exported_pages = self.export_failures = 0
 
@@ -104,7 +107,7 @@ class PrefixSharing:
         # Staging holds each host page once per batch: only pages not staged or pinned yet cost room.
         room, fits = self._stage_room(), 0
         for hp in hit:
-            if hp not in self._staged and hp not in self._pending_hp:
+            if hp not in self._staged and hp not in self._pending_hp and hp not in self._inflight:
                 room -= 1
             if room < 0:
                 break
@@ -133,7 +136,8 @@ class PrefixSharing:
         # context's worth with a chunked prompt in flight.
         staging = self.backend.staging
         keep = staging.num_pages - self.backend.engine.max_pages
-        return staging.free_pages - keep - len(self._pending_hp)
+        need = sum(1 for hp in self._pending_hp if hp not in self._staged and hp not in self._inflight)
+        return staging.free_pages - keep - need
 
     def drop_pin(self, req: Any) -> None:
         pin = req.__dict__.pop("_freekv_prefix_pin", None)
@@ -197,6 +201,10 @@ class PrefixSharing:
         tokens = (req.origin_input_ids + req.output_ids)[:num_pages * p]
         if not b.host.retain_chain(self.keys(tokens, getattr(req, "extra_key", None)), pages):
             return 0
+        if staged is not None:  # its own staging pages (past a hit's prefix) now hold retained pages
+            rows = staged[1]
+            for j in range(max(done, len(self._slot_prefix.get(slot, ()))), num_pages):
+                self._inflight[pages[j]] = (slot, rows[j])
         self._summarised.update(pages)
         self.exported_pages += num_pages - done
         return num_pages - done
@@ -237,7 +245,9 @@ class PrefixSharing:
         staging, new = self.backend.staging, []
         for hp in pin.pages:
             entry = self._staged.get(hp)
-            if entry is None:
+            if entry is None and hp in self._inflight:  # a prompt in prefill holds it: read its staging page
+                entry = self._staged[hp] = [self._inflight[hp][1], 0]
+            elif entry is None:
                 ((_, page),) = staging.grow(-1 - hp, 1)  # staging owners: request slots >= 0, prefix pages < 0
                 entry = self._staged[hp] = [page, 0]
                 new.append((page, hp))
@@ -259,8 +269,19 @@ class PrefixSharing:
             entry = self._staged[hp]
             entry[1] -= 1
             if entry[1] == 0:
-                self.backend.staging.release(-1 - hp)
+                self.backend.staging.release(-1 - hp)  # nothing while the prompt that staged it still owns it
                 del self._staged[hp]
+
+    def release_staging(self, slot: int) -> None:
+        """Free a prompt's staging pages (its prefill completed, or it was aborted), handing those that hit rows still
+        read over to their host page's prefix owner (released with the last such row, in unstage_prefix)."""
+        keep = {}
+        for hp in [hp for hp, (s, _) in self._inflight.items() if s == slot]:
+            _, page = self._inflight.pop(hp)
+            entry = self._staged.get(hp)
+            if entry is not None and entry[0] == page:
+                keep[page] = -1 - hp
+        self.backend.staging.release(slot, keep)
 
 
 def fill_prefix_staging(engine: Any, pool: Any, layer: int, fill: list[tuple[int, int]]) -> None:

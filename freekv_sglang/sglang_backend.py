@@ -309,9 +309,11 @@ class FreeKVAttnBackend(AttentionBackend):
         return slot not in self._lost
 
     def _unstage(self, slot: int) -> None:
-        self.staging.release(slot)
         if self.radix is not None:
+            self.radix.release_staging(slot)
             self.radix.unstage_prefix(slot)
+        else:
+            self.staging.release(slot)
 
     def _translate_prefix_indices(self, fb) -> None:
         """Point the wrapped backend's planned paged-KV indices of this extend batch at staging rows."""

@@ -48,8 +48,13 @@ class StagingPages:
         owned.extend(page for _, page in new)
         return new
 
-    def release(self, slot: int) -> list[int]:
+    def release(self, slot: int, keep: dict[int, int] | None = None) -> list[int]:
+        """Free the pages of `slot`, but hand each page in `keep` (page -> new owner) to that owner instead: a page
+        another row still reads outlives the prompt that staged it. Returns the pages freed."""
         pages = self._owned.pop(slot, [])
+        for page, owner in (keep or {}).items():
+            pages.remove(page)
+            self._owned.setdefault(owner, []).append(page)
         self._free.extend(reversed(pages))
         return pages
 

@@ -262,6 +262,37 @@ def test_a_chunked_prompt_is_shared_chunk_by_chunk_while_it_prefills(daemon):
     decode(backend, [a, b], 12, ref, ref_slots)
 
 
+def test_a_hit_on_a_prompt_in_prefill_reads_its_staging_pages(daemon):
+    """B hits pages A exported while A still prefills: B's prefix rows read A's staging pages (no copy, no staging room
+    taken), and when A's prefill completes first, the pages B still reads pass to B's prefix until B's prompt is in."""
+    backend, runner = make_backend(daemon, port=30009)
+    cache, radix, staging = make_cache(runner), backend.radix, backend.staging
+    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
+    tokens = list(range(7000, 7150))
+    a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
+    for _ in range(3):
+        prefill_chunk(backend, [a], 40)
+        stash(cache, a, req_a)
+    a_pages = list(staging.pages(1))
+    req_b = sglang_req("b", tokens[:7 * P] + list(range(800, 860)))  # A's 7 exported pages, then 60 tokens of its own
+    room = radix._stage_room()
+    assert len(match(cache, req_b).device_indices) == 7 * P
+    assert radix._stage_room() == room  # the hit's pages are staged already, as A's
+    b, pin = admit(backend, runner, req_b, a, 2, 7 * P)
+    assert pin.tokens == 7 * P
+    # A's last chunk and B's first 40 own tokens in one batch: B's prefix rows are A's staging pages, filled by nothing.
+    prefill_chunk(backend, [a, b], 40, pins=[None, pin])
+    prefilled(cache, a, req_a)
+    assert radix.prefix_staging(2) == a_pages[:7] and not backend._prefix_fill
+    # A's prompt is in and its staging went, except the 7 pages B still reads: each now its host page's prefix owner.
+    assert not staging.pages(1)
+    assert all(staging.pages(-1 - hp) == [page] for hp, page in zip(pin.pages, a_pages))
+    prefill_chunk(backend, [b], 40)  # B's last tokens read its prefix from those pages (checked by prefill_chunk)
+    assert b.n == b.prompt and staging.free_pages == staging.num_pages  # B's prompt is in: all staging free
+    ref, ref_slots = reference_engine([a, b])
+    decode(backend, [a, b], 12, ref, ref_slots)
+
+
 def test_a_prompt_aborted_mid_prefill_leaves_its_exported_chunks_to_the_tree_and_the_arena(daemon):
     backend, runner = make_backend(daemon, port=30008)
     cache = make_cache(runner)
