@@ -90,6 +90,7 @@ class PrefixSharing:
         self._inflight: dict[int, tuple[int, int]] = {}
         self._slot_prefix: dict[int, list[int]] = {}
         self.hits = self.hit_tokens = self.exported_pages = self.export_failures = 0
+        self.cut_matches = self.cut_pages = 0  # matches pinned short of the arena's hit for lack of staging room
 
     # ---- scheduler side ----------------------------------------------------------------------
 
@@ -113,6 +114,8 @@ class PrefixSharing:
                 break
             fits += 1
         if fits < len(hit):  # pin only what fits, so the pool counts exactly the request's pages
+            self.cut_matches += 1
+            self.cut_pages += len(hit) - fits
             self.backend.host.free(hit.owner)
             hit = self._lookup(keys[:fits]) if fits else _Hit(0, [])
         if not hit:

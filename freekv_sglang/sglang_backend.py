@@ -364,6 +364,11 @@ class FreeKVAttnBackend(AttentionBackend):
         logger.info("FreeKV rank %d: %d decode steps, correction rate %.3f (layers %.3f..%.3f), recall %.2f GB "
                     "before attention + %.2f GB speculative", self.rank, st["steps"], sum(rates) / len(rates),
                     min(rates), max(rates), st["recall_bytes_now"] / 1e9, st["recall_bytes_speculative"] / 1e9)
+        if self.radix is not None:
+            r = self.radix
+            logger.info("FreeKV rank %d radix: %d hits (%d tokens), %d pages exported, %d exports failed, %d matches cut "
+                        "to the staging room (%d pages short)", self.rank, r.hits, r.hit_tokens, r.exported_pages,
+                        r.export_failures, r.cut_matches, r.cut_pages)
         if self._metrics is not None:
             eng, host = self.engine, self.engine.host
             active = sum(1 for slot in range(eng.num_slots) if eng.is_active(slot))

@@ -318,7 +318,7 @@ def test_a_prompt_aborted_mid_prefill_leaves_its_exported_chunks_to_the_tree_and
     decode(backend, [c], 12, ref, ref_slots)
 
 
-def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon):
+def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon, caplog):
     backend, runner = make_backend(daemon, port=30001)
     cache = make_cache(runner)
     tokens = list(range(1000, 1100))
@@ -340,6 +340,14 @@ def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon):
     assert arena_pages(backend)[0] == 5  # pages held once however many requests pin them
     backend.radix.release_unadmitted(None)
     assert not backend.radix._pending_hp and arena_pages(backend)[0] == 0
+    # With room for 2 pages only, a 5-page hit is pinned short, and the cut is counted (logged with the stats).
+    backend.radix._stage_room = lambda: 2
+    assert len(match(cache, sglang_req("short", tokens[:80] + [1])).device_indices) == 2 * P
+    assert (backend.radix.cut_matches, backend.radix.cut_pages) == (1, 3)
+    backend.radix.release_unadmitted(None)
+    with caplog.at_level("INFO", logger="freekv_sglang.sglang_backend"):
+        backend._log_stats()
+    assert "1 matches cut to the staging room (3 pages short)" in caplog.text
 
 
 def test_the_scheduler_seam_keeps_the_pins_of_the_batch_it_built(daemon):
