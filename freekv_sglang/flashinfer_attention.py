@@ -15,20 +15,19 @@ per layer on the device inside the step, so a captured step replays with the cur
 from __future__ import annotations
 
 import torch
-from freekv_kernels.token_index import head_token_index
 
 from .config import FreeKVConfig
+from .head_rows import HeadRows
 from .layout import StepPlan, head_indptr
 
 
-class FlashInferHeadAttention:
+class FlashInferHeadAttention(HeadRows):
     def __init__(self, inner, cfg: FreeKVConfig, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  max_rows: int, device: torch.device):
         from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
+        super().__init__(cfg, num_q_heads, num_kv_heads, head_dim, max_rows, device)
         self._wrapper_cls = BatchDecodeWithPagedKVCacheWrapper
-        self.cfg = cfg
-        self.H, self.G, self.D = num_kv_heads, num_q_heads // num_kv_heads, head_dim
         upd = inner.indices_updater_decode
         self.kv_dtype, self.q_dtype = upd.data_type, upd.q_data_type
         self.use_tensor_cores = inner.decode_use_tensor_cores
@@ -39,11 +38,7 @@ class FlashInferHeadAttention:
         # other on the forward stream, so it is shared with the inner backend like SGLang's own wrappers
         # share it; each wrapper keeps its plan in its own int workspace.
         self.workspace = inner.workspace_buffer
-        n = max_rows * num_kv_heads
-        self.indptr = torch.zeros(n + 1, dtype=torch.int32, device=device)
-        self.last_page_len = torch.ones(n, dtype=torch.int32, device=device)
-        # Every (row, head) holds at most resident_pages * page_size tokens; the last entry takes the rest.
-        self.indices = torch.zeros(n * cfg.resident_pages * cfg.page_size + 1, dtype=torch.int32, device=device)
+        self.last_page_len = torch.ones(max_rows * num_kv_heads, dtype=torch.int32, device=device)
         self.eager = BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                         use_tensor_cores=self.use_tensor_cores)
         self.graphs: dict[int, object] = {}  # captured batch size -> wrapper with static buffers
@@ -74,8 +69,7 @@ class FlashInferHeadAttention:
     def attend(self, layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
                slots: torch.Tensor) -> torch.Tensor:
         """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table."""
-        head_token_index(slots, plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots, plan.slot_pages,
-                         plan.row_tokens, plan.row_start, self.cfg.page_size, self.indices)
+        self.list_tokens(plan, slots)
         B, D = q.shape[0], self.D
         o = self.current.forward(q.reshape(B * self.H, self.G, D), (k_cache.view(-1, 1, 1, D), v_cache.view(-1, 1, 1, D)),
                                  sm_scale=layer.scaling, logits_soft_cap=layer.logit_cap,

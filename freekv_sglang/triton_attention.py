@@ -20,27 +20,24 @@ from __future__ import annotations
 
 import torch
 import triton
-from freekv_kernels.token_index import head_token_index
 
 from .config import FreeKVConfig
+from .head_rows import HeadRows
 from .layout import StepPlan, head_indptr
 
 
-class TritonHeadAttention:
+class TritonHeadAttention(HeadRows):
     def __init__(self, inner, cfg: FreeKVConfig, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  max_rows: int, device: torch.device):
         from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
         from sglang.kernels.ops.attention.metadata import get_num_kv_splits_triton
 
+        super().__init__(cfg, num_q_heads, num_kv_heads, head_dim, max_rows, device)
         self._decode, self._splits_kernel = decode_attention_fwd, get_num_kv_splits_triton
-        self.inner, self.cfg = inner, cfg
-        self.H, self.G, self.D = num_kv_heads, num_q_heads // num_kv_heads, head_dim
+        self.inner = inner
         n = max_rows * num_kv_heads
-        self.indptr = torch.zeros(n + 1, dtype=torch.int32, device=device)
         self.head_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.num_kv_splits = torch.ones(n, dtype=torch.int32, device=device)
-        # Every (row, head) holds at most resident_pages * page_size tokens.
-        self.indices = torch.zeros(n * cfg.resident_pages * cfg.page_size + 1, dtype=torch.int32, device=device)
 
     def plan(self, lens: list[int], graph: bool) -> None:
         """Plan a step whose rows hold `lens` tokens (padding rows included, as the kernel sees them)."""
@@ -65,8 +62,7 @@ class TritonHeadAttention:
     def attend(self, layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
                slots: torch.Tensor) -> torch.Tensor:
         """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table."""
-        head_token_index(slots, plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots, plan.slot_pages,
-                         plan.row_tokens, plan.row_start, self.cfg.page_size, self.indices)
+        self.list_tokens(plan, slots)
         B, D, n = q.shape[0], self.D, q.shape[0] * self.H
         meta, inner = self.inner.forward_metadata, self.inner
         logits = meta.attn_logits[:B].view(n, self.G, inner.max_kv_splits, D)
