@@ -139,7 +139,8 @@ class PrefixSharing:
         # context's worth with a chunked prompt in flight.
         staging = self.backend.staging
         keep = staging.num_pages - self.backend.engine.max_pages
-        need = sum(1 for hp in self._pending_hp if hp not in self._staged and hp not in self._inflight)
+        # Set operations on the key views (in C): every waiting request is matched each scheduling round.
+        need = len(self._pending_hp.keys() - self._staged.keys() - self._inflight.keys())
         return staging.free_pages - keep - need
 
     def drop_pin(self, req: Any) -> None:
