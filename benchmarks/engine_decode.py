@@ -252,7 +252,7 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
            "step_ms": round(statistics.median(times), 3), "step_ms_mean": round(statistics.fmean(times), 3),
            "step_ms_p90": round(times[int(0.9 * (n - 1))], 3), "prefill_s": round(prefill_s, 2)}
     row["query_shift_share"] = round(int(queries.shifts - shifts0) / (n * batch), 4)
-    row["step_timing"] = (args.timed_layers or L - 1) if timing else 0  # timed sparse layers
+    row["step_timing"] = len(eng.timer.layers) if timing else 0  # timed sparse layers
     row.update({name: round(statistics.median(v), 3) for name, v in phase_ms.items()})
     if churn is not None:
         row["probe"] = summarize(churn, eng, counts0, n, batch)

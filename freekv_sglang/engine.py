@@ -653,8 +653,9 @@ class FreeKVEngine:
 
     def step_times(self) -> dict[str, dict[str, float]] | None:
         """The last decode step's seconds of selection (scoring and slot commit) and of recall, summed over the sparse
-        layers (estimated from the timed ones where enable_step_timing sampled), by phase ("before_attention", "speculative"): {"selection": {...}, "recall": {...}}; None without
-        timing or before the first step. Synchronises."""
+        layers (estimated from the timed ones where enable_step_timing sampled), by phase ("before_attention",
+        "speculative"): {"selection": {...}, "recall": {...}}; None without timing or before the first step.
+        Synchronises."""
         times = None if self.timer is None else self.timer.read()
         if times is None:
             return None

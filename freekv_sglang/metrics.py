@@ -120,6 +120,7 @@ class SchedulerSeries:
                                     "head).")
         self.kvstore_used_pages = gauge("kvstore_used_pages", "Pages of this scheduler's kvstore arena in use.")
         self.kvstore_free_pages = gauge("kvstore_free_pages", "Pages of this scheduler's kvstore arena free.")
+
         def histogram(name: str, doc: str):
             family = Histogram(PREFIX + name, doc, labelnames=[*names, "phase"], buckets=STEP_SECONDS_BUCKETS)
             return {p: family.labels(**labels, phase=p) for p in PHASES}
