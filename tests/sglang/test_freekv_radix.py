@@ -262,17 +262,25 @@ def test_a_chunked_prompt_is_shared_chunk_by_chunk_while_it_prefills(daemon):
     decode(backend, [a, b], 12, ref, ref_slots)
 
 
-def test_a_hit_on_a_prompt_in_prefill_reads_its_staging_pages(daemon):
-    """B hits pages A exported while A still prefills: B's prefix rows read A's staging pages (no copy, no staging room
-    taken), and when A's prefill completes first, the pages B still reads pass to B's prefix until B's prompt is in."""
-    backend, runner = make_backend(daemon, port=30009)
-    cache, radix, staging = make_cache(runner), backend.radix, backend.staging
+def prompt_in_prefill(daemon, port, first_token):
+    """A backend with its radix cache, and prompt A (150 tokens from first_token) prefilled in 3 chunks of 40 and stashed
+    after each: 120 tokens in, 7 full pages exported, its last chunk to come."""
+    backend, runner = make_backend(daemon, port=port)
+    cache = make_cache(runner)
     runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
-    tokens = list(range(7000, 7150))
+    tokens = list(range(first_token, first_token + 150))
     a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
     for _ in range(3):
         prefill_chunk(backend, [a], 40)
         stash(cache, a, req_a)
+    return backend, runner, cache, tokens, a, req_a
+
+
+def test_a_hit_on_a_prompt_in_prefill_reads_its_staging_pages(daemon):
+    """B hits pages A exported while A still prefills: B's prefix rows read A's staging pages (no copy, no staging room
+    taken), and when A's prefill completes first, the pages B still reads pass to B's prefix until B's prompt is in."""
+    backend, runner, cache, tokens, a, req_a = prompt_in_prefill(daemon, 30009, 7000)
+    radix, staging = backend.radix, backend.staging
     a_pages = list(staging.pages(1))
     req_b = sglang_req("b", tokens[:7 * P] + list(range(800, 860)))  # A's 7 exported pages, then 60 tokens of its own
     room = radix._stage_room()
@@ -294,14 +302,7 @@ def test_a_hit_on_a_prompt_in_prefill_reads_its_staging_pages(daemon):
 
 
 def test_a_prompt_aborted_mid_prefill_leaves_its_exported_chunks_to_the_tree_and_the_arena(daemon):
-    backend, runner = make_backend(daemon, port=30008)
-    cache = make_cache(runner)
-    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
-    tokens = list(range(6000, 6150))
-    a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
-    for _ in range(3):
-        prefill_chunk(backend, [a], 40)
-        stash(cache, a, req_a)
+    backend, runner, cache, tokens, a, req_a = prompt_in_prefill(daemon, 30008, 6000)
     assert a.n == 120 and arena_pages(backend) == (8, 0)  # 7 full pages exported, the partial eighth A's own
     # Aborted before its last chunk: SGLang's release_kv_cache without insert, then the slot is freed.
     cache.cache_finished_req(req_a, is_insert=False, kv_len_to_handle=a.n)
