@@ -263,8 +263,8 @@ def test_a_chunked_prompt_is_shared_chunk_by_chunk_while_it_prefills(daemon):
 
 
 def prompt_in_prefill(daemon, port, first_token):
-    """A backend with its radix cache, and prompt A (150 tokens from first_token) prefilled in 3 chunks of 40 and stashed
-    after each: 120 tokens in, 7 full pages exported, its last chunk to come."""
+    """A backend with its radix cache, and prompt A (150 tokens from first_token) prefilled in 3 chunks of 40 and
+    stashed after each: 120 tokens in, 7 full pages exported, its last chunk to come."""
     backend, runner = make_backend(daemon, port=port)
     cache = make_cache(runner)
     runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
