@@ -77,7 +77,7 @@ def scorers(q: torch.Tensor, keys: torch.Tensor, scale: float) -> dict[str, torc
         masks[f"code2-byte{nb}"] = mb.repeat_interleave(4, dim=-1)
     # The same with the unread channels left out (zero: any per-request constant cancels in the softmax).
     qbyte = q.abs().mean(1).unflatten(-1, (-1, 4)).sum(-1)
-    for nb in (1, 2, 4):
+    for nb in (1, 2, 4, 8):
         masks[f"code2-byte{nb}q"] = torch.zeros_like(qbyte, dtype=torch.bool).scatter_(
             1, qbyte.topk(nb, dim=-1).indices, True).repeat_interleave(4, dim=-1)
     for name in ("code2-byte4", "code2-byte8", "code2-byte4q"):

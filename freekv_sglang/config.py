@@ -6,7 +6,9 @@ import dataclasses
 
 RECALL_MODES = ("delta", "all")
 # Page selectors (freekv_sglang/selectors.py): the servable ones, then the accuracy harness's exact upper bound.
-SERVABLE_SELECTIONS = ("rerank", "means", "quest")
+SERVABLE_SELECTIONS = ("rerank", "sketch", "means", "quest")
+# The selections that score from 2-bit key codes (written at offload, head_dim / 4 GPU bytes per token and KV head).
+CODE_SELECTIONS = ("rerank", "sketch")
 SELECTIONS = (*SERVABLE_SELECTIONS, "oracle")
 # Retrieval policies over the one engine: FreeKV (speculative page selection with correction, scored by `selection`)
 # and LouisKV (freekv_sglang/louiskv.py: retrieval at semantic boundaries of clusters and segments).
@@ -41,13 +43,14 @@ class FreeKVConfig:
         token and KV head, in the page's min / max range), as attention mass: per query head the log-sum-exp of
         the page's logits, softmax over pages, group mean; for the best rerank_factor x (budget pages) of a sketch
         that scores every page from its mid-range keys refined by the codes of the sketch_channels channels the
-        query weighs most (rerank_factor 0: for every page). "means": the paper's group-consistent MeanS
+        query weighs most (rerank_factor 0: for every page). "sketch": that sketch alone scores every page (one
+        stage: no rescoring, about two thirds of the rerank's cost). "means": the paper's group-consistent MeanS
         on the summaries alone. "quest": max over the group of the summaries' upper bounds. "oracle": exact
         attention mass from the host copy of the keys (the accuracy harness's upper bound; not servable).
     rerank_factor: N > 0 (default 2): the sketch's best N x (budget pages) are rescored from all their codes; 0
         rescores every page (as accurate as the oracle on SmolLM2, 1.75x the default's cost at 16 x 32K on an H100,
         docs/results/selection-h100).
-    sketch_channels: key channels the sketch reads per KV head (a multiple of 4, at most head_dim): the group's
+    sketch_channels: key channels the sketch (of "rerank" and "sketch") reads per KV head (a multiple of 4, at most head_dim): the group's
         largest |q| ones, 4 per code byte.
     retrieval: the policy. "freekv" (default): everything above. "louiskv" (LouisKV, freekv_sglang/louiskv.py):
         a request's layer retrieves only at a semantic boundary, where the mean cosine similarity over all query
@@ -124,9 +127,9 @@ class FreeKVConfig:
         if not _is_int(self.sketch_channels) or self.sketch_channels < 4 or self.sketch_channels % 4:
             raise ValueError(f"sketch_channels must be a positive multiple of 4 (channels per code byte), got "
                              f"{self.sketch_channels!r}")
-        if self.selection == "rerank" and self.retrieval == "freekv" and p < 16:
-            raise ValueError(f"page_size must be at least 16 tokens for selection 'rerank' (its kernel multiplies a "
-                             f"page's decoded keys on tensor cores), got {p}; or choose selection 'means'")
+        if self.selection in CODE_SELECTIONS and self.retrieval == "freekv" and p < 16:
+            raise ValueError(f"page_size must be at least 16 tokens for selection {self.selection!r} (its kernels "
+                             f"multiply on tensor cores), got {p}; or choose selection 'means'")
         if not _is_int(self.recall_programs) or self.recall_programs < 0:
             raise ValueError(f"recall_programs must be a non-negative integer, got {self.recall_programs!r}")
         if self.retrieval not in RETRIEVALS:
@@ -181,7 +184,7 @@ class FreeKVConfig:
         if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
             raise ValueError(f"FreeKV's kernels (page scoring, attention, and the rerank selection's four 2-bit key "
                              f"codes per byte) need a power-of-two head dim >= 16; this model's is {head_dim}")
-        if head_dim is not None and self.selection == "rerank" and self.retrieval == "freekv" and \
+        if head_dim is not None and self.selection in CODE_SELECTIONS and self.retrieval == "freekv" and \
                 self.sketch_channels > head_dim:
             raise ValueError(f"sketch_channels={self.sketch_channels} exceeds the model's head dim {head_dim}: "
                              f"lower --kv-sketch-channels")

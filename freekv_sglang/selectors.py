@@ -15,7 +15,7 @@ from freekv_kernels.page_rerank import CODE_BITS, empty_codes
 from freekv_kernels.page_rerank.naive import PER_BYTE
 from freekv_kernels.page_select.naive import PHASE_LATER, in_phase
 
-from .config import FreeKVConfig
+from .config import CODE_SELECTIONS, FreeKVConfig
 
 
 class Selector:
@@ -89,6 +89,11 @@ class Rerank(Selector):
 
     name = "rerank"
 
+    @property
+    def sketches(self) -> bool:
+        """Whether a sketch over every candidate page runs (rerank_factor 0 rescores them all instead)."""
+        return bool(self.engine.cfg.rerank_factor)
+
     def __init__(self, engine):
         super().__init__(engine)
         e = engine
@@ -97,7 +102,7 @@ class Rerank(Selector):
         self._codes = [None if dense else empty_codes(num_host, H, p, D, e.device) for dense in e.dense]
         # The sketch's picks by request slot, written with the query by the similarity check (one computation for
         # both phases; per layer, since a layer's speculative selection runs beside the next layers' triggers).
-        nb = e.cfg.sketch_channels // PER_BYTE if e.cfg.rerank_factor else 0
+        nb = e.cfg.sketch_channels // PER_BYTE if self.sketches else 0
         gp = 1 << (e.shape.group - 1).bit_length()
         picks = [not dense and nb > 0 for dense in e.dense]
         self._sel = [torch.zeros(e.num_slots, H, nb, dtype=torch.int32, device=e.device) if on else None
@@ -116,12 +121,29 @@ class Rerank(Selector):
         by_slot, start = phase == PHASE_LATER, e.cfg.sink_pages
         cand = None  # rerank_factor 0: every candidate page
         if e.cfg.rerank_factor:
-            sketch = e.ops.sketch_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots,
-                                        e.scale, e.cfg.sketch_channels // PER_BYTE, heads, phase, by_slot, start,
-                                        plan.cand_end, self.picks(layer))
-            cand = e.ops.top_pages(sketch, e.cfg.rerank_pages, heads, phase)
+            cand = e.ops.top_pages(self._sketch(plan, layer, q, heads, phase), e.cfg.rerank_pages, heads, phase)
         return e.ops.rerank_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots, cand,
                                   e.scale, heads, phase, by_slot, start, plan.cand_end)
+
+    def _sketch(self, plan, layer, q, heads, phase):
+        e = self.engine
+        return e.ops.sketch_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots, e.scale,
+                                  e.cfg.sketch_channels // PER_BYTE, heads, phase, phase == PHASE_LATER,
+                                  e.cfg.sink_pages, plan.cand_end, self.picks(layer))
+
+
+class Sketch(Rerank):
+    """Rerank's first stage alone: every candidate page scored from its mid-range keys refined by the codes of the
+    sketch_channels channels the group's query weighs most, as attention mass (the same pooling), no rescoring."""
+
+    name = "sketch"
+
+    @property
+    def sketches(self) -> bool:
+        return True
+
+    def score(self, plan, layer, q, heads, phase):
+        return self._sketch(plan, layer, q, heads, phase)
 
 
 class Oracle(Selector):
@@ -176,7 +198,7 @@ def page_attention_mass(engine, layer: int, slot: int, q: torch.Tensor, end: int
     return torch.softmax(torch.logsumexp(s, dim=-1), dim=-1).mean(1)
 
 
-SELECTORS = {cls.name: cls for cls in (Rerank, MeanS, Quest, Oracle)}
+SELECTORS = {cls.name: cls for cls in (Rerank, Sketch, MeanS, Quest, Oracle)}
 
 
 def make_selector(cfg: FreeKVConfig, engine) -> Selector:
@@ -189,7 +211,7 @@ def make_selector(cfg: FreeKVConfig, engine) -> Selector:
 
 def picks_bytes_per_slot(cfg: FreeKVConfig, num_kv_heads: int, group: int) -> int:
     """GPU bytes of the rerank's sketch picks per request slot and sparse layer (Rerank.picks)."""
-    if cfg.selection != "rerank" or not cfg.rerank_factor:
+    if cfg.selection not in CODE_SELECTIONS or (cfg.selection == "rerank" and not cfg.rerank_factor):
         return 0
     nb, gp = cfg.sketch_channels // PER_BYTE, 1 << (group - 1).bit_length()
     return num_kv_heads * (nb * 4 + gp * nb * PER_BYTE * 4)
@@ -197,10 +219,10 @@ def picks_bytes_per_slot(cfg: FreeKVConfig, num_kv_heads: int, group: int) -> in
 
 def sketch_bytes_per_token(cfg: FreeKVConfig, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> float:
     """GPU bytes of selection sketches per context token and sparse layer: the min / max page summaries, plus the
-    rerank's key codes, or LouisKV's unit table (a centroid and a token count per unit row, a unit range per page)."""
+    key codes of the rerank and the sketch, or LouisKV's unit table (a centroid and a token count per unit row, a unit range per page)."""
     H, D, p = num_kv_heads, head_dim, cfg.page_size
     summaries = H * 2 * D * dtype_bytes / p
     if cfg.retrieval == "louiskv":
         return summaries + H * (cfg.units_per_page * (D * dtype_bytes + 4) + 8) / p
-    codes = H * D * CODE_BITS / 8 if cfg.selection == "rerank" else 0
+    codes = H * D * CODE_BITS / 8 if cfg.selection in CODE_SELECTIONS else 0
     return summaries + codes

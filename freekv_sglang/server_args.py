@@ -163,7 +163,8 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-selection", choices=SERVABLE_SELECTIONS, default=None,
                    help="how pages are scored: 'rerank' scores pages as attention mass from 2-bit key codes "
                         "(head_dim / 4 GPU bytes per token, KV head and layer): a sketch of a few channels over every "
-                        "page, then all the codes of the best candidates; 'means' the paper's group-mean softmax "
+                        "page, then all the codes of the best candidates; 'sketch' that first stage alone; 'means' "
+                        "the paper's group-mean softmax "
                         "of min / max bounds; 'quest' the max over the group of those bounds "
                         f"(default {_DEFAULTS.selection})")
     g.add_argument("--kv-rerank-factor", type=int, default=None, metavar="N",
@@ -171,7 +172,7 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         "channels' codes and the page's mid-range) from all their codes; 0: every page (costlier) "
                         f"(default {_DEFAULTS.rerank_factor})")
     g.add_argument("--kv-sketch-channels", type=int, default=None, metavar="N",
-                   help="key channels the rerank's sketch reads per KV head, the query's largest; a multiple of 4 "
+                   help="key channels the sketch (rerank and sketch) reads per KV head, the query's largest; a multiple of 4 "
                         f"up to the head dim (default {_DEFAULTS.sketch_channels})")
     g.add_argument("--kv-boundary-threshold", type=float, default=None, metavar="TAU",
                    help="LouisKV: mean cosine similarity of adjacent queries over all query heads below which a "

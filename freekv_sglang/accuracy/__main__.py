@@ -40,13 +40,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--budgets", default="512,1024", help="selected tokens, excluding sink and window")
     ap.add_argument("--samples", type=int, default=20, help="samples per task and length")
     ap.add_argument("--methods", default="dense,oracle,rerank,means,quest,streaming",
-                    help="from dense, oracle, rerank, means, quest, louiskv, streaming (rerank and means once per "
-                         "tau)")
+                    help="from dense, oracle, rerank, sketch, means, quest, louiskv, streaming (rerank, sketch and "
+                         "means once per tau)")
     ap.add_argument("--taus", default="0.9", help="FreeKV correction thresholds of rerank and means")
     ap.add_argument("--louiskv-tau", type=float, default=0.7,
                     help="LouisKV's boundary threshold (the paper's default 0.7; 0.85 in its long-input runs)")
     ap.add_argument("--rerank-factor", type=int, default=None,
                     help="rerank candidates per selected page (0: every page; default: FreeKVConfig's)")
+    ap.add_argument("--sketch-channels", type=int, default=None,
+                    help="key channels the sketch of rerank and sketch reads (default: FreeKVConfig's)")
     ap.add_argument("--kv-prefill", default="full",
                     help="comma-separated from full, tsp: tsp runs every method after FastKV's token-selective "
                          "propagation too, once per --kv-tsp-keep")
@@ -123,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         geo = Geometry(args.sink, args.window, args.page_size, args.dense_layers)
         cfg = RunConfig(tasks=tasks, lengths=_ints(args.lengths), budgets=_ints(args.budgets), samples=args.samples,
                         methods=with_prefill(parse_methods(args.methods, _floats(args.taus), args.rerank_factor,
-                                                           args.louiskv_tau),
+                                                           args.louiskv_tau, args.sketch_channels),
                                              [p.strip() for p in args.kv_prefill.split(",") if p.strip()],
                                              args.kv_tsp_layer, _ints(args.kv_tsp_keep)), geometry=geo,
                         seed=args.seed,

@@ -4,6 +4,7 @@ All methods share one dense prefill and attend to the same number of tokens per 
 - dense: every layer dense (dense_layers = num_layers), the full-KV reference; budget-independent.
 - rerank(tau), means(tau): FreeKV with the default two-stage selection (a sketch's best candidates rescored from
   2-bit key codes; rerank/N(tau) with --rerank-factor N, 0 = every page rescored) or the paper's MeanS alone,
+  sketch(tau): that sketch's first stage alone (sketch/C with --sketch-channels C),
   speculative with correction below tau (tau 0 = pure speculation, tau 1 = reselect every head every step, i.e.
   no speculation).
 - quest: the Quest-style baseline: max over the query group of the min / max bounds, selected with the current
@@ -45,6 +46,7 @@ class MethodSpec:
     uses_budget: bool = True
     selection: str = "rerank"  # FreeKVConfig.selection
     rerank_factor: int | None = None  # FreeKVConfig.rerank_factor (None: its default)
+    sketch_channels: int | None = None  # FreeKVConfig.sketch_channels (None: its default)
     boundary_tau: float | None = None  # LouisKV's threshold (engine method louiskv)
     tsp: tuple[int, int] | None = None  # (tsp_layer, tsp_keep) with FastKV's prefill, None for the full prefill
 
@@ -66,24 +68,29 @@ class MethodSpec:
         return FreeKVConfig(budget=budget, sink=geo.sink, window=window, page_size=p,
                             tau=self.tau if self.tau is not None else 1.0, dense_layers=geo.dense_layers,
                             selection=self.selection, **({} if self.rerank_factor is None else
-                                                         {"rerank_factor": self.rerank_factor}))
+                                                         {"rerank_factor": self.rerank_factor}),
+                            **({} if self.sketch_channels is None else {"sketch_channels": self.sketch_channels}))
 
 
-METHOD_NAMES = ("dense", "oracle", "rerank", "means", "quest", "louiskv", "streaming")
+METHOD_NAMES = ("dense", "oracle", "rerank", "sketch", "means", "quest", "louiskv", "streaming")
 
 
 def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None,
-                  louiskv_tau: float = FreeKVConfig().boundary_tau) -> list[MethodSpec]:
-    """'dense,oracle,rerank,means,quest,louiskv,streaming' -> specs; rerank and means expand to one spec per tau."""
+                  louiskv_tau: float = FreeKVConfig().boundary_tau,
+                  sketch_channels: int | None = None) -> list[MethodSpec]:
+    """'dense,oracle,rerank,sketch,means,quest,louiskv,streaming' -> specs; rerank, sketch and means expand to one
+    spec per tau."""
     out: list[MethodSpec] = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
         if name == "dense":
             out.append(MethodSpec("dense", "freekv", uses_budget=False))
-        elif name in ("rerank", "means"):
+        elif name in ("rerank", "sketch", "means"):
             factor = rerank_factor if name == "rerank" else None
+            channels = sketch_channels if name in ("rerank", "sketch") else None
             label = name if factor is None else f"{name}/{factor}"  # rerank/N: N x budget candidates, 0 every page
-            out.extend(MethodSpec(f"{label}(tau={t:g})", "freekv", tau=t, selection=name, rerank_factor=factor)
-                       for t in taus)
+            label += "" if channels is None else f"/c{channels}"  # the sketch's channels
+            out.extend(MethodSpec(f"{label}(tau={t:g})", "freekv", tau=t, selection=name, rerank_factor=factor,
+                                  sketch_channels=channels) for t in taus)
         elif name in ("quest", "oracle"):
             out.append(MethodSpec(name, "freekv", tau=1.0, selection=name))
         elif name == "louiskv":

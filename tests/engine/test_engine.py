@@ -55,7 +55,8 @@ class Oracle:
     def select(self, q, cands, p):
         """The top-k pages by the configured selection: MeanS, Quest, or the pages scored with decoded 2-bit key
         codes (log-sum-exp per query head, softmax over them, group mean): all, or the best rerank_factor * k of
-        the same scores with mid-range keys but on the sketch's channels (the group's largest |q| code bytes)."""
+        the same scores with mid-range keys but on the sketch's channels (the group's largest |q| code bytes);
+        or (sketch) those sketch scores alone."""
         k, how = self.cfg.select_pages, self.cfg.selection
         if not cands:
             return [[] for _ in range(self.H)]
@@ -73,18 +74,18 @@ class Oracle:
             qs = q[h * self.G:(h + 1) * self.G].double()  # [G, D]
             s = torch.maximum(qs[:, None] * kmin[None, :, h], qs[:, None] * kmax[None, :, h]).sum(-1) / math.sqrt(D)
             score = s.max(0).values if how == "quest" else torch.softmax(s, dim=1).mean(0)
-            if how == "rerank":
+            if how in ("rerank", "sketch"):
                 keys = dequantize_keys(quantize_keys(kp[:, :, h], kmin[:, h], kmax[:, h]), kmin[:, h],
                                        kmax[:, h]).double()  # [C, p, D]
                 top = torch.arange(len(cands))
-                if self.cfg.rerank_factor:
+                if self.cfg.rerank_factor or how == "sketch":
                     byte = sketch_bytes(qs[None], self.cfg.sketch_channels // 4)[0]
                     ch = (byte[:, None] * 4 + torch.arange(4)).flatten()
                     mixed = ((kmin[:, h] + kmax[:, h]) / 2)[:, None].repeat(1, p, 1)  # mid-range, codes on ch
                     mixed[..., ch] = keys[..., ch]
                     sketch = code_mass(qs, mixed, top)
                     top = torch.topk(sketch, min(self.cfg.rerank_pages, len(cands))).indices
-                score = code_mass(qs, keys, top)
+                score = sketch if how == "sketch" else code_mass(qs, keys, top)
             top = torch.topk(score, min(k, len(cands))).indices.tolist()
             sel.append([cands[i] for i in top if score[i] > float("-inf")])
         return sel
@@ -205,9 +206,10 @@ def test_speculation_and_correction_match_oracle(tau):
     assert st["recall_bytes_speculative"] % st["recall_page_bytes"] == 0
 
 
-def test_tau_one_selects_with_current_query():
+@pytest.mark.parametrize("selection", ["rerank", "sketch", "means"])
+def test_tau_one_selects_with_current_query(selection):
     """tau=1: after every step the slots of each head hold exactly the top-k of the current query."""
-    cfg = FreeKVConfig(budget=48, sink=16, window=32, page_size=16, tau=1.0, dense_layers=0)
+    cfg = FreeKVConfig(budget=48, sink=16, window=32, page_size=16, tau=1.0, dense_layers=0, selection=selection)
     eng = make_engine(cfg, H=2, G=4, L=1)
     slot = eng.add_request()
     n = 300
@@ -506,10 +508,11 @@ def test_head_indptr_matches_the_device_token_lists():
 
 @pytest.mark.parametrize("method,selection,recall,factor", [
     ("freekv", "rerank", "all", 0), ("freekv", "rerank", "delta", 2), ("freekv", "rerank", "all", 1),
-    ("freekv", "means", "delta", 0),
+    ("freekv", "sketch", "delta", 2), ("freekv", "means", "delta", 0),
     ("freekv", "quest", "delta", 0), ("streaming", "rerank", "delta", 0)])
 def test_triton_backend_equals_torch_backend(method, selection, recall, factor, prefill_alike):
-    """The rerank selection (every page, with the recall-all ablation; the sketch's best 2k or k), MeanS, and the Quest /
+    """The rerank selection (every page, with the recall-all ablation; the sketch's best 2k or k), the sketch alone,
+    MeanS, and the Quest /
     StreamingLLM baselines: the Triton kernels and the torch references give the same outputs, slot tables and
     recall statistics step by step (a padding row included)."""
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, recall=recall,

@@ -144,10 +144,16 @@ def test_outside_attention_layer_launches(monkeypatch):
 
 
 def test_means_quest_and_streaming_layer_launches(monkeypatch):
-    """The rerank of every page (no sketch: 3 launches fewer per selection), MeanS (13 launches), Quest (max
-    pooling: no pooling kernel) and StreamingLLM (nothing selected: no side-stream selection)."""
+    """The rerank of every page (no sketch: 3 launches fewer per selection), the sketch alone (13 launches, its
+    picks with the similarity check), MeanS (13 launches), Quest (max pooling: no pooling kernel) and StreamingLLM
+    (nothing selected: no side-stream selection)."""
     every = count_step(monkeypatch, factor=0)
     assert every["select"] == EVERY_PAGE and every["recall"] == {**EVERY_PAGE, "_offload_pages_kernel": 1}
+    sketch = count_step(monkeypatch, selection="sketch")
+    one_stage = {"_sketch_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kernel": 1,
+                 "_recall_pages_kernel": 1}
+    assert sketch["select"] == one_stage and sketch["recall"] == {**one_stage, "_offload_pages_kernel": 1}
+    assert sketch["compute"]["_query_similarity_kernel"] == 1
     means = count_step(monkeypatch, selection="means")
     assert means["select"] == MEANS and means["recall"] == {**MEANS, "_offload_pages_kernel": 1}
     quest = count_step(monkeypatch, selection="quest")
