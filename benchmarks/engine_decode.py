@@ -30,7 +30,8 @@ churn and topic shifts fitted to SmolLM2-135M (NOTES.md, thirteenth session; --s
 topic-shift rate). --shape smollm2 runs SmolLM2-135M's attention shape (30 layers, 9 / 3 heads, head dim 64), the
 geometry the fit was made at; the default is llama8b.
 
-Policies (--policies): freekv (the default selection: sketch + rerank, speculative with correction at tau),
+Policies (--policies): freekv (the default selection: the one-stage sketch, speculative with correction at tau),
+freekv-rerank (the two-stage rerank/2 with a 16-channel sketch),
 freekv-means (FreeKV with MeanS selection), louiskv (retrieval at semantic boundaries of clusters and segments).
 Reported per config, over the timed steps (after --warmup steps that fill the slots):
   retrieval_share     FreeKV: the share of (request, sparse layer, KV head) checks flagged for correction (they
@@ -78,6 +79,7 @@ SHAPES = {"llama8b": (32, 32, 8, 128), "smollm2": (30, 9, 3, 64)}
 DEFAULTS = FreeKVConfig()
 POLICIES = {
     "freekv": dict(retrieval="freekv"),
+    "freekv-rerank": dict(retrieval="freekv", selection="rerank", sketch_channels=16),  # the default before session 16
     "freekv-means": dict(retrieval="freekv", selection="means"),
     "louiskv": dict(retrieval="louiskv"),
 }

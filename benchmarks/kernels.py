@@ -6,7 +6,8 @@ Measures, in one run:
          every (row, head, slot) of a batch recalled, the slot and page tables read by the kernel;
   offload offload_pages writing whole GPU pages into the pinned arena, summaries included (GB/s, % of the GPU->host
          peak);
-  select page scoring (means, quest, rerank with MeanS candidates, rerank-all over every page) + select_slots latency
+  select page scoring (means, quest, the sketch alone, rerank of the sketch's candidates, rerank-all over every page)
+         + select_slots latency
          per layer (eager and CUDA-graph replay, scoring and selection each alone in a graph, and the floor: reading
          the summaries and codes once at the measured device-copy bandwidth).
 Recall/offload are timed twice: "eager" events around one call on an idle GPU, which include the host's launch of
@@ -31,6 +32,8 @@ import triton
 
 from freekv_kernels.offload import naive_offload_pages, offload_pages
 from freekv_kernels.recall import naive_recall_pages, recall_pages
+
+from freekv_sglang.config import DEFAULT_SKETCH_CHANNELS
 
 DEVICE = torch.device("cuda")
 GiB = 1 << 30
@@ -221,7 +224,7 @@ def bench_select(
     nbytes = sketch_channels // 4
     print(f"\nselection per layer: scoring + select_slots (top-k, slot delta, commit), {HQ} q heads / {H} KV "
           f"heads, D={D}, p={PAGE}, k={k} pages ({budget} tokens), every page of every row a candidate. means: "
-          f"score_pages (MeanS); quest: score_pages (max); rerank/N: the sketch ({sketch_channels} channels' codes "
+          f"score_pages (MeanS); quest: score_pages (max); sketch: the sketch alone (the default); rerank/N: the sketch ({sketch_channels} channels' codes "
           f"and every page's mid-range) over every page, its top N*k candidates rescored from all their 2-bit key "
           f"codes; rerank/0: every page's codes rescored, no sketch. graph: the whole selection captured and "
           f"replayed (score / select: each part alone); floor: the bf16 summaries and the codes read once at "
@@ -242,11 +245,14 @@ def bench_select(
             slots = torch.full((B, H, k), -1, dtype=torch.int32, device=DEVICE)
             heads = torch.ones(B, H, dtype=torch.bool, device=DEVICE)  # every head selects (and is flagged)
             recall = torch.zeros(B, H, k, dtype=torch.int8, device=DEVICE)
-            for selection in ("means", "quest", *(f"rerank/{f}" for f in rerank_factors)):
+            for selection in ("means", "quest", "sketch", *(f"rerank/{f}" for f in rerank_factors)):
                 pooling = "max" if selection == "quest" else "mean_softmax"
                 factor = int(selection.split("/")[1]) if selection.startswith("rerank") else None
 
-                def score(pooling=pooling, factor=factor):
+                def score(pooling=pooling, factor=factor, selection=selection):
+                    if selection == "sketch":
+                        return sketch_pages(q, summaries, codes, page_table, req_slots, D**-0.5, nbytes, heads,
+                                            cand_start=0, cand_end=cand_end)
                     if factor is None:
                         return score_pages(q, summaries, page_table, req_slots, 0, cand_end, D**-0.5, pooling, heads)
                     cand = None
@@ -265,9 +271,11 @@ def bench_select(
 
                 scores = score()
                 row = {"context": ctx, "batch": B, "pages_per_row": M, "k": k, "selection": selection,
-                       "pooling": pooling, "sketch_channels": sketch_channels if factor else 0}
+                       "pooling": pooling, "sketch_channels": sketch_channels if factor or selection == "sketch" else 0}
                 floor_bytes = summaries.numel() * summaries.element_size()
-                if factor:  # the sketch's code rows, then the candidates' codes
+                if selection == "sketch":  # its code rows
+                    floor_bytes += B * H * M * PAGE * nbytes
+                elif factor:  # the sketch's code rows, then the candidates' codes
                     floor_bytes += B * H * M * PAGE * nbytes + B * H * min(factor * k, M) * PAGE * D // 4
                 elif factor == 0:
                     floor_bytes += codes.numel()
@@ -308,7 +316,8 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=2048, help="selection budget in tokens (k = budget / page size)")
     ap.add_argument("--rerank-factors", type=int_list, default=[2, 4, 0],
                     help="rerank selections to time: N > 0 the sketch then N*k candidates, 0 every page's codes")
-    ap.add_argument("--sketch-channels", type=int, default=16, help="key channels the sketch reads")
+    ap.add_argument("--sketch-channels", type=int, default=DEFAULT_SKETCH_CHANNELS,
+                    help="key channels the sketch (of sketch and rerank) reads")
     ap.add_argument("--only-selection", action="store_true", help="skip the link, recall and offload benchmarks")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -6,9 +6,13 @@ import dataclasses
 
 RECALL_MODES = ("delta", "all")
 # Page selectors (freekv_sglang/selectors.py): the servable ones, then the accuracy harness's exact upper bound.
-SERVABLE_SELECTIONS = ("rerank", "sketch", "means", "quest")
+SERVABLE_SELECTIONS = ("sketch", "rerank", "means", "quest")
 # The selections that score from 2-bit key codes (written at offload, head_dim / 4 GPU bytes per token and KV head).
-CODE_SELECTIONS = ("rerank", "sketch")
+CODE_SELECTIONS = ("sketch", "rerank")
+# The sketch's channels unless sketch_channels says otherwise (capped at the head dim): with 32 the one-stage sketch
+# matched oracle selection on SmolLM2 (head dim 64; 16 channels: within a sample but a lower hit rate), and on the
+# Llama-3.1-8B shape (head dim 128) it costs what rerank/2 with 16 did at 16 x 32K (docs/results/session16).
+DEFAULT_SKETCH_CHANNELS = 32
 SELECTIONS = (*SERVABLE_SELECTIONS, "oracle")
 # Retrieval policies over the one engine: FreeKV (speculative page selection with correction, scored by `selection`)
 # and LouisKV (freekv_sglang/louiskv.py: retrieval at semantic boundaries of clusters and segments).
@@ -39,19 +43,21 @@ class FreeKVConfig:
     dense_layers: the first layers attend densely over the whole context.
     recall: "delta" recalls only the pages a new selection adds to a head's slots; "all" recalls every
         selected page of a reselected head (an ablation: what delta recall saves).
-    selection: how pages are scored. "rerank" (default): from 2-bit per-channel key codes (head_dim / 4 bytes per
-        token and KV head, in the page's min / max range), as attention mass: per query head the log-sum-exp of
-        the page's logits, softmax over pages, group mean; for the best rerank_factor x (budget pages) of a sketch
-        that scores every page from its mid-range keys refined by the codes of the sketch_channels channels the
-        query weighs most (rerank_factor 0: for every page). "sketch": that sketch alone scores every page (one
-        stage: no rescoring, about two thirds of the rerank's cost). "means": the paper's group-consistent MeanS
+    selection: how pages are scored, all from the page summaries and (sketch, rerank) 2-bit per-channel key codes
+        (head_dim / 4 bytes per token and KV head, in the page's min / max range) as attention mass: per query head
+        the log-sum-exp of the page's logits, softmax over pages, group mean. "sketch" (default): one stage; every
+        page's keys are its mid-range except on the sketch_channels channels the group's query weighs most, which
+        decode from their codes. "rerank": two stages; that sketch's best rerank_factor x (budget pages) are
+        rescored from all their codes (rerank_factor 0: every page). "means": the paper's group-consistent MeanS
         on the summaries alone. "quest": max over the group of the summaries' upper bounds. "oracle": exact
         attention mass from the host copy of the keys (the accuracy harness's upper bound; not servable).
-    rerank_factor: N > 0 (default 2): the sketch's best N x (budget pages) are rescored from all their codes; 0
-        rescores every page (as accurate as the oracle on SmolLM2, 1.75x the default's cost at 16 x 32K on an H100,
-        docs/results/selection-h100).
-    sketch_channels: key channels the sketch (of "rerank" and "sketch") reads per KV head (a multiple of 4, at most head_dim): the group's
-        largest |q| ones, 4 per code byte.
+        SmolLM2, passkey and multikey at 4K / 8K, budgets 512 / 1024: sketch with 32 channels scores the oracle's
+        score in every cell, rerank/2 with 16 within a sample, at 1.0x and 1.5x the sketch's cost at 16 x 32K
+        (docs/results/session16).
+    rerank_factor: N > 0 (default 2): the rerank's best N x (budget pages) of its sketch are rescored from all
+        their codes; 0 rescores every page.
+    sketch_channels: key channels the sketch (of "sketch" and "rerank") reads per KV head (a multiple of 4, at
+        most head_dim): the group's largest |q| ones, 4 per code byte; 0 (default): min(32, head_dim).
     retrieval: the policy. "freekv" (default): everything above. "louiskv" (LouisKV, freekv_sglang/louiskv.py):
         a request's layer retrieves only at a semantic boundary, where the mean cosine similarity over all query
         heads of the adjacent queries falls below boundary_tau, scoring k-means clusters of the prompt's keys and
@@ -90,9 +96,9 @@ class FreeKVConfig:
     dense_layers: int = 1
     recall: str = "delta"
     recall_programs: int = 32
-    selection: str = "rerank"
+    selection: str = "sketch"
     rerank_factor: int = 2
-    sketch_channels: int = 16
+    sketch_channels: int = 0
     retrieval: str = "freekv"
     boundary_tau: float = 0.7
     cluster_size: int = 16
@@ -124,9 +130,9 @@ class FreeKVConfig:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
         if not _is_int(self.rerank_factor) or self.rerank_factor < 0:
             raise ValueError(f"rerank_factor must be a non-negative integer, got {self.rerank_factor!r}")
-        if not _is_int(self.sketch_channels) or self.sketch_channels < 4 or self.sketch_channels % 4:
-            raise ValueError(f"sketch_channels must be a positive multiple of 4 (channels per code byte), got "
-                             f"{self.sketch_channels!r}")
+        if not _is_int(self.sketch_channels) or self.sketch_channels < 0 or self.sketch_channels % 4:
+            raise ValueError(f"sketch_channels must be 0 (the default, min({DEFAULT_SKETCH_CHANNELS}, head_dim)) or a "
+                             f"positive multiple of 4 (channels per code byte), got {self.sketch_channels!r}")
         if self.selection in CODE_SELECTIONS and self.retrieval == "freekv" and p < 16:
             raise ValueError(f"page_size must be at least 16 tokens for selection {self.selection!r} (its kernels "
                              f"multiply on tensor cores), got {p}; or choose selection 'means'")
@@ -178,6 +184,10 @@ class FreeKVConfig:
     @property
     def rerank_pages(self) -> int:
         return self.select_pages * self.rerank_factor
+
+    def sketch_bytes(self, head_dim: int) -> int:
+        """Code bytes (4 channels each) the sketch reads per KV head for a model of this head dim."""
+        return (self.sketch_channels or min(DEFAULT_SKETCH_CHANNELS, head_dim)) // 4
 
     def check_model(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int | None = None) -> None:
         """Refuse model shapes FreeKV cannot serve, naming the knob to change."""

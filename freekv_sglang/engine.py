@@ -92,7 +92,7 @@ def engine_gpu_bytes(cfg: FreeKVConfig, shape: ModelShape, *, num_slots: int, ma
     kv = sparse * pages * p * H * D * 2 * dtype_bytes
     sketches = sparse * host_pages * p * sketch_bytes_per_token(cfg, H, D, dtype_bytes)  # summaries (+ codes)
     tables = num_slots * (-(-max_context // p) * 4 + L * H * k * 4 + L * Hq * D * dtype_bytes + L + 8
-                          + sparse * picks_bytes_per_slot(cfg, H, shape.group))
+                          + sparse * picks_bytes_per_slot(cfg, H, shape.group, shape.head_dim))
     masks = sparse * num_slots * H * (1 + k)
     plan = num_slots * ((cfg.resident_pages + k + 9) * 4 + 8 + 1)  # StepPlan.buffers without the dense fields
     token_lists = num_slots * H * (cfg.resident_pages * p + 2) * 4

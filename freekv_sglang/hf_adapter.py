@@ -232,7 +232,7 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--dense-layers", type=int, default=1)
     ap.add_argument("--method", default="freekv", choices=("freekv", "streaming"))
-    ap.add_argument("--selection", default="rerank", choices=SELECTIONS)
+    ap.add_argument("--selection", default=FreeKVConfig().selection, choices=SELECTIONS)
     ap.add_argument("--kv-prefill", default="full", choices=PREFILLS)
     ap.add_argument("--kv-tsp-layer", type=int, default=14, help="--kv-prefill tsp: SmolLM2's middle layer")
     ap.add_argument("--kv-tsp-keep", type=int, default=256, help="--kv-prefill tsp: tokens propagated")

@@ -102,7 +102,7 @@ class Rerank(Selector):
         self._codes = [None if dense else empty_codes(num_host, H, p, D, e.device) for dense in e.dense]
         # The sketch's picks by request slot, written with the query by the similarity check (one computation for
         # both phases; per layer, since a layer's speculative selection runs beside the next layers' triggers).
-        nb = e.cfg.sketch_channels // PER_BYTE if self.sketches else 0
+        nb = e.cfg.sketch_bytes(D) if self.sketches else 0
         gp = 1 << (e.shape.group - 1).bit_length()
         picks = [not dense and nb > 0 for dense in e.dense]
         self._sel = [torch.zeros(e.num_slots, H, nb, dtype=torch.int32, device=e.device) if on else None
@@ -128,7 +128,7 @@ class Rerank(Selector):
     def _sketch(self, plan, layer, q, heads, phase):
         e = self.engine
         return e.ops.sketch_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots, e.scale,
-                                  e.cfg.sketch_channels // PER_BYTE, heads, phase, phase == PHASE_LATER,
+                                  e.cfg.sketch_bytes(e.shape.head_dim), heads, phase, phase == PHASE_LATER,
                                   e.cfg.sink_pages, plan.cand_end, self.picks(layer))
 
 
@@ -209,11 +209,11 @@ def make_selector(cfg: FreeKVConfig, engine) -> Selector:
     return SELECTORS[cfg.selection](engine)
 
 
-def picks_bytes_per_slot(cfg: FreeKVConfig, num_kv_heads: int, group: int) -> int:
+def picks_bytes_per_slot(cfg: FreeKVConfig, num_kv_heads: int, group: int, head_dim: int) -> int:
     """GPU bytes of the rerank's sketch picks per request slot and sparse layer (Rerank.picks)."""
     if cfg.selection not in CODE_SELECTIONS or (cfg.selection == "rerank" and not cfg.rerank_factor):
         return 0
-    nb, gp = cfg.sketch_channels // PER_BYTE, 1 << (group - 1).bit_length()
+    nb, gp = cfg.sketch_bytes(head_dim), 1 << (group - 1).bit_length()
     return num_kv_heads * (nb * 4 + gp * nb * PER_BYTE * 4)
 
 

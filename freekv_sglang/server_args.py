@@ -23,7 +23,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .config import PREFILLS, RECALL_MODES, SERVABLE_SELECTIONS, FreeKVConfig
+from .config import DEFAULT_SKETCH_CHANNELS, PREFILLS, RECALL_MODES, SERVABLE_SELECTIONS, FreeKVConfig
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
 ENV_FREEKV_ARGS = "FREEKV_ARGS"
@@ -161,10 +161,10 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="GPU programs of the speculative recall, which runs beside the model's GEMMs; 0 = one per "
                         f"page recalled (default {_DEFAULTS.recall_programs})")
     g.add_argument("--kv-selection", choices=SERVABLE_SELECTIONS, default=None,
-                   help="how pages are scored: 'rerank' scores pages as attention mass from 2-bit key codes "
-                        "(head_dim / 4 GPU bytes per token, KV head and layer): a sketch of a few channels over every "
-                        "page, then all the codes of the best candidates; 'sketch' that first stage alone; 'means' "
-                        "the paper's group-mean softmax "
+                   help="how pages are scored: 'sketch' scores every page as attention mass from its mid-range "
+                        "keys and the 2-bit codes of the channels the query weighs most (head_dim / 4 GPU bytes "
+                        "per token, KV head and layer); 'rerank' rescores that sketch's best candidates from all "
+                        "their codes; 'means' the paper's group-mean softmax "
                         "of min / max bounds; 'quest' the max over the group of those bounds "
                         f"(default {_DEFAULTS.selection})")
     g.add_argument("--kv-rerank-factor", type=int, default=None, metavar="N",
@@ -173,7 +173,7 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         f"(default {_DEFAULTS.rerank_factor})")
     g.add_argument("--kv-sketch-channels", type=int, default=None, metavar="N",
                    help="key channels the sketch (rerank and sketch) reads per KV head, the query's largest; a multiple of 4 "
-                        f"up to the head dim (default {_DEFAULTS.sketch_channels})")
+                        f"up to the head dim (default min({DEFAULT_SKETCH_CHANNELS}, head dim))")
     g.add_argument("--kv-boundary-threshold", type=float, default=None, metavar="TAU",
                    help="LouisKV: mean cosine similarity of adjacent queries over all query heads below which a "
                         f"request's layer retrieves (default {_DEFAULTS.boundary_tau}, the paper's)")

@@ -143,21 +143,26 @@ def test_recall_programs():
 
 
 def test_selection_knobs():
-    assert FreeKVConfig().selection == "rerank" and FreeKVConfig().rerank_factor == 2  # the sketch's best 2k
+    assert FreeKVConfig().selection == "sketch" and FreeKVConfig().rerank_factor == 2  # rerank: the sketch's best 2k
+    assert FreeKVConfig().sketch_bytes(128) == 8 and FreeKVConfig().sketch_bytes(16) == 4  # min(32, head dim) / 4
+    assert FreeKVConfig(sketch_channels=16).sketch_bytes(128) == 4
     assert FreeKVConfig(rerank_factor=4).rerank_pages == 4 * FreeKVConfig().select_pages
     with pytest.raises(ValueError, match="selection must be one of"):
         FreeKVConfig(selection="topk")
     with pytest.raises(ValueError, match="rerank_factor"):
         FreeKVConfig(rerank_factor=-1)
-    with pytest.raises(ValueError, match="page_size must be at least 16 tokens for selection 'rerank'"):
+    with pytest.raises(ValueError, match="page_size must be at least 16 tokens for selection 'sketch'"):
         FreeKVConfig(page_size=8, budget=64, sink=64, window=64)
+    with pytest.raises(ValueError, match="page_size must be at least 16 tokens for selection 'rerank'"):
+        FreeKVConfig(page_size=8, budget=64, sink=64, window=64, selection="rerank")
     FreeKVConfig(page_size=8, budget=64, sink=64, window=64, selection="means")  # MeanS takes any page size
-    for bad in (0, 6, 2.0):
-        with pytest.raises(ValueError, match="^sketch_channels must be a positive multiple of 4"):
+    for bad in (-4, 6, 2.0):
+        with pytest.raises(ValueError, match="^sketch_channels must be 0"):
             FreeKVConfig(sketch_channels=bad)
     with pytest.raises(ValueError, match="sketch_channels=32 exceeds the model's head dim 16: lower --kv-sketch-channels"):
         FreeKVConfig(sketch_channels=32).check_model(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
     FreeKVConfig(sketch_channels=32, selection="means").check_model(2, 4, 2, 16)  # no sketch, nothing to fit
+    FreeKVConfig().check_model(2, 4, 2, 16)  # the default fits: min(32, head dim)
 
 
 @pytest.mark.parametrize("head_dim", [8, 96, 80])

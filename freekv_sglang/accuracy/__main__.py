@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lengths", default="4096,8192", help="context lengths in tokens (prompt + answer)")
     ap.add_argument("--budgets", default="512,1024", help="selected tokens, excluding sink and window")
     ap.add_argument("--samples", type=int, default=20, help="samples per task and length")
-    ap.add_argument("--methods", default="dense,oracle,rerank,means,quest,streaming",
+    ap.add_argument("--methods", default="dense,oracle,sketch,rerank,means,quest,streaming",
                     help="from dense, oracle, rerank, sketch, means, quest, louiskv, streaming (rerank, sketch and "
                          "means once per tau)")
     ap.add_argument("--taus", default="0.9", help="FreeKV correction thresholds of rerank and means")

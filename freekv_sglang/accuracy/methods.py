@@ -2,9 +2,10 @@
 
 All methods share one dense prefill and attend to the same number of tokens per step:
 - dense: every layer dense (dense_layers = num_layers), the full-KV reference; budget-independent.
-- rerank(tau), means(tau): FreeKV with the default two-stage selection (a sketch's best candidates rescored from
-  2-bit key codes; rerank/N(tau) with --rerank-factor N, 0 = every page rescored) or the paper's MeanS alone,
-  sketch(tau): that sketch's first stage alone (sketch/C with --sketch-channels C),
+- sketch(tau), rerank(tau), means(tau): FreeKV with the default selection (a one-stage sketch: mid-range keys
+  refined by the 2-bit codes of the channels the query weighs most; sketch/cC with --sketch-channels C), the
+  two-stage rerank (that sketch's best candidates rescored from all their codes; rerank/N(tau) with
+  --rerank-factor N, 0 = every page rescored) or the paper's MeanS alone,
   speculative with correction below tau (tau 0 = pure speculation, tau 1 = reselect every head every step, i.e.
   no speculation).
 - quest: the Quest-style baseline: max over the query group of the min / max bounds, selected with the current
@@ -44,7 +45,7 @@ class MethodSpec:
     engine_method: str  # FreeKVEngine method
     tau: float | None = None
     uses_budget: bool = True
-    selection: str = "rerank"  # FreeKVConfig.selection
+    selection: str = FreeKVConfig().selection
     rerank_factor: int | None = None  # FreeKVConfig.rerank_factor (None: its default)
     sketch_channels: int | None = None  # FreeKVConfig.sketch_channels (None: its default)
     boundary_tau: float | None = None  # LouisKV's threshold (engine method louiskv)

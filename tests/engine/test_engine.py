@@ -79,7 +79,7 @@ class Oracle:
                                        kmax[:, h]).double()  # [C, p, D]
                 top = torch.arange(len(cands))
                 if self.cfg.rerank_factor or how == "sketch":
-                    byte = sketch_bytes(qs[None], self.cfg.sketch_channels // 4)[0]
+                    byte = sketch_bytes(qs[None], self.cfg.sketch_bytes(D))[0]
                     ch = (byte[:, None] * 4 + torch.arange(4)).flatten()
                     mixed = ((kmin[:, h] + kmax[:, h]) / 2)[:, None].repeat(1, p, 1)  # mid-range, codes on ch
                     mixed[..., ch] = keys[..., ch]

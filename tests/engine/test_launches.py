@@ -71,7 +71,7 @@ def recorder(monkeypatch, eng):
     return rec
 
 
-def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5, selection="rerank", factor=None,
+def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5, selection="sketch", factor=None,
                retrieval="freekv"):
     """Launches per sparse layer of the third decode step of two requests (slots filled, some heads flagged)."""
     cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall,
@@ -116,15 +116,17 @@ MEANS = {"_page_logits_kernel": 1, "_pool_scores_kernel": 1, "_select_slots_kern
 # The rerank with rerank_factor 0: every page's code log-sum-exps and their pooled scores, then the same selection
 # and recall.
 EVERY_PAGE = {"_rerank_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
-# The default rerank: the sketch's log-sum-exps (its byte picks come with the similarity check), pooled scores and
-# top candidates first.
-SELECT = {**EVERY_PAGE, "_sketch_lse_kernel": 1, "_rerank_pool_kernel": 2, "_top_pages_kernel": 1}
+# The rerank: the sketch's log-sum-exps (its byte picks come with the similarity check), pooled scores and top
+# candidates first.
+RERANK = {**EVERY_PAGE, "_sketch_lse_kernel": 1, "_rerank_pool_kernel": 2, "_top_pages_kernel": 1}
+# The default, the sketch alone: its log-sum-exps, pooled scores, then the selection and recall.
+SELECT = {"_sketch_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
 
 
 @pytest.mark.parametrize("recall", ["delta", "all"])
 def test_freekv_layer_launches(monkeypatch, recall):
-    """19 launches per sparse layer with the default rerank selection: 4 on the compute stream (similarity with the
-    sketch's byte picks, KV write, attention and its split combine), 7 on the select stream before attention, 8 on
+    """13 launches per sparse layer with the default sketch selection: 4 on the compute stream (similarity with the
+    sketch's byte picks, KV write, attention and its split combine), 4 on the select stream before attention, 5 on
     the recall stream; no torch glue anywhere."""
     got = count_step(monkeypatch, recall=recall)
     assert got == {
@@ -144,16 +146,13 @@ def test_outside_attention_layer_launches(monkeypatch):
 
 
 def test_means_quest_and_streaming_layer_launches(monkeypatch):
-    """The rerank of every page (no sketch: 3 launches fewer per selection), the sketch alone (13 launches, its
-    picks with the similarity check), MeanS (13 launches), Quest (max pooling: no pooling kernel) and StreamingLLM
+    """The rerank (19 launches: the sketch's best candidates rescored), the rerank of every page (no sketch: 3
+    launches fewer per selection), MeanS (13 launches), Quest (max pooling: no pooling kernel) and StreamingLLM
     (nothing selected: no side-stream selection)."""
-    every = count_step(monkeypatch, factor=0)
+    rerank = count_step(monkeypatch, selection="rerank")
+    assert rerank["select"] == RERANK and rerank["recall"] == {**RERANK, "_offload_pages_kernel": 1}
+    every = count_step(monkeypatch, selection="rerank", factor=0)
     assert every["select"] == EVERY_PAGE and every["recall"] == {**EVERY_PAGE, "_offload_pages_kernel": 1}
-    sketch = count_step(monkeypatch, selection="sketch")
-    one_stage = {"_sketch_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kernel": 1,
-                 "_recall_pages_kernel": 1}
-    assert sketch["select"] == one_stage and sketch["recall"] == {**one_stage, "_offload_pages_kernel": 1}
-    assert sketch["compute"]["_query_similarity_kernel"] == 1
     means = count_step(monkeypatch, selection="means")
     assert means["select"] == MEANS and means["recall"] == {**MEANS, "_offload_pages_kernel": 1}
     quest = count_step(monkeypatch, selection="quest")
