@@ -19,17 +19,24 @@ a hit needs the arena's (every layer's bytes) and token slots holding its dense 
   wrapped backend reads them) and its own suffix is staged and offloaded as any prompt's.
 
 A hit costs staging pages for its prefix until its prefill completes (once per host page, however many rows share
-it); the match keeps the pinned prefixes of one batch within one context's worth of staging (the memory plan's share of the chunked prompt in flight), cutting a hit
-short rather than overrunning staging.
+it); the match keeps the pinned prefixes of one batch within one context's worth of staging (the memory plan's share
+of the chunked prompt in flight). A hit that does not fit while that room is held (by the batch's other hits, by hits
+or a prompt still in prefill) is deferred: the scheduler does not admit it this round (patches/prefill_adder_add_one_req)
+and matches it again later, instead of admitting it cut short and prefilling the rest again. SGLang's scheduling
+policy also matches every waiting request to rank them (calc_priority); those matches see the radix tree only
+(patches/schedule_policy_calc_priority), so they neither pin arena pages nor take staging room from the requests the
+scheduler admits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 # Owner ids of pins taken at match time, apart from the engine's own counter (both are kvstore request ids).
 PIN_OWNER_BASE = 1 << 40
+# A hit waits for staging room at most this long (from its first deferral), then is admitted cut: the room frees as
+# prompts complete (a 128K prompt prefills in well under this), so only a stuck prefill reaches it.
+DEFER_LIMIT_S = 30.0
 
 
 class _Hit(list):
@@ -91,6 +101,17 @@ class PrefixSharing:
         self._slot_prefix: dict[int, list[int]] = {}
         self.hits = self.hit_tokens = self.exported_pages = self.export_failures = 0
         self.cut_matches = self.cut_pages = 0  # matches pinned short of the arena's hit for lack of staging room
+        self.deferred_matches = 0  # matches that waited for staging room instead
+        self.ranking = False  # inside the scheduling policy's ranking of the waiting queue (tree matches only)
+
+    @contextlib.contextmanager
+    def ranking_pass(self) -> Iterator[None]:
+        """The scheduling policy ranks every waiting request by its match: no pins, no staging room taken."""
+        self.ranking = True
+        try:
+            yield
+        finally:
+            self.ranking = False
 
     # ---- scheduler side ----------------------------------------------------------------------
 
@@ -102,6 +123,7 @@ class PrefixSharing:
         """Pin for req the arena's longest retained prefix of token_ids[:max_tokens] (page-aligned) and return its
         length in tokens (0: prefill from scratch)."""
         self.drop_pin(req)
+        req.__dict__.pop("_freekv_defer", None)
         p = self.page_size
         keys = self.keys(token_ids[:max_tokens // p * p], getattr(req, "extra_key", None))
         hit = self._lookup(keys)
@@ -113,6 +135,13 @@ class PrefixSharing:
             if room < 0:
                 break
             fits += 1
+        if fits < len(hit) and self._room_will_grow():  # wait for it rather than prefill the rest again
+            since = req.__dict__.setdefault("_freekv_deferred_since", time.monotonic())
+            if time.monotonic() - since < DEFER_LIMIT_S:
+                self.backend.host.free(hit.owner)
+                self.deferred_matches += 1
+                req._freekv_defer = True
+                return 0
         if fits < len(hit):  # pin only what fits, so the pool counts exactly the request's pages
             self.cut_matches += 1
             self.cut_pages += len(hit) - fits
@@ -142,6 +171,16 @@ class PrefixSharing:
         # Set operations on the key views (in C): every waiting request is matched each scheduling round.
         need = len(self._pending_hp.keys() - self._staged.keys() - self._inflight.keys())
         return staging.free_pages - keep - need
+
+    def _room_will_grow(self) -> bool:
+        """Staging room is held by this batch's other hits or by prompts in prefill (hits or not): it frees as they
+        complete. Otherwise the room is all there will be: a hit longer than it is cut."""
+        staging = self.backend.staging
+        return bool(self._pending_hp) or staging.free_pages < staging.num_pages
+
+    def deferred(self, req: Any) -> bool:
+        """Whether req's last match waited for staging room (the scheduler then leaves it waiting this round)."""
+        return bool(req.__dict__.pop("_freekv_defer", False))
 
     def drop_pin(self, req: Any) -> None:
         pin = req.__dict__.pop("_freekv_prefix_pin", None)

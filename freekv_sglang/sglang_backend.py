@@ -366,9 +366,9 @@ class FreeKVAttnBackend(AttentionBackend):
                     min(rates), max(rates), st["recall_bytes_now"] / 1e9, st["recall_bytes_speculative"] / 1e9)
         if self.radix is not None:
             r = self.radix
-            logger.info("FreeKV rank %d radix: %d hits (%d tokens), %d pages exported, %d exports failed, %d matches cut "
-                        "to the staging room (%d pages short)", self.rank, r.hits, r.hit_tokens, r.exported_pages,
-                        r.export_failures, r.cut_matches, r.cut_pages)
+            logger.info("FreeKV rank %d radix: %d hits (%d tokens), %d pages exported, %d exports failed, %d matches "
+                        "deferred for staging room, %d cut to it (%d pages short)", self.rank, r.hits, r.hit_tokens,
+                        r.exported_pages, r.export_failures, r.deferred_matches, r.cut_matches, r.cut_pages)
         if self._metrics is not None:
             eng, host = self.engine, self.engine.host
             active = sum(1 for slot in range(eng.num_slots) if eng.is_active(slot))

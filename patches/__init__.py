@@ -32,6 +32,8 @@ _SEAM_MODULES = (
     "scheduler_metrics_collector",
     "scheduler_update_running_batch",
     "scheduler_get_new_batch_prefill",
+    "schedule_policy_calc_priority",
+    "prefill_adder_add_one_req",
     "kv_pool_config",
     "kv_pool_build",
     "tree_cache_create",

@@ -39,7 +39,7 @@ def radix_cache_class() -> type:
         def match_prefix(self, params: MatchPrefixParams):
             result = super().match_prefix(params)
             matched = len(result.device_indices)
-            if params.req is None or self.disable:
+            if params.req is None or self.disable or sharing().ranking:
                 return result
             token_ids, p = params.key.token_ids, self.page_size
             tokens = sharing().match(params.req, token_ids, len(params.key) // p * p)

@@ -25,7 +25,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from freekv_kvstore import start_embedded
 from freekv_sglang.server_args import FreeKVServerSettings
-from freekv_sglang import sglang_backend
+from freekv_sglang import radix, sglang_backend
 from freekv_sglang.sglang_backend import FreeKVAttnBackend, on_request_freed
 
 SIZE = 6
@@ -348,7 +348,55 @@ def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon, caplog):
     backend.radix.release_unadmitted(None)
     with caplog.at_level("INFO", logger="freekv_sglang.sglang_backend"):
         backend._log_stats()
-    assert "1 matches cut to the staging room (3 pages short)" in caplog.text
+    assert "0 matches deferred for staging room, 1 cut to it (3 pages short)" in caplog.text
+
+
+def test_ranking_pins_nothing_and_a_hit_short_of_held_room_waits(daemon):
+    # The policy's ranking matches every waiting request: tree matches only, no pins. At admission a hit that does
+    # not fit the room another admitted hit holds is deferred (the adder seam closes the batch), not cut.
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from freekv_patches import prefill_adder_add_one_req as adder_seam
+    from freekv_patches import schedule_policy_calc_priority as rank_seam
+
+    backend, runner = make_backend(daemon, port=30004)
+    cache = make_cache(runner)
+    first, second = list(range(5000, 5100)), list(range(6000, 6100))
+    for rid, tokens in (("a", first), ("b", second)):
+        req = Request(runner, 1, len(tokens))
+        run_prefill(backend, [req], 1000)
+        finish(cache, backend, runner, req, sglang_req(rid, tokens))
+        backend._apply_frees()
+    x, y = sglang_req("x", first[:80] + [1]), sglang_req("y", second[:80] + [1])
+    ranked = rank_seam.hook(lambda self, queue, running: [len(match(cache, r).device_indices) for r in queue],
+                            None, [x, y])
+    assert ranked == [5 * P, 5 * P]  # the tree's matches
+    assert not hasattr(x, "_freekv_prefix_pin") and not hasattr(y, "_freekv_prefix_pin")
+    assert arena_pages(backend)[0] == 0 and not backend.radix.ranking
+    # Admission: x pins 5 pages; with room for 7, y's 5 new pages do not fit beside them: y waits.
+    room = backend.radix._stage_room
+    backend.radix._stage_room = lambda: 7 - len(backend.radix._pending_hp)
+    assert len(match(cache, x).device_indices) == 5 * P
+    admitted = adder_seam.hook(lambda self, req, chunked, align: AddReqResult.CONTINUE, None, x, False, None)
+    assert admitted == AddReqResult.CONTINUE
+    assert len(match(cache, y).device_indices) == 0 and not hasattr(y, "_freekv_prefix_pin")
+    assert adder_seam.hook(lambda *a: AddReqResult.CONTINUE, None, y, False, None) == AddReqResult.OTHER
+    assert (backend.radix.deferred_matches, backend.radix.cut_matches) == (1, 0)
+    assert arena_pages(backend)[0] == 5  # x's pin only
+    # Waiting is bounded: past DEFER_LIMIT_S from its first deferral the hit is admitted cut to the room.
+    y._freekv_deferred_since -= radix.DEFER_LIMIT_S
+    assert len(match(cache, y).device_indices) == 2 * P and y._freekv_prefix_pin.tokens == 2 * P
+    assert adder_seam.hook(lambda *a: AddReqResult.CONTINUE, None, y, False, None) == AddReqResult.CONTINUE
+    assert (backend.radix.deferred_matches, backend.radix.cut_matches) == (1, 1)
+    backend.radix.drop_pin(y)
+    del y._freekv_deferred_since
+    # Next round, x's prefill done and its pin gone: y fits whole.
+    backend.radix.release_unadmitted(None)
+    backend.radix._stage_room = room
+    assert len(match(cache, y).device_indices) == 5 * P
+    assert adder_seam.hook(lambda *a: AddReqResult.CONTINUE, None, y, False, None) == AddReqResult.CONTINUE
+    backend.radix.release_unadmitted(None)
+    assert arena_pages(backend)[0] == 0
 
 
 def test_the_scheduler_seam_keeps_the_pins_of_the_batch_it_built(daemon):
