@@ -210,8 +210,9 @@ def make_selector(cfg: FreeKVConfig, engine) -> Selector:
 
 
 def picks_bytes_per_slot(cfg: FreeKVConfig, num_kv_heads: int, group: int, head_dim: int) -> int:
-    """GPU bytes of the rerank's sketch picks per request slot and sparse layer (Rerank.picks)."""
-    if cfg.selection not in CODE_SELECTIONS or (cfg.selection == "rerank" and not cfg.rerank_factor):
+    """GPU bytes of the sketch's picks per request slot and sparse layer (Rerank.picks; LouisKV has none)."""
+    if cfg.retrieval != "freekv" or cfg.selection not in CODE_SELECTIONS or \
+            (cfg.selection == "rerank" and not cfg.rerank_factor):
         return 0
     nb, gp = cfg.sketch_bytes(head_dim), 1 << (group - 1).bit_length()
     return num_kv_heads * (nb * 4 + gp * nb * PER_BYTE * 4)
