@@ -3,7 +3,7 @@ and how concentrated attention is, per sparse layer, for each selection. These a
 keys of benchmarks/engine_decode.py (--keys structured, benchmarks/realistic_churn.py) are fitted to.
 
     python3 benchmarks/churn.py --text ../shared/papers/freekv-iclr.txt --context 3000 --new 64 \
-        --selections rerank,means --out results/churn-smollm2.json
+        --selections sketch,rerank,means --out results/churn-smollm2.json
 
 The prompt is the first --context tokens of a text file, then "In short, this paper" and greedy generation. The first
 --warm decode steps fill the selection slots and are not counted; over the next --new steps, per sparse layer (the
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=3000)
     ap.add_argument("--new", type=int, default=64, help="measured decode steps")
     ap.add_argument("--warm", type=int, default=2, help="decode steps before them (the slots' first fill)")
-    ap.add_argument("--selections", default="rerank,means")
+    ap.add_argument("--selections", default="sketch,rerank,means")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--sink", type=int, default=32)
     ap.add_argument("--window", type=int, default=64)

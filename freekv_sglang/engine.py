@@ -12,8 +12,8 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            (a new request, a context still shorter than the budget); record E_q; write_kv (the new
            K/V, overlapping the selection: a sink or window page, never a slot page)
   select:  wait E_q; for the heads that select now (the other heads' programs exit at once):
-           the selector's scoring with q_i (selectors.py; rerank: rerank_pages, MeanS: score_pages, two
-           launches each), select_slots (top-k, delta
+           the selector's scoring with q_i (selectors.py; sketch: sketch_pages, MeanS: score_pages, two
+           launches each; rerank five), select_slots (top-k, delta
            against the resident slots, commit, recall codes), recall_pages of the changed slots of
            flagged heads and the empty slots being filled; record E_now
   compute: wait E_now; attention over sink | slots | window (an outside kernel: head_token_index,
