@@ -121,7 +121,7 @@ class PrefixSharing:
 
     def match(self, req: Any, token_ids: Sequence[int], max_tokens: int) -> int:
         """Pin for req the arena's longest retained prefix of token_ids[:max_tokens] (page-aligned) and return its
-        length in tokens (0: prefill from scratch)."""
+        length in tokens (0: prefill from scratch, or wait: see deferred)."""
         self.drop_pin(req)
         req.__dict__.pop("_freekv_defer", None)
         p = self.page_size
@@ -142,6 +142,7 @@ class PrefixSharing:
                 self.deferred_matches += 1
                 req._freekv_defer = True
                 return 0
+        req.__dict__.pop("_freekv_deferred_since", None)
         if fits < len(hit):  # pin only what fits, so the pool counts exactly the request's pages
             self.cut_matches += 1
             self.cut_pages += len(hit) - fits
