@@ -328,13 +328,26 @@ class PrefixSharing:
         self.backend.staging.release(slot, keep)
 
 
-def fill_prefix_staging(engine: Any, pool: Any, layer: int, fill: list[tuple[int, int]]) -> None:
-    """Copy one sparse layer's K/V of host pages into staging pages of SGLang's pool: fill is [(staging, host)]."""
+def prefix_fill_index(engine: Any, fill: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The device indices of fill [(staging page, host page)]: (host pages int32, the staging pages' token rows),
+    built once per batch for every layer's fill_prefix_staging (a list made a tensor per layer would make every layer
+    of a hit's prefill wait for the GPU: a blocking host-to-device copy)."""
     if not fill:
+        return None
+    pairs = torch.tensor(fill, dtype=torch.int64)  # [n, 2]
+    on_gpu = torch.device(engine.device).type == "cuda"
+    pairs = (pairs.pin_memory() if on_gpu else pairs).to(engine.device, non_blocking=on_gpu)
+    p = engine.cfg.page_size
+    return pairs[:, 1].to(torch.int32), (pairs[:, 0, None] * p + torch.arange(p, device=engine.device)).flatten()
+
+
+def fill_prefix_staging(engine: Any, pool: Any, layer: int, index: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Copy one sparse layer's K/V of host pages into staging pages of SGLang's pool (index: prefix_fill_index)."""
+    if index is None:
         return
-    host = torch.tensor([hp for _, hp in fill], dtype=torch.int32, device=engine.device)
+    host, rows = index
     engine.ops.pages_from_host(engine.host.arena[:, layer], host, pool.get_key_buffer(layer),
-                               pool.get_value_buffer(layer), engine.page_rows([page for page, _ in fill]))
+                               pool.get_value_buffer(layer), rows)
 
 
 def active_sharing() -> PrefixSharing | None:

@@ -37,7 +37,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from . import metrics
 from .engine import FreeKVEngine, ModelShape
 from .kvstore_pool import HostPagesUnavailable, KVStoreHostPool, stable_client_id
-from .radix import PrefixSharing, fill_prefix_staging, namespace_of
+from .radix import PrefixSharing, fill_prefix_staging, namespace_of, prefix_fill_index
 from .server_args import host_page_bytes, host_page_capacity
 
 logger = logging.getLogger(__name__)
@@ -149,6 +149,7 @@ class FreeKVAttnBackend(AttentionBackend):
         self._translated = False
         self._staged_loc = None  # this extend batch's out_cache_loc in staging rows (_extend_from_pool)
         self._prefix_fill: list[tuple[int, int]] = []  # (staging page, host page) of hit prefixes to fill per layer
+        self._prefix_index: tuple[torch.Tensor, torch.Tensor] | None = None  # their device indices (prefix_fill_index)
         self._steps = 0
         self._metrics = metrics.engine_metrics()  # None unless SGLang exports this scheduler's metrics
         if self._metrics is not None:
@@ -219,6 +220,7 @@ class FreeKVAttnBackend(AttentionBackend):
         retrieval (LouisKV) offloads it then, from staging."""
         self._apply_frees()
         self._extend, self._translated, self._prefix_fill, self._staged_loc = None, False, [], None
+        self._prefix_index = None
         slots, raw_bs, done = fb._freekv_req_slots_cpu, fb._freekv_raw_bs, fb._freekv_prefill_done_cpu
         if slots is None or raw_bs is None:
             raise RuntimeError("FreeKV needs the extend batch's request slots on the host; the freekv_patches hooks "
@@ -283,6 +285,7 @@ class FreeKVAttnBackend(AttentionBackend):
                         lists["res_dst"].append(eng.layout.resident_page(slot, j))
         dev = eng.device
         t = {k: torch.tensor(v, dtype=torch.int32).to(dev, non_blocking=True) for k, v in lists.items()}
+        self._prefix_index = prefix_fill_index(eng, self._prefix_fill)
         if lists["map_slot"]:
             locs = self.req_pool.req_to_token[t["map_slot"].long(), t["map_col"].long()]
             self.pool.page_map[(locs // p).long()] = t["map_page"]
@@ -414,7 +417,7 @@ class FreeKVAttnBackend(AttentionBackend):
         if not self._translated:
             self._translate_prefix_indices(forward_batch)
             self._translated = True
-        fill_prefix_staging(self.engine, self.pool, lid, self._prefix_fill)
+        fill_prefix_staging(self.engine, self.pool, lid, self._prefix_index)
         if self._reads_chunk_from_pool():
             o = self._extend_from_pool(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         else:
