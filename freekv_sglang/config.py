@@ -185,6 +185,13 @@ class FreeKVConfig:
     def rerank_pages(self) -> int:
         return self.select_pages * self.rerank_factor
 
+    @property
+    def sketches(self) -> bool:
+        """Whether selection runs the sketch over every candidate page (its byte picks made with the similarity
+        check): the sketch selection, and the rerank unless rerank_factor 0 rescores every page instead."""
+        return self.retrieval == "freekv" and (self.selection == "sketch" or
+                                               (self.selection == "rerank" and self.rerank_factor > 0))
+
     def sketch_bytes(self, head_dim: int) -> int:
         """Code bytes (4 channels each) the sketch reads per KV head for a model of this head dim."""
         return (self.sketch_channels or min(DEFAULT_SKETCH_CHANNELS, head_dim)) // 4

@@ -433,9 +433,11 @@ class FreeKVEngine:
                                      self.v_cache[layer].view(-1, H, D), rows)
 
     def page_rows(self, pages) -> torch.Tensor:
-        """The token rows [len(pages) * page_size] of whole pages of a paged [T, H, D] cache, on the engine's device."""
+        """The token rows [len(pages) * page_size] of whole pages of a paged [T, H, D] cache, on the engine's device
+        (pages: a sequence, or an int64 tensor already there)."""
         p = self.cfg.page_size
-        first = torch.tensor([int(x) for x in pages], dtype=torch.int64, device=self.device)
+        first = pages if isinstance(pages, torch.Tensor) else \
+            torch.tensor([int(x) for x in pages], dtype=torch.int64, device=self.device)
         return (first[:, None] * p + torch.arange(p, device=self.device)).flatten()
 
     def load_prefix_summaries(self, host_pages: list[int]) -> None:

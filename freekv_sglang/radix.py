@@ -337,8 +337,7 @@ def prefix_fill_index(engine: Any, fill: list[tuple[int, int]]) -> tuple[torch.T
     pairs = torch.tensor(fill, dtype=torch.int64)  # [n, 2]
     on_gpu = torch.device(engine.device).type == "cuda"
     pairs = (pairs.pin_memory() if on_gpu else pairs).to(engine.device, non_blocking=on_gpu)
-    p = engine.cfg.page_size
-    return pairs[:, 1].to(torch.int32), (pairs[:, 0, None] * p + torch.arange(p, device=engine.device)).flatten()
+    return pairs[:, 1].to(torch.int32), engine.page_rows(pairs[:, 0])
 
 
 def fill_prefix_staging(engine: Any, pool: Any, layer: int, index: tuple[torch.Tensor, torch.Tensor] | None) -> None:

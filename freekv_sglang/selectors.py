@@ -89,11 +89,6 @@ class Rerank(Selector):
 
     name = "rerank"
 
-    @property
-    def sketches(self) -> bool:
-        """Whether a sketch over every candidate page runs (rerank_factor 0 rescores them all instead)."""
-        return bool(self.engine.cfg.rerank_factor)
-
     def __init__(self, engine):
         super().__init__(engine)
         e = engine
@@ -102,7 +97,7 @@ class Rerank(Selector):
         self._codes = [None if dense else empty_codes(num_host, H, p, D, e.device) for dense in e.dense]
         # The sketch's picks by request slot, written with the query by the similarity check (one computation for
         # both phases; per layer, since a layer's speculative selection runs beside the next layers' triggers).
-        nb = e.cfg.sketch_bytes(D) if self.sketches else 0
+        nb = e.cfg.sketch_bytes(D) if e.cfg.sketches else 0
         gp = 1 << (e.shape.group - 1).bit_length()
         picks = [not dense and nb > 0 for dense in e.dense]
         self._sel = [torch.zeros(e.num_slots, H, nb, dtype=torch.int32, device=e.device) if on else None
@@ -137,10 +132,6 @@ class Sketch(Rerank):
     sketch_channels channels the group's query weighs most, as attention mass (the same pooling), no rescoring."""
 
     name = "sketch"
-
-    @property
-    def sketches(self) -> bool:
-        return True
 
     def score(self, plan, layer, q, heads, phase):
         return self._sketch(plan, layer, q, heads, phase)
@@ -211,8 +202,7 @@ def make_selector(cfg: FreeKVConfig, engine) -> Selector:
 
 def picks_bytes_per_slot(cfg: FreeKVConfig, num_kv_heads: int, group: int, head_dim: int) -> int:
     """GPU bytes of the sketch's picks per request slot and sparse layer (Rerank.picks; LouisKV has none)."""
-    if cfg.retrieval != "freekv" or cfg.selection not in CODE_SELECTIONS or \
-            (cfg.selection == "rerank" and not cfg.rerank_factor):
+    if not cfg.sketches:
         return 0
     nb, gp = cfg.sketch_bytes(head_dim), 1 << (group - 1).bit_length()
     return num_kv_heads * (nb * 4 + gp * nb * PER_BYTE * 4)

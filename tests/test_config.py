@@ -146,6 +146,10 @@ def test_selection_knobs():
     assert FreeKVConfig().selection == "sketch" and FreeKVConfig().rerank_factor == 2  # rerank: the sketch's best 2k
     assert FreeKVConfig().sketch_bytes(128) == 8 and FreeKVConfig().sketch_bytes(16) == 4  # min(32, head dim) / 4
     assert FreeKVConfig(sketch_channels=16).sketch_bytes(128) == 4
+    # Which selections run the sketch (and so hold its picks): the sketch, the rerank of candidates, not rerank/0.
+    assert FreeKVConfig().sketches and FreeKVConfig(selection="rerank").sketches
+    assert not FreeKVConfig(selection="rerank", rerank_factor=0).sketches and not FreeKVConfig(selection="means").sketches
+    assert not FreeKVConfig(retrieval="louiskv").sketches
     assert FreeKVConfig(rerank_factor=4).rerank_pages == 4 * FreeKVConfig().select_pages
     with pytest.raises(ValueError, match="selection must be one of"):
         FreeKVConfig(selection="topk")
