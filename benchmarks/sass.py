@@ -86,7 +86,7 @@ def capture() -> None:
 
     torch.manual_seed(0)
     L, HQ, H, D, B, ctx = 3, 32, 8, 128, 2, 4096
-    for selection in ("rerank", "means"):
+    for selection in ("sketch", "rerank", "means"):
         cfg = FreeKVConfig(budget=2048, sink=128, window=512, page_size=32, selection=selection)
         eng = FreeKVEngine(cfg, ModelShape(L, HQ, H, D), max_requests=B, max_context=ctx + 64,
                            dtype=torch.bfloat16, device="cpu", backend="triton")

@@ -102,7 +102,7 @@ class Rerank(Selector):
         picks = [not dense and nb > 0 for dense in e.dense]
         self._sel = [torch.zeros(e.num_slots, H, nb, dtype=torch.int32, device=e.device) if on else None
                      for on in picks]
-        self._qp = [torch.zeros(e.num_slots, H, gp, nb * PER_BYTE, dtype=torch.float32, device=e.device) if on
+        self._qp = [torch.zeros(e.num_slots, H, nb * PER_BYTE, gp, dtype=torch.float32, device=e.device) if on
                     else None for on in picks]
 
     def picks(self, layer):

@@ -54,15 +54,16 @@ def sketch_bytes(q: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 def naive_sketch_picks(q: torch.Tensor, group: int, nbytes: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The sketch's picks of queries q [B, Hq, D]: sel [B, H, nbytes] int32 (sketch_bytes per KV head) and
-    qp [B, H, GP, 4 * nbytes] fp32, the scaled query of head g of the group on channel 4 sel[r] + i at 4 r + i,
-    rounded to fp16 (0 for the padding heads g >= G, GP = the next power of 2)."""
+    qp [B, H, 4 * nbytes, GP] fp32, the scaled query of head g of the group on channel 4 sel[r] + i at [4 r + i, g],
+    rounded to fp16 (0 for the padding heads g >= G, GP = the next power of 2; channel-major so that a channel's
+    heads are one vector load)."""
     B, Hq, D = q.shape
     H, GP = Hq // group, 1 << (group - 1).bit_length()
     qh = q.float().view(B, H, group, D)
     sel = torch.stack([sketch_bytes(qh[b], nbytes) for b in range(B)]).int()  # [B, H, nbytes]
     ch = (sel.long()[..., None] * PER_BYTE + torch.arange(PER_BYTE, device=q.device)).flatten(-2)  # [B, H, 4 nb]
-    qp = torch.zeros(B, H, GP, ch.shape[-1], dtype=torch.float32, device=q.device)
-    qp[:, :, :group] = (qh.gather(-1, ch[:, :, None, :].expand(-1, -1, group, -1)) * scale).half().float()
+    qp = torch.zeros(B, H, ch.shape[-1], GP, dtype=torch.float32, device=q.device)
+    qp[..., :group] = (qh.gather(-1, ch[:, :, None, :].expand(-1, -1, group, -1)) * scale).half().float().transpose(2, 3)
     return sel, qp
 
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .._alloc import empty
-from .._utils import check_device, check_index_vectors
+from .._utils import check_device, check_index_vectors, sm_count
 from ..page_select.triton import (
     _NEG_INF_KEY,
     TOPK_CHUNK,
@@ -165,7 +165,7 @@ def _rerank_shift(acc, byte, summ, ss_mm, j_ok, q, i: tl.constexpr, LEVELS: tl.c
 @triton.jit
 def _sketch_picks_kernel(
     q_ptr, slots_ptr, heads_ptr, sel_ptr, qp_ptr, scale,
-    sq_b, sq_h, sq_d, s_slot, sh_b, sh_h, ssel_b, ssel_h, sqp_b, sqp_h, sqp_g,
+    sq_b, sq_h, sq_d, s_slot, sh_b, sh_h, ssel_b, ssel_h, sqp_b, sqp_h, sqp_c,
     G: tl.constexpr, GP: tl.constexpr, KB: tl.constexpr, NB: tl.constexpr, HEADS: tl.constexpr,
     WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr, PER_BYTE: tl.constexpr,
 ):
@@ -193,7 +193,7 @@ def _sketch_picks_kernel(
         qv = tl.load(q_row + g[:, None] * sq_h + (PER_BYTE * best + i4[None, :]) * sq_d, mask=(g < G)[:, None],
                      other=0.0)
         qv = (qv.to(tl.float32) * scale).to(tl.float16).to(tl.float32)
-        tl.store(qp_ptr + b * sqp_b + h * sqp_h + g[:, None] * sqp_g + PER_BYTE * r + i4[None, :], qv)
+        tl.store(qp_ptr + b * sqp_b + h * sqp_h + g[:, None] + (PER_BYTE * r + i4[None, :]) * sqp_c, qv)
 
 
 @triton.jit
@@ -205,20 +205,21 @@ def _sketch_lse_kernel(
     sw_p, sw_h, sw_j, sw_w,
     spt_r, spt_m, s_slot, s_cend,
     sh_b, sh_h,
-    ssel_b, ssel_h, sqp_b, sqp_h, sqp_g,
+    ssel_b, ssel_h, sqp_b, sqp_h, sqp_c,
     sl_b, sl_h, sl_c,
     G: tl.constexpr, GP: tl.constexpr, LOG_GP: tl.constexpr, GD: tl.constexpr, D: tl.constexpr,
-    NB: tl.constexpr, PAGE: tl.constexpr, NP: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
-    Q_BY_SLOT: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
-    PICKS_BY_SLOT: tl.constexpr,
+    NB: tl.constexpr, PAGE: tl.constexpr, NP: tl.constexpr, SUB: tl.constexpr,
+    HEADS: tl.constexpr, WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr,
+    PER_BYTE: tl.constexpr, PICKS_BY_SLOT: tl.constexpr,
 ):
     """lse[b, h, c, g] of the first stage for NP pages. Every channel counts at its page's mid-range, the picked
     code bytes (_sketch_picks_kernel's by row, or query_similarity's by request slot) refine their channels to the
     decoded keys: logit = q . mid + sum over the picked channels of q * step * (code - 1.5). The mid-range term is
-    a tensor-core product over all D channels; the refinement is plain FMAs with a page's tokens in the registers of
-    one or two threads (a picked byte's row of a page is PAGE / 4 contiguous words of 4 tokens), so the sum over
-    channels and most of the log-sum-exp over tokens stay in registers, and nothing but the log-sum-exp's last step
-    waits on another thread."""
+    a tensor-core product over all D channels; the refinement is plain FMAs with a page's tokens in the registers of one or
+    two threads (a picked byte's row of a page is PAGE / 4 contiguous words of 4 tokens), so the sum over channels
+    and most of the log-sum-exp over tokens stay in registers, and nothing but the log-sum-exp's last step waits on
+    another thread. SUB > 1: the mid-range term for SUB * NP pages (a 16-row product tile per warp instead of every
+    warp computing the same 16 rows), parked in lse, then the refinement of NP pages at a time."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
@@ -226,21 +227,58 @@ def _sketch_lse_kernel(
             return
     slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
     q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
+    pr = slot if PICKS_BY_SLOT else b
+    sel_row = sel_ptr + pr * ssel_b + h * ssel_h
     end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
-    c = tl.program_id(2) * NP + tl.arange(0, NP)
+    g = tl.arange(0, GP)
+    # Mid-range term: [SUB NP, D] x [D, GD] twice (query heads in the first G columns, GD >= 16 for the product).
+    c = tl.program_id(2) * (SUB * NP) + tl.arange(0, SUB * NP)
+    ok = cand_start + c < end
+    page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
+    summ = summ_ptr + page * ss_p + h * ss_h
+    col = tl.arange(0, GD)
+    base_all = tl.zeros([SUB * NP, GD], tl.float32)
+    KC: tl.constexpr = D // SUB  # channels per product step: the loaded tile stays [16 rows per warp, D]
+    for k0 in tl.static_range(0, D, KC):
+        d = k0 + tl.arange(0, KC)
+        q_t = tl.load(q_row + col[None, :] * sq_h + d[:, None] * sq_d, mask=(col < G)[None, :], other=0.0)
+        q_t = (q_t.to(tl.float32) * scale).to(tl.float16)
+        lo = tl.load(summ[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
+        hi = tl.load(summ[:, None] + ss_mm + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
+        base_all = tl.dot(hi, q_t, tl.dot(lo, q_t, base_all))  # [SUB NP, GD]
+    base_all = base_all * 0.5
+    base = tl.sum(tl.where(col[None, None, :] == g[None, :, None], base_all[:, None, :], 0.0), axis=2)  # [.., GP]
+    lse_row = lse_ptr + b * sl_b + h * sl_h
+    qp_row = qp_ptr + pr * sqp_b + h * sqp_h + g
+    if SUB == 1:
+        _sketch_refine(lse_row, base, summ_ptr, words_ptr, pt_ptr, sel_row, qp_row, slot, h, end, C, cand_start,
+                       tl.program_id(2) * NP, ss_p, ss_h, ss_mm, sw_p, sw_h, sw_j, sw_w, spt_r, spt_m, sqp_c, sl_c,
+                       G, GP, LOG_GP, NB, PAGE, NP, SUB, LEVELS, BITS, PER_BYTE)
+    else:  # to the refinement's layout through lse (a barrier makes the block's writes visible to it)
+        tl.store(lse_row + c[:, None].to(tl.int64) * sl_c + g[None, :], base, mask=(c < C)[:, None])
+        tl.debug_barrier()
+        for sb in range(SUB):  # a runtime loop: one block's registers at a time
+            _sketch_refine(lse_row, base, summ_ptr, words_ptr, pt_ptr, sel_row, qp_row, slot, h, end, C, cand_start,
+                           tl.program_id(2) * (SUB * NP) + sb * NP, ss_p, ss_h, ss_mm, sw_p, sw_h, sw_j, sw_w, spt_r,
+                           spt_m, sqp_c, sl_c, G, GP, LOG_GP, NB, PAGE, NP, SUB, LEVELS, BITS, PER_BYTE)
+
+
+@triton.jit
+def _sketch_refine(
+    lse_row, base, summ_ptr, words_ptr, pt_ptr, sel_row, qp_row, slot, h, end, C, cand_start, c0, ss_p, ss_h, ss_mm,
+    sw_p, sw_h, sw_j, sw_w, spt_r, spt_m, sqp_c, sl_c,
+    G: tl.constexpr, GP: tl.constexpr, LOG_GP: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr,
+    NP: tl.constexpr, SUB: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+):
+    """The picked channels' refinement and the log-sum-exp of pages c0 .. c0 + NP - 1 (base: their mid-range term,
+    read back from lse when SUB > 1), written to lse."""
+    g = tl.arange(0, GP)
+    c = c0 + tl.arange(0, NP)
     ok = cand_start + c < end
     page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
     summ = summ_ptr + page * ss_p + h * ss_h  # [NP]
-    g = tl.arange(0, GP)
-    # Mid-range term: [NP, D] x [D, GD] (query heads in the first G columns, GD >= 16 for the product).
-    d = tl.arange(0, D)
-    col = tl.arange(0, GD)
-    q_t = tl.load(q_row + col[None, :] * sq_h + d[:, None] * sq_d, mask=(col < G)[None, :], other=0.0)
-    q_t = (q_t.to(tl.float32) * scale).to(tl.float16)
-    lo_all = tl.load(summ[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-    hi_all = tl.load(summ[:, None] + ss_mm + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-    base_all = (tl.dot(lo_all, q_t) + tl.dot(hi_all, q_t)) * 0.5  # [NP, GD]
-    base = tl.sum(tl.where(col[None, None, :] == g[None, :, None], base_all[:, None, :], 0.0), axis=2)  # [NP, GP]
+    if SUB > 1:
+        base = tl.load(lse_row + c[:, None].to(tl.int64) * sl_c + g[None, :], mask=(c < C)[:, None], other=0.0)
     WORDS: tl.constexpr = PAGE // 4
     word = tl.arange(0, WORDS)
     # acc_k[c, j, g]: sum over the picked channels of q * step * f, f = 1 + code / 4 of token 4 j + k.
@@ -249,42 +287,57 @@ def _sketch_lse_kernel(
     acc2 = tl.zeros([NP, WORDS, GP], tl.float32)
     acc3 = tl.zeros([NP, WORDS, GP], tl.float32)
     shift = tl.zeros([NP, GP], tl.float32)  # sum over the picked channels of q * step
-    pr = slot if PICKS_BY_SLOT else b
-    qp_row = qp_ptr + pr * sqp_b + h * sqp_h + g * sqp_g
     # 16-bit summaries: 4 gathers of 2 bytes per code byte took as long as the rest of the refinement.
     HALF: tl.constexpr = summ_ptr.dtype.element_ty.primitive_bitwidth == 16
+    BF16: tl.constexpr = summ_ptr.dtype.element_ty == tl.bfloat16
     for r in tl.static_range(NB):
-        best = tl.load(sel_ptr + pr * ssel_b + h * ssel_h + r)
+        best = tl.load(sel_row + r)
         row = tl.load(words_ptr + page[:, None] * sw_p + h * sw_h + best * sw_j + word[None, :] * sw_w,
                       mask=ok[:, None], other=0)  # [NP, WORDS]
         if HALF:  # the byte's 4 channels' lo and hi in one 8-byte load each
             lo4 = tl.load((summ + PER_BYTE * best).to(tl.pointer_type(tl.int64)), mask=ok, other=0)
             hi4 = tl.load((summ + ss_mm + PER_BYTE * best).to(tl.pointer_type(tl.int64)), mask=ok, other=0)
         for i in tl.static_range(PER_BYTE):
-            if HALF:
+            if BF16:
+                lo = _bf16(lo4, i)
+                hi = _bf16(hi4, i)
+            elif HALF:
                 lo = _half(lo4, i, summ_ptr.dtype.element_ty)
                 hi = _half(hi4, i, summ_ptr.dtype.element_ty)
             else:
                 lo = tl.load(summ + PER_BYTE * best + i, mask=ok, other=0.0).to(tl.float32)
                 hi = tl.load(summ + ss_mm + PER_BYTE * best + i, mask=ok, other=0.0).to(tl.float32)
-            step = (hi - lo) / LEVELS
-            wt = step[:, None] * tl.load(qp_row + PER_BYTE * r + i)[None, :]  # [NP, GP]
+            step = (hi - lo) * (1.0 / LEVELS)
+            wt = step[:, None] * tl.load(qp_row + (PER_BYTE * r + i) * sqp_c)[None, :]  # [NP, GP]: one vector load
             shift += wt
             acc0 += wt[:, None, :] * _code_f(row, 0 + BITS * i, GP, LOG_GP)
             acc1 += wt[:, None, :] * _code_f(row, 8 + BITS * i, GP, LOG_GP)
             acc2 += wt[:, None, :] * _code_f(row, 16 + BITS * i, GP, LOG_GP)
             acc3 += wt[:, None, :] * _code_f(row, 24 + BITS * i, GP, LOG_GP)
-    # code - 1.5 = 4 f - 5.5; exp(4 (acc - m)) as one FMA and a base-2 exponential.
-    m = tl.maximum(tl.maximum(tl.max(acc0, axis=1), tl.max(acc1, axis=1)),
-                   tl.maximum(tl.max(acc2, axis=1), tl.max(acc3, axis=1)))  # [NP, GP]
+    # code - 1.5 = 4 f - 5.5; exp(4 (acc - m)) as one FMA and a base-2 exponential, one reduction over threads each.
+    m = tl.max(tl.maximum(tl.maximum(acc0, acc1), tl.maximum(acc2, acc3)), axis=1)  # [NP, GP]
     K: tl.constexpr = 4.0 * 1.4426950408889634
     mk = (m * K)[:, None, :]
-    tot = (tl.sum(tl.exp2(acc0 * K - mk), axis=1) + tl.sum(tl.exp2(acc1 * K - mk), axis=1)
-           + tl.sum(tl.exp2(acc2 * K - mk), axis=1) + tl.sum(tl.exp2(acc3 * K - mk), axis=1))
+    tot = tl.sum(tl.exp2(acc0 * K - mk) + tl.exp2(acc1 * K - mk) + tl.exp2(acc2 * K - mk) + tl.exp2(acc3 * K - mk),
+                 axis=1)
     lse = base + 4.0 * m - 5.5 * shift + tl.log(tot)
     lse = tl.where(ok[:, None], lse, float("-inf"))
-    tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None].to(tl.int64) * sl_c + g[None, :], lse,
-             mask=(c < C)[:, None] & (g < G)[None, :])
+    tl.store(lse_row + c[:, None].to(tl.int64) * sl_c + g[None, :], lse, mask=(c < C)[:, None] & (g < G)[None, :])
+
+
+@triton.jit
+def _bf16(x, i: tl.constexpr):
+    """fp32 of the bf16 value at bits 16 i of the int64 x (little-endian: element i): its bits moved to the top half
+    of a word, one shift or mask."""
+    if i < 2:
+        w = x.to(tl.int32)
+    else:
+        w = (x >> 32).to(tl.int32)
+    if i % 2 == 0:
+        w = w << 16
+    else:
+        w = w & -65536
+    return w.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -450,6 +503,10 @@ def _pool(lse, cand_args, cand_list, heads_args, scores, C, cand_start, G) -> No
 # latency, not on issue (232 SASS instructions per page and warp, the earlier kernel's 540, took as long).
 SKETCH_TOKENS = 512
 SKETCH_WARPS = 4
+# Programs of SKETCH_SUB such blocks each share one constant-term product (a 16-row tile per warp) when the launch
+# still has this many programs per SM; fewer (one request, short contexts) keep one block per program.
+SKETCH_SUB = 4
+SKETCH_SUB_PROGRAMS_PER_SM = 4
 
 
 def sketch_pages(
@@ -466,8 +523,9 @@ def sketch_pages(
     cand_start: int = 0,
     cand_end: torch.Tensor | None = None,
     picks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    sub: int | None = None,
 ) -> torch.Tensor:
-    """See naive_sketch_pages."""
+    """See naive_sketch_pages. sub: page blocks per program (None: by the launch's size, see SKETCH_SUB)."""
     B, G, D, H, M, p = _page_inputs(q, summaries, codes, page_table, req_slots, q_by_slot)
     assert 0 < nbytes <= D // PER_BYTE and p & (p - 1) == 0 and p >= 4
     assert codes.stride(2) == 1, "the sketch reads code rows as words: a byte-major store (empty_codes)"
@@ -482,7 +540,7 @@ def sketch_pages(
     if C:
         if picks is None:
             sel = empty(B, H, nbytes, dtype=torch.int32, device=q.device)  # scratch
-            qp = empty(B, H, gp, nbytes * PER_BYTE, dtype=torch.float32, device=q.device)  # scratch
+            qp = empty(B, H, nbytes * PER_BYTE, gp, dtype=torch.float32, device=q.device)  # scratch
             _sketch_picks_kernel[(B, H)](
                 q, req_slots, heads_arg, sel, qp, scale, *q.stride(), req_slots.stride(0), *heads_strides,
                 *sel.stride()[:2], *qp.stride()[:3],
@@ -493,16 +551,21 @@ def sketch_pages(
             sel, qp = picks
             check_device(sel, qp)
             assert sel.dim() == 3 and sel.shape[1:] == (H, nbytes) and sel.dtype == torch.int32
-            assert qp.shape[1:] == (H, gp, nbytes * PER_BYTE) and qp.dtype == torch.float32 and qp.stride(3) == 1
+            assert qp.shape[1:] == (H, nbytes * PER_BYTE, gp) and qp.dtype == torch.float32 and qp.stride(3) == 1
         np_ = max(16, SKETCH_TOKENS // p)  # >= 16 pages for the mid-range product
+        if sub is None:
+            sms = sm_count(q.device.index) if q.device.type == "cuda" else 1
+            sub = SKETCH_SUB if B * H * triton.cdiv(C, SKETCH_SUB * np_) >= SKETCH_SUB_PROGRAMS_PER_SM * sms else 1
+        assert sub > 0 and sub & (sub - 1) == 0
         words = codes.transpose(2, 3).view(torch.int32)  # [P, H, D / 4, p / 4]: 4 tokens' byte per word
-        _sketch_lse_kernel[(B, H, triton.cdiv(C, np_))](
+        _sketch_lse_kernel[(B, H, triton.cdiv(C, sub * np_))](
             q, summaries, words, page_table, req_slots, cand_end, heads_arg, sel, qp, lse,
             C, cand_start, M, scale,
             *q.stride(), summaries.stride(0), summaries.stride(1), summaries.stride(2), *words.stride(),
             *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *sel.stride()[:2],
             *qp.stride()[:3], *lse.stride()[:3],
-            G=G, GP=gp, LOG_GP=gp.bit_length() - 1, GD=max(16, gp), D=D, NB=nbytes, PAGE=p, NP=np_,
+            G=G, GP=gp, LOG_GP=gp.bit_length() - 1, GD=max(16, gp), D=D, NB=nbytes,
+            PAGE=p, NP=np_, SUB=sub,
             HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, LEVELS=LEVELS, BITS=CODE_BITS, PER_BYTE=PER_BYTE,
             PICKS_BY_SLOT=picks is not None, num_warps=SKETCH_WARPS,
         )

@@ -29,7 +29,7 @@ def naive_query_similarity(
     the sum of the group-mean cosines of rows that had a previous query, and how many such (row, head).
     slots ([R, H, k] int32, a layer's slot table), n_slots ([B] int32) and heads ([B, H] bool, written) go
     together: heads[b, h] = flags[b, h] or head h of request req_slots[b] holds fewer pages than n_slots[b].
-    picks: (sel [R, H, NB] int32, qp [R, H, GP, 4 NB] fp32) receive naive_sketch_picks(q, group, NB, pick_scale)
+    picks: (sel [R, H, NB] int32, qp [R, H, 4 NB, GP] fp32) receive naive_sketch_picks(q, group, NB, pick_scale)
     at rows req_slots."""
     B, Hq, D = q.shape
     slots_idx = req_slots.long()

@@ -23,7 +23,7 @@ def _query_similarity_kernel(
     st_r, st_h, st_k,
     s_ns,
     sh_b, sh_h,
-    ssel_r, ssel_h, sqp_r, sqp_h, sqp_g,
+    ssel_r, ssel_h, sqp_r, sqp_h, sqp_c,
     G: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
     STATS: tl.constexpr, HEADS: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, PER_BYTE: tl.constexpr,
 ):
@@ -77,8 +77,8 @@ def _query_similarity_kernel(
             ch = (PER_BYTE * best[:, None, None] + i4[None, None, :]).to(tl.int64)  # [HP, 1, PER_BYTE]
             qv = tl.load(q_ptr + b * sq_b + hq_i * sq_h + ch * sq_d, mask=pmask, other=0.0)
             qv = (qv.to(tl.float32) * pick_scale).to(tl.float16).to(tl.float32)
-            tl.store(qp_ptr + slot * sqp_r + h.to(tl.int64)[:, None, None] * sqp_h + g[None, :, None] * sqp_g
-                     + PER_BYTE * r + i4[None, None, :], qv, mask=(h < H)[:, None, None])
+            tl.store(qp_ptr + slot * sqp_r + h.to(tl.int64)[:, None, None] * sqp_h + g[None, :, None]
+                     + (PER_BYTE * r + i4[None, None, :]) * sqp_c, qv, mask=(h < H)[:, None, None])
     # Other threads of this program may still be reading prev_q elements that the stores below overwrite.
     tl.debug_barrier()
     tl.store(p_ptrs, q.to(prev_ptr.dtype.element_ty), mask=mask)
@@ -122,7 +122,7 @@ def query_similarity(
         check_device(sel, qp)
         nb = sel.shape[2]
         assert sel.dim() == 3 and sel.shape[1] == H and sel.dtype == torch.int32 and 0 < nb * PER_BYTE <= D
-        assert qp.shape[1:] == (H, GP, nb * PER_BYTE) and qp.dtype == torch.float32 and qp.stride(3) == 1
+        assert qp.shape[1:] == (H, nb * PER_BYTE, GP) and qp.dtype == torch.float32 and qp.stride(3) == 1
     _query_similarity_kernel[(B,)](
         q, prev_q, req_slots, has_prev, flags, flags if stats is None else stats,
         slots if with_heads else flags, n_slots if with_heads else flags, heads if with_heads else flags,

@@ -190,15 +190,17 @@ def test_rerank_pages_full_scan_matches_reference(G, p, D, M, H, phase):
 @pytest.mark.parametrize("G,p,D,M,H,nbytes", [(1, 16, 64, 37, 2, 4), (3, 32, 128, 50, 3, 4), (4, 16, 128, 21, 2, 3),
                                               (8, 32, 64, 40, 1, 16), (8, 16, 128, 30, 2, 1)])
 @pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
-def test_sketch_pages_matches_reference(G, p, D, M, H, nbytes, phase):
+@pytest.mark.parametrize("sub", [1, 2])
+def test_sketch_pages_matches_reference(G, p, D, M, H, nbytes, phase, sub):
     """The first stage over every page in [cand_start, cand_end[b]) (all, none, one, part): the reference's scores,
-    -inf before the start; rows of heads outside the phase unwritten; every code byte (nbytes = D / 4) too."""
+    -inf before the start; rows of heads outside the phase unwritten; every code byte (nbytes = D / 4) too; one or
+    two page blocks per program (the second's constant term parked in the output)."""
     torch.manual_seed(7)
     qq, summ, codes, pt, rs, start, cand_end, heads, by_slot = full_scan_inputs(G, p, D, M, H, phase)
     ref = naive_sketch_pages(qq, summ, codes, pt, rs, 0.125, nbytes, heads, phase, by_slot, start, cand_end)
     with poisoned_outputs():
         out = sketch_pages(*[t.to(DEV) for t in (qq, summ, codes, pt, rs)], 0.125, nbytes, heads.to(DEV), phase,
-                           by_slot, start, cand_end.to(DEV)).cpu()
+                           by_slot, start, cand_end.to(DEV), sub=sub).cpu()
     mine = heads == (phase == PHASE_NOW)
     assert_close("scores", ref[mine], out[mine], atol=1e-5, rtol=1e-4)
     assert torch.isnan(out[~mine]).all()
@@ -206,6 +208,21 @@ def test_sketch_pages_matches_reference(G, p, D, M, H, nbytes, phase):
         finite = torch.isfinite(out[0, 0])
         assert finite[start:].all() and not finite[:start].any()
         assert torch.isclose(out[0, 0, start:].sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("G,p,D,nbytes", [(3, 16, 64, 4), (4, 32, 128, 8)])
+def test_sketch_pages_summary_dtypes(dtype, G, p, D, nbytes):
+    """fp16 and fp32 page summaries (the kernel reads a bf16 one's four values of a byte with shifts, an fp16 one's
+    through a conversion, an fp32 one's one by one): the reference's scores."""
+    torch.manual_seed(8)
+    qq, summ, codes, pt, rs, start, cand_end, heads, by_slot = full_scan_inputs(G, p, D, 29, 2, PHASE_NOW)
+    summ = summ.to(dtype)
+    ref = naive_sketch_pages(qq, summ, codes, pt, rs, 0.125, nbytes, heads, PHASE_NOW, by_slot, start, cand_end)
+    with poisoned_outputs():
+        out = sketch_pages(*[t.to(DEV) for t in (qq, summ, codes, pt, rs)], 0.125, nbytes, heads.to(DEV), PHASE_NOW,
+                           by_slot, start, cand_end.to(DEV)).cpu()
+    assert_close("scores", ref[heads], out[heads], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("G,p,D,M,H,nbytes", [(1, 16, 64, 37, 2, 4), (3, 32, 128, 50, 3, 4), (8, 16, 128, 30, 2, 1)])
@@ -217,7 +234,7 @@ def test_sketch_pages_with_picks_by_slot(G, p, D, M, H, nbytes, phase):
     qq, summ, codes, pt, rs, start, cand_end, heads, by_slot = full_scan_inputs(G, p, D, M, H, phase)
     gp = 1 << (G - 1).bit_length()
     sel = torch.full((R, H, nbytes), -1, dtype=torch.int32)
-    qp = torch.full((R, H, gp, 4 * nbytes), float("nan"))
+    qp = torch.full((R, H, 4 * nbytes, gp), float("nan"))
     got = naive_sketch_picks(qq[rs.long()] if by_slot else qq, G, nbytes, 0.125)
     sel[rs.long()], qp[rs.long()] = got
     ref = naive_sketch_pages(qq, summ, codes, pt, rs, 0.125, nbytes, heads, phase, by_slot, start, cand_end)

@@ -156,7 +156,7 @@ def test_sketch_picks_by_slot(G, D, nb):
     q[0, :G, 4:12] = 1.0  # the first KV head: a tie of bytes 1 and 2, then of every other byte (zeros)
     gp = 1 << (G - 1).bit_length()
     sel = torch.full((R, H, nb), -7, dtype=torch.int32, device=q.device)
-    qp = torch.full((R, H, gp, 4 * nb), float("nan"), device=q.device)
+    qp = torch.full((R, H, 4 * nb, gp), float("nan"), device=q.device)
     prev_ref, has_ref, sel_ref, qp_ref = prev_q.clone(), has_prev.clone(), sel.clone(), qp.clone()
     naive_query_similarity(q, prev_ref, req_slots, has_ref, 0.5, G, picks=(sel_ref, qp_ref), pick_scale=0.3)
     query_similarity(q, prev_q, req_slots, has_prev, 0.5, G, picks=(sel, qp), pick_scale=0.3)
@@ -167,5 +167,5 @@ def test_sketch_picks_by_slot(G, D, nb):
     others = torch.ones(R, dtype=torch.bool)
     others[mine.cpu()] = False
     assert (sel[others] == -7).all() and qp[others].isnan().all()
-    assert not qp[mine][:, :, G:].any()
+    assert not qp[mine][..., G:].any()
     assert sel[mine[0], 0].tolist() == [1, 2, 0, *range(3, nb)][:nb]  # ties: the lower byte first
