@@ -53,13 +53,22 @@ class Oracle:
         return sink, window, cands, p
 
     def select(self, q, cands, p):
-        """The top-k pages by the configured selection: MeanS, Quest, or the pages scored with decoded 2-bit key
-        codes (log-sum-exp per query head, softmax over them, group mean): all, or the best rerank_factor * k of
-        the same scores with mid-range keys but on the sketch's channels (the group's largest |q| code bytes);
-        or (sketch) those sketch scores alone."""
-        k, how = self.cfg.select_pages, self.cfg.selection
+        """The top-k pages of scores(), per head."""
+        k = self.cfg.select_pages
+        sel = []
+        for score in self.scores(q, cands, p):
+            top = torch.topk(score, min(k, len(cands))).indices.tolist()
+            sel.append([cands[i] for i in top if score[i] > float("-inf")])
+        return sel
+
+    def scores(self, q, cands, p):
+        """Per head, the candidates' scores by the configured selection: MeanS, Quest, or the pages scored with
+        decoded 2-bit key codes (log-sum-exp per query head, softmax over them, group mean): all, or the best
+        rerank_factor * k of the same scores with mid-range keys but on the sketch's channels (the group's largest
+        |q| code bytes); or (sketch) those sketch scores alone."""
+        how = self.cfg.selection
         if not cands:
-            return [[] for _ in range(self.H)]
+            return [torch.empty(0, dtype=torch.float64) for _ in range(self.H)]
         kp = torch.stack([self.K[j * p:(j + 1) * p] for j in cands])  # [C, p, H, D]
         kmin, kmax = kp.amin(1).double(), kp.amax(1).double()  # [C, H, D]
 
@@ -69,7 +78,7 @@ class Oracle:
             score[top] = torch.softmax(lse, dim=-1).mean(0)
             return score
 
-        sel = []
+        out = []
         for h in range(self.H):
             qs = q[h * self.G:(h + 1) * self.G].double()  # [G, D]
             s = torch.maximum(qs[:, None] * kmin[None, :, h], qs[:, None] * kmax[None, :, h]).sum(-1) / math.sqrt(D)
@@ -86,9 +95,8 @@ class Oracle:
                     sketch = code_mass(qs, mixed, top)
                     top = torch.topk(sketch, min(self.cfg.rerank_pages, len(cands))).indices
                 score = sketch if how == "sketch" else code_mass(qs, keys, top)
-            top = torch.topk(score, min(k, len(cands))).indices.tolist()
-            sel.append([cands[i] for i in top if score[i] > float("-inf")])
-        return sel
+            out.append(score)
+        return out
 
     def flags(self, q):
         if self.tau >= 1 or self.prev_q is None:
@@ -208,7 +216,10 @@ def test_speculation_and_correction_match_oracle(tau):
 
 @pytest.mark.parametrize("selection", ["rerank", "sketch", "means"])
 def test_tau_one_selects_with_current_query(selection):
-    """tau=1: after every step the slots of each head hold exactly the top-k of the current query."""
+    """tau=1: after every step the slots of each head hold the top-k of the current query: the reference's, up to
+    pages whose reference scores lie within 1% of each other (the kernels score from fp16-rounded keys and query,
+    the reference in float64: random pages a few 1e-4 apart can swap places)."""
+    torch.manual_seed(11)
     cfg = FreeKVConfig(budget=48, sink=16, window=32, page_size=16, tau=1.0, dense_layers=0, selection=selection)
     eng = make_engine(cfg, H=2, G=4, L=1)
     slot = eng.add_request()
@@ -227,8 +238,12 @@ def test_tau_one_selects_with_current_query(selection):
         _, _, cands, p = o.pages(o.K.shape[0])
         want = o.select(q[0], cands, p)
         got = eng.slot_table[0, slot]
-        for h in range(2):
-            assert sorted(got[h].tolist()) == sorted(want[h])
+        for h, score in enumerate(o.scores(q[0], cands, p)):
+            held = set(got[h].tolist()) - {-1}
+            assert len(held) == len(want[h])
+            chosen = torch.tensor([i in held for i in cands])
+            if not chosen.all():
+                assert score[chosen].min() >= score[~chosen].max() * (1 - 1e-2), (sorted(held), sorted(want[h]))
 
 
 def test_batch_equals_each_request_alone():
