@@ -63,7 +63,8 @@ def naive_sketch_picks(q: torch.Tensor, group: int, nbytes: int, scale: float) -
     sel = torch.stack([sketch_bytes(qh[b], nbytes) for b in range(B)]).int()  # [B, H, nbytes]
     ch = (sel.long()[..., None] * PER_BYTE + torch.arange(PER_BYTE, device=q.device)).flatten(-2)  # [B, H, 4 nb]
     qp = torch.zeros(B, H, ch.shape[-1], GP, dtype=torch.float32, device=q.device)
-    qp[..., :group] = (qh.gather(-1, ch[:, :, None, :].expand(-1, -1, group, -1)) * scale).half().float().transpose(2, 3)
+    picked = qh.gather(-1, ch[:, :, None, :].expand(-1, -1, group, -1))  # [B, H, G, 4 nb]
+    qp[..., :group] = (picked * scale).half().float().transpose(2, 3)
     return sel, qp
 
 

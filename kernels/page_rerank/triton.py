@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .._alloc import empty
-from .._utils import check_device, check_index_vectors, sm_count
+from .._utils import check_device, check_index_vectors
 from ..page_select.triton import (
     _NEG_INF_KEY,
     TOPK_CHUNK,
@@ -208,18 +208,17 @@ def _sketch_lse_kernel(
     ssel_b, ssel_h, sqp_b, sqp_h, sqp_c,
     sl_b, sl_h, sl_c,
     G: tl.constexpr, GP: tl.constexpr, LOG_GP: tl.constexpr, GD: tl.constexpr, D: tl.constexpr,
-    NB: tl.constexpr, PAGE: tl.constexpr, NP: tl.constexpr, SUB: tl.constexpr,
-    HEADS: tl.constexpr, WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr,
-    PER_BYTE: tl.constexpr, PICKS_BY_SLOT: tl.constexpr,
+    NB: tl.constexpr, PAGE: tl.constexpr, NP: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
+    Q_BY_SLOT: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+    PICKS_BY_SLOT: tl.constexpr,
 ):
     """lse[b, h, c, g] of the first stage for NP pages. Every channel counts at its page's mid-range, the picked
     code bytes (_sketch_picks_kernel's by row, or query_similarity's by request slot) refine their channels to the
     decoded keys: logit = q . mid + sum over the picked channels of q * step * (code - 1.5). The mid-range term is
-    a tensor-core product over all D channels; the refinement is plain FMAs with a page's tokens in the registers of one or
-    two threads (a picked byte's row of a page is PAGE / 4 contiguous words of 4 tokens), so the sum over channels
-    and most of the log-sum-exp over tokens stay in registers, and nothing but the log-sum-exp's last step waits on
-    another thread. SUB > 1: the mid-range term for SUB * NP pages (a 16-row product tile per warp instead of every
-    warp computing the same 16 rows), parked in lse, then the refinement of NP pages at a time."""
+    a tensor-core product over all D channels; the refinement is plain FMAs with a page's tokens in the registers
+    of one or two threads (a picked byte's row of a page is PAGE / 4 contiguous words of 4 tokens), so the sum over
+    channels and most of the log-sum-exp over tokens stay in registers, and nothing but the log-sum-exp's last step
+    waits on another thread."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
@@ -231,54 +230,20 @@ def _sketch_lse_kernel(
     sel_row = sel_ptr + pr * ssel_b + h * ssel_h
     end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
     g = tl.arange(0, GP)
-    # Mid-range term: [SUB NP, D] x [D, GD] twice (query heads in the first G columns, GD >= 16 for the product).
-    c = tl.program_id(2) * (SUB * NP) + tl.arange(0, SUB * NP)
-    ok = cand_start + c < end
-    page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
-    summ = summ_ptr + page * ss_p + h * ss_h
-    col = tl.arange(0, GD)
-    base_all = tl.zeros([SUB * NP, GD], tl.float32)
-    KC: tl.constexpr = D // SUB  # channels per product step: the loaded tile stays [16 rows per warp, D]
-    for k0 in tl.static_range(0, D, KC):
-        d = k0 + tl.arange(0, KC)
-        q_t = tl.load(q_row + col[None, :] * sq_h + d[:, None] * sq_d, mask=(col < G)[None, :], other=0.0)
-        q_t = (q_t.to(tl.float32) * scale).to(tl.float16)
-        lo = tl.load(summ[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-        hi = tl.load(summ[:, None] + ss_mm + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-        base_all = tl.dot(hi, q_t, tl.dot(lo, q_t, base_all))  # [SUB NP, GD]
-    base_all = base_all * 0.5
-    base = tl.sum(tl.where(col[None, None, :] == g[None, :, None], base_all[:, None, :], 0.0), axis=2)  # [.., GP]
-    lse_row = lse_ptr + b * sl_b + h * sl_h
-    qp_row = qp_ptr + pr * sqp_b + h * sqp_h + g
-    if SUB == 1:
-        _sketch_refine(lse_row, base, summ_ptr, words_ptr, pt_ptr, sel_row, qp_row, slot, h, end, C, cand_start,
-                       tl.program_id(2) * NP, ss_p, ss_h, ss_mm, sw_p, sw_h, sw_j, sw_w, spt_r, spt_m, sqp_c, sl_c,
-                       G, GP, LOG_GP, NB, PAGE, NP, SUB, LEVELS, BITS, PER_BYTE)
-    else:  # to the refinement's layout through lse (a barrier makes the block's writes visible to it)
-        tl.store(lse_row + c[:, None].to(tl.int64) * sl_c + g[None, :], base, mask=(c < C)[:, None])
-        tl.debug_barrier()
-        for sb in range(SUB):  # a runtime loop: one block's registers at a time
-            _sketch_refine(lse_row, base, summ_ptr, words_ptr, pt_ptr, sel_row, qp_row, slot, h, end, C, cand_start,
-                           tl.program_id(2) * (SUB * NP) + sb * NP, ss_p, ss_h, ss_mm, sw_p, sw_h, sw_j, sw_w, spt_r,
-                           spt_m, sqp_c, sl_c, G, GP, LOG_GP, NB, PAGE, NP, SUB, LEVELS, BITS, PER_BYTE)
-
-
-@triton.jit
-def _sketch_refine(
-    lse_row, base, summ_ptr, words_ptr, pt_ptr, sel_row, qp_row, slot, h, end, C, cand_start, c0, ss_p, ss_h, ss_mm,
-    sw_p, sw_h, sw_j, sw_w, spt_r, spt_m, sqp_c, sl_c,
-    G: tl.constexpr, GP: tl.constexpr, LOG_GP: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr,
-    NP: tl.constexpr, SUB: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
-):
-    """The picked channels' refinement and the log-sum-exp of pages c0 .. c0 + NP - 1 (base: their mid-range term,
-    read back from lse when SUB > 1), written to lse."""
-    g = tl.arange(0, GP)
-    c = c0 + tl.arange(0, NP)
+    c = tl.program_id(2) * NP + tl.arange(0, NP)
     ok = cand_start + c < end
     page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
     summ = summ_ptr + page * ss_p + h * ss_h  # [NP]
-    if SUB > 1:
-        base = tl.load(lse_row + c[:, None].to(tl.int64) * sl_c + g[None, :], mask=(c < C)[:, None], other=0.0)
+    # Mid-range term: [NP, D] x [D, GD] twice (query heads in the first G columns, GD >= 16 for the product).
+    d = tl.arange(0, D)
+    col = tl.arange(0, GD)
+    q_t = tl.load(q_row + col[None, :] * sq_h + d[:, None] * sq_d, mask=(col < G)[None, :], other=0.0)
+    q_t = (q_t.to(tl.float32) * scale).to(tl.float16)
+    lo_all = tl.load(summ[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
+    hi_all = tl.load(summ[:, None] + ss_mm + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
+    base_all = tl.dot(hi_all, q_t, tl.dot(lo_all, q_t)) * 0.5  # [NP, GD]
+    base = tl.sum(tl.where(col[None, None, :] == g[None, :, None], base_all[:, None, :], 0.0), axis=2)  # [NP, GP]
+    qp_row = qp_ptr + pr * sqp_b + h * sqp_h + g
     WORDS: tl.constexpr = PAGE // 4
     word = tl.arange(0, WORDS)
     # acc_k[c, j, g]: sum over the picked channels of q * step * f, f = 1 + code / 4 of token 4 j + k.
@@ -322,7 +287,8 @@ def _sketch_refine(
                  axis=1)
     lse = base + 4.0 * m - 5.5 * shift + tl.log(tot)
     lse = tl.where(ok[:, None], lse, float("-inf"))
-    tl.store(lse_row + c[:, None].to(tl.int64) * sl_c + g[None, :], lse, mask=(c < C)[:, None] & (g < G)[None, :])
+    tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None].to(tl.int64) * sl_c + g[None, :], lse,
+             mask=(c < C)[:, None] & (g < G)[None, :])
 
 
 @triton.jit
@@ -503,10 +469,6 @@ def _pool(lse, cand_args, cand_list, heads_args, scores, C, cand_start, G) -> No
 # latency, not on issue (232 SASS instructions per page and warp, the earlier kernel's 540, took as long).
 SKETCH_TOKENS = 512
 SKETCH_WARPS = 4
-# Programs of SKETCH_SUB such blocks each share one constant-term product (a 16-row tile per warp) when the launch
-# still has this many programs per SM; fewer (one request, short contexts) keep one block per program.
-SKETCH_SUB = 4
-SKETCH_SUB_PROGRAMS_PER_SM = 4
 
 
 def sketch_pages(
@@ -523,9 +485,8 @@ def sketch_pages(
     cand_start: int = 0,
     cand_end: torch.Tensor | None = None,
     picks: tuple[torch.Tensor, torch.Tensor] | None = None,
-    sub: int | None = None,
 ) -> torch.Tensor:
-    """See naive_sketch_pages. sub: page blocks per program (None: by the launch's size, see SKETCH_SUB)."""
+    """See naive_sketch_pages."""
     B, G, D, H, M, p = _page_inputs(q, summaries, codes, page_table, req_slots, q_by_slot)
     assert 0 < nbytes <= D // PER_BYTE and p & (p - 1) == 0 and p >= 4
     assert codes.stride(2) == 1, "the sketch reads code rows as words: a byte-major store (empty_codes)"
@@ -553,19 +514,15 @@ def sketch_pages(
             assert sel.dim() == 3 and sel.shape[1:] == (H, nbytes) and sel.dtype == torch.int32
             assert qp.shape[1:] == (H, nbytes * PER_BYTE, gp) and qp.dtype == torch.float32 and qp.stride(3) == 1
         np_ = max(16, SKETCH_TOKENS // p)  # >= 16 pages for the mid-range product
-        if sub is None:
-            sms = sm_count(q.device.index) if q.device.type == "cuda" else 1
-            sub = SKETCH_SUB if B * H * triton.cdiv(C, SKETCH_SUB * np_) >= SKETCH_SUB_PROGRAMS_PER_SM * sms else 1
-        assert sub > 0 and sub & (sub - 1) == 0
         words = codes.transpose(2, 3).view(torch.int32)  # [P, H, D / 4, p / 4]: 4 tokens' byte per word
-        _sketch_lse_kernel[(B, H, triton.cdiv(C, sub * np_))](
+        _sketch_lse_kernel[(B, H, triton.cdiv(C, np_))](
             q, summaries, words, page_table, req_slots, cand_end, heads_arg, sel, qp, lse,
             C, cand_start, M, scale,
             *q.stride(), summaries.stride(0), summaries.stride(1), summaries.stride(2), *words.stride(),
             *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *sel.stride()[:2],
             *qp.stride()[:3], *lse.stride()[:3],
             G=G, GP=gp, LOG_GP=gp.bit_length() - 1, GD=max(16, gp), D=D, NB=nbytes,
-            PAGE=p, NP=np_, SUB=sub,
+            PAGE=p, NP=np_,
             HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, LEVELS=LEVELS, BITS=CODE_BITS, PER_BYTE=PER_BYTE,
             PICKS_BY_SLOT=picks is not None, num_warps=SKETCH_WARPS,
         )
