@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def interpret_mode() -> bool:

@@ -215,8 +215,8 @@ def _sketch_lse_kernel(
     """lse[b, h, c, g] of the first stage for NP pages. Every channel counts at its page's mid-range, the picked
     code bytes (_sketch_picks_kernel's by row, or query_similarity's by request slot) refine their channels to the
     decoded keys: logit = q . mid + sum over the picked channels of q * step * (code - 1.5). The mid-range term is
-    a tensor-core product over all D channels; the refinement is plain FMAs with a page's tokens in the registers
-    of one or two threads (a picked byte's row of a page is PAGE / 4 contiguous words of 4 tokens), so the sum over
+    a tensor-core product over all D channels; the refinement is plain FMAs with a page's tokens in the registers of
+    one or two threads (a picked byte's row of a page is PAGE / 4 contiguous words of 4 tokens), so the sum over
     channels and most of the log-sum-exp over tokens stay in registers, and nothing but the log-sum-exp's last step
     waits on another thread."""
     b = tl.program_id(0).to(tl.int64)
@@ -226,14 +226,12 @@ def _sketch_lse_kernel(
             return
     slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
     q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
-    pr = slot if PICKS_BY_SLOT else b
-    sel_row = sel_ptr + pr * ssel_b + h * ssel_h
     end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
-    g = tl.arange(0, GP)
     c = tl.program_id(2) * NP + tl.arange(0, NP)
     ok = cand_start + c < end
     page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
     summ = summ_ptr + page * ss_p + h * ss_h  # [NP]
+    g = tl.arange(0, GP)
     # Mid-range term: [NP, D] x [D, GD] twice (query heads in the first G columns, GD >= 16 for the product).
     d = tl.arange(0, D)
     col = tl.arange(0, GD)
@@ -243,7 +241,6 @@ def _sketch_lse_kernel(
     hi_all = tl.load(summ[:, None] + ss_mm + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
     base_all = tl.dot(hi_all, q_t, tl.dot(lo_all, q_t)) * 0.5  # [NP, GD]
     base = tl.sum(tl.where(col[None, None, :] == g[None, :, None], base_all[:, None, :], 0.0), axis=2)  # [NP, GP]
-    qp_row = qp_ptr + pr * sqp_b + h * sqp_h + g
     WORDS: tl.constexpr = PAGE // 4
     word = tl.arange(0, WORDS)
     # acc_k[c, j, g]: sum over the picked channels of q * step * f, f = 1 + code / 4 of token 4 j + k.
@@ -252,27 +249,25 @@ def _sketch_lse_kernel(
     acc2 = tl.zeros([NP, WORDS, GP], tl.float32)
     acc3 = tl.zeros([NP, WORDS, GP], tl.float32)
     shift = tl.zeros([NP, GP], tl.float32)  # sum over the picked channels of q * step
+    pr = slot if PICKS_BY_SLOT else b
+    qp_row = qp_ptr + pr * sqp_b + h * sqp_h + g  # a channel's GP heads are contiguous
     # 16-bit summaries: 4 gathers of 2 bytes per code byte took as long as the rest of the refinement.
     HALF: tl.constexpr = summ_ptr.dtype.element_ty.primitive_bitwidth == 16
-    BF16: tl.constexpr = summ_ptr.dtype.element_ty == tl.bfloat16
     for r in tl.static_range(NB):
-        best = tl.load(sel_row + r)
+        best = tl.load(sel_ptr + pr * ssel_b + h * ssel_h + r)
         row = tl.load(words_ptr + page[:, None] * sw_p + h * sw_h + best * sw_j + word[None, :] * sw_w,
                       mask=ok[:, None], other=0)  # [NP, WORDS]
         if HALF:  # the byte's 4 channels' lo and hi in one 8-byte load each
             lo4 = tl.load((summ + PER_BYTE * best).to(tl.pointer_type(tl.int64)), mask=ok, other=0)
             hi4 = tl.load((summ + ss_mm + PER_BYTE * best).to(tl.pointer_type(tl.int64)), mask=ok, other=0)
         for i in tl.static_range(PER_BYTE):
-            if BF16:
-                lo = _bf16(lo4, i)
-                hi = _bf16(hi4, i)
-            elif HALF:
+            if HALF:
                 lo = _half(lo4, i, summ_ptr.dtype.element_ty)
                 hi = _half(hi4, i, summ_ptr.dtype.element_ty)
             else:
                 lo = tl.load(summ + PER_BYTE * best + i, mask=ok, other=0.0).to(tl.float32)
                 hi = tl.load(summ + ss_mm + PER_BYTE * best + i, mask=ok, other=0.0).to(tl.float32)
-            step = (hi - lo) * (1.0 / LEVELS)
+            step = (hi - lo) / LEVELS
             wt = step[:, None] * tl.load(qp_row + (PER_BYTE * r + i) * sqp_c)[None, :]  # [NP, GP]: one vector load
             shift += wt
             acc0 += wt[:, None, :] * _code_f(row, 0 + BITS * i, GP, LOG_GP)
@@ -292,23 +287,13 @@ def _sketch_lse_kernel(
 
 
 @triton.jit
-def _bf16(x, i: tl.constexpr):
-    """fp32 of the bf16 value at bits 16 i of the int64 x (little-endian: element i): its bits moved to the top half
-    of a word, one shift or mask."""
-    if i < 2:
-        w = x.to(tl.int32)
-    else:
-        w = (x >> 32).to(tl.int32)
-    if i % 2 == 0:
-        w = w << 16
-    else:
-        w = w & -65536
-    return w.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _half(x, i: tl.constexpr, dtype: tl.constexpr):
-    """fp32 of the 16-bit value (dtype: bf16 or fp16) at bits 16 i of the int64 x (little-endian: element i)."""
+    """fp32 of the 16-bit value (dtype: bf16 or fp16) at bits 16 i of the int64 x (little-endian: element i). A bf16's
+    fp32 is its bits in the top half of a word: one shift or mask."""
+    if dtype == tl.bfloat16:
+        w = x.to(tl.int32) if i < 2 else (x >> 32).to(tl.int32)
+        w = w << 16 if i % 2 == 0 else w & -65536
+        return w.to(tl.float32, bitcast=True)
     return ((x >> (16 * i)) & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
 
 
@@ -521,8 +506,7 @@ def sketch_pages(
             *q.stride(), summaries.stride(0), summaries.stride(1), summaries.stride(2), *words.stride(),
             *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *sel.stride()[:2],
             *qp.stride()[:3], *lse.stride()[:3],
-            G=G, GP=gp, LOG_GP=gp.bit_length() - 1, GD=max(16, gp), D=D, NB=nbytes,
-            PAGE=p, NP=np_,
+            G=G, GP=gp, LOG_GP=gp.bit_length() - 1, GD=max(16, gp), D=D, NB=nbytes, PAGE=p, NP=np_,
             HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, LEVELS=LEVELS, BITS=CODE_BITS, PER_BYTE=PER_BYTE,
             PICKS_BY_SLOT=picks is not None, num_warps=SKETCH_WARPS,
         )

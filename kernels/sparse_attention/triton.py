@@ -8,13 +8,14 @@ shapes, so both grids are fixed and the op can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from .._alloc import empty
-from .._utils import check_device, check_index_vectors, sm_count
+from .._utils import check_device, check_index_vectors
 
 _LOG2E = 1.4426950408889634
 # tl.dot needs every dimension >= 16 on GPU: query heads and page tokens are padded (masked) up to this.
@@ -25,9 +26,14 @@ _MAX_SPLITS = 64
 _CPU_PROGRAMS = 16
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _num_splits(batch: int, heads: int, width: int, device: torch.device) -> int:
     """Splits per row so that pass 1 runs about two programs per SM (shapes only, never data)."""
-    target = 2 * sm_count(device.index) if device.type == "cuda" else _CPU_PROGRAMS
+    target = 2 * _sm_count(device.index) if device.type == "cuda" else _CPU_PROGRAMS
     splits = max(1, min(width, _MAX_SPLITS, triton.cdiv(target, batch * heads)))
     # Same pages per split, fewer splits: a row using all W pages then has no empty split.
     return max(1, triton.cdiv(width, max(1, triton.cdiv(width, splits))))
