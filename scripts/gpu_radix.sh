@@ -8,6 +8,8 @@
 # chunks exported so far: SGLang's cached_tokens), then 16 concurrent requests sharing the prefix (256 unique tokens each,
 # 64 greedy tokens): their TTFT and decode step (TPOT), and for FreeKV the kvstore arena's pages (an external daemon
 # polled during the burst: used = held by requests, cached = held only by retained prefixes).
+# HITS=N more hits after the first (default 4; the ratio takes their median); PROFILE_HIT=1 profiles one more hit
+# (SGLang's /start_profile, summarised by benchmarks/trace_summary.py into radix-NAME-hit-profile.txt).
 # Fits one 10-minute device call. Needs /tmp/site (the wheelhouse). Usage: [RUNS=a,b] bash scripts/gpu_radix.sh [BACKEND]
 # (RUNS: which of the three servers, in order; default all). The arena holds 16 unshared 32K prompts (freekv-plain).
 set -uo pipefail
@@ -33,7 +35,7 @@ run() {  # run NAME ARGS...
   local spid=$!
   wait_healthy "$name" $PORT $spid "$OUT/server-radix-$name.log" 240 || return 1
   timeout 200 python3 - "$name" "$PORT" "$KV" "$OUT" <<'EOF'
-import concurrent.futures as cf, json, random, sys, threading, time
+import concurrent.futures as cf, json, os, random, sys, threading, time, urllib.request
 sys.path.insert(0, "benchmarks")
 from serve_load import one_request
 name, port, kv, out = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
@@ -43,6 +45,16 @@ ids = lambda n: [rng.randrange(100, 128000) for _ in range(n)]
 prefix = ids(32768)
 req = lambda prompt, n=1: one_request(url, prompt, n, 600)
 res = {"name": name, "warmup": req(prefix + ids(256)), "miss": req(ids(32768 + 256)), "hit": req(prefix + ids(256))}
+# More hits, one at a time (each its own 256 new tokens): the ratio uses their median, not one sample.
+res["hits"] = [req(prefix + ids(256)) for _ in range(int(os.environ.get("HITS", "4")))]
+hit_ttfts = sorted(r["ttft_s"] for r in [res["hit"]] + res["hits"] if r["ok"])
+res["hit_ttft_median_s"] = hit_ttfts[len(hit_ttfts) // 2] if hit_ttfts else float("nan")
+if os.environ.get("PROFILE_HIT") == "1":  # one more hit under SGLang's torch profiler (summarised after the run)
+    post = lambda path, body: urllib.request.urlopen(urllib.request.Request(
+        url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}), timeout=120).read()
+    post("/start_profile", {"output_dir": f"/tmp/trace-{name}", "activities": ["CPU", "GPU"], "with_stack": True})
+    res["profiled_hit"] = req(prefix + ids(256))
+    post("/stop_profile", {})
 # A sharer sent while a new 32K prompt is still prefilling (chunks of 8192): it hits the chunks exported so far.
 second = ids(32768)
 with cf.ThreadPoolExecutor(2) as ex:
@@ -74,12 +86,20 @@ mid = res["mid_prefill_sharer"]
 print(f"{name}: sharer sent 0.5 s into a 32K prefill: TTFT {mid.get('ttft_s', float('nan')):.3f} s, "
       f"{mid.get('cached_tokens')} tokens cached (the first: {res['mid_prefill_first'].get('ttft_s', float('nan')):.3f} s)")
 print(f"{name}: TTFT miss {res['miss'].get('ttft_s', float('nan')):.3f} s, hit {res['hit'].get('ttft_s', float('nan')):.3f} s "
+      f"(median of {len(hit_ttfts)} hits {res['hit_ttft_median_s']:.3f} s: {[round(t, 3) for t in hit_ttfts]}; "
+      f"miss / median hit {res['miss'].get('ttft_s', float('nan')) / res['hit_ttft_median_s']:.1f}x) "
       f"({res['hit'].get('cached_tokens')} tokens cached); "
       f"16 sharers: TTFT {res['burst']['ttft_s_mean']:.3f} s, decode step {res['burst']['tpot_s_mean'] * 1e3:.2f} ms, "
       f"{res['burst']['ok']}/16 ok; arena peak {res.get('arena_peak_gb', 0):.2f} GB")
 json.dump(res, open(f"{out}/radix-{name}.json", "w"), indent=1)
 EOF
   local rc=$?
+  if [ "${PROFILE_HIT:-0}" = 1 ]; then  # the trace is written after stop_profile returns
+    for _ in $(seq 60); do ls /tmp/trace-$name/*.json* >/dev/null 2>&1 && break; sleep 2; done; sleep 5
+    for t in /tmp/trace-$name/*.json*; do
+      python3 benchmarks/trace_summary.py "$t" >"$OUT/radix-$name-hit-profile.txt" 2>&1; head -c 6000 "$OUT/radix-$name-hit-profile.txt"
+    done
+  fi
   grep -E "FreeKV rank|Traceback|Error" "$OUT/server-radix-$name.log" | tail -n 4
   kill -TERM -- -$spid 2>/dev/null; sleep 3; kill -9 -- -$spid 2>/dev/null
   return $rc

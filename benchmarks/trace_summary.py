@@ -1,0 +1,80 @@
+"""Where the time of a profiled server window goes: a torch-profiler trace (SGLang's /start_profile) summarised.
+
+    python3 benchmarks/trace_summary.py TRACE.json[.gz] [--top 25] [--match freekv,sglang/srt]
+
+Prints, over the trace's window: the span of CPU and GPU activity, GPU busy time (kernels and copies merged), the
+kernels and copies by total time, the CUDA runtime calls that block (synchronize, blocking copies) by total time,
+and the Python functions (traces recorded with_stack) whose file matches --match by inclusive time. Inclusive times
+of nested calls overlap, so read the Python table top-down, as a profile's call tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+
+
+def merged_busy(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def table(title: str, totals: dict[str, list[float]], top: int) -> None:
+    print(f"\n{title}")
+    print(f"{'ms':>9} {'calls':>6}  name")
+    for name, (ms, n) in sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{ms:9.2f} {int(n):6d}  {name[:150]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--match", default="freekv,sglang/srt", help="comma-separated substrings of Python file names")
+    args = ap.parse_args()
+    events = load(args.trace)
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    cpu = [e for e in events if e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset")]
+    span = lambda es: (max(e["ts"] + e["dur"] for e in es) - min(e["ts"] for e in es)) / 1e3 if es else 0.0
+    print(f"CPU span {span(cpu):.2f} ms, GPU span {span(gpu):.2f} ms, GPU busy "
+          f"{merged_busy([(e['ts'], e['ts'] + e['dur']) for e in gpu]) / 1e3:.2f} ms")
+    if gpu and cpu:
+        print(f"GPU activity starts {(min(e['ts'] for e in gpu) - min(e['ts'] for e in cpu)) / 1e3:.2f} ms into the "
+              f"CPU window and ends {(max(e['ts'] + e['dur'] for e in cpu) - max(e['ts'] + e['dur'] for e in gpu)) / 1e3:.2f}"
+              " ms before its end")
+    sums: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    keys = [k for k in args.match.split(",") if k]
+    for e in events:
+        cat, name = e.get("cat", ""), e["name"]
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            group = "gpu"
+        elif cat == "cuda_runtime" and any(s in name for s in ("Synchronize", "Memcpy", "EventSynchronize")):
+            group = "blocking"
+        elif cat == "python_function" and any(k in name for k in keys):
+            group = "python"
+        else:
+            continue
+        row = sums[group][name]
+        row[0] += e["dur"] / 1e3
+        row[1] += 1
+    table("GPU kernels and copies", sums["gpu"], args.top)
+    table("CUDA runtime calls that may block", sums["blocking"], args.top)
+    table(f"Python functions in {args.match} (inclusive)", sums["python"], args.top)
+
+
+if __name__ == "__main__":
+    main()
