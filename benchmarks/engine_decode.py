@@ -4,13 +4,12 @@
     python3 benchmarks/engine_decode.py --device cpu --contexts 2048 --batches 1 --steps 8 --layers 2   # smoke
     python3 benchmarks/engine_decode.py --keys structured --contexts 32768 --batches 1,16 --steps 2048
 
-The SGLang server refuses --kv-retrieval louiskv (its chunked prefill does not hand whole prompts to the
-clustering), so this drives FreeKVEngine directly, as benchmarks/profile_step.py does: Llama-3.1-8B's attention
-shape (32 layers by default, 32 query / 8 KV heads, head dim 128, bf16), the first layer dense and left out (as in
-SGLang, where the wrapped backend runs it), every other layer sparse. There are no model GEMMs, no norms, no MLPs,
-no sampling: a step is the engine's plan, per sparse layer its trigger, selection, recall, KV write, attention
-(the engine's own split-K Triton kernel, not FlashInfer), offload and the policy's upkeep, and the join, captured
-in one CUDA graph and replayed (eager on CPU). Step time is therefore the attention-side cost of a step only.
+This drives FreeKVEngine directly, as benchmarks/profile_step.py does, so only the retrieval policies' own costs
+are timed: Llama-3.1-8B's attention shape (32 layers by default, 32 query / 8 KV heads, head dim 128, bf16), the
+first layer dense and left out (as in SGLang, where the wrapped backend runs it), every other layer sparse. There
+are no model GEMMs, no norms, no MLPs, no sampling: a step is the engine's plan, per sparse layer its trigger,
+selection, recall, KV write, attention (the engine's own split-K Triton kernel, not FlashInfer), offload and the
+policy's upkeep, and the join, captured in one CUDA graph and replayed (eager on CPU). Step time is therefore the attention-side cost of a step only.
 
 Per config (context, batch, policy) each request gets a random prompt (K and V ~ N(0, 1) per layer; LouisKV
 clusters it with its k-means at prefill), then `--steps` decode steps with random new K/V and synthetic queries
@@ -57,6 +56,7 @@ registering the arena with CUDA fails anyway, the config is skipped with the err
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -382,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps({k: v for k, v in r.items() if k != "probe"}), flush=True)
                 rows.append(r)
                 save()
+                # The config's engine sits in reference cycles (its probe, the captured graph's closures): collect
+                # them now, so its registered host arena is released before the next config registers its own.
+                gc.collect()
                 if args.device.startswith("cuda"):
                     torch.cuda.empty_cache()
     save()
