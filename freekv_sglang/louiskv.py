@@ -30,6 +30,8 @@ import dataclasses
 
 import torch
 
+from freekv_kernels.unit_scores import unit_scratch_size
+
 from .selectors import Selector
 
 
@@ -87,8 +89,9 @@ class LouisKV(Selector):
         self.seg_len = per_layer(lambda: torch.zeros(R, H, dtype=torch.int32, device=dev))
         self.seg_row = per_layer(lambda: torch.full((R, H), -1, dtype=torch.int32, device=dev))
         self.seg_ord = per_layer(lambda: torch.zeros(R, H, dtype=torch.int32, device=dev))
-        # The unit probabilities of one layer's scoring; layers score one after another on the select stream.
-        self.scratch = torch.empty(R, H, M * upp, dtype=torch.float32, device=dev)
+        # The softmax partials of one layer's scoring; layers score one after another on the select stream.
+        self.scratch = torch.empty(R, H, unit_scratch_size(e.shape.num_q_heads // H, M, upp), dtype=torch.float32,
+                                   device=dev)
 
     def trigger(self, plan, layer, q, heads):
         e = self.engine

@@ -172,7 +172,8 @@ def test_louiskv_layer_launches(monkeypatch):
     assert got == {
         "compute": {"_semantic_boundary_kernel": 1, "_write_kv_kernel": 1, "_sparse_decode_attention_kernel": 1,
                     "_combine_splits_kernel": 1},
-        "select": {"_unit_page_scores_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1},
+        "select": {"_unit_partials_kernel": 1, "_unit_pages_kernel": 1, "_select_slots_kernel": 1,
+                   "_recall_pages_kernel": 1},
         "recall": {"_offload_pages_kernel": 1, "_segment_pages_kernel": 1},
     }
 

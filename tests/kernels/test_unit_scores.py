@@ -8,17 +8,18 @@ import torch
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 from freekv_kernels.testing import assert_close, device, poisoned_outputs
 from freekv_kernels.unit_scores import naive_unit_page_scores, unit_page_scores
+from freekv_kernels.unit_scores.triton import CHUNK, PAGES
 
 DEV = device()
 R, M, SINK = 5, 12, 1
 
 
-def make_tables(H, D, p, upp, dtype, P=40):
+def make_tables(H, D, p, upp, dtype, P=40, M=M, ends=(12, 1, 7, 5, 0)):
     """Requests own random host pages; each head's candidate tokens are cut into contiguous units at random points
     (some pages hold many units, some units span pages); rows past a request's units are empty but hold garbage."""
     page_table = torch.full((R, M), -1, dtype=torch.int32)
     hosts = torch.randperm(P).to(torch.int32)
-    cand_end = torch.tensor([12, 1, 7, 5, 0], dtype=torch.int32)  # a full row, none, some, ...
+    cand_end = torch.tensor(ends, dtype=torch.int32)  # by default a full row, none, some, ...
     centroids = torch.randn(P * upp, H, D) * 3
     counts = torch.randint(1, 9, (P * upp, H), dtype=torch.int32)  # garbage in rows no request's units use
     ranges = torch.randint(0, 5, (P, H, 2), dtype=torch.int32)
@@ -67,6 +68,24 @@ def test_unit_page_scores_match_reference(G, D, dtype, p, upp):
         assert_close("scores", ref[mine], out[mine], atol=1e-6, rtol=1e-4)
         assert out[mine].isfinite().any(-1).tolist() == (cand_end[req_slots.long()] > SINK)[mine.nonzero()[:, 0]] \
             .tolist(), "a row with candidates must score some page"
+
+
+@pytest.mark.parametrize("G", [1, 3, 4, 8])
+def test_long_rows_span_chunks_and_page_blocks(G):
+    """Rows of many units: the softmax partials of several chunks merge into one normaliser, and pages score in
+    several blocks (the kernels split a row at CHUNK units and PAGES pages)."""
+    H, D, p, upp, M_LONG = 2, 32, 16, 2, 3 * CHUNK // 2 + 5
+    centroids, counts, ranges, page_table, cand_end = make_tables(H, D, p, upp, torch.float32, P=5 * M_LONG,
+                                                                  M=M_LONG, ends=(M_LONG, 3, M_LONG - 17, 90, 0))
+    req_slots = torch.tensor([0, 2, 3, 4, 1], dtype=torch.int32, device=DEV)
+    q = torch.randn(5, H * G, D, device=DEV)
+    heads = torch.ones(5, H, dtype=torch.bool, device=DEV)
+    args = (q, centroids, counts, ranges, page_table, req_slots, SINK, cand_end[req_slots.long()], 1 / math.sqrt(D),
+            p, heads, PHASE_NOW)
+    assert -(-M_LONG * upp // CHUNK) > 2 and M_LONG > 8 * PAGES
+    with poisoned_outputs():
+        out = unit_page_scores(*args)
+    assert_close("scores", naive_unit_page_scores(*args), out, atol=1e-7, rtol=1e-4)
 
 
 def test_scores_are_group_mean_softmax_over_units():
