@@ -1,0 +1,38 @@
+"""benchmarks/trace_summary.py on a hand-made torch-profiler trace: GPU busy time merges overlapping kernels, and
+the tables sum each name's time and calls in their groups."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import trace_summary  # noqa: E402
+
+
+def test_summary_of_a_small_trace(tmp_path, capsys):
+    ev = lambda cat, name, ts, dur: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+    events = [
+        ev("python_function", "freekv_sglang/radix.py(1): export", 0, 10_000),
+        ev("python_function", "other/lib.py(2): f", 0, 5_000),
+        ev("cuda_runtime", "cudaDeviceSynchronize", 2_000, 3_000),
+        ev("cuda_runtime", "cudaLaunchKernel", 1_000, 10),
+        ev("kernel", "_page_copy_kernel", 1_000, 2_000),
+        ev("kernel", "_page_copy_kernel", 2_500, 2_000),  # overlaps the first: busy 1000..4500
+        ev("kernel", "_fwd_kernel", 6_000, 1_000),
+        {"ph": "i", "name": "marker", "ts": 0},  # not a complete event: ignored
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert trace_summary.merged_busy([(1, 3), (2, 5), (6, 7)]) == 5
+    sys.argv = ["trace_summary.py", str(path)]
+    trace_summary.main()
+    out = capsys.readouterr().out
+    assert "CPU span 10.00 ms, GPU span 6.00 ms, GPU busy 4.50 ms" in out
+    assert "    4.00      2  _page_copy_kernel" in out and "    1.00      1  _fwd_kernel" in out
+    assert "    3.00      1  cudaDeviceSynchronize" in out and "cudaLaunchKernel" not in out
+    assert "   10.00      1  freekv_sglang/radix.py(1): export" in out and "other/lib.py" not in out
