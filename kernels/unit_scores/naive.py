@@ -59,7 +59,9 @@ def naive_unit_page_scores(
             logits = scale * (q[b, h * G:(h + 1) * G].float()[:, None, :] * cent[None]).sum(-1)  # [G, U]
             logits = logits.masked_fill(counts[rows, h][None] == 0, float("-inf"))
             a = torch.softmax(logits, dim=-1).mean(0).masked_fill(counts[rows, h] == 0, float("-inf"))
-            for j in range(cand_start, end):
-                first, last = ranges[page_table[slot, j].long(), h].tolist()
-                scores[b, h, j] = a[first:last + 1].max()
+            # Page j's best unit among ordinals first .. last (at most page_size of them).
+            first, last = ranges[page_table[slot, cand_start:end].long(), h].long().unbind(-1)  # [pages]
+            u = first[:, None] + torch.arange(page_size, device=q.device)[None, :]  # [pages, page_size]
+            mine_u = torch.where(u <= last[:, None], a[u.clamp(max=n_units - 1)], float("-inf"))
+            scores[b, h, cand_start:end] = mine_u.max(-1).values
     return scores
