@@ -9,8 +9,8 @@ streams); `begin_step` is prepare_step and plan.
 Per sparse layer l of a step, in stream order (see streams.py), one launch per line item:
   compute: query_similarity: cosine similarity of q_i and q_{i-1} per KV head -> correction flags,
            and the heads that select now -- flagged, or holding fewer pages than there are candidates
-           (a new request, a context still shorter than the budget); record E_q; write_kv (the new
-           K/V, overlapping the selection: a sink or window page, never a slot page)
+           (a new request, a context still shorter than the budget); in the same launch the new K/V
+           (a sink or window page, never a slot page); record E_q
   select:  wait E_q; for the heads that select now (the other heads' programs exit at once):
            the selector's scoring with q_i (selectors.py; sketch: sketch_pages, MeanS: score_pages, two
            launches each; rerank five), select_slots (top-k, delta
@@ -26,7 +26,7 @@ So only flagged heads' selection and recall sit on the critical path, as in the 
 That is the FreeKV policy; the engine's retrieval policy is its selector (selectors.py): which heads select before
 attention (its trigger, the first launch), how pages are scored, whether the other heads select speculatively after
 attention, the page order of a prompt's offload and any upkeep after the offload. LouisKV (louiskv.py) triggers at
-semantic boundaries per request (semantic_boundary), scores clusters and segments (unit_page_scores), selects nothing
+semantic boundaries per request (semantic_boundary, then write_kv), scores clusters and segments (unit_page_scores), selects nothing
 after attention and forms segments after the offload (segment_pages). Recall never
 writes a slot this step's attention reads: the speculative recall waits for E_attn (ordering, not
 double buffering), and the join orders it before the next step's correction recall and before the KV
@@ -582,15 +582,16 @@ class FreeKVEngine:
             return ops.sparse_decode_attention(q, kc, vc, plan.dense_table, plan.dense_pages, plan.last_page_len,
                                                self.scale, p)
         st = self.streams
-        # With retrieval, also which heads select before attention (flagged, or with slots to fill).
+        # With retrieval, also which heads select before attention (flagged, or with slots to fill). The same launch
+        # writes the step's K/V: into a sink or window page, which no selection or recall touches.
+        kv = (k, v, kc, vc, plan.sparse_loc)
         if self.retrieval:
-            flags = self.selector.trigger(plan, layer, q, self._now_heads[layer][:q.shape[0]])
+            flags = self.selector.trigger(plan, layer, q, self._now_heads[layer][:q.shape[0]], kv)
         else:
             ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
-                                 self.shape.group, self._stat_sim[layer] if self.collect_stats else None, self.pad_slot)
+                                 self.shape.group, self._stat_sim[layer] if self.collect_stats else None, self.pad_slot,
+                                 kv=kv)
         e_q = st.record() if self.retrieval else None
-        # The KV write overlaps the selection: it writes a sink or window page, recall only slot pages.
-        ops.write_kv(k, v, kc, vc, plan.sparse_loc)
         if self.retrieval:
             with st.on("select"):
                 st.wait(e_q)

@@ -93,11 +93,12 @@ class LouisKV(Selector):
         self.scratch = torch.empty(R, H, unit_scratch_size(e.shape.num_q_heads // H, M, upp), dtype=torch.float32,
                                    device=dev)
 
-    def trigger(self, plan, layer, q, heads):
+    def trigger(self, plan, layer, q, heads, kv):
         e = self.engine
         e.ops.semantic_boundary(q, e.prev_q[layer], plan.req_slots, e.has_prev[layer], e.cfg.boundary_tau,
                                 e._step_lens[:q.shape[0]], e.cfg.page_size, self.marks[layer], e.slot_table[layer],
                                 plan.n_slots, heads, e._stat_sim[layer] if e.collect_stats else None, e.pad_slot)
+        e.ops.write_kv(*kv)
         return heads  # a head that selects recalls everything it changed before attention
 
     def score(self, plan, layer, q, heads, phase):

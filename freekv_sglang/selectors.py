@@ -30,15 +30,16 @@ class Selector:
         """The layer's key codes [P, H, p, D / 4] that offload_pages writes, or None."""
         return None
 
-    def trigger(self, plan, layer: int, q: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    def trigger(self, plan, layer: int, q: torch.Tensor, heads: torch.Tensor, kv: tuple) -> torch.Tensor:
         """A sparse layer's first launch (compute stream): write heads [B, H] (the heads that select before
-        attention), store q as the layer's previous query, and return the flags [B, H] of select_slots (heads whose
-        every changed slot is recalled before attention). FreeKV: heads whose group-mean cosine of adjacent queries
-        is below tau, or with empty slots to fill."""
+        attention), store q as the layer's previous query, write the step's K/V (kv: write_kv's arguments), and
+        return the flags [B, H] of select_slots (heads whose every changed slot is recalled before attention).
+        FreeKV: heads whose group-mean cosine of adjacent queries is below tau, or with empty slots to fill, in the
+        launch that writes the K/V."""
         e = self.engine
         return e.ops.query_similarity(q, e.prev_q[layer], plan.req_slots, e.has_prev[layer], e.tau, e.shape.group,
                                       e._stat_sim[layer] if e.collect_stats else None, e.pad_slot,
-                                      e.slot_table[layer], plan.n_slots, heads, self.picks(layer), e.scale)
+                                      e.slot_table[layer], plan.n_slots, heads, self.picks(layer), e.scale, kv=kv)
 
     def picks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Buffers (by request slot) for the sketch's picks that the similarity check writes, or None."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from freekv_kernels.kv_write.naive import naive_write_kv
 from freekv_kernels.page_rerank.naive import PER_BYTE, naive_sketch_picks
 
 EPS = 1e-12
@@ -22,6 +23,7 @@ def naive_query_similarity(
     heads: torch.Tensor | None = None,
     picks: tuple[torch.Tensor, torch.Tensor] | None = None,
     pick_scale: float = 1.0,
+    kv: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """Flags [B, H]: the KV heads whose group-mean cosine similarity of q and the slot's previous query is below
     tau (every head at tau >= 1, none at tau <= 0 unless the slot has no previous query); q becomes the previous
@@ -30,7 +32,7 @@ def naive_query_similarity(
     slots ([R, H, k] int32, a layer's slot table), n_slots ([B] int32) and heads ([B, H] bool, written) go
     together: heads[b, h] = flags[b, h] or head h of request req_slots[b] holds fewer pages than n_slots[b].
     picks: (sel [R, H, NB] int32, qp [R, H, 4 NB, GP] fp32) receive naive_sketch_picks(q, group, NB, pick_scale)
-    at rows req_slots."""
+    at rows req_slots. kv: (k, v, k_cache, v_cache, loc), the step's naive_write_kv, done in the same launch."""
     B, Hq, D = q.shape
     slots_idx = req_slots.long()
     prev = prev_q[slots_idx].float()  # a copy: read before the rows are overwritten below
@@ -54,4 +56,6 @@ def naive_query_similarity(
         picks[1][slots_idx] = qp
     prev_q[slots_idx] = q.to(prev_q.dtype)
     has_prev[slots_idx] = True
+    if kv is not None:
+        naive_write_kv(*kv)
     return flags

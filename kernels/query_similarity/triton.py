@@ -1,4 +1,5 @@
-"""Triton query_similarity: per-KV-head cosine-similarity flags, fused with the prev_q update."""
+"""Triton query_similarity: per-KV-head cosine-similarity flags, fused with the prev_q update and, optionally, the
+step's KV write (the next launch on the same stream otherwise)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from .naive import EPS, PER_BYTE
 @triton.jit
 def _query_similarity_kernel(
     q_ptr, prev_ptr, slots_ptr, has_prev_ptr, flags_ptr, stats_ptr, table_ptr, nslots_ptr, heads_ptr,
-    sel_ptr, qp_ptr,
+    sel_ptr, qp_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr,
     tau, H, K, pad_slot, pick_scale,
     sq_b, sq_h, sq_d,
     sp_r, sp_h, sp_d,
@@ -24,11 +25,14 @@ def _query_similarity_kernel(
     s_ns,
     sh_b, sh_h,
     ssel_r, ssel_h, sqp_r, sqp_h, sqp_c,
+    sk_b, sk_h, sv_b, sv_h, skc_t, skc_h, svc_t, svc_h, s_loc,
     G: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
     STATS: tl.constexpr, HEADS: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, PER_BYTE: tl.constexpr,
+    WRITE_KV: tl.constexpr,
 ):
     """One program per batch row: all Hq heads as [HP, GP, D] (KV head, head in group, dim). NB > 0: also the
-    sketch's picks of the row's query (naive_sketch_picks), by request slot, for both selection phases."""
+    sketch's picks of the row's query (naive_sketch_picks), by request slot, for both selection phases. WRITE_KV:
+    also the row's new K and V token into its cache row loc[b]."""
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
     h = tl.arange(0, HP)
@@ -79,6 +83,14 @@ def _query_similarity_kernel(
             qv = (qv.to(tl.float32) * pick_scale).to(tl.float16).to(tl.float32)
             tl.store(qp_ptr + slot * sqp_r + h.to(tl.int64)[:, None, None] * sqp_h + g[None, :, None]
                      + (PER_BYTE * r + i4[None, None, :]) * sqp_c, qv, mask=(h < H)[:, None, None])
+    if WRITE_KV:
+        row = tl.load(loc_ptr + b * s_loc).to(tl.int64)
+        hk = h.to(tl.int64)[:, None]
+        kvm = (h < H)[:, None]
+        kt = tl.load(k_ptr + b * sk_b + hk * sk_h + d[None, :], mask=kvm)
+        vt = tl.load(v_ptr + b * sv_b + hk * sv_h + d[None, :], mask=kvm)
+        tl.store(kc_ptr + row * skc_t + hk * skc_h + d[None, :], kt.to(kc_ptr.dtype.element_ty), mask=kvm)
+        tl.store(vc_ptr + row * svc_t + hk * svc_h + d[None, :], vt.to(vc_ptr.dtype.element_ty), mask=kvm)
     # Other threads of this program may still be reading prev_q elements that the stores below overwrite.
     tl.debug_barrier()
     tl.store(p_ptrs, q.to(prev_ptr.dtype.element_ty), mask=mask)
@@ -99,6 +111,7 @@ def query_similarity(
     heads: torch.Tensor | None = None,
     picks: tuple[torch.Tensor, torch.Tensor] | None = None,
     pick_scale: float = 1.0,
+    kv: tuple[torch.Tensor, ...] | None = None,
 ) -> torch.Tensor:
     """See naive_query_similarity."""
     check_device(q, prev_q, req_slots, has_prev)
@@ -123,17 +136,25 @@ def query_similarity(
         nb = sel.shape[2]
         assert sel.dim() == 3 and sel.shape[1] == H and sel.dtype == torch.int32 and 0 < nb * PER_BYTE <= D
         assert qp.shape[1:] == (H, nb * PER_BYTE, GP) and qp.dtype == torch.float32 and qp.stride(3) == 1
+    if kv is not None:
+        k, v, k_cache, v_cache, loc = kv
+        check_device(k, v, k_cache, v_cache, loc)
+        check_index_vectors(loc=loc)
+        assert k.shape == v.shape == (B, H, D) and k_cache.shape[1:] == (H, D) and v_cache.shape == k_cache.shape
+        assert loc.shape == (B,) and all(t.stride(-1) == 1 for t in (k, v, k_cache, v_cache))
     _query_similarity_kernel[(B,)](
         q, prev_q, req_slots, has_prev, flags, flags if stats is None else stats,
         slots if with_heads else flags, n_slots if with_heads else flags, heads if with_heads else flags,
-        sel if nb else flags, qp if nb else flags,
+        sel if nb else flags, qp if nb else flags, *(kv if kv is not None else (flags,) * 5),
         float(tau), H, K, pad_slot, float(pick_scale),
         *q.stride(), *prev_q.stride(), req_slots.stride(0), has_prev.stride(0), *flags.stride(),
         *(slots.stride() if with_heads else (0, 0, 0)), n_slots.stride(0) if with_heads else 0,
         *(heads.stride() if with_heads else (0, 0)),
         *(sel.stride()[:2] if nb else (0, 0)), *(qp.stride()[:3] if nb else (0, 0, 0)),
+        *((k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
+           v_cache.stride(0), v_cache.stride(1), loc.stride(0)) if kv is not None else (0,) * 9),
         G=group, HP=triton.next_power_of_2(H), GP=GP, D=D, EPS=EPS,
         STATS=stats is not None, HEADS=with_heads, KP=triton.next_power_of_2(K), NB=nb, PER_BYTE=PER_BYTE,
-        num_warps=8 if Hq * D > 4096 else 4,
+        WRITE_KV=kv is not None, num_warps=8 if Hq * D > 4096 else 4,
     )
     return flags

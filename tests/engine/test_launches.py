@@ -125,13 +125,12 @@ SELECT = {"_sketch_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kern
 
 @pytest.mark.parametrize("recall", ["delta", "all"])
 def test_freekv_layer_launches(monkeypatch, recall):
-    """13 launches per sparse layer with the default sketch selection: 4 on the compute stream (similarity with the
-    sketch's byte picks, KV write, attention and its split combine), 4 on the select stream before attention, 5 on
-    the recall stream; no torch glue anywhere."""
+    """12 launches per sparse layer with the default sketch selection: 3 on the compute stream (similarity with the
+    sketch's byte picks and the KV write, attention and its split combine), 4 on the select stream before attention,
+    5 on the recall stream; no torch glue anywhere."""
     got = count_step(monkeypatch, recall=recall)
     assert got == {
-        "compute": {"_query_similarity_kernel": 1, "_write_kv_kernel": 1, "_sparse_decode_attention_kernel": 1,
-                    "_combine_splits_kernel": 1},
+        "compute": {"_query_similarity_kernel": 1, "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1},
         "select": SELECT,
         "recall": {**SELECT, "_offload_pages_kernel": 1},
     }
@@ -141,13 +140,13 @@ def test_outside_attention_layer_launches(monkeypatch):
     """With an outside attention kernel (SGLang's FlashInfer path) the compute stream builds the per-head token
     lists from the slot table in one launch."""
     got = count_step(monkeypatch, outside=True)
-    assert got["compute"] == {"_query_similarity_kernel": 1, "_write_kv_kernel": 1, "_head_token_index_kernel": 1}
+    assert got["compute"] == {"_query_similarity_kernel": 1, "_head_token_index_kernel": 1}
     assert got["select"] == SELECT
 
 
 def test_means_quest_and_streaming_layer_launches(monkeypatch):
-    """The rerank (19 launches: the sketch's best candidates rescored), the rerank of every page (no sketch: 3
-    launches fewer per selection), MeanS (13 launches), Quest (max pooling: no pooling kernel) and StreamingLLM
+    """The rerank (18 launches: the sketch's best candidates rescored), the rerank of every page (no sketch: 3
+    launches fewer per selection), MeanS (12 launches), Quest (max pooling: no pooling kernel) and StreamingLLM
     (nothing selected: no side-stream selection)."""
     rerank = count_step(monkeypatch, selection="rerank")
     assert rerank["select"] == RERANK and rerank["recall"] == {**RERANK, "_offload_pages_kernel": 1}
@@ -160,8 +159,8 @@ def test_means_quest_and_streaming_layer_launches(monkeypatch):
     assert quest["select"] == no_pool and quest["recall"] == {**no_pool, "_offload_pages_kernel": 1}
     streaming = count_step(monkeypatch, method="streaming")
     assert "select" not in streaming and streaming["recall"] == {"_offload_pages_kernel": 1}
-    assert streaming["compute"] == {"_query_similarity_kernel": 1, "_write_kv_kernel": 1,
-                                    "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1}
+    assert streaming["compute"] == {"_query_similarity_kernel": 1, "_sparse_decode_attention_kernel": 1,
+                                    "_combine_splits_kernel": 1}
 
 
 def test_louiskv_layer_launches(monkeypatch):

@@ -169,3 +169,26 @@ def test_sketch_picks_by_slot(G, D, nb):
     assert (sel[others] == -7).all() and qp[others].isnan().all()
     assert not qp[mine][..., G:].any()
     assert sel[mine[0], 0].tolist() == [1, 2, 0, *range(3, nb)][:nb]  # ties: the lower byte first
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,D", [(1, 64), (3, 32), (4, 128), (8, 16)])
+def test_kv_write_in_the_same_launch(G, D, cache_dtype):
+    """kv=(k, v, k_cache, v_cache, loc): each row's new K/V lands in its cache row, other rows stay as they were,
+    and the flags and prev_q update are the same as without it."""
+    q, prev_q, req_slots, has_prev = make_inputs(G, D, torch.float32)
+    dev, T = q.device, 23
+    k, v = (torch.randn(B, H, D, device=dev).to(cache_dtype) for _ in range(2))
+    loc = torch.randperm(T, device=dev)[:B].to(torch.int32)
+    caches = [torch.full((T, H, D), float("nan"), dtype=cache_dtype, device=dev) for _ in range(4)]
+    prev_ref, has_ref = prev_q.clone(), has_prev.clone()
+    ref = naive_query_similarity(q, prev_ref, req_slots, has_ref, 0.5, G, kv=(k, v, caches[0], caches[1], loc))
+    flags = query_similarity(q, prev_q, req_slots, has_prev, 0.5, G, kv=(k, v, caches[2], caches[3], loc))
+    assert torch.equal(flags, ref) and torch.equal(has_prev, has_ref)
+    assert torch.equal(prev_q.nan_to_num(), prev_ref.nan_to_num())
+    written = torch.zeros(T, dtype=torch.bool, device=dev)
+    written[loc.long()] = True
+    for name, got, want, new in (("k", caches[2], caches[0], k), ("v", caches[3], caches[1], v)):
+        assert got[~written].isnan().all(), f"{name}: rows outside loc were written"
+        assert_close(name, want[written], got[written], atol=0, rtol=0)
+        assert torch.equal(got[loc.long()], new), name
