@@ -26,8 +26,8 @@ So only flagged heads' selection and recall sit on the critical path, as in the 
 That is the FreeKV policy; the engine's retrieval policy is its selector (selectors.py): which heads select before
 attention (its trigger, the first launch), how pages are scored, whether the other heads select speculatively after
 attention, the page order of a prompt's offload and any upkeep after the offload. LouisKV (louiskv.py) triggers at
-semantic boundaries per request (semantic_boundary, then write_kv), scores clusters and segments (unit_page_scores), selects nothing
-after attention and forms segments after the offload (segment_pages). Recall never
+semantic boundaries per request (semantic_boundary, then write_kv), scores clusters and segments (unit_page_scores),
+selects nothing after attention and forms segments after the offload (segment_pages). Recall never
 writes a slot this step's attention reads: the speculative recall waits for E_attn (ordering, not
 double buffering), and the join orders it before the next step's correction recall and before the KV
 write that reuses the ring page being offloaded. Speculative work of layer l overlaps layers l+1.. of
