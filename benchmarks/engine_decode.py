@@ -9,7 +9,8 @@ are timed: Llama-3.1-8B's attention shape (32 layers by default, 32 query / 8 KV
 first layer dense and left out (as in SGLang, where the wrapped backend runs it), every other layer sparse. There
 are no model GEMMs, no norms, no MLPs, no sampling: a step is the engine's plan, per sparse layer its trigger,
 selection, recall, KV write, attention (the engine's own split-K Triton kernel, not FlashInfer), offload and the
-policy's upkeep, and the join, captured in one CUDA graph and replayed (eager on CPU). Step time is therefore the attention-side cost of a step only.
+policy's upkeep, and the join, captured in one CUDA graph and replayed (eager on CPU). Step time is therefore the
+attention-side cost of a step only.
 
 Per config (context, batch, policy) each request gets a random prompt (K and V ~ N(0, 1) per layer; LouisKV
 clusters it with its k-means at prefill), then `--steps` decode steps with random new K/V and synthetic queries

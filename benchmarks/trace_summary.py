@@ -53,9 +53,9 @@ def main() -> None:
     print(f"CPU span {span(cpu):.2f} ms, GPU span {span(gpu):.2f} ms, GPU busy "
           f"{merged_busy([(e['ts'], e['ts'] + e['dur']) for e in gpu]) / 1e3:.2f} ms")
     if gpu and cpu:
-        print(f"GPU activity starts {(min(e['ts'] for e in gpu) - min(e['ts'] for e in cpu)) / 1e3:.2f} ms into the "
-              f"CPU window and ends {(max(e['ts'] + e['dur'] for e in cpu) - max(e['ts'] + e['dur'] for e in gpu)) / 1e3:.2f}"
-              " ms before its end")
+        start = (min(e["ts"] for e in gpu) - min(e["ts"] for e in cpu)) / 1e3
+        end = (max(e["ts"] + e["dur"] for e in cpu) - max(e["ts"] + e["dur"] for e in gpu)) / 1e3
+        print(f"GPU activity starts {start:.2f} ms into the CPU window and ends {end:.2f} ms before its end")
     sums: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     keys = [k for k in args.match.split(",") if k]
     for e in events:

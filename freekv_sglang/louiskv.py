@@ -90,8 +90,7 @@ class LouisKV(Selector):
         self.seg_row = per_layer(lambda: torch.full((R, H), -1, dtype=torch.int32, device=dev))
         self.seg_ord = per_layer(lambda: torch.zeros(R, H, dtype=torch.int32, device=dev))
         # The softmax partials of one layer's scoring; layers score one after another on the select stream.
-        self.scratch = torch.empty(R, H, unit_scratch_size(e.shape.num_q_heads // H, M, upp), dtype=torch.float32,
-                                   device=dev)
+        self.scratch = torch.empty(R, H, unit_scratch_size(e.shape.group, M, upp), dtype=torch.float32, device=dev)
 
     def trigger(self, plan, layer, q, heads, kv):
         e = self.engine

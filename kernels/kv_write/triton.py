@@ -25,14 +25,21 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr,
     tl.store(vc_ptr + row * svc_t + h * svc_h + d, v.to(vc_ptr.dtype.element_ty))
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             loc: torch.Tensor) -> None:
+def check_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   loc: torch.Tensor) -> None:
+    """write_kv's arguments, also where another kernel does the write (query_similarity's kv=)."""
     check_device(k, v, k_cache, v_cache, loc)
     check_index_vectors(loc=loc)
     B, H, D = k.shape
     assert v.shape == k.shape and k_cache.shape[1:] == (H, D) and v_cache.shape == k_cache.shape and loc.shape == (B,)
     assert D & (D - 1) == 0
     assert all(t.stride(-1) == 1 for t in (k, v, k_cache, v_cache))
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             loc: torch.Tensor) -> None:
+    check_write_kv(k, v, k_cache, v_cache, loc)
+    B, H, D = k.shape
     if B * H == 0:
         return
     _write_kv_kernel[(B, H)](k, v, k_cache, v_cache, loc,

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors
+from ..kv_write.triton import check_write_kv
 from .naive import EPS, PER_BYTE
 
 
@@ -138,10 +139,8 @@ def query_similarity(
         assert qp.shape[1:] == (H, nb * PER_BYTE, GP) and qp.dtype == torch.float32 and qp.stride(3) == 1
     if kv is not None:
         k, v, k_cache, v_cache, loc = kv
-        check_device(k, v, k_cache, v_cache, loc)
-        check_index_vectors(loc=loc)
-        assert k.shape == v.shape == (B, H, D) and k_cache.shape[1:] == (H, D) and v_cache.shape == k_cache.shape
-        assert loc.shape == (B,) and all(t.stride(-1) == 1 for t in (k, v, k_cache, v_cache))
+        check_write_kv(*kv)
+        assert k.shape == (B, H, D), f"k {tuple(k.shape)} does not match q's rows and KV heads {(B, H, D)}"
     _query_similarity_kernel[(B,)](
         q, prev_q, req_slots, has_prev, flags, flags if stats is None else stats,
         slots if with_heads else flags, n_slots if with_heads else flags, heads if with_heads else flags,
