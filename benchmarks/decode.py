@@ -22,7 +22,11 @@ Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args s
   recall-all  speculation without delta recall (--kv-recall all)
 A configuration may add server flags after its name, e.g. --configs "full,freekv,freekv --kv-recall-programs 0".
 Random weights make adjacent queries nearly uncorrelated, so at tau 0.9 almost every head is flagged;
-tau0 and tau1 bracket what a real model's correction rate gives.
+tau0 and tau1 bracket what a real model's correction rate gives. Realistic churn: "freekv --kv-bench-correction-rate
+0.1" flags each (request, KV head) check with that probability instead (FreeKV's paper: 0.04-0.14 on
+Llama-3.1-8B at tau 0.8, 0.17-0.43 at 0.9), while selection and recall run on the model's own queries and keys,
+which change about a fifth of the selected pages per step, as SmolLM2's real ones change a quarter
+(benchmarks/NOTES.md, thirteenth session). The correction rate column reports what the server measured.
 """
 
 from __future__ import annotations

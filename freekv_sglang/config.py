@@ -86,6 +86,12 @@ class FreeKVConfig:
     recall_programs: GPU programs of the speculative recall, which reads host memory beside the model's GEMMs
         (each program strides over the pages to recall); 0 launches one per (request, head, slot), which holds
         an SM slot per page through its PCIe round trip. The recall before attention always uses one per page.
+    replay_correction_rate: benchmarks only (None, the default: off). FreeKV flags each (request, KV head) check of a
+        sparse layer with this probability, drawn per step, instead of by the similarity test; selection, recall and
+        the rest of the step are unchanged. A model with random weights has unrealistic query churn: adjacent
+        queries nearly uncorrelated (the Llama-3.1-8B shape flags 99% of checks at tau 0.9) or nearly constant (the
+        Qwen2.5-7B shape: 0.1%). This replays a real model's rate instead: FreeKV's paper reports 0.04-0.14 at tau
+        0.8 and 0.17-0.43 at 0.9 on Llama-3.1-8B, SmolLM2-135M 0.13-0.16 at 0.8 and 0.5-0.8 at 0.9.
     """
 
     budget: int = 2048
@@ -107,6 +113,7 @@ class FreeKVConfig:
     prefill: str = "full"
     tsp_layer: int = 15
     tsp_keep: int = 2048
+    replay_correction_rate: float | None = None
 
     def __post_init__(self) -> None:
         p = self.page_size
@@ -158,6 +165,13 @@ class FreeKVConfig:
         if not _is_int(self.tsp_keep) or self.tsp_keep <= TSP_WINDOW:
             raise ValueError(f"tsp_keep must be an integer above the {TSP_WINDOW}-token observation "
                              f"window, which always propagates; got {self.tsp_keep!r}")
+        r = self.replay_correction_rate
+        if r is not None:
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+                raise ValueError(f"replay_correction_rate must be a number in [0, 1] or None, got {r!r}")
+            if self.retrieval != "freekv":
+                raise ValueError("replay_correction_rate replays FreeKV's correction; LouisKV retrieves at semantic "
+                                 "boundaries instead: drop replay_correction_rate")
 
     @property
     def sink_pages(self) -> int:

@@ -179,6 +179,10 @@ class FreeKVEngine:
                            for d in self.dense]
         self._recall = [None if d else torch.zeros(R, H, k, dtype=torch.int8, device=self.device)
                         for d in self.dense]
+        # cfg.replay_correction_rate (benchmarks): every step's uniform draws per (layer, row, KV head), made by plan().
+        self._replay_u = None
+        if cfg.replay_correction_rate is not None and self.retrieval:
+            self._replay_u = torch.ones(L, R, H, dtype=torch.float32, device=self.device)
         self._free_slots = [s for s in range(R - 1, -1, -1) if s != self.pad_slot]
         self._len = [0] * R
         self._host_pages: list[list[int]] = [[] for _ in range(R)]
@@ -524,11 +528,14 @@ class FreeKVEngine:
         return self.plan(pad_to or len(slots))
 
     def plan(self, batch: int) -> StepPlan:
-        """Device-side planning from the static step buffers into the static plan buffers, one launch: capturable
-        in a CUDA graph. The plan returned is a view, valid until the next plan."""
+        """Device-side planning from the static step buffers into the static plan buffers, one launch (two with
+        cfg.replay_correction_rate): capturable in a CUDA graph. The plan returned is a view, valid until the next
+        plan."""
         cfg, plan = self.cfg, self._plan.rows(batch)
         self.ops.plan_step(plan.req_slots, self._step_lens[:batch], self.page_table, cfg.page_size, cfg.sink_pages,
                            cfg.window_pages, self.pad_slot, self.retrieval, **plan.outputs())
+        if self._replay_u is not None:
+            self._replay_u[:, :batch].uniform_()  # one launch a step; graph capture replays fresh draws
         return plan
 
     def prepare_step(self, slots: list[int], pad_to: int | None = None, lens: list[int] | None = None) -> None:

@@ -63,10 +63,11 @@ _KNOB_FLAGS = {
     "kv_prefill": ("--kv-prefill", "prefill"),
     "kv_tsp_layer": ("--kv-tsp-layer", "tsp_layer"),
     "kv_tsp_keep": ("--kv-tsp-keep", "tsp_keep"),
+    "kv_bench_correction_rate": ("--kv-bench-correction-rate", "replay_correction_rate"),
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
 _FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_selection", "kv_rerank_factor",
-                "kv_sketch_channels")
+                "kv_sketch_channels", "kv_bench_correction_rate")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb", "kvstore_timeout")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb",
@@ -136,7 +137,7 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
         choices=KV_RETRIEVAL_CHOICES,
         default=None,
         help="KV retrieval method for decode attention: 'freekv' turns FreeKV on; 'louiskv' is LouisKV's policy "
-        "(retrieval at semantic boundaries, prompt clusters, output segments), which this server refuses for now "
+        "(retrieval at semantic boundaries, prompt clusters, output segments), served with --disable-radix-cache "
         f"(default: none, or ${ENV_KV_RETRIEVAL}).",
     )
     g.add_argument("--kv-budget", type=int, default=None, metavar="TOKENS",
@@ -193,6 +194,11 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    f"(default: {_DEFAULTS.tsp_layer})")
     g.add_argument("--kv-tsp-keep", type=int, default=None, metavar="TOKENS",
                    help=f"--kv-prefill tsp: tokens propagated past --kv-tsp-layer (default: {_DEFAULTS.tsp_keep})")
+    g.add_argument("--kv-bench-correction-rate", type=float, default=None, metavar="RATE",
+                   help="benchmarks only: flag each (request, KV head) for correction with this probability per "
+                        "step instead of by query similarity, to decode a random-weight model at a real model's "
+                        "correction rate (FreeKV's paper: 0.04-0.14 at tau 0.8 on Llama-3.1-8B); selection and "
+                        "recall are unchanged (default: off)")
     g.add_argument("--kvstore-endpoint", default=None, metavar="URL",
                    help="an already running kvstore daemon (ipc://<path> or tcp://<host>:<port>; a tcp daemon's "
                         "token comes from $FREEKV_KVSTORE_TOKEN). Default: start an embedded daemon with this "

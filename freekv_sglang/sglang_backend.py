@@ -161,6 +161,9 @@ class FreeKVAttnBackend(AttentionBackend):
                     "slots (page summaries %.2f GB); %d staging pages", self.rank, cfg, host_pages,
                     host_pages * page_bytes / 1e9, endpoint, gpu_bytes / 1e9, self.engine.num_slots,
                     summary_bytes / 1e9, self.staging.num_pages)
+        if cfg.replay_correction_rate is not None:
+            logger.warning("FreeKV benchmark mode (--kv-bench-correction-rate %g): correction is drawn at random, "
+                           "not decided by query similarity; do not serve with it", cfg.replay_correction_rate)
         _ACTIVE.append(self)
 
     def __getattr__(self, name):

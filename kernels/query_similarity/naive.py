@@ -24,6 +24,7 @@ def naive_query_similarity(
     picks: tuple[torch.Tensor, torch.Tensor] | None = None,
     pick_scale: float = 1.0,
     kv: tuple[torch.Tensor, ...] | None = None,
+    replay: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Flags [B, H]: the KV heads whose group-mean cosine similarity of q and the slot's previous query is below
     tau (every head at tau >= 1, none at tau <= 0 unless the slot has no previous query); q becomes the previous
@@ -32,7 +33,9 @@ def naive_query_similarity(
     slots ([R, H, k] int32, a layer's slot table), n_slots ([B] int32) and heads ([B, H] bool, written) go
     together: heads[b, h] = flags[b, h] or head h of request req_slots[b] holds fewer pages than n_slots[b].
     picks: (sel [R, H, NB] int32, qp [R, H, 4 NB, GP] fp32) receive naive_sketch_picks(q, group, NB, pick_scale)
-    at rows req_slots. kv: (k, v, k_cache, v_cache, loc), the step's naive_write_kv, done in the same launch."""
+    at rows req_slots. kv: (k, v, k_cache, v_cache, loc), the step's naive_write_kv, done in the same launch.
+    replay: (u [B, H] float32 uniform draws, rate), benchmarks only: a head is flagged where u < rate (or its slot
+    has no previous query) instead of by tau; the cosines are still computed and counted."""
     B, Hq, D = q.shape
     slots_idx = req_slots.long()
     prev = prev_q[slots_idx].float()  # a copy: read before the rows are overwritten below
@@ -40,7 +43,10 @@ def naive_query_similarity(
     cos = (qf * prev).sum(-1) / (qf.norm(dim=-1) * prev.norm(dim=-1)).clamp_min(EPS)  # [B, Hq]
     mean = cos.view(B, Hq // group, group).mean(-1)
     had = has_prev[slots_idx]
-    flags = (mean < tau) & (tau > 0) | (tau >= 1) | ~had[:, None]
+    if replay is None:
+        flags = (mean < tau) & (tau > 0) | (tau >= 1) | ~had[:, None]
+    else:
+        flags = (replay[0] < replay[1]) | ~had[:, None]
     if stats is not None:
         real = (req_slots != pad_slot)[:, None]
         counted = real & had[:, None]

@@ -16,8 +16,8 @@ from .naive import EPS, PER_BYTE
 @triton.jit
 def _query_similarity_kernel(
     q_ptr, prev_ptr, slots_ptr, has_prev_ptr, flags_ptr, stats_ptr, table_ptr, nslots_ptr, heads_ptr,
-    sel_ptr, qp_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr,
-    tau, H, K, pad_slot, pick_scale,
+    sel_ptr, qp_ptr, k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr, u_ptr,
+    tau, H, K, pad_slot, pick_scale, rate,
     sq_b, sq_h, sq_d,
     sp_r, sp_h, sp_d,
     s_slot, s_has,
@@ -26,14 +26,14 @@ def _query_similarity_kernel(
     s_ns,
     sh_b, sh_h,
     ssel_r, ssel_h, sqp_r, sqp_h, sqp_c,
-    sk_b, sk_h, sv_b, sv_h, skc_t, skc_h, svc_t, svc_h, s_loc,
+    sk_b, sk_h, sv_b, sv_h, skc_t, skc_h, svc_t, svc_h, s_loc, su_b, su_h,
     G: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
     STATS: tl.constexpr, HEADS: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, PER_BYTE: tl.constexpr,
-    WRITE_KV: tl.constexpr,
+    WRITE_KV: tl.constexpr, REPLAY: tl.constexpr,
 ):
     """One program per batch row: all Hq heads as [HP, GP, D] (KV head, head in group, dim). NB > 0: also the
     sketch's picks of the row's query (naive_sketch_picks), by request slot, for both selection phases. WRITE_KV:
-    also the row's new K and V token into its cache row loc[b]."""
+    also the row's new K and V token into its cache row loc[b]. REPLAY: flags from uniform draws u < rate."""
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
     h = tl.arange(0, HP)
@@ -50,7 +50,11 @@ def _query_similarity_kernel(
     dot = tl.sum(qf * prev, axis=2)
     norms = tl.sqrt(tl.sum(qf * qf, axis=2)) * tl.sqrt(tl.sum(prev * prev, axis=2))
     mean = tl.sum(dot / tl.maximum(norms, EPS), axis=1) / G  # padded heads have dot == 0
-    flags = ((mean < tau) & (tau > 0)) | (tau >= 1) | (has == 0)
+    if REPLAY:
+        u = tl.load(u_ptr + b * su_b + h.to(tl.int64) * su_h, mask=h < H, other=1.0)
+        flags = (u < rate) | (has == 0)
+    else:
+        flags = ((mean < tau) & (tau > 0)) | (tau >= 1) | (has == 0)
     tl.store(flags_ptr + b * sf_b + h.to(tl.int64) * sf_h, flags, mask=h < H)
     if HEADS:
         # Heads holding fewer pages than the row has slots to fill select before attention too.
@@ -113,6 +117,7 @@ def query_similarity(
     picks: tuple[torch.Tensor, torch.Tensor] | None = None,
     pick_scale: float = 1.0,
     kv: tuple[torch.Tensor, ...] | None = None,
+    replay: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """See naive_query_similarity."""
     check_device(q, prev_q, req_slots, has_prev)
@@ -141,19 +146,25 @@ def query_similarity(
         k, v, k_cache, v_cache, loc = kv
         check_write_kv(*kv)
         assert k.shape == (B, H, D), f"k {tuple(k.shape)} does not match q's rows and KV heads {(B, H, D)}"
+    if replay is not None:
+        u, rate = replay
+        check_device(u)
+        assert u.shape == (B, H) and u.dtype == torch.float32, f"replay draws {tuple(u.shape)} {u.dtype}, not [B, H]"
     _query_similarity_kernel[(B,)](
         q, prev_q, req_slots, has_prev, flags, flags if stats is None else stats,
         slots if with_heads else flags, n_slots if with_heads else flags, heads if with_heads else flags,
         sel if nb else flags, qp if nb else flags, *(kv if kv is not None else (flags,) * 5),
-        float(tau), H, K, pad_slot, float(pick_scale),
+        u if replay is not None else flags,
+        float(tau), H, K, pad_slot, float(pick_scale), float(rate) if replay is not None else 0.0,
         *q.stride(), *prev_q.stride(), req_slots.stride(0), has_prev.stride(0), *flags.stride(),
         *(slots.stride() if with_heads else (0, 0, 0)), n_slots.stride(0) if with_heads else 0,
         *(heads.stride() if with_heads else (0, 0)),
         *(sel.stride()[:2] if nb else (0, 0)), *(qp.stride()[:3] if nb else (0, 0, 0)),
         *((k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
            v_cache.stride(0), v_cache.stride(1), loc.stride(0)) if kv is not None else (0,) * 9),
+        *(u.stride() if replay is not None else (0, 0)),
         G=group, HP=triton.next_power_of_2(H), GP=GP, D=D, EPS=EPS,
         STATS=stats is not None, HEADS=with_heads, KP=triton.next_power_of_2(K), NB=nb, PER_BYTE=PER_BYTE,
-        WRITE_KV=kv is not None, num_warps=8 if Hq * D > 4096 else 4,
+        WRITE_KV=kv is not None, REPLAY=replay is not None, num_warps=8 if Hq * D > 4096 else 4,
     )
     return flags

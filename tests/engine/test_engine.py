@@ -147,8 +147,9 @@ def drift(prev, n_heads):
 
 
 def run_and_check(cfg, H, G, prompt_lens, steps, L=3, backend="torch", atol=1e-5, expect_dense=False,
-                  attention=None):
-    """Prefill each prompt, decode `steps` batched steps, compare every layer with the oracle."""
+                  attention=None, oracle_tau=None):
+    """Prefill each prompt, decode `steps` batched steps, compare every layer with the oracle (correcting by
+    oracle_tau, default cfg.tau)."""
     eng = make_engine(cfg, H, G, L, backend=backend)
     scale = 1 / math.sqrt(D)
     reqs = []
@@ -159,7 +160,7 @@ def run_and_check(cfg, H, G, prompt_lens, steps, L=3, backend="torch", atol=1e-5
         for layer in range(L):
             K, V, q = torch.randn(n, H, D), torch.randn(n, H, D), torch.randn(H * G, D)
             eng.prefill_layer(slot, layer, K.to(DEV), V.to(DEV), q.to(DEV))
-            o = Oracle(cfg, H, G, cfg.tau)
+            o = Oracle(cfg, H, G, cfg.tau if oracle_tau is None else oracle_tau)
             o.prefill(K, V, q)
             oracles.append(o)
         reqs.append((slot, oracles))
@@ -495,6 +496,40 @@ def test_one_kv_head_and_many_candidates(backend):
     cfg = FreeKVConfig(budget=96 * 32, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1)
     run_and_check(cfg, H=1, G=8, prompt_lens=[1201, 700], steps=3, L=2, backend=backend, atol=1e-4,
                   expect_dense=True)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_replayed_correction_rate_overrides_tau(backend):
+    """cfg.replay_correction_rate (benchmarks): rate 0 decodes as pure speculation and rate 1 as no speculation,
+    whatever tau."""
+    base = dict(budget=48, sink=16, window=16, page_size=16, dense_layers=1)
+    run_and_check(FreeKVConfig(**base, tau=1.0, replay_correction_rate=0.0), H=2, G=2, prompt_lens=[150, 97],
+                  steps=3, L=2, backend=backend, oracle_tau=0.0)
+    run_and_check(FreeKVConfig(**base, tau=0.0, replay_correction_rate=1.0), H=2, G=2, prompt_lens=[150, 97],
+                  steps=3, L=2, backend=backend, oracle_tau=1.0)
+
+
+def test_replayed_correction_rate_flags_that_share():
+    """A replayed rate in between flags about that share of the checks, fresh draws every step."""
+    cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, dense_layers=0, tau=0.9,
+                       replay_correction_rate=0.3)
+    eng = make_engine(cfg, H=8, G=1, L=1)
+    slots = [eng.add_request() for _ in range(4)]
+    for slot in slots:
+        eng.begin_prefill(slot, 80)
+        k, v = (torch.randn(80, 8, D, device=DEV) for _ in range(2))
+        eng.prefill_layer(slot, 0, k, v, torch.randn(8, D, device=DEV))
+    q = torch.randn(4, 8, D, device=DEV)
+    flagged = []
+    for _ in range(25):  # the same query every step: the similarity test would flag nothing at tau 0.9
+        plan = eng.begin_step(slots)
+        eng.attend(plan, 0, q, *(torch.randn(4, 8, D, device=DEV) for _ in range(2)))
+        eng.end_step()
+        flagged.append(eng.stats()["flagged"])
+    rate = eng.stats()["correction_rate"][0]  # 800 checks: a standard error of 0.016
+    assert 0.22 < rate < 0.38, rate
+    per_step = [b - a for a, b in zip(flagged, flagged[1:])]
+    assert len(set(per_step)) > 3, f"the draws repeat: {per_step}"
 
 
 def test_recall_all_ablation_attends_alike_and_recalls_more():

@@ -192,3 +192,26 @@ def test_kv_write_in_the_same_launch(G, D, cache_dtype):
         assert got[~written].isnan().all(), f"{name}: rows outside loc were written"
         assert_close(name, want[written], got[written], atol=0, rtol=0)
         assert torch.equal(got[loc.long()], new), name
+
+
+@pytest.mark.parametrize("G,D", [(1, 64), (3, 128), (4, 32), (8, 64)])
+def test_replayed_flags_follow_the_draws_not_tau(G, D):
+    """replay=(u, rate): flags are u < rate (or no previous query) whatever the cosines and tau; the cosines are
+    still counted, and prev_q is updated as without it."""
+    q, prev_q, req_slots, has_prev = make_inputs(G, D, torch.float32)
+    dev = q.device
+    u = torch.rand(B, H, device=dev)
+    u[0, 0], u[3, -1] = 0.0, 0.999  # one draw certainly below, one certainly above the rate
+    old_has = has_prev[req_slots.long()].clone()
+    for tau in (0.0, 0.5, 1.0):
+        p_ref, h_ref, p_tri, h_tri = prev_q.clone(), has_prev.clone(), prev_q.clone(), has_prev.clone()
+        s_ref = torch.zeros(3, dtype=torch.float64, device=dev)
+        s_tri = s_ref.clone()
+        ref = naive_query_similarity(q, p_ref, req_slots, h_ref, tau, G, s_ref, replay=(u, 0.35))
+        with poisoned_outputs():
+            flags = query_similarity(q, p_tri, req_slots, h_tri, tau, G, s_tri, replay=(u, 0.35))
+        assert torch.equal(flags, ref)
+        assert torch.equal(flags, (u < 0.35) | ~old_has[:, None])
+        torch.testing.assert_close(s_tri, s_ref, rtol=1e-5, atol=1e-5)
+        assert s_ref[2] > 0, "the cosines of rows with a previous query are still counted"
+        assert torch.equal(p_tri.nan_to_num(), p_ref.nan_to_num()) and torch.equal(h_tri, h_ref)
