@@ -360,9 +360,10 @@ def test_step_timer_samples_layers_over_the_depth():
     assert StepTimer([1, 2, 3], 8).layers == {1, 2, 3}
 
 
-@pytest.mark.parametrize("tau", [0.0, 0.6, 1.0])
+@pytest.mark.parametrize("tau", [0.6])
 def test_triton_kernels_match_oracle(tau):
-    """The same oracle check with every op from the Triton kernels (interpreter on CPU, CUDA on GPU)."""
+    """The same oracle check with every op from the Triton kernels (interpreter on CPU, CUDA on GPU). Taus 0 and 1
+    under Triton: test_replayed_correction_rate_overrides_tau (the same decode with every head, or none, flagged)."""
     cfg = FreeKVConfig(budget=32, sink=16, window=16, page_size=16, tau=tau, dense_layers=1)
     run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=18, L=2, backend="triton", atol=1e-4)
 
