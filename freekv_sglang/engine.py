@@ -358,14 +358,9 @@ class FreeKVEngine:
         self._check_shareable(slot)
         cfg, p, s = self.cfg, self.cfg.page_size, self.cfg.sink_pages
         n = self._len[slot]
-        if not 0 < num_pages <= n // p:
-            raise ValueError(f"slot {slot} holds {n} tokens: 1..{n // p} full pages can be exported, not {num_pages}")
         if staged is not None and not self.dense_outside:
             raise ValueError("a staged prompt's dense layers are the caller's: export from staging needs dense_outside")
-        need = min(s, num_pages) - len(self._sink_host[slot])
-        if need > 0:
-            self._sink_host[slot].extend(self.host.alloc_extra(self._owner[slot], need))
-        pages = (self._sink_host[slot] + self._host_pages[slot])[:num_pages]
+        pages = self.export_pages(slot, num_pages)
         todo = range(self._complete[slot], num_pages)
         if todo:
             self.streams.join()  # the offloads queued on the side streams are in before these writes
@@ -398,6 +393,25 @@ class FreeKVEngine:
                 torch.cuda.synchronize(self.device)  # the arena is read next by other requests (and the CPU)
             self._complete[slot] = num_pages
         return list(pages)
+
+    def export_pages(self, slot: int, num_pages: int) -> list[int]:
+        """The host pages of a slot's full logical pages [0, num_pages), the sink's taken from the host pool now if it
+        has none yet (a request's sink pages get host pages only to be exported or shared)."""
+        self._check_shareable(slot)
+        n, p = self._len[slot], self.cfg.page_size
+        if not 0 < num_pages <= n // p:
+            raise ValueError(f"slot {slot} holds {n} tokens: 1..{n // p} full pages can be exported, not {num_pages}")
+        need = min(self.cfg.sink_pages, num_pages) - len(self._sink_host[slot])
+        if need > 0:
+            self._sink_host[slot].extend(self.host.alloc_extra(self._owner[slot], need))
+        return (self._sink_host[slot] + self._host_pages[slot])[:num_pages]
+
+    def exported_by_caller(self, slot: int, num_pages: int) -> list[int]:
+        """export_prefix for pages the caller wrote itself, every layer of them, into export_pages' host pages, with
+        that work complete on the device: marks them complete and returns their host pages."""
+        pages = self.export_pages(slot, num_pages)
+        self._complete[slot] = max(self._complete[slot], num_pages)
+        return pages
 
     def begin_prefill_shared(self, slot: int, prefix_pages: list[int], num_tokens: int) -> None:
         """Start a prompt of num_tokens whose first len(prefix_pages) full pages are a shared prefix: prefix_pages are

@@ -236,6 +236,9 @@ class PrefixSharing:
         done = eng._complete[slot]  # pages complete in the arena: exported before, or a hit's shared prefix
         if num_pages <= done:
             return 0
+        if b.forward_exported(slot) >= num_pages:  # its prefill's forward wrote them whole (_export_in_forward)
+            pages = eng.exported_by_caller(slot, num_pages)
+            return self._retain(req, slot, pages, done, None)
         staged = None
         if b.staging.pages(slot):  # still in prefill: its sink pages are in staging, and the chunk may be in flight
             if eng.device.type == "cuda":
@@ -255,7 +258,12 @@ class PrefixSharing:
             logger.warning("FreeKV: a prompt of %d pages is not shared: %s", num_pages, e)
             return 0
         self._export_dense(slot, pages, done)
-        tokens = (req.origin_input_ids + req.output_ids)[:num_pages * p]
+        return self._retain(req, slot, pages, done, staged)
+
+    def _retain(self, req: Any, slot: int, pages: list[int], done: int, staged) -> int:
+        """Retain a slot's exported pages (whole in the arena) under the chain keys of req's tokens."""
+        b, num_pages = self.backend, len(pages)
+        tokens = (req.origin_input_ids + req.output_ids)[:num_pages * self.page_size]
         if not b.host.retain_chain(self.keys(tokens, getattr(req, "extra_key", None)), pages):
             return 0
         if staged is not None:  # its own staging pages (past a hit's prefix) now hold retained pages

@@ -55,7 +55,9 @@ class StagedPrefill:
     """Device index vectors of one extend batch: pages to offload (staging page -> host page) and, for prompts
     this batch completes, sink and window pages to copy (staging page -> engine page). A retrieval that needs
     whole prompts (LouisKV) offloads nothing as chunks fill: `whole` lists the prompts this batch completes, each
-    with the staging page of every logical page, for store_staged_prompt."""
+    with the staging page of every logical page, for store_staged_prompt. With radix sharing the prompts this batch
+    completes are also made whole in the arena by it (_export_in_forward): their sink pages join the offloads, their
+    dense layers' rows are copied (dense_rows, dense_dst)."""
 
     offload_src: torch.Tensor
     offload_dst: torch.Tensor
@@ -64,6 +66,8 @@ class StagedPrefill:
     resident_dst: torch.Tensor
     completed: list[int]
     whole: list[tuple[int, torch.Tensor]]
+    dense_rows: torch.Tensor | None = None  # radix export in the forward: the dense layers' token rows to copy
+    dense_dst: torch.Tensor | None = None  # and their host pages (one per page_size rows)
 
 
 def _capturing() -> bool:
@@ -144,6 +148,9 @@ class FreeKVAttnBackend(AttentionBackend):
         self._generation: dict[int, int] = {}
         self._freed: set[int] = set()
         self._lost: dict[int, HostPagesUnavailable] = {}  # slot -> why its prompt's host pages could not be had
+        # Radix sharing: slot -> [full pages its completing prefill forward writes whole into the arena, an event after
+        # that forward's copies (None before the forward ran, and on CPU)]; see _export_in_forward.
+        self._forward_export: dict[int, list] = {}
         self._plan = None
         self._extend: StagedPrefill | None = None
         self._translated = False
@@ -185,6 +192,7 @@ class FreeKVAttnBackend(AttentionBackend):
             self._unstage(slot)  # a prompt aborted mid-prefill
             self._generation.pop(slot, None)
             self._lost.pop(slot, None)
+            self._forward_export.pop(slot, None)
         self._freed.clear()
 
     def reserve_decode(self, slots: list[int]) -> dict[int, HostPagesUnavailable]:
@@ -239,7 +247,8 @@ class FreeKVAttnBackend(AttentionBackend):
         gens = self.req_pool.req_generation[slots].tolist()
         lists: dict[str, list[int]] = {k: [] for k in ("map_slot", "map_col", "map_page", "off_src", "off_dst",
                                                          "res_src", "res_dst")}
-        completed, whole = [], []
+        completed, whole, dense_export = [], [], []
+        self._forward_export = {s: e for s, e in self._forward_export.items() if s not in slots}  # a new prefill
         for slot, a, n, fin, gen, pin in zip(slots, fb.extend_prefix_lens_cpu, fb.seq_lens_cpu[:raw_bs].tolist(),
                                              done, gens, pins):
             if pin is not None and pin.tokens != a:
@@ -286,6 +295,8 @@ class FreeKVAttnBackend(AttentionBackend):
                     if j < cfg.sink_pages or j >= c - cfg.window_pages:
                         lists["res_src"].append(staged[j])
                         lists["res_dst"].append(eng.layout.resident_page(slot, j))
+                if self.radix is not None:
+                    self._export_in_forward(slot, n, staged, lists, dense_export)
         dev = eng.device
         t = {k: torch.tensor(v, dtype=torch.int32).to(dev, non_blocking=True) for k, v in lists.items()}
         self._prefix_index = prefix_fill_index(eng, self._prefix_fill)
@@ -295,6 +306,44 @@ class FreeKVAttnBackend(AttentionBackend):
         whole = [(slot, torch.tensor(staged, dtype=torch.int32).to(dev, non_blocking=True)) for slot, staged in whole]
         self._extend = StagedPrefill(t["off_src"], t["off_dst"], torch.ones_like(t["off_src"], dtype=torch.bool),
                                      t["res_src"].long(), t["res_dst"].long(), completed, whole)
+        if dense_export:
+            self._extend.dense_rows = torch.cat([self.req_pool.req_to_token[slot, first * p:(first + len(pages)) * p]
+                                                 for slot, first, pages in dense_export]).to(dev, torch.int64)
+            self._extend.dense_dst = torch.tensor([hp for _, _, pages in dense_export for hp in pages],
+                                                  dtype=torch.int32).to(dev, non_blocking=True)
+
+    def _export_in_forward(self, slot: int, n: int, staged: list[int], lists: dict[str, list[int]],
+                           dense_export: list[tuple[int, int, list[int]]]) -> None:
+        """Radix sharing, a prompt this extend batch completes: besides the offload of its full pages past the sink,
+        have this forward write what its export needs (its sink pages from staging, its dense layers' K/V from
+        SGLang's pool into their host pages), so the export that follows the forward only retains them. Exported
+        after the forward instead (PrefixSharing.export), the copies and the device synchronisation before the
+        retain ran on the scheduler thread, where SGLang's overlap scheduler had already launched the next forward:
+        a burst of prompts waited for each other's prefills (+25% time to first token at 8 x 32K, session 19)."""
+        eng, p = self.engine, self.engine.cfg.page_size
+        first, num_pages = eng._complete[slot], n // p  # complete already: a hit's shared prefix, exported chunks
+        if num_pages <= first:
+            return
+        try:
+            pages = eng.export_pages(slot, num_pages)
+        except HostPagesUnavailable as e:  # no room for its sink: the export after the forward fails the same way
+            logger.warning("FreeKV rank %d: request slot %d's prompt cannot be shared: %s", self.rank, slot, e)
+            return
+        for j in range(first, min(eng.cfg.sink_pages, num_pages)):
+            lists["off_src"].append(staged[j])
+            lists["off_dst"].append(pages[j])
+        dense_export.append((slot, first, pages[first:]))
+        self._forward_export[slot] = [num_pages, None]
+
+    def forward_exported(self, slot: int) -> int:
+        """Full pages of the slot's prompt its completed prefill forward wrote whole into the arena (0: none), after
+        waiting for that forward's copies (SGLang calls the export once the forward's results are in: no wait then)."""
+        entry = self._forward_export.get(slot)
+        if entry is None or entry[1] is None and self.engine.device.type == "cuda":  # its forward has not run yet
+            return 0
+        if entry[1] is not None:
+            entry[1].synchronize()
+        return entry[0]
 
     def _stage_host_pages(self, slot: int, n: int, pin=None) -> bool:
         """Grow a prompt to n tokens in the engine (host pages from the kvstore), starting from a radix hit's shared
@@ -416,7 +465,12 @@ class FreeKVAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         lid = layer.layer_id
         if not self.pool.is_staged(lid):
-            return self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+            o = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+            ext = self._extend
+            if ext is not None and ext.dense_rows is not None:  # the layer's K/V of prompts completed, to the arena
+                self.engine.ops.pages_to_host(self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid),
+                                              ext.dense_rows, self.engine.host.arena[:, lid], ext.dense_dst)
+            return o
         if not self._translated:
             self._translate_prefix_indices(forward_batch)
             self._translated = True
@@ -435,6 +489,12 @@ class FreeKVAttnBackend(AttentionBackend):
             if lid == self.last_layer:
                 # Join the offloads before staging pages are reused or the engine decodes these prompts.
                 self.engine.end_step()
+                if torch.cuda.is_available() and any(s in self._forward_export for s in ext.completed):
+                    done = torch.cuda.Event()
+                    done.record()
+                    for slot in ext.completed:
+                        if slot in self._forward_export:
+                            self._forward_export[slot][1] = done
                 for slot in ext.completed:
                     self._unstage(slot)
                 self._extend = None

@@ -195,6 +195,10 @@ def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon
     a = Request(runner, 1, len(tokens))
     req_a = sglang_req("a", tokens)
     run_prefill(backend, [a], chunk)
+    # The forward that completed the prompt wrote its 5 full pages whole (sink and dense layers included): the export
+    # after it only retains them, with no copy (nor device synchronisation) on the scheduler's side.
+    assert backend.forward_exported(1) == 5
+    export_prefix, backend.engine.export_prefix = backend.engine.export_prefix, None
     exported = backend.radix.exported_pages
     if export_at == "prefill":  # shared while A decodes
         prefilled(cache, a, req_a)
@@ -202,6 +206,7 @@ def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon
     decode(backend, [a], 3)
     if export_at == "finish":
         finish(cache, backend, runner, a, req_a)
+    backend.engine.export_prefix = export_prefix
     assert backend.radix.exported_pages == exported + 5  # 93 tokens: 5 full pages
 
     # B shares 3.5 pages of A's prompt (a prefix ending mid-page), then its own tokens: 3 pages hit.
@@ -491,18 +496,20 @@ def test_a_prefix_the_tree_lacks_is_loaded_from_the_arena(daemon, monkeypatch, h
 
 
 def test_a_full_arena_at_export_leaves_the_prompt_unshared_and_the_request_running(daemon):
-    """The export needs host pages for the prompt's sink pages (the rest are the request's already): with the arena
-    full it gets ArenaFull from the real daemon. The prompt is then not shared, nothing raises into the scheduler,
-    the request decodes on, and a later match finds nothing in the arena."""
+    """The export needs host pages for the prompt's sink pages (the rest are the request's already), taken when its
+    last chunk is prepared (the forward writes them): with the arena full but for the prompt's own pages it gets
+    ArenaFull from the real daemon, there and at the export after the forward. The prompt is then not shared,
+    nothing raises into the scheduler, the request decodes on, and a later match finds nothing in the arena."""
     backend, runner = make_backend(daemon, port=30009)
     cache, radix, client = make_cache(runner), backend.radix, backend.host.client
     runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
     tokens = list(range(7000, 7100))
     a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
-    run_prefill(backend, [a], 1000)
     arena = next(s for s in client.stats()["arenas"] if s["client_id"] == client.client_id)
-    filler = 10**6
-    client.alloc(filler, arena["free_pages"])  # another owner takes every free page
+    filler, own = 10**6, -(-len(tokens) // P) - CFG.sink_pages
+    client.alloc(filler, arena["free_pages"] - own)  # another owner takes every page the prompt does not
+    run_prefill(backend, [a], 1000)
+    assert backend.forward_exported(1) == 0
     exported = radix.exported_pages
     prefilled(cache, a, req_a)
     assert radix.exported_pages == exported and radix.export_failures == 1
