@@ -40,18 +40,22 @@ args=(
   # GPU programs of the speculative recall, which reads host memory beside the model's GEMMs; each strides
   # over many pages so the recall does not take SMs from the GEMMs (0 = one program per page).
   --kv-recall-programs 32
-  # How pages are scored: "rerank" (default) as attention mass from 2-bit key codes, accurate where one token of a
-  # page matters (a needle), head_dim / 4 GPU bytes per token and KV head; "means" (the paper's MeanS over min / max
-  # page summaries) is several times cheaper per step; "quest" the max over the group of those bounds.
-  --kv-selection rerank
-  # N > 0: a sketch over every page (its mid-range keys refined by the codes of the --kv-sketch-channels channels the
-  # query weighs most) keeps N x budget pages for the codes to rescore; 0 rescores every page (costlier).
-  --kv-rerank-factor 2
-  --kv-sketch-channels 16
+  # How pages are scored: "sketch" (default) as attention mass from the page's mid-range keys refined by 2-bit
+  # codes of the --kv-sketch-channels channels the query weighs most (0: min(32, head dim)), accurate where one token
+  # of a page matters (a needle), head_dim / 4 GPU bytes per token and KV head; "rerank" then rescores its best
+  # --kv-rerank-factor x budget pages from all their codes; "means" (the paper's MeanS over min / max page
+  # summaries) costs less per step (the sketch's steps are 15-23% longer at 8-16 requests of 32K,
+  # docs/results/session19) but misses needles; "quest" the max over the group of those bounds.
+  --kv-selection sketch
+  --kv-sketch-channels 0
+  # --kv-rerank-factor 2 (with --kv-selection rerank)
+  # Benchmarks only, never to serve: --kv-bench-correction-rate R flags each check for correction with probability
+  # R instead of by query similarity (random-weight models have unrealistic query churn).
   # --kv-retrieval louiskv instead retrieves only at semantic boundaries (the query's similarity to the previous
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
   # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
-  # (--kv-correction-threshold, --kv-recall-programs, --kv-selection, --kv-rerank-factor, --kv-sketch-channels).
+  # (--kv-correction-threshold, --kv-recall-programs, --kv-selection, --kv-rerank-factor, --kv-sketch-channels,
+  # --kv-bench-correction-rate).
   # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
   # --disable-radix-cache (README, LouisKV).
   # --kv-prefill tsp (FastKV's token-selective propagation after layer --kv-tsp-layer, keeping --kv-tsp-keep tokens)
