@@ -355,7 +355,6 @@ class FreeKVEngine:
         them to the engine's GPU pages) and store_staged offloaded its full pages past the sink as chunks filled, so
         only the sink pages are written. The caller makes sure the staging pages hold their chunks (their forward is
         done)."""
-        self._check_shareable(slot)
         cfg, p, s = self.cfg, self.cfg.page_size, self.cfg.sink_pages
         n = self._len[slot]
         if staged is not None and not self.dense_outside:

@@ -248,7 +248,6 @@ class FreeKVAttnBackend(AttentionBackend):
         lists: dict[str, list[int]] = {k: [] for k in ("map_slot", "map_col", "map_page", "off_src", "off_dst",
                                                          "res_src", "res_dst")}
         completed, whole, dense_export = [], [], []
-        self._forward_export = {s: e for s, e in self._forward_export.items() if s not in slots}  # a new prefill
         for slot, a, n, fin, gen, pin in zip(slots, fb.extend_prefix_lens_cpu, fb.seq_lens_cpu[:raw_bs].tolist(),
                                              done, gens, pins):
             if pin is not None and pin.tokens != a:
@@ -262,6 +261,7 @@ class FreeKVAttnBackend(AttentionBackend):
                     eng.remove_request(slot)
                 self._unstage(slot)
                 self._lost.pop(slot, None)
+                self._forward_export.pop(slot, None)
                 eng.add_request(slot, owner=None if pin is None else pin.owner)
                 self._generation[slot] = gen
                 if pin is not None:
@@ -489,7 +489,7 @@ class FreeKVAttnBackend(AttentionBackend):
             if lid == self.last_layer:
                 # Join the offloads before staging pages are reused or the engine decodes these prompts.
                 self.engine.end_step()
-                if torch.cuda.is_available() and any(s in self._forward_export for s in ext.completed):
+                if self.engine.device.type == "cuda" and any(s in self._forward_export for s in ext.completed):
                     done = torch.cuda.Event()
                     done.record()
                     for slot in ext.completed:
