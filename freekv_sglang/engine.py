@@ -50,7 +50,7 @@ import torch
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 
 from .config import RETRIEVALS, FreeKVConfig
-from .host_pool import HostPool, LocalHostPool
+from .host_pool import HostPool, LayerSlice, LocalHostPool
 from .layout import Layout, StepPlan
 from .ops import load_ops
 from .selectors import CandidateKeys, make_selector, picks_bytes_per_slot, sketch_bytes_per_token
@@ -103,15 +103,46 @@ def engine_gpu_bytes(cfg: FreeKVConfig, shape: ModelShape, *, num_slots: int, ma
     return int(kv + sketches + tables + masks + plan + token_lists + louiskv)
 
 
+def tsp_engines(cfg: FreeKVConfig, shape: ModelShape, host_pool: HostPool | None = None, *, max_requests: int,
+                max_context: int, **kw) -> tuple["FreeKVEngine", "FreeKVEngine"]:
+    """FastKV's token-selective propagation (cfg.prefill "tsp"): layers 0..tsp_layer in one engine, the later layers,
+    whose sequence is the propagated tokens and then the decode tokens (never longer), in a second one over the same
+    slot ids that writes into the first one's host pages (its own layers of each page). Add a request to both with
+    the same slot and grow the first one first (begin_prefill / stage_prefill, prepare_step). host_pool: every layer
+    (default: a LocalHostPool)."""
+    cfg.check_model(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
+    if cfg.prefill != "tsp":
+        raise ValueError(f"tsp_engines is for prefill 'tsp', not {cfg.prefill!r}")
+    L, split, p = shape.num_layers, cfg.tsp_layer + 1, cfg.page_size
+    if host_pool is None:
+        kw_dtype = kw.get("dtype")
+        host_pool = LocalHostPool(kw.pop("host_pages", None) or max_requests * -(-max_context // p), L,
+                                  shape.num_kv_heads, p, shape.head_dim, kw_dtype)
+    kw.pop("host_pages", None)
+    early = FreeKVEngine(dataclasses.replace(cfg, prefill="full", dense_layers=min(cfg.dense_layers, split)),
+                         dataclasses.replace(shape, num_layers=split), host_pool=LayerSlice(host_pool, 0, split),
+                         max_requests=max_requests, max_context=max_context, **kw)
+    late = FreeKVEngine(dataclasses.replace(cfg, prefill="full", dense_layers=max(cfg.dense_layers - split, 0)),
+                        dataclasses.replace(shape, num_layers=L - split),
+                        host_pool=LayerSlice(host_pool, split, L - split), max_requests=max_requests,
+                        max_context=max_context, pages_of=early, **kw)
+    return early, late
+
+
 class FreeKVEngine:
     def __init__(self, cfg: FreeKVConfig, shape: ModelShape, *, max_requests: int, max_context: int,
                  dtype: torch.dtype, device: torch.device | str, host_pool: HostPool | None = None,
                  host_pages: int | None = None, backend: str | None = None, method: str | None = None,
-                 collect_stats: bool = True, pad_slot: int | None = None, dense_outside: bool = False):
+                 collect_stats: bool = True, pad_slot: int | None = None, dense_outside: bool = False,
+                 pages_of: "FreeKVEngine | None" = None):
         """max_requests request slots. By default one extra slot absorbs padding rows; a framework with
         its own slot ids (SGLang's req_pool_idx) passes pad_slot, the one id it pads with, instead.
         dense_outside: the caller runs the dense layers itself (no dense KV pool here). method: cfg.retrieval (the
-        default) or "streaming"."""
+        default) or "streaming".
+        pages_of: another engine over the same slot ids and host pages whose sequences are never shorter (FastKV's
+        later layers, pages_of holding the earlier ones): this engine then allocates no host page, it writes its
+        logical page j into the host page of pages_of's logical page j (its own layers of that page, host_pool
+        being the arena's view of them) and shares pages_of's page table, so no host page is spent twice."""
         cfg.check_model(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
         method = method or cfg.retrieval
         if method not in METHODS:
@@ -156,7 +187,17 @@ class FreeKVEngine:
         self.v_cache = [torch.zeros(n * p, H, D, **kw) for n in pages]
         # Summaries are indexed by host page, so they follow a page wherever a request goes.
         self.summaries = [None if d else torch.zeros(num_host, H, 2, D, **kw) for d in self.dense]
-        self.page_table = torch.full((R, self.max_pages), -1, dtype=torch.int32, device=self.device)
+        self._pages_of = pages_of
+        if pages_of is None:
+            self.page_table = torch.full((R, self.max_pages), -1, dtype=torch.int32, device=self.device)
+        else:
+            if (pages_of.num_slots, pages_of.pad_slot, pages_of.max_pages, pages_of.cfg.page_size,
+                    pages_of.cfg.sink_pages) != (R, self.pad_slot, self.max_pages, p, cfg.sink_pages):
+                raise ValueError("an engine sharing another's host pages needs its slots, padding slot, max_context, "
+                                 "page size and sink")
+            if pages_of.host.arena.shape[0] != num_host:
+                raise ValueError("an engine sharing another's host pages needs a view of the same arena")
+            self.page_table = pages_of.page_table
         k = cfg.select_pages
         self.slot_table = torch.full((L, R, H, k), -1, dtype=torch.int32, device=self.device)
         self.prev_q = torch.zeros(L, R, Hq, D, **kw)
@@ -224,11 +265,12 @@ class FreeKVEngine:
 
     def remove_request(self, slot: int) -> None:
         self._check_slot(slot)
-        self.host.free(self._owner[slot])
+        if self._pages_of is None:  # else pages_of frees the pages and clears the shared page table
+            self.host.free(self._owner[slot])
+            self.page_table[slot] = -1
         self._host_pages[slot] = []
         self._shared[slot], self._sink_host[slot], self._complete[slot] = 0, [], 0
         self._len[slot] = 0
-        self.page_table[slot] = -1
         self.slot_table[:, slot] = -1
         self.has_prev[:, slot] = False
         self._free_slots.append(slot)
@@ -245,6 +287,13 @@ class FreeKVEngine:
 
     def _ensure_host_pages(self, slot: int, num_pages: int, updates: list[tuple[int, int, int]]) -> None:
         """Host pages for logical pages [sink_pages, num_pages) of a slot (sink pages stay on the GPU)."""
+        if self._pages_of is not None:
+            src = self._pages_of
+            if not src.is_active(slot) or src.cfg.sink_pages + len(src._host_pages[slot]) < num_pages:
+                raise ValueError(f"request slot {slot}: {num_pages} pages wanted, more than the engine whose host "
+                                 "pages this one shares holds (its sequence must be at least as long, grown first)")
+            self._host_pages[slot] = src._host_pages[slot]
+            return
         have = self.cfg.sink_pages + len(self._host_pages[slot])
         if num_pages > have:
             new = self.host.alloc(self._owner[slot], num_pages - have)
@@ -336,6 +385,9 @@ class FreeKVEngine:
 
     def _check_shareable(self, slot: int) -> None:
         self._check_slot(slot)
+        if self._pages_of is not None:
+            raise ValueError("an engine writing into another's host pages (FastKV's later layers) holds a sequence "
+                             "of its own in them: its pages cannot be exported or shared as a prefix")
         if self.selector.needs_whole_prompt:
             raise ValueError(f"retrieval {self.cfg.retrieval!r} writes a prompt's host pages in cluster order, not by "
                              "position: they cannot be shared between requests")

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import PREFILLS, SELECTIONS, TSP_WINDOW, FreeKVConfig
-from .engine import FreeKVEngine, ModelShape
+from .engine import FreeKVEngine, ModelShape, tsp_engines
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -82,13 +82,7 @@ class FreeKVModel:
                   method=method)
         if cfg.prefill == "full":
             return cls(model, FreeKVEngine(cfg, shape, host_pool=host_pool, **kw))
-        if host_pool is not None:
-            raise ValueError("prefill 'tsp' runs two engines, each with its own host pool: pass no host_pool")
-        cfg.check_model(shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim)
-        split = cfg.tsp_layer + 1
-        groups = [(split, min(cfg.dense_layers, split)), (shape.num_layers - split, max(cfg.dense_layers - split, 0))]
-        early, late = (FreeKVEngine(dataclasses.replace(cfg, prefill="full", dense_layers=dense),
-                                    dataclasses.replace(shape, num_layers=n), **kw) for n, dense in groups)
+        early, late = tsp_engines(cfg, shape, host_pool, **kw)
         return cls(model, early, late, (cfg.tsp_layer, cfg.tsp_keep))
 
     def _layer(self, i: int) -> tuple[FreeKVEngine, int]:

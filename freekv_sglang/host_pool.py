@@ -82,6 +82,23 @@ class LocalHostPool:
         return len(pooled)
 
 
+class LayerSlice:
+    """Layers [first, first + count) of another pool's arena, for an engine that holds only those layers of the
+    model (FastKV's two engines, one before and one after the TSP layer, each writing its own layers of a host page).
+    Pages are the other pool's: every other attribute and method is its."""
+
+    def __init__(self, pool, first: int, count: int):
+        if not 0 <= first < first + count <= pool.arena.shape[1]:
+            raise ValueError(f"layers [{first}, {first + count}) are not within the arena's {pool.arena.shape[1]}")
+        self.pool = pool
+        self.arena = pool.arena[:, first:first + count]
+
+    def __getattr__(self, name):
+        if name == "pool":
+            raise AttributeError(name)
+        return getattr(self.pool, name)
+
+
 def _unregister(arena: torch.Tensor) -> None:
     # The finalizer holds `arena`, so the memory outlives its registration.
     cuda_host.unregister(arena.data_ptr(), "host KV pool")
