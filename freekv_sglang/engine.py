@@ -129,6 +129,21 @@ def tsp_engines(cfg: FreeKVConfig, shape: ModelShape, host_pool: HostPool | None
     return early, late
 
 
+def merged_stats(parts: list[tuple["FreeKVEngine", int]]) -> dict:
+    """stats() of engines that hold consecutive layers of one model, (engine, its first model layer) each: per-layer
+    entries under model layer numbers, totals summed."""
+    out: dict = {}
+    for eng, first in parts:
+        for key, val in eng.stats().items():
+            if isinstance(val, dict):
+                out.setdefault(key, {}).update({first + layer: x for layer, x in val.items()})
+            elif key in ("steps", "recall_page_bytes"):  # the same in every engine
+                out[key] = val
+            else:
+                out[key] = out.get(key, 0) + val
+    return out
+
+
 class FreeKVEngine:
     def __init__(self, cfg: FreeKVConfig, shape: ModelShape, *, max_requests: int, max_context: int,
                  dtype: torch.dtype, device: torch.device | str, host_pool: HostPool | None = None,

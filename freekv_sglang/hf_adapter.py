@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import PREFILLS, SELECTIONS, TSP_WINDOW, FreeKVConfig
-from .engine import FreeKVEngine, ModelShape, tsp_engines
+from .engine import FreeKVEngine, ModelShape, merged_stats, tsp_engines
 
 SUPPORTED = ("llama", "qwen2")
 
@@ -154,17 +154,7 @@ class FreeKVModel:
 
     def stats(self) -> dict:
         """The engines' stats() merged: per-layer entries under model layer numbers, totals summed."""
-        out: dict = {}
-        for eng in self.engines:
-            first = 0 if eng is self.engine else self.tsp[0] + 1
-            for key, val in eng.stats().items():
-                if isinstance(val, dict):
-                    out.setdefault(key, {}).update({first + layer: x for layer, x in val.items()})
-                elif key in ("steps", "recall_page_bytes"):  # the same in every engine
-                    out[key] = val
-                else:
-                    out[key] = out.get(key, 0) + val
-        return out
+        return merged_stats([(eng, 0 if eng is self.engine else self.tsp[0] + 1) for eng in self.engines])
 
     @torch.no_grad()
     def decode_step(self, slots: list[int], tokens: list[int]) -> list[int]:

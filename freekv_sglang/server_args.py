@@ -187,8 +187,9 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-kmeans-iters", type=int, default=None, metavar="N",
                    help=f"LouisKV: Lloyd iterations of the prompt clustering (default {_DEFAULTS.kmeans_iters})")
     g.add_argument("--kv-prefill", choices=PREFILLS, default=None,
-                   help="'tsp': FastKV's token-selective propagation (only --kv-tsp-keep tokens go past layer "
-                   "--kv-tsp-layer); refused by this server for now, runs through the HF adapter (default: full)")
+                   help="'tsp': FastKV's token-selective propagation (only --kv-tsp-keep tokens of a prompt go past "
+                   "layer --kv-tsp-layer), with --kv-retrieval freekv, --chunked-prefill-size -1, "
+                   "--disable-radix-cache and --disable-prefill-cuda-graph (default: full)")
     g.add_argument("--kv-tsp-layer", type=int, default=None, metavar="LAYER",
                    help=f"--kv-prefill tsp: the layer whose attention picks the propagated tokens "
                    f"(default: {_DEFAULTS.tsp_layer})")
@@ -263,17 +264,16 @@ def settings_from_values(values: Mapping[str, Any]) -> FreeKVServerSettings | No
     """FreeKVServerSettings for the given flag values, or None when FreeKV is off (FreeKVConfig's ValueErrors pass
     through, reworded to name the flag)."""
     tsp_knobs = [_KNOB_FLAGS[d][0] for d in ("kv_tsp_layer", "kv_tsp_keep") if values.get(d) is not None]
-    if values.get("kv_prefill") == "tsp":
-        raise FreeKVArgsError(
-            "--kv-prefill tsp is not served by SGLang yet: its later layers would hold only the propagated tokens, "
-            "and SGLang's model runner, paged KV pool and the FreeKV backend keep one sequence length per request "
-            "for every layer; run FastKV's TSP through the HF adapter (python -m freekv_sglang.accuracy "
-            "--kv-prefill tsp) or drop --kv-prefill")
-    if tsp_knobs:
+    if tsp_knobs and values.get("kv_prefill") != "tsp":
         raise FreeKVArgsError(f"{', '.join(tsp_knobs)} apply only to --kv-prefill tsp: drop them")
     mode = values.get("kv_retrieval") or "none"
     if mode not in KV_RETRIEVAL_CHOICES:
         raise FreeKVArgsError(f"--kv-retrieval must be one of {', '.join(KV_RETRIEVAL_CHOICES)}, got {mode!r}")
+    if values.get("kv_prefill") == "tsp" and mode != "freekv":
+        raise FreeKVArgsError(
+            f"--kv-prefill tsp is served with --kv-retrieval freekv only, not {mode}: the layers after the TSP layer "
+            "hold only the propagated tokens, a shorter sequence than SGLang's paged KV pool keeps for every layer, "
+            "which only FreeKV's own engines hold (pass --kv-retrieval freekv, or drop --kv-prefill)")
     if mode == "none":
         return None
     knobs = {field: values[dest] for dest, (_, field) in _KNOB_FLAGS.items() if values.get(dest) is not None}
@@ -287,6 +287,10 @@ def settings_from_values(values: Mapping[str, Any]) -> FreeKVServerSettings | No
         config = FreeKVConfig(**knobs)
     except ValueError as e:
         raise FreeKVArgsError(f"{_name_flags(str(e))}") from e
+    if config.prefill == "tsp" and config.dense_layers > config.tsp_layer:
+        raise FreeKVArgsError(f"--kv-dense-layers {config.dense_layers} must not exceed --kv-tsp-layer "
+                              f"{config.tsp_layer}: the server keeps dense layers in SGLang's KV pool, which holds "
+                              "every prompt token, and the layers after the TSP layer hold only the propagated ones")
     arena, timeout = values.get("kvstore_arena_gb"), values.get("kvstore_timeout")
     return FreeKVServerSettings(
         config=config,
@@ -384,6 +388,8 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
     if (g("tokenizer_worker_num", 1) or 1) > 1:
         problems.append(f"use --tokenizer-worker-num 1 (got {g('tokenizer_worker_num')}): FreeKV's /health check of "
                         "its kvstore daemon is installed on the single HTTP process's app")
+    if settings.config.prefill == "tsp":
+        problems += _tsp_problems(g)
     if settings.config.retrieval == "louiskv" and not g("disable_radix_cache", False):
         problems.append("pass --disable-radix-cache with --kv-retrieval louiskv: LouisKV writes each prompt's host "
                         "pages in the order of its own k-means clusters, so no request can share them as a prefix")
@@ -394,6 +400,24 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
             flag = "--" + name.replace("_", "-")
             problems.append(f"{flag} is {value}: FreeKV wraps only the {supported} attention backends "
                             f"(pass {flag} {DEFAULT_ATTENTION_BACKEND})")
+    return problems
+
+
+def _tsp_problems(g) -> list[str]:
+    problems = []
+    if not g("disable_radix_cache", False):
+        problems.append("pass --disable-radix-cache with --kv-prefill tsp: the layers after the TSP layer hold only "
+                        "a prompt's propagated tokens, which no other prompt can share as a prefix")
+    if g("chunked_prefill_size") not in (None, -1):
+        problems.append(f"pass --chunked-prefill-size -1 with --kv-prefill tsp (got {g('chunked_prefill_size')}): the "
+                        "TSP layer picks the propagated tokens from the prompt's last queries, so each prompt is "
+                        "prefilled whole in one batch")
+    if not g("disable_prefill_cuda_graph", True):
+        problems.append("pass --disable-prefill-cuda-graph with --kv-prefill tsp: how many tokens go past the TSP "
+                        "layer is known only inside the forward, which a captured prefill graph cannot follow")
+    if (g("tp_size", 1) or 1) > 1:
+        problems.append(f"use --tp-size 1 with --kv-prefill tsp (got {g('tp_size')}): the TSP layer averages every "
+                        "query head's attention, which tensor parallelism splits across ranks")
     return problems
 
 

@@ -35,10 +35,12 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from . import metrics
-from .engine import FreeKVEngine, ModelShape
+from .config import TSP_WINDOW
+from .engine import FreeKVEngine, ModelShape, merged_stats, tsp_engines
 from .kvstore_pool import HostPagesUnavailable, KVStoreHostPool, stable_client_id
 from .radix import PrefixSharing, fill_prefix_staging, namespace_of, prefix_fill_index
 from .server_args import host_page_bytes, host_page_capacity
+from .tsp_propagation import causal_attention
 
 logger = logging.getLogger(__name__)
 
@@ -115,14 +117,31 @@ class FreeKVAttnBackend(AttentionBackend):
             dtype=dtype, num_pages=host_pages, rank=self.rank,
             client_id=stable_client_id(runner, self.rank, next(_INSTANCE)), timeout_s=settings.kvstore_timeout_s)
         # Slot ids are req_pool_idx in [0, size]; SGLang pads captured batches with row 0.
-        self.engine = FreeKVEngine(cfg, shape, max_requests=self.req_pool.size + 1, max_context=max_context,
-                                   dtype=dtype, device=runner.device, host_pool=host, pad_slot=0,
-                                   dense_outside=True)
+        kw = dict(max_requests=self.req_pool.size + 1, max_context=max_context, dtype=dtype, device=runner.device,
+                  pad_slot=0, dense_outside=True)
+        # --kv-prefill tsp: layers after the TSP layer hold only each prompt's propagated tokens (then its decode
+        # tokens) in an engine of their own, `late`, that writes into the first engine's host pages.
+        self.late, self.tsp = None, None
+        if cfg.prefill == "tsp":
+            self.tsp = getattr(runner, "_freekv_tsp", None)
+            if self.tsp is None:
+                raise RuntimeError("--kv-prefill tsp: the model's decoder layers are not wrapped for token-selective "
+                                   "propagation (freekv_patches' model-runner hook did not run)")
+            self.engine, self.late = tsp_engines(cfg, shape, host, **kw)
+        else:
+            self.engine = FreeKVEngine(cfg, shape, host_pool=host, **kw)
+        self.split = cfg.tsp_layer + 1 if self.late is not None else shape.num_layers  # first layer of `late`
+        self._tsp_rows: list[tuple[int, int]] = []  # this extend batch's (slot, prompt tokens), in batch order
+        self._tsp_kept: list[int] | None = None  # their propagated tokens, once the TSP layer picked them
+        self._tsp_drop: dict[int, int] = {}  # slot -> tokens its prompt did not propagate (late length = len - drop)
         self.shape = shape
         self.last_layer = shape.num_layers - 1
         server_args = getattr(runner, "server_args", None)
         self.radix = None  # with SGLang's radix cache on: prefixes shared as host pages (freekv_sglang.radix)
         if server_args is not None and not server_args.disable_radix_cache:
+            if self.late is not None:
+                raise RuntimeError("--kv-prefill tsp needs --disable-radix-cache: its later layers hold only the "
+                                   "propagated tokens, which no other prompt can share as a prefix")
             self.radix = PrefixSharing(self, namespace_of(server_args.model_path, getattr(server_args, "revision", None),
                                                           dtype, self.rank, tp_size))
         # In a captured decode graph the side streams join after the whole model forward (logits included), so
@@ -134,24 +153,25 @@ class FreeKVAttnBackend(AttentionBackend):
         tail_hooks.append(self._join_after_forward)
         # Sparse layers attend through the wrapped backend's own decode kernel (FlashInfer's or SGLang's Triton
         # one), one row per (request, KV head), so they round as the server's full attention does.
-        self.head_attention = None
+        # The late engine's rows hold other lengths, so it plans its own.
+        self.head_attention = self.late_head_attention = None
+        head_cls = None
         if type(inner).__name__ == "FlashInferAttnBackend":
-            from .flashinfer_attention import FlashInferHeadAttention
-
-            self.head_attention = FlashInferHeadAttention(inner, cfg, Hq, H, shape.head_dim, self.engine.num_slots,
-                                                          runner.device)
+            from .flashinfer_attention import FlashInferHeadAttention as head_cls
         elif type(inner).__name__ == "TritonAttnBackend":
-            from .triton_attention import TritonHeadAttention
-
-            self.head_attention = TritonHeadAttention(inner, cfg, Hq, H, shape.head_dim, self.engine.num_slots,
-                                                      runner.device)
+            from .triton_attention import TritonHeadAttention as head_cls
+        if head_cls is not None:
+            self.head_attention = head_cls(inner, cfg, Hq, H, shape.head_dim, self.engine.num_slots, runner.device)
+            if self.late is not None:
+                self.late_head_attention = head_cls(inner, cfg, Hq, H, shape.head_dim, self.engine.num_slots,
+                                                    runner.device)
         self._generation: dict[int, int] = {}
         self._freed: set[int] = set()
         self._lost: dict[int, HostPagesUnavailable] = {}  # slot -> why its prompt's host pages could not be had
         # Radix sharing: slot -> [full pages its completing prefill forward writes whole into the arena, an event after
         # that forward's copies (None before the forward ran, and on CPU)]; see _export_in_forward.
         self._forward_export: dict[int, list] = {}
-        self._plan = None
+        self._plan = self._late_plan = None
         self._extend: StagedPrefill | None = None
         self._translated = False
         self._staged_loc = None  # this extend batch's out_cache_loc in staging rows (_extend_from_pool)
@@ -187,13 +207,18 @@ class FreeKVAttnBackend(AttentionBackend):
     def _apply_frees(self) -> None:
         # Deferred to the forward stream's next metadata step so in-flight work on the slot finishes first.
         for slot in self._freed:
-            if self.engine.is_active(slot):
-                self.engine.remove_request(slot)
+            for eng in self._engines():
+                if eng.is_active(slot):
+                    eng.remove_request(slot)
+            self._tsp_drop.pop(slot, None)
             self._unstage(slot)  # a prompt aborted mid-prefill
             self._generation.pop(slot, None)
             self._lost.pop(slot, None)
             self._forward_export.pop(slot, None)
         self._freed.clear()
+
+    def _engines(self) -> list[FreeKVEngine]:
+        return [self.engine] if self.late is None else [self.late, self.engine]  # late first: it uses the pages
 
     def reserve_decode(self, slots: list[int]) -> dict[int, HostPagesUnavailable]:
         """Scheduler side, before SGLang prepares a decode batch: take from the kvstore now the host pages each slot's
@@ -232,6 +257,7 @@ class FreeKVAttnBackend(AttentionBackend):
         self._apply_frees()
         self._extend, self._translated, self._prefix_fill, self._staged_loc = None, False, [], None
         self._prefix_index = None
+        self._tsp_rows, self._tsp_kept = [], None
         slots, raw_bs, done = fb._freekv_req_slots_cpu, fb._freekv_raw_bs, fb._freekv_prefill_done_cpu
         if slots is None or raw_bs is None:
             raise RuntimeError("FreeKV needs the extend batch's request slots on the host; the freekv_patches hooks "
@@ -257,12 +283,16 @@ class FreeKVAttnBackend(AttentionBackend):
                 self.host.free(pin.owner)
                 pin = None
             if a == 0 or pin is not None:  # a new request: from scratch, or from a radix hit's shared prefix
-                if eng.is_active(slot):
-                    eng.remove_request(slot)
+                for e in self._engines():
+                    if e.is_active(slot):
+                        e.remove_request(slot)
                 self._unstage(slot)
                 self._lost.pop(slot, None)
                 self._forward_export.pop(slot, None)
+                self._tsp_drop.pop(slot, None)
                 eng.add_request(slot, owner=None if pin is None else pin.owner)
+                if self.late is not None:
+                    self.late.add_request(slot)
                 self._generation[slot] = gen
                 if pin is not None:
                     self._prefix_fill.extend(self.radix.stage_prefix(slot, pin))
@@ -280,6 +310,11 @@ class FreeKVAttnBackend(AttentionBackend):
                 lists["map_page"].append(page)
             if fin:
                 completed.append(slot)
+            if self.late is not None:
+                if a or not fin:
+                    raise RuntimeError(f"request slot {slot}: --kv-prefill tsp needs each prompt whole in one extend "
+                                       f"batch, got tokens [{a}, {n}) of it (pass --chunked-prefill-size -1)")
+                self._tsp_rows.append((slot, n))
             if not self._stage_host_pages(slot, n, pin):
                 continue  # nothing goes to host pages it does not have; the scheduler aborts it before decode
             if eng.selector.needs_whole_prompt:
@@ -387,9 +422,10 @@ class FreeKVAttnBackend(AttentionBackend):
     def _prepare_decode(self, fb, in_capture: bool, graph: bool) -> None:
         self._apply_frees()
         if in_capture:
-            self.engine.prepare_step([], pad_to=fb.batch_size)
-            if self.head_attention is not None:
-                self.head_attention.plan([1] * fb.batch_size, graph=True)
+            for eng, head in self._heads():
+                eng.prepare_step([], pad_to=fb.batch_size)
+                if head is not None:
+                    head.plan([1] * fb.batch_size, graph=True)
             return
         slots = getattr(fb, "_freekv_req_slots_cpu", None)
         raw_bs = getattr(fb, "_freekv_raw_bs", None)
@@ -406,15 +442,30 @@ class FreeKVAttnBackend(AttentionBackend):
             if slot in self._lost:
                 raise RuntimeError(f"request slot {slot} reached decode though its host pages are lost "
                                    f"({self._lost[slot]}): freekv_patches' scheduler hook did not take it out")
-        self.engine.prepare_step(slots, pad_to=fb.batch_size, lens=lens)
-        if self.head_attention is not None:
-            self.head_attention.plan(lens + [1] * (fb.batch_size - raw_bs), graph=graph)
+        pad = [1] * (fb.batch_size - raw_bs)
+        for eng, head in self._heads():  # the first engine first: the late one writes into its host pages
+            if eng is self.late:
+                lens = [n - self._tsp_drop[slot] for slot, n in zip(slots, lens)]
+            eng.prepare_step(slots, pad_to=fb.batch_size, lens=lens)
+            if head is not None:
+                head.plan(lens + pad, graph=graph)
         self._steps += 1
         if self._steps % STATS_EVERY == 0:
             self._log_stats()
 
+    def _heads(self):
+        """(engine, its head attention) of each engine, the first engine first."""
+        yield self.engine, self.head_attention
+        if self.late is not None:
+            yield self.late, self.late_head_attention
+
+    def _stats(self) -> dict:
+        if self.late is None:
+            return self.engine.stats()
+        return merged_stats([(self.engine, 0), (self.late, self.split)])
+
     def _log_stats(self) -> None:
-        st = self.engine.stats()
+        st = self._stats()
         rates = list(st["correction_rate"].values())
         logger.info("FreeKV rank %d: %d decode steps, correction rate %.3f (layers %.3f..%.3f), recall %.2f GB "
                     "before attention + %.2f GB speculative", self.rank, st["steps"], sum(rates) / len(rates),
@@ -435,14 +486,23 @@ class FreeKVAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch):
         self.inner.init_forward_metadata(forward_batch)
+        if self.tsp is not None:
+            self.tsp.clear()
         if forward_batch.forward_mode.is_decode():
             self._prepare_decode(forward_batch, in_capture=False, graph=False)
-            self._plan = self.engine.plan(forward_batch.batch_size)
+            self._make_plans(forward_batch.batch_size)
         elif forward_batch.forward_mode.is_extend():
             self._prepare_extend(forward_batch)
 
+    def _make_plans(self, bs: int) -> None:
+        self._plan = self.engine.plan(bs)
+        if self.late is not None:
+            self._late_plan = self.late.plan(bs)
+
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         self.inner.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        if self.tsp is not None:
+            self.tsp.clear()
         if forward_batch.forward_mode.is_decode():
             self._prepare_decode(forward_batch, in_capture, graph=True)
         elif forward_batch.forward_mode.is_extend():
@@ -451,7 +511,7 @@ class FreeKVAttnBackend(AttentionBackend):
     def init_forward_metadata_in_graph(self, forward_batch):
         self.inner.init_forward_metadata_in_graph(forward_batch)
         if forward_batch.forward_mode.is_decode():
-            self._plan = self.engine.plan(forward_batch.batch_size)
+            self._make_plans(forward_batch.batch_size)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
@@ -464,6 +524,11 @@ class FreeKVAttnBackend(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         lid = layer.layer_id
+        if self._tsp_rows:  # else a warmup batch (no request): every layer as without TSP
+            if lid >= self.split:
+                return self._late_extend(q, k, v, layer)
+            if lid == self.split - 1:
+                self._pick_propagated(q, k)
         if not self.pool.is_staged(lid):
             o = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
             ext = self._extend
@@ -486,7 +551,7 @@ class FreeKVAttnBackend(AttentionBackend):
                                      ext.resident_src, ext.resident_dst)
             for slot, staged in ext.whole:  # LouisKV: the prompt's clusters, now that all its keys are in
                 self.engine.store_staged_prompt(lid, slot, kb, vb, staged)
-            if lid == self.last_layer:
+            if lid == self.split - 1:  # the first engine's last layer (the model's, without TSP)
                 # Join the offloads before staging pages are reused or the engine decodes these prompts.
                 self.engine.end_step()
                 if self.engine.device.type == "cuda" and any(s in self._forward_export for s in ext.completed):
@@ -499,6 +564,47 @@ class FreeKVAttnBackend(AttentionBackend):
                     self._unstage(slot)
                 self._extend = None
         return o
+
+    def _pick_propagated(self, q, k) -> None:
+        """The TSP layer: per prompt of the batch, the tokens that propagate past it (FastKV: the last TSP_WINDOW
+        queries' attention over the prompt, freekv_kernels.tsp_select; a prompt of at most --kv-tsp-keep tokens
+        propagates whole), handed to the wrapped decoder layers as rows of the batch's tokens."""
+        s, keep, ops = self.shape, self.engine.cfg.tsp_keep, self.engine.ops
+        q3, k3 = q.reshape(-1, s.num_q_heads, s.head_dim), k.reshape(-1, s.num_kv_heads, s.head_dim)
+        rows, start = [], 0
+        for _, n in self._tsp_rows:
+            if n > keep:
+                rows.append(start + ops.tsp_select(q3[start + n - TSP_WINDOW:start + n].contiguous(),
+                                                   k3[start:start + n], keep, self.engine.scale))
+            else:
+                rows.append(torch.arange(start, start + n, device=q.device))
+            start += n
+        if start != q3.shape[0]:
+            raise RuntimeError(f"--kv-prefill tsp: the extend batch holds {q3.shape[0]} tokens, its prompts {start}")
+        self._tsp_kept = [min(n, keep) for _, n in self._tsp_rows]
+        self.tsp.pick(torch.cat(rows), start)
+
+    def _late_extend(self, q, k, v, layer):
+        """A layer after the TSP layer: each prompt's propagated tokens attend causally among themselves, and the late
+        engine stores their K/V as the prompt of its sequence (sink and window pages on the GPU, the rest to the
+        host pages the first engine holds for the same logical pages)."""
+        s, late, local = self.shape, self.late, layer.layer_id - self.split
+        if self._tsp_kept is None:
+            raise RuntimeError("--kv-prefill tsp: a later layer ran before the TSP layer picked its tokens")
+        q3 = q.reshape(-1, s.num_q_heads, s.head_dim)
+        k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
+        out = torch.empty_like(q3)
+        start = 0
+        for (slot, n), m in zip(self._tsp_rows, self._tsp_kept):
+            rows = slice(start, start + m)
+            out[rows] = causal_attention(q3[rows], k3[rows], v3[rows], layer.scaling)
+            if slot not in self._lost:  # else no host pages: aborted before it decodes
+                if local == 0:
+                    late.begin_prefill(slot, m)
+                    self._tsp_drop[slot] = n - m
+                late.prefill_layer(slot, local, k3[rows], v3[rows])
+            start += m
+        return out.reshape(-1, s.num_q_heads * s.head_dim)
 
     def _reads_chunk_from_pool(self) -> bool:
         """SGLang's Triton backend with --enable-deterministic-inference (its unified extend kernel) reads the
@@ -525,20 +631,24 @@ class FreeKVAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         lid = layer.layer_id
-        eng = self.engine
-        if eng.dense[lid]:
+        eng, local, plan, head = self.engine, lid, self._plan, self.head_attention
+        if lid >= self.split:
+            eng, local, plan, head = self.late, lid - self.split, self._late_plan, self.late_head_attention
+        if eng.dense[local]:
             return self.inner.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         if kwargs.get("sinks") is not None or layer.logit_cap or abs(layer.scaling - eng.scale) > 1e-6:
             raise RuntimeError(f"layer {lid}: FreeKV supports plain softmax attention scaled by 1/sqrt(head_dim) "
                                "(no attention sinks, logit capping or custom scaling)")
         s = self.shape
         k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
-        attention = None if self.head_attention is None else functools.partial(self.head_attention.attend, layer)
-        o = eng.attend(self._plan, lid, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention)
+        attention = None if head is None else functools.partial(head.attend, layer)
+        o = eng.attend(plan, local, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention)
         if lid == self.last_layer and not _capturing():
-            eng.end_step()  # eager; a captured graph joins in _join_after_forward
+            for e in self._engines():
+                e.end_step()  # eager; a captured graph joins in _join_after_forward
         return o.reshape(-1, s.num_q_heads * s.head_dim)
 
     def _join_after_forward(self, graph_runner, out, forward_batch, num_tokens) -> None:
         if forward_batch.forward_mode.is_decode():
-            self.engine.end_step()
+            for eng in self._engines():
+                eng.end_step()

@@ -10,7 +10,10 @@ the attention backends are built and the CUDA graphs captured. With FreeKV on it
   - takes the kvstore endpoint from $FREEKV_KVSTORE_ENDPOINT if server_args._freekv has none, and refuses without;
   - marks the ReqToTokenPool so the free() hook reports freed slots, and gives ForwardBatch class-level None
     defaults for _freekv_req_slots_cpu / _freekv_raw_bs / _freekv_prefill_done_cpu (batches no hook saw read
-    None, not AttributeError).
+    None, not AttributeError);
+  - with --kv-prefill tsp, wraps the model's decoder layers (model.model.layers, called as Llama's and Qwen2's are)
+    for token-selective propagation (freekv_sglang.tsp_propagation) and leaves their shared state on the runner
+    (runner._freekv_tsp) for the FreeKV backend.
 (An AROUND hook on run_scheduler_process cannot do this: Engine passes its own reference to the original function to
 mp.Process, and pickling that reference fails once the module attribute is a wrapper.)
 """
@@ -60,6 +63,8 @@ def hook(result, self):
                 "sglang.launch_server / sglang.Engine so the embedded daemon starts"
             )
         server_args._freekv = settings = settings.with_endpoint(endpoint)
+    if settings.config.prefill == "tsp":
+        _install_tsp(self, settings.config.tsp_layer)
     pool = getattr(self, "req_to_token_pool", None)
     if pool is not None:
         pool._freekv_enabled = True
@@ -69,3 +74,17 @@ def hook(result, self):
         if not hasattr(ForwardBatch, name):
             setattr(ForwardBatch, name, None)
     return None
+
+
+def _install_tsp(runner, tsp_layer: int) -> None:
+    from freekv_sglang.server_args import FreeKVArgsError
+    from freekv_sglang.tsp_propagation import Propagation, install
+
+    model = getattr(runner, "model", None)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or getattr(model.model, "start_layer", 0) != 0 or \
+            getattr(model.model, "end_layer", len(layers)) != len(layers):
+        raise FreeKVArgsError(f"--kv-prefill tsp: {type(model).__name__} has no decoder-layer list model.model.layers "
+                              "that one rank runs whole; drop --kv-prefill")
+    runner._freekv_tsp = state = Propagation()
+    install(layers, tsp_layer, state)

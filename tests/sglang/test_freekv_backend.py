@@ -108,7 +108,7 @@ def daemon():
     handle.stop()
 
 
-def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0, cfg=CFG):
+def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0, cfg=CFG, tsp=None):
     model_config = SimpleNamespace(num_hidden_layers=L, num_attention_heads=HQ, head_dim=D,
                                    get_num_kv_heads=lambda tp: H // tp)
     req_pool = SimpleNamespace(size=SIZE, req_to_token=torch.zeros(SIZE + 1, CTX, dtype=torch.int32),
@@ -118,6 +118,8 @@ def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0, cfg=CFG):
                              next_page=1, capture_tail_hooks=[])  # page 0 absorbs padding writes
     if not tail_hooks:
         del runner.capture_tail_hooks
+    if tsp is not None:
+        runner._freekv_tsp = tsp
     settings = FreeKVServerSettings(config=cfg, kvstore_endpoint=daemon.endpoint, kvstore_arena_gb=0.01,
                                     kvstore_timeout_s=timeout_s)
     return FreeKVAttnBackend(runner, inner(runner), settings), runner

@@ -1,17 +1,35 @@
-"""--kv-prefill tsp (FastKV's token-selective propagation): its config fields, and the server's refusal at startup
-(SGLang keeps one sequence length per request for every layer; the HF adapter runs TSP)."""
+"""--kv-prefill tsp (FastKV's token-selective propagation): its config fields, the flags' parsing, and the server
+arguments it refuses, each naming the flag to change."""
+
+from types import SimpleNamespace
 
 import pytest
 
 from freekv_sglang.config import TSP_WINDOW, FreeKVConfig
-from freekv_sglang.server_args import FreeKVArgsError, settings_from_argv
+from freekv_sglang.server_args import FreeKVArgsError, server_args_problems, settings_from_argv
+
+TSP = ["--kv-retrieval", "freekv", "--kv-prefill", "tsp"]
 
 
-@pytest.mark.parametrize("argv", [["--kv-retrieval", "freekv", "--kv-prefill", "tsp"], ["--kv-prefill", "tsp"],
-                                  ["--kv-retrieval", "freekv", "--kv-prefill", "tsp", "--kv-tsp-keep", "4096"]])
-def test_server_refuses_tsp(argv):
-    with pytest.raises(FreeKVArgsError, match="--kv-prefill tsp is not served by SGLang yet"):
+@pytest.mark.parametrize("argv, match", [(["--kv-prefill", "tsp"], "with --kv-retrieval freekv only, not none"),
+                                         (["--kv-retrieval", "louiskv", "--kv-prefill", "tsp"], "not louiskv"),
+                                         (TSP + ["--kv-tsp-layer", "0"], "--kv-dense-layers 1 must not exceed")])
+def test_tsp_needs_freekv_and_sparse_tsp_layer(argv, match):
+    with pytest.raises(FreeKVArgsError, match=match):
         settings_from_argv(argv)
+
+
+def test_tsp_settings_and_the_server_arguments_it_needs():
+    s = settings_from_argv(TSP + ["--kv-tsp-layer", "3", "--kv-tsp-keep", "4096"])
+    assert (s.config.prefill, s.config.tsp_layer, s.config.tsp_keep) == ("tsp", 3, 4096)
+    ok = dict(disable_radix_cache=True, chunked_prefill_size=-1, disable_prefill_cuda_graph=True, tp_size=1)
+    assert server_args_problems(SimpleNamespace(**ok), s) == []
+    bad = SimpleNamespace(**{**ok, "disable_radix_cache": False, "chunked_prefill_size": 8192,
+                             "disable_prefill_cuda_graph": False, "tp_size": 2})
+    problems = " | ".join(server_args_problems(bad, s))
+    for flag in ("--disable-radix-cache", "--chunked-prefill-size -1", "--disable-prefill-cuda-graph",
+                 "--tp-size 1"):
+        assert flag in problems
 
 
 def test_tsp_knobs_without_tsp_are_refused_and_full_prefill_passes():
