@@ -96,6 +96,8 @@ def engine_gpu_bytes(cfg: FreeKVConfig, shape: ModelShape, *, num_slots: int, ma
     masks = sparse * num_slots * H * (1 + k)
     plan = num_slots * ((cfg.resident_pages + k + 9) * 4 + 8 + 1)  # StepPlan.buffers without the dense fields
     token_lists = num_slots * H * (cfg.resident_pages * p + 2) * 4
+    if cfg.prefill == "tsp":  # the later layers' engine (tsp_engines) plans its own steps and lists its own tokens
+        plan, token_lists = 2 * plan, 2 * token_lists
     louiskv = 0
     if cfg.retrieval == "louiskv":  # boundary marks and open segments per slot, one scoring scratch (louiskv.py)
         pages = -(-max_context // p)

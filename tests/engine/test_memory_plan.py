@@ -14,9 +14,10 @@ from freekv_sglang.server_args import FreeKVArgsError
 from freekv_sglang.staging import StagingFull, StagingPages, translate
 
 
-def _tensor_bytes(obj) -> int:
+def _tensor_bytes(*engines) -> int:
     seen, total = set(), 0
-    for value in [*vars(obj).values(), *vars(obj.selector).values()]:  # the selector's sketches too
+    values = [v for obj in engines for v in [*vars(obj).values(), *vars(obj.selector).values()]]  # sketches too
+    for value in values:
         items = value if isinstance(value, list) else vars(value).values() if isinstance(value, StepPlan) else [value]
         for t in items:
             if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
@@ -37,6 +38,22 @@ def test_engine_reservation_covers_its_tensors(cfg, shape):
     reserved = engine_gpu_bytes(cfg, shape, num_slots=slots, max_context=ctx, host_pages=host, dtype_bytes=2)
     token_lists = slots * shape.num_kv_heads * (cfg.resident_pages * cfg.page_size + 2) * 4  # FlashInfer's
     assert actual <= reserved <= actual + token_lists + 1024
+
+
+def test_tsp_reservation_covers_both_engines():
+    """--kv-prefill tsp: two engines (tsp_engines) whose shared page table counts once."""
+    from freekv_sglang.engine import tsp_engines
+    from freekv_sglang.host_pool import LocalHostPool
+
+    cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, dense_layers=1, prefill="tsp", tsp_layer=2)
+    shape, slots, ctx, host = ModelShape(5, 8, 2, 16), 5, 700, 40
+    pool = LocalHostPool(host, 5, 2, 16, 16, torch.float16, pin=False)
+    engines = tsp_engines(cfg, shape, pool, max_requests=slots, max_context=ctx, dtype=torch.float16, device="cpu",
+                          pad_slot=0, dense_outside=True)
+    actual = _tensor_bytes(*engines)
+    reserved = engine_gpu_bytes(cfg, shape, num_slots=slots, max_context=ctx, host_pages=host, dtype_bytes=2)
+    token_lists = 2 * slots * shape.num_kv_heads * (cfg.resident_pages * cfg.page_size + 2) * 4
+    assert actual <= reserved <= actual + token_lists + 2048
 
 
 def test_staging_pages_per_prompt():
