@@ -182,8 +182,9 @@ class FreeKVAttnBackend(AttentionBackend):
         if self._metrics is not None:
             # Before SGLang captures its decode graphs; a few layers only: every timed layer costs ~12 us a step.
             self.engine.enable_step_timing(sample_layers=TIMED_LAYERS)
-        summary_bytes = sum(t.numel() * t.element_size() for t in self.engine.summaries if t is not None)
-        gpu_bytes = summary_bytes + sum(t.numel() * t.element_size() for t in self.engine.k_cache + self.engine.v_cache)
+        engines = self._engines()
+        summary_bytes = sum(t.numel() * t.element_size() for e in engines for t in e.summaries if t is not None)
+        gpu_bytes = summary_bytes + sum(t.numel() * t.element_size() for e in engines for t in e.k_cache + e.v_cache)
         logger.info("FreeKV on rank %d: %s; %d host pages (%.1f GB) at %s; engine GPU memory %.2f GB for %d request "
                     "slots (page summaries %.2f GB); %d staging pages", self.rank, cfg, host_pages,
                     host_pages * page_bytes / 1e9, endpoint, gpu_bytes / 1e9, self.engine.num_slots,

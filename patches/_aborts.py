@@ -7,6 +7,10 @@ own abort machinery, the server goes on.
 - A new request in the waiting queue while no kvstore can give pages is popped and answered the same way, as
   Scheduler.abort_request does for queued requests.
 
+With --kv-prefill tsp, a waiting request whose answer needs the hidden states of every prompt token (input-token
+logprobs, or the prompt's hidden states) while its prompt is longer than --kv-tsp-keep is answered at once with
+FINISH_ABORT(message, 400): the tokens that do not propagate have no hidden state after the TSP layer.
+
 The finish reason is FINISH_ABORT(message, 503): a non-streaming /generate answers HTTP 503 with the message, a
 stream ends with finish_reason {"type": "abort", "message": ..., "status_code": 503}. Every tensor-parallel rank must
 take the same requests out, so the ranks' findings are merged over the TP CPU group first.
@@ -51,10 +55,10 @@ def agree(scheduler: Any, found: dict[Any, tuple[str, str]]) -> dict[Any, tuple[
     return merge_ranks(gathered)
 
 
-def finish_reason(reason: str, message: str):
+def finish_reason(reason: str, message: str, status: HTTPStatus = HTTPStatus.SERVICE_UNAVAILABLE):
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-    return FINISH_ABORT(MESSAGE_PREFIX + message, HTTPStatus.SERVICE_UNAVAILABLE)
+    return FINISH_ABORT(MESSAGE_PREFIX + message, status)
 
 
 def _tell_tokenizer(scheduler: Any, req: Any) -> None:
@@ -123,3 +127,36 @@ def reject_waiting_requests(scheduler: Any) -> int:
     _count([reason] * len(rejected))
     logger.warning("FreeKV: rejected %d new request(s): %s", len(rejected), message)
     return len(rejected)
+
+
+def tsp_refusal(req: Any, keep: int) -> str | None:
+    """Why --kv-prefill tsp cannot answer this waiting request (None: it can). SGLang has set logprob_start_len by
+    now: below the prompt's length it asks for input-token logprobs."""
+    n = len(req.origin_input_ids)
+    if n <= keep:
+        return None  # propagates whole
+    wants = []
+    if getattr(req, "return_logprob", False) and 0 <= req.logprob_start_len < n:
+        wants.append(f"input-token logprobs (logprob_start_len {req.logprob_start_len})")
+    if getattr(req, "return_hidden_states", False):
+        wants.append("the prompt's hidden states (return_hidden_states)")
+    if not wants:
+        return None
+    return (f"--kv-prefill tsp propagates {keep} of this prompt's {n} tokens past the TSP layer, so it cannot return "
+            f"{' or '.join(wants)}; ask without them or use a server without --kv-prefill tsp")
+
+
+def reject_tsp_unservable(scheduler: Any, keep: int) -> int:
+    """With --kv-prefill tsp, answer each waiting request tsp_refusal names with an abort (400). Returns how many."""
+    queue = scheduler.waiting_queue
+    refused = [(req, why) for req in queue if (why := tsp_refusal(req, keep)) is not None]
+    if not refused:
+        return 0
+    gone = {id(req) for req, _ in refused}
+    queue[:] = [req for req in queue if id(req) not in gone]
+    for req, why in refused:
+        req.finished_reason = finish_reason("tsp_unservable", why, HTTPStatus.BAD_REQUEST)
+        _tell_tokenizer(scheduler, req)
+    _count(["tsp_unservable"] * len(refused))
+    logger.warning("FreeKV: refused %d request(s) --kv-prefill tsp cannot answer: %s", len(refused), refused[0][1])
+    return len(refused)

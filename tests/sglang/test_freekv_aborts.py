@@ -365,3 +365,28 @@ def test_health_fails_while_the_daemon_is_gone_and_recovers(daemon):
     assert get(app, "/other")[0] == 200
     daemon.start()
     assert get(app, "/health") == (200, "")
+
+
+def test_tsp_refuses_waiting_requests_that_need_every_prompt_tokens_hidden_state(monkeypatch):
+    """--kv-prefill tsp: input-token logprobs or hidden states of a prompt longer than --kv-tsp-keep cannot be had (the
+    tokens not propagated have no hidden state past the TSP layer): answered with an abort (400); others wait on."""
+    from freekv_patches import _aborts
+
+    monkeypatch.setattr("freekv_sglang.metrics.count_aborted_requests", lambda r, n=1: None)
+    sched = scheduler()
+    plain, short, logprobs, hidden, outputs = (req(rid, None) for rid in ("plain", "short", "lp", "hs", "out"))
+    for r in (plain, logprobs, hidden, outputs):
+        r.origin_input_ids = list(range(100))
+    for r in (logprobs, outputs):
+        r.return_logprob = True
+    logprobs.logprob_start_len, outputs.logprob_start_len = 10, 100  # SGLang's 'output tokens only': the length
+    short.return_logprob, short.logprob_start_len = True, 0  # 3 tokens: propagates whole
+    hidden.return_hidden_states = True
+    sched.waiting_queue.extend([plain, short, logprobs, hidden, outputs])
+    assert _aborts.reject_tsp_unservable(sched, keep=64) == 2
+    assert [r.rid for r in sched.waiting_queue] == ["plain", "short", "out"]
+    assert [m.rid for m in sched.sent] == ["lp", "hs"]
+    assert all(m.finished_reason["status_code"] == HTTPStatus.BAD_REQUEST for m in sched.sent)
+    assert "input-token logprobs (logprob_start_len 10)" in sched.sent[0].finished_reason["message"]
+    assert "return_hidden_states" in sched.sent[1].finished_reason["message"]
+    assert _aborts.reject_tsp_unservable(sched, keep=64) == 0
