@@ -113,6 +113,15 @@ class FreeKVModel:
     @torch.no_grad()
     def prefill(self, ids: list[int]) -> PrefillCache:
         """Dense causal prefill of one prompt; returns its per-layer K/V and the greedy first token."""
+        ks, vs, qs, kept, h = self.prompt_pass(ids, self.tsp)
+        return PrefillCache(list(ids), ks, vs, qs, int(self.model.lm_head(h[-1:]).float().argmax(-1)),
+                            self.prefill_mode, kept)
+
+    @torch.no_grad()
+    def prompt_pass(self, ids: list[int], tsp: tuple[int, int] | None):
+        """Dense causal prefill of one prompt, with token-selective propagation at tsp = (layer, keep) when given:
+        per-layer K/V [n or m, H, D] and last query [Hq, D], the propagated positions (None: every token) and the
+        final hidden states [n or m, hidden] (after the model's last norm, what the LM head reads)."""
         t = torch.tensor(ids, device=self.device)
         h = self.embed(t)
         cos, sin = self._rotary(h, torch.arange(len(ids), device=self.device))
@@ -128,10 +137,10 @@ class FreeKVModel:
             ks.append(k)
             vs.append(v)
             qs.append(q[-1])
-            if self.tsp is not None and i == self.tsp[0] and len(ids) > self.tsp[1]:
-                kept = self.engine.ops.tsp_select(q[-TSP_WINDOW:].contiguous(), k, self.tsp[1], self.engine.scale)
+            if tsp is not None and i == tsp[0] and len(ids) > tsp[1]:
+                kept = self.engine.ops.tsp_select(q[-TSP_WINDOW:].contiguous(), k, tsp[1], self.engine.scale)
                 h, cos, sin = h[kept], cos[kept], sin[kept]
-        return PrefillCache(list(ids), ks, vs, qs, int(self._logits(h[-1:]).argmax(-1)), self.prefill_mode, kept)
+        return ks, vs, qs, kept, self.norm(h)
 
     def load_prefill(self, cache: PrefillCache) -> int:
         """Put a prefilled prompt into a fresh engine slot; returns the slot."""

@@ -85,3 +85,20 @@ def test_tsp_with_freekv_decodes_and_counts_every_layer(smollm2):
     st = fm.stats()
     assert sorted(st["correction_rate"]) == list(range(1, model.config.num_hidden_layers))
     assert all(e.seq_len(0) == 0 and e.seq_len(1) == 0 for e in fm.engines)  # both requests left both engines
+
+
+def test_tsp_layer_calibration_measures_the_papers_discrepancy(smollm2):
+    """FastKV's TSP layer selection (freekv_sglang.tsp_layer): zero discrepancy when the prompt propagates whole,
+    positive otherwise, candidates up to half the layers, the argmin served."""
+    from freekv_sglang.tsp_layer import candidates, discrepancy, select, windows
+
+    model, tok = smollm2
+    ids = prompt(tok, "55555", 12)
+    fm = FreeKVModel.build(model, cfg(), max_requests=1, max_context=len(ids) + 1)
+    assert discrepancy(fm, ids, [3], keep=len(ids)) == {3: 0.0}
+    d = discrepancy(fm, ids, [2, TSP_LAYER], keep=64)
+    assert all(x > 0 for x in d.values()) and select(d) in d and d[select(d)] == min(d.values())
+    assert candidates(30) == list(range(16)) and select({4: 1.0, 2: 1.0, 7: 3.0}) == 2
+    assert [len(w) for w in windows(list(range(100)), 40, 3)] == [40, 40, 40]
+    with pytest.raises(ValueError, match="fewer than --length"):
+        windows(list(range(10)), 40, 3)
