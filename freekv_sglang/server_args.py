@@ -188,8 +188,9 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help=f"LouisKV: Lloyd iterations of the prompt clustering (default {_DEFAULTS.kmeans_iters})")
     g.add_argument("--kv-prefill", choices=PREFILLS, default=None,
                    help="'tsp': FastKV's token-selective propagation (only --kv-tsp-keep tokens of a prompt go past "
-                   "layer --kv-tsp-layer), with --kv-retrieval freekv, --chunked-prefill-size -1, "
-                   "--disable-radix-cache and --disable-prefill-cuda-graph (default: full)")
+                   "layer --kv-tsp-layer), with --kv-retrieval freekv or alone (over SGLang's KV pool, --page-size "
+                   "1); needs --chunked-prefill-size -1, --disable-radix-cache and --disable-prefill-cuda-graph "
+                   "(default: full)")
     g.add_argument("--kv-tsp-layer", type=int, default=None, metavar="LAYER",
                    help=f"--kv-prefill tsp: the layer whose attention picks the propagated tokens "
                    f"(default: {_DEFAULTS.tsp_layer})")
@@ -269,13 +270,11 @@ def settings_from_values(values: Mapping[str, Any]) -> FreeKVServerSettings | No
     mode = values.get("kv_retrieval") or "none"
     if mode not in KV_RETRIEVAL_CHOICES:
         raise FreeKVArgsError(f"--kv-retrieval must be one of {', '.join(KV_RETRIEVAL_CHOICES)}, got {mode!r}")
-    if values.get("kv_prefill") == "tsp" and mode != "freekv":
-        raise FreeKVArgsError(
-            f"--kv-prefill tsp is served with --kv-retrieval freekv only, not {mode}: the layers after the TSP layer "
-            "hold only the propagated tokens, a shorter sequence than SGLang's paged KV pool keeps for every layer, "
-            "which only FreeKV's own engines hold (pass --kv-retrieval freekv, or drop --kv-prefill)")
+    if values.get("kv_prefill") == "tsp" and mode == "louiskv":
+        raise FreeKVArgsError("--kv-prefill tsp is not served with --kv-retrieval louiskv (its prompt clustering "
+                              "would see only the propagated tokens): pass --kv-retrieval freekv or none")
     if mode == "none":
-        return None
+        return None  # FreeKV off; --kv-prefill tsp alone is tsp_alone_from_values
     knobs = {field: values[dest] for dest, (_, field) in _KNOB_FLAGS.items() if values.get(dest) is not None}
     foreign = _LOUISKV_ONLY if mode == "freekv" else _FREEKV_ONLY
     given = [_KNOB_FLAGS[dest][0] for dest in foreign if values.get(dest) is not None]
@@ -298,6 +297,61 @@ def settings_from_values(values: Mapping[str, Any]) -> FreeKVServerSettings | No
         kvstore_arena_gb=DEFAULT_KVSTORE_ARENA_GB if arena is None else arena,
         kvstore_timeout_s=DEFAULT_KVSTORE_TIMEOUT_S if timeout is None else timeout,
     )
+
+
+def tsp_alone_from_values(values: Mapping[str, Any]) -> FreeKVConfig | None:
+    """--kv-prefill tsp without FreeKV retrieval (FastKV's propagation over SGLang's own KV pool): the config holding
+    its tsp_layer and tsp_keep, or None when not asked for."""
+    if values.get("kv_prefill") != "tsp" or (values.get("kv_retrieval") or "none") != "none":
+        return None
+    others = [flag for dest, (flag, _) in _KNOB_FLAGS.items()
+              if dest not in ("kv_prefill", "kv_tsp_layer", "kv_tsp_keep") and values.get(dest) is not None]
+    others += [flag for dest, flag in (("kvstore_endpoint", "--kvstore-endpoint"),
+                                       ("kvstore_arena_gb", "--kvstore-arena-gb"),
+                                       ("kvstore_timeout", "--kvstore-timeout")) if values.get(dest) is not None]
+    if others:
+        raise FreeKVArgsError(f"{', '.join(others)} apply only to --kv-retrieval freekv; --kv-prefill tsp alone takes "
+                              "--kv-tsp-layer and --kv-tsp-keep")
+    knobs = {field: values[dest] for dest, (_, field) in _KNOB_FLAGS.items()
+             if dest in ("kv_tsp_layer", "kv_tsp_keep") and values.get(dest) is not None}
+    try:
+        return FreeKVConfig(prefill="tsp", dense_layers=0, **knobs)
+    except ValueError as e:
+        raise FreeKVArgsError(f"{_name_flags(str(e))}") from e
+
+
+def tsp_alone_problems(server_args: Any, config: FreeKVConfig) -> list[str]:
+    """Every reason --kv-prefill tsp alone cannot run with these (SGLang) server arguments."""
+    g = lambda name, default=None: getattr(server_args, name, default)  # noqa: E731
+    problems = _tsp_problems(g)
+    if g("page_size") not in (None, 1):
+        problems.append(f"use --page-size 1 with --kv-prefill tsp alone (got {g('page_size')}): the later layers' "
+                        "compacted tokens are listed one token slot each")
+    if g("speculative_algorithm") not in (None, "", "NONE", "none"):
+        problems.append(f"drop --speculative-algorithm {g('speculative_algorithm')} with --kv-prefill tsp")
+    for flag in ("enable_mixed_chunk", "enable_dp_attention", "enable_hierarchical_cache", "enable_two_batch_overlap",
+                 "enable_pdmux", "enable_hisparse"):
+        if g(flag, False):
+            problems.append(f"drop --{flag.replace('_', '-')} with --kv-prefill tsp (its batches need whole prompts "
+                            "and pure decode steps on one rank)")
+    if (g("pp_size", 1) or 1) > 1:
+        problems.append(f"use --pp-size 1 with --kv-prefill tsp (got {g('pp_size')})")
+    if g("disaggregation_mode", "null") not in (None, "null"):
+        problems.append(f"drop --disaggregation-mode {g('disaggregation_mode')} with --kv-prefill tsp")
+    for name in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
+        value = g(name)
+        if value is not None and value not in SUPPORTED_ATTENTION_BACKENDS:
+            flag = "--" + name.replace("_", "-")
+            problems.append(f"{flag} is {value}: --kv-prefill tsp wraps only the "
+                            f"{' or '.join(SUPPORTED_ATTENTION_BACKENDS)} attention backends")
+    return problems
+
+
+def check_tsp_alone(server_args: Any, config: FreeKVConfig) -> None:
+    problems = tsp_alone_problems(server_args, config)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise FreeKVArgsError(f"--kv-prefill tsp cannot run with these server arguments:\n{lines}")
 
 
 def settings_from_argv(argv: Sequence[str]) -> FreeKVServerSettings | None:

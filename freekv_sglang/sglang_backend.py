@@ -35,12 +35,11 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from . import metrics
-from .config import TSP_WINDOW
 from .engine import FreeKVEngine, ModelShape, merged_stats, tsp_engines
 from .kvstore_pool import HostPagesUnavailable, KVStoreHostPool, stable_client_id
 from .radix import PrefixSharing, fill_prefix_staging, namespace_of, prefix_fill_index
 from .server_args import host_page_bytes, host_page_capacity
-from .tsp_propagation import causal_attention
+from .tsp_propagation import causal_attention, pick
 
 logger = logging.getLogger(__name__)
 
@@ -567,23 +566,12 @@ class FreeKVAttnBackend(AttentionBackend):
         return o
 
     def _pick_propagated(self, q, k) -> None:
-        """The TSP layer: per prompt of the batch, the tokens that propagate past it (FastKV: the last TSP_WINDOW
-        queries' attention over the prompt, freekv_kernels.tsp_select; a prompt of at most --kv-tsp-keep tokens
-        propagates whole), handed to the wrapped decoder layers as rows of the batch's tokens."""
-        s, keep, ops = self.shape, self.engine.cfg.tsp_keep, self.engine.ops
-        q3, k3 = q.reshape(-1, s.num_q_heads, s.head_dim), k.reshape(-1, s.num_kv_heads, s.head_dim)
-        rows, start = [], 0
-        for _, n in self._tsp_rows:
-            if n > keep:
-                rows.append(start + ops.tsp_select(q3[start + n - TSP_WINDOW:start + n].contiguous(),
-                                                   k3[start:start + n], keep, self.engine.scale))
-            else:
-                rows.append(torch.arange(start, start + n, device=q.device))
-            start += n
-        if start != q3.shape[0]:
-            raise RuntimeError(f"--kv-prefill tsp: the extend batch holds {q3.shape[0]} tokens, its prompts {start}")
-        self._tsp_kept = [min(n, keep) for _, n in self._tsp_rows]
-        self.tsp.pick(torch.cat(rows), start)
+        """The TSP layer: per prompt of the batch, the tokens that propagate past it (tsp_propagation.pick), handed to
+        the wrapped decoder layers as rows of the batch's tokens."""
+        s = self.shape
+        kept, self._tsp_kept = pick(self.engine.ops.tsp_select, q, k, self._tsp_rows, self.engine.cfg.tsp_keep,
+                                    self.engine.scale, s.num_q_heads, s.num_kv_heads, s.head_dim)
+        self.tsp.pick(kept, sum(n for _, n in self._tsp_rows))
 
     def _late_extend(self, q, k, v, layer):
         """A layer after the TSP layer: each prompt's propagated tokens attend causally among themselves, and the late

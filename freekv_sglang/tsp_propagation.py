@@ -19,6 +19,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from .config import TSP_WINDOW
+
 
 @dataclasses.dataclass
 class Propagation:
@@ -47,6 +49,26 @@ def install(layers, tsp_layer: int, state: Propagation) -> None:
             raise RuntimeError(f"decoder layer {i} is already wrapped for token-selective propagation")
         layer.forward = _wrap(layer.forward, i == tsp_layer, i == last, state)
         layer._freekv_tsp = True
+
+
+def pick(select, q: torch.Tensor, k: torch.Tensor, rows: list[tuple[int, int]], keep: int, scale: float,
+         num_q_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, list[int]]:
+    """The TSP layer's pick over an extend batch of whole prompts: rows [(slot, prompt tokens)] in batch order, q / k
+    that layer's post-RoPE queries and keys of the batch's tokens. Per prompt the tokens that propagate (FastKV: the
+    last TSP_WINDOW queries' attention over the prompt, `select` being freekv_kernels' tsp_select; a prompt of at
+    most `keep` tokens propagates whole). Returns their rows in the batch's tokens and each prompt's count."""
+    q3, k3 = q.reshape(-1, num_q_heads, head_dim), k.reshape(-1, num_kv_heads, head_dim)
+    kept, start = [], 0
+    for _, n in rows:
+        if n > keep:
+            kept.append(start + select(q3[start + n - TSP_WINDOW:start + n].contiguous(), k3[start:start + n], keep,
+                                       scale))
+        else:
+            kept.append(torch.arange(start, start + n, device=q.device))
+        start += n
+    if start != q3.shape[0]:
+        raise RuntimeError(f"--kv-prefill tsp: the extend batch holds {q3.shape[0]} tokens, its prompts {start}")
+    return torch.cat(kept), [min(n, keep) for _, n in rows]
 
 
 def _wrap(forward, first: bool, last: bool, state: Propagation):

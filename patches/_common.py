@@ -46,6 +46,17 @@ def settings_of(server_args: Any):
     return getattr(server_args, "_freekv", None) if server_args is not None else None
 
 
+def tsp_alone_of(server_args: Any):
+    """The FreeKVConfig of --kv-prefill tsp without FreeKV retrieval a ServerArgs carries (freekv_sglang.tsp_backend),
+    or None."""
+    return getattr(server_args, "_freekv_tsp", None) if server_args is not None else None
+
+
+def batch_hooks_on(server_args: Any) -> bool:
+    """Whether the backend needs FreeKV's per-batch attributes: FreeKV on, or --kv-prefill tsp alone."""
+    return settings_of(server_args) is not None or tsp_alone_of(server_args) is not None
+
+
 def copy_batch_attrs(src: Any, dst: Any) -> None:
     """Carry FreeKV's per-batch attributes from one ForwardBatch (or view) to another built from it."""
     if dst is None or dst is src or not hasattr(src, "__dict__") or "_freekv_req_slots_cpu" not in vars(src):

@@ -8,7 +8,7 @@ it _freekv_req_slots_cpu = zeros(bs) (CPU int64) and _freekv_raw_bs = 0: every r
 
 from __future__ import annotations
 
-from ._common import settings_of
+from ._common import batch_hooks_on
 
 TARGET = "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture_prepare"
 HOOK_TYPE = "AFTER"
@@ -18,7 +18,7 @@ PURPOSE = "give the capture ForwardBatch all-padding slots (_freekv_req_slots_cp
 
 def hook(result, self, *args, **kwargs):
     runner = getattr(self, "model_runner", None)
-    if settings_of(getattr(runner, "server_args", None)) is None or not result:
+    if not batch_hooks_on(getattr(runner, "server_args", None)) or not result:
         return None
     import torch
 

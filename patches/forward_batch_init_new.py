@@ -18,7 +18,7 @@ The tensor is borrowed from the ScheduleBatch, not copied (SGLang replaces it, n
 
 from __future__ import annotations
 
-from ._common import settings_of
+from ._common import batch_hooks_on
 
 TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 HOOK_TYPE = "AFTER"
@@ -28,7 +28,7 @@ PURPOSE = ("put the batch's CPU request slots and prefill completion on the Forw
 
 
 def hook(result, cls, batch, model_runner, *args, **kwargs):
-    if result is None or settings_of(getattr(model_runner, "server_args", None)) is None:
+    if result is None or not batch_hooks_on(getattr(model_runner, "server_args", None)):
         return None
     slots = getattr(batch, "req_pool_indices_cpu", None)
     bs = result.batch_size

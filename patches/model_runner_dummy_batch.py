@@ -10,7 +10,7 @@ _freekv_raw_bs = 0: no row is a real request.
 
 from __future__ import annotations
 
-from ._common import settings_of
+from ._common import batch_hooks_on
 
 TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.prepare_dummy_forward_batch"
 HOOK_TYPE = "AFTER"
@@ -19,7 +19,7 @@ PURPOSE = "mark warmup/autotune dummy batches as all dummy (_freekv_raw_bs = 0)"
 
 
 def hook(result, self, forward_batch):
-    if result is None or settings_of(getattr(self, "server_args", None)) is None:
+    if result is None or not batch_hooks_on(getattr(self, "server_args", None)):
         return None
     import torch
 

@@ -11,7 +11,7 @@ the attention backends are built and the CUDA graphs captured. With FreeKV on it
   - marks the ReqToTokenPool so the free() hook reports freed slots, and gives ForwardBatch class-level None
     defaults for _freekv_req_slots_cpu / _freekv_raw_bs / _freekv_prefill_done_cpu (batches no hook saw read
     None, not AttributeError);
-  - with --kv-prefill tsp, wraps the model's decoder layers (model.model.layers, called as Llama's and Qwen2's are)
+  - with --kv-prefill tsp (with FreeKV or alone), wraps the model's decoder layers (model.model.layers, called as Llama's and Qwen2's are)
     for token-selective propagation (freekv_sglang.tsp_propagation) and leaves their shared state on the runner
     (runner._freekv_tsp) for the FreeKV backend.
 (An AROUND hook on run_scheduler_process cannot do this: Engine passes its own reference to the original function to
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from ._common import settings_of
+from ._common import settings_of, tsp_alone_of
 
 TARGET = "sglang.srt.model_executor.model_runner.ModelRunner._init_post_memory_pool_components"
 HOOK_TYPE = "AFTER"
@@ -34,6 +34,13 @@ def hook(result, self):
     server_args = getattr(self, "server_args", None)
     settings = settings_of(server_args)
     if settings is None:
+        tsp = tsp_alone_of(server_args)
+        if tsp is not None:
+            from . import require_hooks
+
+            require_hooks("starting a --kv-prefill tsp scheduler")
+            _install_tsp(self, tsp.tsp_layer)
+            _batch_defaults()
         return None
     from freekv_sglang.server_args import ENV_KVSTORE_ENDPOINT, FreeKVArgsError, check_model
 
@@ -68,12 +75,16 @@ def hook(result, self):
     pool = getattr(self, "req_to_token_pool", None)
     if pool is not None:
         pool._freekv_enabled = True
+    _batch_defaults()
+    return None
+
+
+def _batch_defaults() -> None:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
     for name in ("_freekv_req_slots_cpu", "_freekv_raw_bs", "_freekv_prefill_done_cpu", "_freekv_prefix_pins"):
         if not hasattr(ForwardBatch, name):
             setattr(ForwardBatch, name, None)
-    return None
 
 
 def _install_tsp(runner, tsp_layer: int) -> None:

@@ -13,7 +13,7 @@ requests it did not admit are let go once the batch is built (freekv_sglang.radi
 from __future__ import annotations
 
 from ._aborts import reject_tsp_unservable, reject_waiting_requests
-from ._common import settings_of
+from ._common import settings_of, tsp_alone_of
 
 TARGET = "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill"
 HOOK_TYPE = "AROUND"
@@ -25,6 +25,9 @@ PURPOSE = ("reject new requests with an abort while no kvstore can give host pag
 def hook(orig, self, running_batch):
     settings = settings_of(getattr(self, "server_args", None))
     if settings is None:
+        tsp = tsp_alone_of(getattr(self, "server_args", None))
+        if tsp is not None and self.waiting_queue:
+            reject_tsp_unservable(self, tsp.tsp_keep)
         return orig(self, running_batch)
     if self.waiting_queue:
         reject_waiting_requests(self)

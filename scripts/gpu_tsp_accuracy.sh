@@ -3,6 +3,7 @@
 # harness through the engine (dense and FreeKV's default selection, full prefill and TSP), then the same task
 # against a FreeKV SGLang server with --kv-prefill tsp and the same settings. KEEP (default 1024), LAYER (14: the
 # middle of 30 layers, as the paper's 15 of 32), TASKS (passkey,multikey), LENGTH (4096), BUDGET (512).
+# RETRIEVAL=none serves TSP alone (SGLang's KV pool, page 1) instead of with FreeKV; ENGINE=0 skips the engine harness.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
@@ -13,17 +14,25 @@ bash scripts/gpu_smollm2.sh build >/dev/null || exit 1
 KEEP=${KEEP:-1024} LAYER=${LAYER:-14} TASKS=${TASKS:-passkey,multikey} LENGTH=${LENGTH:-4096} BUDGET=${BUDGET:-512}
 ACC=(python3 -m freekv_sglang.accuracy --model /tmp/smollm2 --sink 64 --window 128 --page-size 16 --samples 20
      --lengths "$LENGTH" --budgets "$BUDGET")
-"${ACC[@]}" --device cuda --dtype bf16 --batch 8 --tasks "$TASKS" --methods dense,sketch --kv-prefill full,tsp \
-  --kv-tsp-layer "$LAYER" --kv-tsp-keep "$KEEP" --out "$OUT/acc-engine" 2>&1 | tail -n 20
+if [ "${ENGINE:-1}" != 0 ]; then
+  "${ACC[@]}" --device cuda --dtype bf16 --batch 8 --tasks "$TASKS" --methods dense,sketch --kv-prefill full,tsp \
+    --kv-tsp-layer "$LAYER" --kv-tsp-keep "$KEEP" --out "$OUT/acc-engine" 2>&1 | tail -n 20
+fi
+if [ "${RETRIEVAL:-freekv}" = none ]; then
+  SERVE=(--page-size 1)
+  LABEL="tsp(keep=$KEEP)-alone-server"
+else
+  SERVE=(--page-size 16 --kv-retrieval freekv --kv-budget "$BUDGET" --kv-sink 64 --kv-window 128 --kv-page-size 16
+         --kv-correction-threshold 0.9 --kv-dense-layers 1 --kvstore-arena-gb 4)
+  LABEL="freekv-tsp(keep=$KEEP)-server"
+fi
 PORT=30001
 setsid python3 -m sglang.launch_server --model-path /tmp/smollm2 --port $PORT --attention-backend flashinfer \
   --sampling-backend pytorch --grammar-backend none --disable-radix-cache --disable-prefill-cuda-graph \
-  --chunked-prefill-size -1 --page-size 16 --mem-fraction-static 0.3 --max-running-requests 16 \
-  --kv-retrieval freekv --kv-budget "$BUDGET" --kv-sink 64 --kv-window 128 --kv-page-size 16 \
-  --kv-correction-threshold 0.9 --kv-dense-layers 1 --kvstore-arena-gb 4 \
-  --kv-prefill tsp --kv-tsp-layer "$LAYER" --kv-tsp-keep "$KEEP" >"$OUT/server-tsp.log" 2>&1 &
+  --chunked-prefill-size -1 --mem-fraction-static 0.3 --max-running-requests 16 "${SERVE[@]}" \
+  --kv-prefill tsp --kv-tsp-layer "$LAYER" --kv-tsp-keep "$KEEP" >"$OUT/server-tsp-$KEEP.log" 2>&1 &
 SPID=$!
-wait_healthy freekv-tsp $PORT $SPID "$OUT/server-tsp.log" 300 || exit 1
+wait_healthy "$LABEL" $PORT $SPID "$OUT/server-tsp-$KEEP.log" 300 || exit 1
 "${ACC[@]}" --backend sglang --url http://127.0.0.1:$PORT --tasks "$TASKS" \
-  --server-method "freekv-tsp(keep=$KEEP)-server" --server-budget "$BUDGET" --out "$OUT/acc-server" 2>&1 | tail -n 12
+  --server-method "$LABEL" --server-budget "$BUDGET" --out "$OUT/acc-server-$KEEP" 2>&1 | tail -n 12
 kill -TERM -- -$SPID 2>/dev/null; sleep 3; kill -9 -- -$SPID 2>/dev/null

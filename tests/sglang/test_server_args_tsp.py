@@ -1,5 +1,5 @@
-"""--kv-prefill tsp (FastKV's token-selective propagation): its config fields, the flags' parsing, and the server
-arguments it refuses, each naming the flag to change."""
+"""--kv-prefill tsp (FastKV's token-selective propagation) with FreeKV: its config fields, the flags' parsing, and the
+server arguments it refuses, each naming the flag to change (alone: tests/sglang/test_tsp_alone_backend.py)."""
 
 from types import SimpleNamespace
 
@@ -11,10 +11,10 @@ from freekv_sglang.server_args import FreeKVArgsError, server_args_problems, set
 TSP = ["--kv-retrieval", "freekv", "--kv-prefill", "tsp"]
 
 
-@pytest.mark.parametrize("argv, match", [(["--kv-prefill", "tsp"], "with --kv-retrieval freekv only, not none"),
-                                         (["--kv-retrieval", "louiskv", "--kv-prefill", "tsp"], "not louiskv"),
+@pytest.mark.parametrize("argv, match", [(["--kv-retrieval", "louiskv", "--kv-prefill", "tsp"],
+                                          "not served with --kv-retrieval louiskv"),
                                          (TSP + ["--kv-tsp-layer", "0"], "--kv-dense-layers 1 must not exceed")])
-def test_tsp_needs_freekv_and_sparse_tsp_layer(argv, match):
+def test_tsp_refuses_louiskv_and_a_dense_tsp_layer(argv, match):
     with pytest.raises(FreeKVArgsError, match=match):
         settings_from_argv(argv)
 
