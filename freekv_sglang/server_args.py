@@ -338,13 +338,7 @@ def tsp_alone_problems(server_args: Any, config: FreeKVConfig) -> list[str]:
         problems.append(f"use --pp-size 1 with --kv-prefill tsp (got {g('pp_size')})")
     if g("disaggregation_mode", "null") not in (None, "null"):
         problems.append(f"drop --disaggregation-mode {g('disaggregation_mode')} with --kv-prefill tsp")
-    for name in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
-        value = g(name)
-        if value is not None and value not in SUPPORTED_ATTENTION_BACKENDS:
-            flag = "--" + name.replace("_", "-")
-            problems.append(f"{flag} is {value}: --kv-prefill tsp wraps only the "
-                            f"{' or '.join(SUPPORTED_ATTENTION_BACKENDS)} attention backends")
-    return problems
+    return problems + _backend_problems(g, "--kv-prefill tsp")
 
 
 def check_tsp_alone(server_args: Any, config: FreeKVConfig) -> None:
@@ -447,13 +441,18 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
     if settings.config.retrieval == "louiskv" and not g("disable_radix_cache", False):
         problems.append("pass --disable-radix-cache with --kv-retrieval louiskv: LouisKV writes each prompt's host "
                         "pages in the order of its own k-means clusters, so no request can share them as a prefix")
-    supported = " or ".join(SUPPORTED_ATTENTION_BACKENDS)
+    return problems + _backend_problems(g, "FreeKV", f" (pass {{flag}} {DEFAULT_ATTENTION_BACKEND})")
+
+
+def _backend_problems(g, who: str, hint: str = "") -> list[str]:
+    """The attention backends named that `who` cannot wrap; hint may name {flag}."""
+    problems = []
     for name in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
         value = g(name)
         if value is not None and value not in SUPPORTED_ATTENTION_BACKENDS:
             flag = "--" + name.replace("_", "-")
-            problems.append(f"{flag} is {value}: FreeKV wraps only the {supported} attention backends "
-                            f"(pass {flag} {DEFAULT_ATTENTION_BACKEND})")
+            problems.append(f"{flag} is {value}: {who} wraps only the {' or '.join(SUPPORTED_ATTENTION_BACKENDS)} "
+                            f"attention backends{hint.format(flag=flag)}")
     return problems
 
 

@@ -71,7 +71,6 @@ class TSPAttnBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
         self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
-        self.decode.init_graph_state(max_bs)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return self.inner.get_cuda_graph_seq_len_fill_value()
@@ -163,9 +162,6 @@ class TorchLateDecode:
     def __init__(self, inner, Hq, H, D, req_to_token, max_tokens, dtypes, device):
         self.G, self.req_to_token = Hq // H, req_to_token
 
-    def init_graph_state(self, max_bs: int) -> None:
-        pass
-
     def plan(self, req_pool_indices, late_lens, host_lens: list[int], graph: bool) -> torch.Tensor:
         self.rows = [self.req_to_token[int(s), :n].long() for s, n in zip(req_pool_indices.tolist(), host_lens)]
         return torch.stack([r[-1] for r in self.rows])
@@ -202,9 +198,6 @@ class FlashInferLateDecode:
         self.eager = BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=Hq // H > 4)
         self.graphs: dict[int, object] = {}
         self.current = None
-
-    def init_graph_state(self, max_bs: int) -> None:
-        pass
 
     def _graph_wrapper(self, bs: int):
         if bs not in self.graphs:

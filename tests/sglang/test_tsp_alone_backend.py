@@ -17,21 +17,11 @@ from freekv_sglang.server_args import (FreeKVArgsError, flag_values, freekv_pars
                                        tsp_alone_from_values, tsp_alone_problems)
 from freekv_sglang.tsp_backend import TSPAttnBackend
 from freekv_sglang.tsp_propagation import Propagation
+from test_freekv_backend import Mode
 
 L, HQ, H, D = 3, 6, 2, 16  # layer 1 is the TSP layer, layer 2 the later one
 SLOTS, CTX, TOKENS, KEEP = 4, 256, 2048, 40
 SCALE = 1 / math.sqrt(D)
-
-
-class Mode:
-    def __init__(self, decode):
-        self.decode = decode
-
-    def is_decode(self):
-        return self.decode
-
-    def is_extend(self):
-        return not self.decode
 
 
 class Inner:
