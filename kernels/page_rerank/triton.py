@@ -45,7 +45,8 @@ def _top_pages_kernel(
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
             return
-    top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
+    top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY,
+                             out_ptr, 0, 0, 1.0, False), KP)
     i = tl.arange(0, KP)
     page = 0x7FFFFFFF - top.to(tl.int32)
     sel = tl.where(((top >> 32).to(tl.int32) <= NEG_INF_KEY), -1, page)
@@ -70,7 +71,9 @@ def top_pages(scores: torch.Tensor, num: int, heads: torch.Tensor | None = None,
         _topk_kernel[(B * H, n_chunks)](
             x, cand, heads_arg if with_heads else torch.ones(B, H, dtype=torch.bool, device=scores.device), n, H,
             *x.stride(), *cand.stride(), *(heads_strides if with_heads else (H, 1)),
+            out, out, 0, 0, 0, 0, 0, 1.0,  # no hysteresis: no slot table
             KP=kp, CHUNK=chunk, PACKED_IN=packed, WANT=want if with_heads else 1, NEG_INF_KEY=_NEG_INF_KEY,
+            HYST=False,
             num_warps=TOPK_WARPS,
         )
         x, n, packed = cand, n_chunks * kp, True

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 POOLINGS = ("mean_softmax", "max")
@@ -12,6 +14,16 @@ PHASE_NOW, PHASE_LATER = 1, 2
 def check_phase(phase: int) -> None:
     if phase not in (PHASE_NOW, PHASE_LATER):
         raise ValueError(f"phase must be {PHASE_NOW} (now) or {PHASE_LATER} (later), got {phase!r}")
+
+
+def check_hysteresis(hysteresis: float) -> None:
+    if isinstance(hysteresis, bool) or not isinstance(hysteresis, (int, float)) or not 0.0 <= hysteresis < math.inf:
+        raise ValueError(f"hysteresis must be a finite number >= 0, got {hysteresis!r}")
+
+
+def resident_factor(hysteresis: float) -> torch.Tensor:
+    """The fp32 factor (1 + hysteresis) by which a resident page's score counts in its head's top-k."""
+    return torch.tensor(1.0 + hysteresis, dtype=torch.float32)
 
 
 def in_phase(heads: torch.Tensor | None, phase: int) -> torch.Tensor | None:
@@ -87,17 +99,21 @@ def naive_select_slots(
     recall_all: bool = False,
     stats: torch.Tensor | None = None,
     pad_slot: int = -1,
+    hysteresis: float = 0.0,
 ) -> None:
     """Top-k selection, slot assignment and commit for the heads of `phase`, and the recall plan of every head.
 
     Per (row b, KV head h), with r = req_slots[b] and old = slots[r, h]: a head of the phase selects the top
-    k = slots.shape[2] pages of scores[b, h] and stores them in slots[r, h] (resident pages keep their slot);
+    k = slots.shape[2] pages of scores[b, h], where the pages of old count (1 + hysteresis) times their score
+    (fp32; scores are non-negative attention masses, so a page must outscore a resident one by that factor to
+    displace it), and stores them in slots[r, h] (resident pages keep their slot);
     a slot is changed when it now holds a page it did not (recall_all: every filled slot of the head).
     PHASE_NOW: recall[b, h, s] = PHASE_NOW for changed slots of flagged heads or slots that were empty,
     PHASE_LATER for the other changed slots, 0 elsewhere -- for every head. PHASE_LATER: the phase's heads
     set recall[b, h] = PHASE_LATER where changed, 0 elsewhere; the other heads' entries stay.
     stats ([2] float64), for rows with r != pad_slot: stats[phase - 1] += entries equal to `phase` afterwards.
     """
+    check_hysteresis(hysteresis)
     mine = in_phase(heads, phase).tolist()
     flagged = flags.tolist() if phase == PHASE_NOW else None
     k = slots.shape[2]
@@ -106,7 +122,11 @@ def naive_select_slots(
             old = slots[r, h].tolist()
             new = old
             if mine[b][h]:
-                new = _slot_delta(old, _top_k(scores[b, h], k))
+                row = scores[b, h].float().clone()
+                if hysteresis:
+                    held = torch.tensor([p for p in old if p >= 0], dtype=torch.long, device=row.device)
+                    row[held] = row[held] * resident_factor(hysteresis).to(row.device)
+                new = _slot_delta(old, _top_k(row, k))
                 slots[r, h] = torch.tensor(new, dtype=slots.dtype)
             changed = [mine[b][h] and n != -1 and (recall_all or n != o) for n, o in zip(new, old)]
             if phase == PHASE_NOW:

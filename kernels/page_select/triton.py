@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors
-from .naive import PHASE_NOW, POOLINGS, check_phase
+from .naive import PHASE_NOW, POOLINGS, check_hysteresis, check_phase, resident_factor
 
 # Sortable int32 key of -inf (see _sort_keys): keys at or below it are -inf (or padding) and select nothing.
 _NEG_INF_KEY = -2139095041
@@ -154,6 +154,7 @@ TOPK_CHUNK = 512  # pages per chunk of a multi-stage top-k
 TOPK_WARPS = 4
 TOPK_SINGLE = 1024  # rows up to this many pages take one stage
 TOPK_SINGLE_WARPS = 8
+HYST_SLOTS: tl.constexpr = 16  # slots compared with a block of pages at a time (hysteresis)
 
 
 def _heads_args(heads: torch.Tensor | None, phase: int, like: torch.Tensor) -> tuple:
@@ -243,11 +244,13 @@ def score_pages(
 
 @triton.jit
 def _sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr,
-               NEG_INF_KEY: tl.constexpr):
+               NEG_INF_KEY: tl.constexpr, old_ptr, st_k, K, bonus, HYST: tl.constexpr):
     """Chunk c of row (b, h) of `in` as int64 keys whose descending order is descending score, ties by lower page.
 
     A score x at page j packs into (key(x) << 32) | (2^31 - 1 - j), key(x) an int32 that orders like x. Packed
-    input (the winners of an earlier stage) is read as is; lanes past n are padding, below every real key."""
+    input (the winners of an earlier stage) is read as is; lanes past n are padding, below every real key.
+    HYST (raw scores only): the scores of the pages the row's K slots hold (old_ptr, stride st_k) are multiplied by
+    bonus first."""
     j = c * CHUNK + tl.arange(0, CHUNK)
     ok = j < n
     src = in_ptr + b * si_b + h * si_h + j.to(tl.int64) * si_j
@@ -256,6 +259,14 @@ def _sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK: tl.constexpr, PACKED
         x = tl.where(ok, tl.load(src, mask=ok, other=0), pad)
     else:
         f = tl.load(src, mask=ok, other=float("-inf")).to(tl.float32)
+        if HYST:
+            resident = j < 0
+            for s0 in range(0, K, HYST_SLOTS):
+                s = s0 + tl.arange(0, HYST_SLOTS)
+                held = tl.load(old_ptr + s.to(tl.int64) * st_k, mask=s < K, other=-1)
+                hit = (j[:, None] == held[None, :]) & (held >= 0)[None, :]
+                resident |= tl.max(hit.to(tl.int32), axis=1) > 0
+            f = tl.where(resident, f * bonus, f)
         f = tl.where(f == 0.0, 0.0, f)  # -0.0 ties with +0.0, as in torch's sort
         bits = f.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
@@ -269,17 +280,24 @@ def _topk_kernel(
     si_b, si_h, si_j,
     so_b, so_h, so_j,
     sh_b, sh_h,
+    slots_ptr, req_ptr, s_req, st_r, st_h, st_k, K, bonus,
     KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, WANT: tl.constexpr, NEG_INF_KEY: tl.constexpr,
+    HYST: tl.constexpr,
 ):
     """An early stage of a long row's top-k: the KP best packed keys of chunk c of row (b, h) go to
-    out[b, h, c*KP : c*KP + KP]. Heads outside the phase (heads[b, h] != WANT) exit."""
+    out[b, h, c*KP : c*KP + KP]. Heads outside the phase (heads[b, h] != WANT) exit. HYST: the first stage's
+    scores of resident pages (slots[req_slots[b], h]) count times bonus."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     b = (r // H).to(tl.int64)
     h = (r % H).to(tl.int64)
     if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
         return
-    top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
+    old_ptr = slots_ptr + h * st_h
+    if HYST:
+        old_ptr += tl.load(req_ptr + b * s_req).to(tl.int64) * st_r
+    top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK, PACKED_IN, NEG_INF_KEY,
+                             old_ptr, st_k, K, bonus, HYST), KP)
     i = tl.arange(0, KP)
     tl.store(out_ptr + b * so_b + h * so_h + (c * KP + i).to(tl.int64) * so_j, top)
 
@@ -287,13 +305,13 @@ def _topk_kernel(
 @triton.jit
 def _select_slots_kernel(
     in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr,
-    n, H, K, pad_slot,
+    n, H, K, pad_slot, bonus,
     si_b, si_h, si_j,
     st_r, st_h, st_k,
     s_req, sh_b, sh_h, sf_b, sf_h,
     sr_b, sr_h, sr_k,
     KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, PHASE: tl.constexpr, WANT: tl.constexpr,
-    RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr,
+    RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr, HYST: tl.constexpr,
 ):
     """One program per (row b, KV head h): the last top-k stage, the slot delta against the resident pages,
     the commit into slots[req_slots[b], h] and the recall codes (see naive_select_slots)."""
@@ -309,7 +327,8 @@ def _select_slots_kernel(
     mine = tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) == WANT
     changed = i < 0
     if mine:
-        top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
+        top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY,
+                                 slots_ptr + r * st_r + h * st_h, st_k, K, bonus, HYST and not PACKED_IN), KP)
         page = 0x7FFFFFFF - top.to(tl.int32)  # the low word (truncation)
         # sel[t]: the t-th best page, -1 where its score is -inf (or padding) and past k.
         sel = tl.where(((top >> 32).to(tl.int32) <= NEG_INF_KEY) | (i >= K), -1, page)
@@ -355,10 +374,12 @@ def select_slots(
     recall_all: bool = False,
     stats: torch.Tensor | None = None,
     pad_slot: int = -1,
+    hysteresis: float = 0.0,
 ) -> None:
     """Rows of up to TOPK_SINGLE pages (rounded up to a power of two) take one launch; longer rows are cut into
     chunks of TOPK_CHUNK pages whose winners a further stage reduces, until one stage covers the rest."""
     check_phase(phase)
+    check_hysteresis(hysteresis)
     check_device(scores, slots, req_slots, heads, recall)
     check_index_vectors(req_slots=req_slots)
     B, H, M = scores.shape
@@ -375,22 +396,24 @@ def select_slots(
     want = int(phase == PHASE_NOW)
     kp = max(2, triton.next_power_of_2(k))  # tl.topk of one element would reduce to a scalar
     chunk = max(TOPK_CHUNK, 2 * kp)  # each stage keeps at most half of its input
+    hyst, bonus = hysteresis > 0, float(resident_factor(hysteresis))
     x, n, packed = scores, M, False
     while (width := max(triton.next_power_of_2(max(n, 1)), kp)) > max(TOPK_SINGLE, chunk):
         n_chunks = triton.cdiv(n, chunk)
         cand = torch.empty(B, H, n_chunks * kp, dtype=torch.int64, device=scores.device)  # scratch
         _topk_kernel[(B * H, n_chunks)](
             x, cand, heads, n, H, *x.stride(), *cand.stride(), *heads.stride(),
-            KP=kp, CHUNK=chunk, PACKED_IN=packed, WANT=want, NEG_INF_KEY=_NEG_INF_KEY,
+            slots, req_slots, req_slots.stride(0), *slots.stride(), k, bonus,
+            KP=kp, CHUNK=chunk, PACKED_IN=packed, WANT=want, NEG_INF_KEY=_NEG_INF_KEY, HYST=hyst and not packed,
             num_warps=TOPK_WARPS,
         )
         x, n, packed = cand, n_chunks * kp, True
     _select_slots_kernel[(B * H,)](
         x, slots, req_slots, heads, heads if flags is None else flags, recall, recall if stats is None else stats,
-        n, H, k, pad_slot,
+        n, H, k, pad_slot, bonus,
         *x.stride(), *slots.stride(), req_slots.stride(0), *heads.stride(),
         *(heads.stride() if flags is None else flags.stride()), *recall.stride(),
         KP=kp, CHUNK=width, PACKED_IN=packed, PHASE=phase, WANT=want, RECALL_ALL=recall_all,
-        STATS=stats is not None, NEG_INF_KEY=_NEG_INF_KEY,
+        STATS=stats is not None, NEG_INF_KEY=_NEG_INF_KEY, HYST=hyst,
         num_warps=TOPK_SINGLE_WARPS if width > chunk else TOPK_WARPS,
     )

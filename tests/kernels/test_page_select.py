@@ -120,22 +120,29 @@ def test_max_pooling_is_max_of_raw_scores():
     torch.testing.assert_close(out[b, :, j], raw.amax(-1), atol=1e-4, rtol=1e-5)
 
 
-def run_select(fn, scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1):
+def run_select(fn, scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1,
+               hysteresis=0.0):
     """fn on copies of the in-place tensors, recall as the view [:B] of its buffer (stats start non-zero: they
     accumulate); returns the slot table, the whole recall buffer and the stats."""
     slots, recall = slots.clone(), recall.clone()
     stats = torch.tensor([5.0, 7.0], dtype=torch.float64, device=scores.device)
-    fn(scores, slots, req_slots, heads, phase, flags, recall[:req_slots.shape[0]], recall_all, stats, pad_slot)
+    fn(scores, slots, req_slots, heads, phase, flags, recall[:req_slots.shape[0]], recall_all, stats, pad_slot,
+       hysteresis)
     return slots, recall, stats
 
 
-def check_select(scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1):
+def check_select(scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1,
+                 hysteresis=0.0):
     """select_slots equals the reference on every output, and writes only the batch's slot-table rows and
-    recall rows [:B] (rows past B of the recall buffer are sentinels)."""
+    recall rows [:B] (rows past B of the recall buffer are sentinels); the scores are not written."""
     B = req_slots.shape[0]
-    ref = run_select(naive_select_slots, scores, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot)
+    given = scores.clone()
+    ref = run_select(naive_select_slots, scores, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot,
+                     hysteresis)
     with poisoned_outputs():
-        out = run_select(select_slots, scores, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot)
+        out = run_select(select_slots, scores, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot,
+                         hysteresis)
+    assert torch.equal(scores.isnan(), given.isnan()) and torch.equal(scores.nan_to_num(), given.nan_to_num())
     assert_close("slots", ref[0], out[0])
     assert_close("recall", ref[1], out[1])
     assert torch.equal(out[1][B:], recall[B:]), "recall rows past the batch were written"
@@ -273,6 +280,57 @@ def test_select_slots_delta_commit_and_recall_codes(H_, k, phase, recall_all):
     assert torch.equal(slots[others.to(dev)], table[others].to(dev))
     if not recall_all and mine[2, 0]:
         assert (codes[2, 0] == 0).all()  # re-selecting the resident pages recalls nothing
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
+@pytest.mark.parametrize("H_,k,M", [(1, 5, 37), (3, 16, 150), (2, 37, 300), (8, 1, 33)])
+def test_select_slots_hysteresis_matches_reference(monkeypatch, chunked, phase, H_, k, M):
+    """Resident pages count (1 + h) times their score: kernel and reference agree on random masses, in one stage and
+    in chunked stages (the first stage applies it), with resident pages that score exactly the factor's boundary."""
+    if chunked:
+        monkeypatch.setattr(page_select_triton, "TOPK_CHUNK", 32)
+        monkeypatch.setattr(page_select_triton, "TOPK_SINGLE", 32)
+    dev = device()
+    scores = torch.softmax(torch.randn(B, H_, M) * 2, dim=-1)
+    scores[torch.rand(B, H_, M) < 0.2] = float("-inf")
+    scores[:, :, :CAND_START] = float("-inf")
+    req_slots = torch.randperm(R)[:B].int()
+    table = torch.randint(0, 99, (R, H_, k), dtype=torch.int32)
+    for b, r in enumerate(req_slots.tolist()):
+        for h in range(H_):
+            table[r, h] = torch.randperm(M)[:k].int()
+            table[r, h][torch.rand(k) < 0.2] = -1
+    r0 = int(req_slots[0])
+    held = int(table[r0, 0][table[r0, 0] >= 0][0]) if (table[r0, 0] >= 0).any() else None
+    if held is not None and k > 1:  # a challenger exactly (1 + h) times a resident page ties it; the lower page wins
+        scores[0, 0, held] = 0.25
+        scores[0, 0, (held + 1) % M] = float(torch.tensor(0.25, dtype=torch.float32) * 2.0)
+    heads = torch.rand(B, H_) < 0.5
+    heads[0] = phase == PHASE_NOW
+    flags = heads & (torch.rand(B, H_) < 0.5)
+    scores[~(heads if phase == PHASE_NOW else ~heads)] = float("nan")
+    recall = torch.randint(0, 3, (B + 1, H_, k), dtype=torch.int8)
+    args = [t.to(dev) for t in (scores, table, req_slots, heads)]
+    for h_ in (0.5, 1.0):
+        check_select(*args, phase, flags.to(dev), recall.to(dev), False, -1, h_)
+
+
+def test_hysteresis_keeps_resident_pages_unless_outscored():
+    """A resident page (0.20) stays against a challenger (0.35) below (1 + h) times its score and goes past it;
+    h = 0 is the plain top-k; a negative or infinite h is refused."""
+    dev = device()
+    scores = torch.tensor([[[float("-inf"), 0.30, 0.20, 0.35, 0.15]]], device=dev)
+    req_slots = torch.tensor([0], dtype=torch.int32, device=dev)
+    heads = torch.ones(1, 1, dtype=torch.bool, device=dev)
+    recall = torch.zeros(1, 1, 2, dtype=torch.int8, device=dev)
+    held = torch.tensor([[[1, 2]]], dtype=torch.int32, device=dev)  # pages 1 (0.30) and 2 (0.20) resident
+    for h_, want in [(0.0, [1, 3]), (0.5, [1, 3]), (0.74, [1, 3]), (0.76, [1, 2]), (1.0, [1, 2])]:
+        slots, codes, _ = check_select(scores, held, req_slots, heads, PHASE_NOW, heads, recall, hysteresis=h_)
+        assert slots[0, 0].tolist() == want, h_
+    for bad in (-0.1, float("inf"), True):
+        with pytest.raises(ValueError, match="hysteresis"):
+            select_slots(scores, held.clone(), req_slots, heads, PHASE_NOW, heads, recall, hysteresis=bad)
 
 
 @pytest.mark.parametrize("pooling", ["mean_softmax", "max"])
