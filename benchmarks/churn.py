@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tau", type=float, default=0.9)
+    ap.add_argument("--hysteresis", default="0", help="comma-separated FreeKVConfig.hysteresis values, each a row")
     ap.add_argument("--out", default="results/churn-smollm2.json")
     args = ap.parse_args()
 
@@ -84,11 +85,13 @@ def main() -> None:
         raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than --context {args.context}")
     ids += tok("\n\nIn short, this paper")["input_ids"]
     rows = []
-    for selection in [s for s in args.selections.split(",") if s]:
+    for selection, hyst in [(s, float(h)) for s in args.selections.split(",") if s
+                            for h in args.hysteresis.split(",") if h]:
         cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
-                           tau=args.tau, dense_layers=1, selection=selection)
+                           tau=args.tau, dense_layers=1, selection=selection, hysteresis=hyst)
         stats, out = run(model, cfg, ids, args.warm, args.new)
-        rows.append({"source": "SmolLM2-135M", "selection": selection, "prompt_tokens": len(ids),
+        rows.append({"source": "SmolLM2-135M", "selection": selection if not hyst else f"{selection}/h{hyst:g}",
+                     "hysteresis": hyst, "prompt_tokens": len(ids),
                      "new_tokens": args.new,
                      "budget": args.budget, "sink": args.sink, "window": args.window, "page_size": args.page_size,
                      "tau": args.tau, "budget_pages": cfg.select_pages, "text": Path(args.text).name,

@@ -32,7 +32,8 @@ geometry the fit was made at; the default is llama8b.
 
 Policies (--policies): freekv (the default selection: the one-stage sketch, speculative with correction at tau),
 freekv-rerank (the two-stage rerank/2 with a 16-channel sketch),
-freekv-means (FreeKV with MeanS selection), louiskv (retrieval at semantic boundaries of clusters and segments).
+freekv-means (FreeKV with MeanS selection), louiskv (retrieval at semantic boundaries of clusters and segments);
+a FreeKV policy with a suffix /hH (e.g. freekv/h1) selects with FreeKVConfig.hysteresis H.
 Reported per config, over the timed steps (after --warmup steps that fill the slots):
   retrieval_share     FreeKV: the share of (request, sparse layer, KV head) checks flagged for correction (they
                       select and recall before attention); LouisKV: the share of (request, sparse layer) steps at a
@@ -133,6 +134,12 @@ class Structured:
         self.kv.copy_(self.gen.step_kv())
 
 
+def policy_knobs(policy: str) -> dict:
+    """POLICIES[name] for "name", plus FreeKVConfig.hysteresis H for "name/hH"."""
+    name, _, hyst = policy.partition("/h")
+    return {**POLICIES[name], **({"hysteresis": float(hyst)} if hyst else {})}
+
+
 def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict:
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
@@ -140,7 +147,7 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
     L, probe = layers, args.probe
     graph = args.graph and dev.type == "cuda" and not probe
     cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
-                       tau=args.tau, dense_layers=1, boundary_tau=args.boundary_tau, **POLICIES[policy])
+                       tau=args.tau, dense_layers=1, boundary_tau=args.boundary_tau, **policy_knobs(policy))
     max_context = context + args.warmup + args.steps + 8
     max_pages = -(-max_context // args.page_size)
     eng = FreeKVEngine(cfg, ModelShape(L, HQ, H, D), max_requests=batch + 1, max_context=max_context, dtype=dtype,
@@ -295,7 +302,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="32768,131072", help="prompt tokens per request")
     ap.add_argument("--batches", default="1,4,16")
-    ap.add_argument("--policies", default="freekv,freekv-means,louiskv", help=f"from {','.join(POLICIES)}")
+    ap.add_argument("--policies", default="freekv,freekv-means,louiskv",
+                    help=f"from {','.join(POLICIES)}; a FreeKV policy with /hH: with FreeKVConfig.hysteresis H")
     ap.add_argument("--steps", type=int, default=4096, help="timed decode steps (the paper's long outputs: >= 4K)")
     ap.add_argument("--warmup", type=int, default=16, help="untimed steps first (at least 3 are eager)")
     ap.add_argument("--layers", type=int, default=None, help="model layers (default: the shape's); the first is "
@@ -345,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers < 2 or args.steps < 1:
         raise SystemExit("--layers must be >= 2 (one dense, one sparse) and --steps >= 1")
     policies = [p for p in args.policies.split(",") if p]
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in policies if p.partition("/h")[0] not in POLICIES]
     if bad:
         raise SystemExit(f"unknown policies {bad}; choose from {list(POLICIES)}")
     out = Path(args.out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 RECALL_MODES = ("delta", "all")
 # Page selectors (freekv_sglang/selectors.py): the servable ones, then the accuracy harness's exact upper bound.
@@ -86,6 +87,11 @@ class FreeKVConfig:
     recall_programs: GPU programs of the speculative recall, which reads host memory beside the model's GEMMs
         (each program strides over the pages to recall); 0 launches one per (request, head, slot), which holds
         an SM slot per page through its PCIe round trip. The recall before attention always uses one per page.
+    hysteresis: h >= 0: in a head's reselection its resident pages count (1 + h) times their score, so a page
+        must hold more than (1 + h) times a resident page's attention mass to displace it. Pages near the top-k's
+        edge hold similar mass and trade places on small query changes; every trade is a recall. 0 (the paper's
+        top-k) recalls them all. Scores must be attention masses (not "quest") and FreeKV's (LouisKV reselects
+        only at semantic boundaries).
     replay_correction_rate: benchmarks only (None, the default: off). FreeKV flags each (request, KV head) check of a
         sparse layer with this probability, drawn per step, instead of by the similarity test; selection, recall and
         the rest of the step are unchanged. A model with random weights has unrealistic query churn: adjacent
@@ -113,6 +119,7 @@ class FreeKVConfig:
     prefill: str = "full"
     tsp_layer: int = 15
     tsp_keep: int = 2048
+    hysteresis: float = 0.0
     replay_correction_rate: float | None = None
 
     def __post_init__(self) -> None:
@@ -165,6 +172,13 @@ class FreeKVConfig:
         if not _is_int(self.tsp_keep) or self.tsp_keep <= TSP_WINDOW:
             raise ValueError(f"tsp_keep must be an integer above the {TSP_WINDOW}-token observation "
                              f"window, which always propagates; got {self.tsp_keep!r}")
+        hy = self.hysteresis
+        if isinstance(hy, bool) or not isinstance(hy, (int, float)) or not 0.0 <= hy < math.inf:
+            raise ValueError(f"hysteresis must be a finite number >= 0, got {hy!r}")
+        if hy and (self.retrieval != "freekv" or self.selection == "quest"):
+            raise ValueError(f"hysteresis applies to FreeKV's attention-mass selections (sketch, rerank, means), not "
+                             f"to {self.retrieval if self.retrieval != 'freekv' else 'quest'}: drop hysteresis "
+                             f"(--kv-hysteresis 0)")
         r = self.replay_correction_rate
         if r is not None:
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:

@@ -56,6 +56,7 @@ _KNOB_FLAGS = {
     "kv_selection": ("--kv-selection", "selection"),
     "kv_rerank_factor": ("--kv-rerank-factor", "rerank_factor"),
     "kv_sketch_channels": ("--kv-sketch-channels", "sketch_channels"),
+    "kv_hysteresis": ("--kv-hysteresis", "hysteresis"),
     "kv_boundary_threshold": ("--kv-boundary-threshold", "boundary_tau"),
     "kv_cluster_size": ("--kv-cluster-size", "cluster_size"),
     "kv_segment": ("--kv-segment", "segment"),
@@ -67,7 +68,7 @@ _KNOB_FLAGS = {
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
 _FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_selection", "kv_rerank_factor",
-                "kv_sketch_channels", "kv_bench_correction_rate")
+                "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb", "kvstore_timeout")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb",
@@ -175,6 +176,10 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-sketch-channels", type=int, default=None, metavar="N",
                    help="key channels the sketch (rerank and sketch) reads per KV head, the query's largest; a multiple of 4 "
                         f"up to the head dim (default min({DEFAULT_SKETCH_CHANNELS}, head dim))")
+    g.add_argument("--kv-hysteresis", type=float, default=None, metavar="H",
+                   help="a reselection keeps a resident page unless another holds more than (1 + H) times its "
+                        "attention mass: fewer pages trade places at the top-k's edge, so fewer recalls; 0 = the "
+                        f"plain top-k (default {_DEFAULTS.hysteresis})")
     g.add_argument("--kv-boundary-threshold", type=float, default=None, metavar="TAU",
                    help="LouisKV: mean cosine similarity of adjacent queries over all query heads below which a "
                         f"request's layer retrieves (default {_DEFAULTS.boundary_tau}, the paper's)")

@@ -49,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
                     help="rerank candidates per selected page (0: every page; default: FreeKVConfig's)")
     ap.add_argument("--sketch-channels", type=int, default=None,
                     help="key channels the sketch of rerank and sketch reads (default: FreeKVConfig's)")
+    ap.add_argument("--hysteresis", default=None,
+                    help="comma-separated hysteresis values: rerank, sketch and means once per value, labelled /hH "
+                         "(default: FreeKVConfig's, unlabelled)")
     ap.add_argument("--kv-prefill", default="full",
                     help="comma-separated from full, tsp: tsp runs every method after FastKV's token-selective "
                          "propagation too, once per --kv-tsp-keep")
@@ -125,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         geo = Geometry(args.sink, args.window, args.page_size, args.dense_layers)
         cfg = RunConfig(tasks=tasks, lengths=_ints(args.lengths), budgets=_ints(args.budgets), samples=args.samples,
                         methods=with_prefill(parse_methods(args.methods, _floats(args.taus), args.rerank_factor,
-                                                           args.louiskv_tau, args.sketch_channels),
+                                                           args.louiskv_tau, args.sketch_channels,
+                                                           None if args.hysteresis is None else
+                                                           _floats(args.hysteresis)),
                                              [p.strip() for p in args.kv_prefill.split(",") if p.strip()],
                                              args.kv_tsp_layer, _ints(args.kv_tsp_keep)), geometry=geo,
                         seed=args.seed,

@@ -48,6 +48,7 @@ class MethodSpec:
     selection: str = FreeKVConfig().selection
     rerank_factor: int | None = None  # FreeKVConfig.rerank_factor (None: its default)
     sketch_channels: int | None = None  # FreeKVConfig.sketch_channels (None: its default)
+    hysteresis: float | None = None  # FreeKVConfig.hysteresis (None: its default)
     boundary_tau: float | None = None  # LouisKV's threshold (engine method louiskv)
     tsp: tuple[int, int] | None = None  # (tsp_layer, tsp_keep) with FastKV's prefill, None for the full prefill
 
@@ -70,7 +71,8 @@ class MethodSpec:
                             tau=self.tau if self.tau is not None else 1.0, dense_layers=geo.dense_layers,
                             selection=self.selection, **({} if self.rerank_factor is None else
                                                          {"rerank_factor": self.rerank_factor}),
-                            **({} if self.sketch_channels is None else {"sketch_channels": self.sketch_channels}))
+                            **({} if self.sketch_channels is None else {"sketch_channels": self.sketch_channels}),
+                            **({} if self.hysteresis is None else {"hysteresis": self.hysteresis}))
 
 
 METHOD_NAMES = ("dense", "oracle", "rerank", "sketch", "means", "quest", "louiskv", "streaming")
@@ -78,9 +80,9 @@ METHOD_NAMES = ("dense", "oracle", "rerank", "sketch", "means", "quest", "louisk
 
 def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None,
                   louiskv_tau: float = FreeKVConfig().boundary_tau,
-                  sketch_channels: int | None = None) -> list[MethodSpec]:
+                  sketch_channels: int | None = None, hysteresis: list[float] | None = None) -> list[MethodSpec]:
     """'dense,oracle,rerank,sketch,means,quest,louiskv,streaming' -> specs; rerank, sketch and means expand to one
-    spec per tau."""
+    spec per tau and, when given, per hysteresis (labelled /hH)."""
     out: list[MethodSpec] = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
         if name == "dense":
@@ -90,8 +92,9 @@ def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None
             channels = sketch_channels if name in ("rerank", "sketch") else None
             label = name if factor is None else f"{name}/{factor}"  # rerank/N: N x budget candidates, 0 every page
             label += "" if channels is None else f"/c{channels}"  # the sketch's channels
-            out.extend(MethodSpec(f"{label}(tau={t:g})", "freekv", tau=t, selection=name, rerank_factor=factor,
-                                  sketch_channels=channels) for t in taus)
+            out.extend(MethodSpec(f"{label}{'' if h is None else f'/h{h:g}'}(tau={t:g})", "freekv", tau=t,
+                                  selection=name, rerank_factor=factor, sketch_channels=channels, hysteresis=h)
+                       for h in (hysteresis or [None]) for t in taus)
         elif name in ("quest", "oracle"):
             out.append(MethodSpec(name, "freekv", tau=1.0, selection=name))
         elif name == "louiskv":
