@@ -154,7 +154,7 @@ TOPK_CHUNK = 512  # pages per chunk of a multi-stage top-k
 TOPK_WARPS = 4
 TOPK_SINGLE = 1024  # rows up to this many pages take one stage
 TOPK_SINGLE_WARPS = 8
-HYST_SLOTS: tl.constexpr = 16  # slots compared with a block of pages at a time (hysteresis)
+HYST_SLOTS = tl.constexpr(16)  # slots compared with a block of pages at a time (hysteresis)
 
 
 def _heads_args(heads: torch.Tensor | None, phase: int, like: torch.Tensor) -> tuple:
