@@ -45,8 +45,7 @@ def _top_pages_kernel(
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
             return
-    top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY,
-                             out_ptr, 0, 0, 1.0, False), KP)
+    top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
     i = tl.arange(0, KP)
     page = 0x7FFFFFFF - top.to(tl.int32)
     sel = tl.where(((top >> 32).to(tl.int32) <= NEG_INF_KEY), -1, page)

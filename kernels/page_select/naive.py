@@ -104,9 +104,9 @@ def naive_select_slots(
     """Top-k selection, slot assignment and commit for the heads of `phase`, and the recall plan of every head.
 
     Per (row b, KV head h), with r = req_slots[b] and old = slots[r, h]: a head of the phase selects the top
-    k = slots.shape[2] pages of scores[b, h], where the pages of old count (1 + hysteresis) times their score
-    (fp32; scores are non-negative attention masses, so a page must outscore a resident one by that factor to
-    displace it), and stores them in slots[r, h] (resident pages keep their slot);
+    k = slots.shape[2] pages of scores[b, h] after the scores of the pages of old are multiplied by (1 + hysteresis)
+    in place (fp32; scores are non-negative attention masses, so a page must outscore a resident one by that factor
+    to displace it), and stores them in slots[r, h] (resident pages keep their slot);
     a slot is changed when it now holds a page it did not (recall_all: every filled slot of the head).
     PHASE_NOW: recall[b, h, s] = PHASE_NOW for changed slots of flagged heads or slots that were empty,
     PHASE_LATER for the other changed slots, 0 elsewhere -- for every head. PHASE_LATER: the phase's heads
@@ -122,11 +122,10 @@ def naive_select_slots(
             old = slots[r, h].tolist()
             new = old
             if mine[b][h]:
-                row = scores[b, h].float().clone()
                 if hysteresis:
-                    held = torch.tensor([p for p in old if p >= 0], dtype=torch.long, device=row.device)
-                    row[held] = row[held] * resident_factor(hysteresis).to(row.device)
-                new = _slot_delta(old, _top_k(row, k))
+                    held = torch.tensor([p for p in old if p >= 0], dtype=torch.long, device=scores.device)
+                    scores[b, h, held] = scores[b, h, held] * resident_factor(hysteresis).to(scores.device)
+                new = _slot_delta(old, _top_k(scores[b, h], k))
                 slots[r, h] = torch.tensor(new, dtype=slots.dtype)
             changed = [mine[b][h] and n != -1 and (recall_all or n != o) for n, o in zip(new, old)]
             if phase == PHASE_NOW:

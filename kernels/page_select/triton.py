@@ -154,7 +154,6 @@ TOPK_CHUNK = 512  # pages per chunk of a multi-stage top-k
 TOPK_WARPS = 4
 TOPK_SINGLE = 1024  # rows up to this many pages take one stage
 TOPK_SINGLE_WARPS = 8
-HYST_SLOTS = tl.constexpr(16)  # slots compared with a block of pages at a time (hysteresis)
 
 
 def _heads_args(heads: torch.Tensor | None, phase: int, like: torch.Tensor) -> tuple:
@@ -244,13 +243,11 @@ def score_pages(
 
 @triton.jit
 def _sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr,
-               NEG_INF_KEY: tl.constexpr, old_ptr, st_k, K, bonus, HYST: tl.constexpr):
+               NEG_INF_KEY: tl.constexpr):
     """Chunk c of row (b, h) of `in` as int64 keys whose descending order is descending score, ties by lower page.
 
     A score x at page j packs into (key(x) << 32) | (2^31 - 1 - j), key(x) an int32 that orders like x. Packed
-    input (the winners of an earlier stage) is read as is; lanes past n are padding, below every real key.
-    HYST (raw scores only): the scores of the pages the row's K slots hold (old_ptr, stride st_k) are multiplied by
-    bonus first."""
+    input (the winners of an earlier stage) is read as is; lanes past n are padding, below every real key."""
     j = c * CHUNK + tl.arange(0, CHUNK)
     ok = j < n
     src = in_ptr + b * si_b + h * si_h + j.to(tl.int64) * si_j
@@ -259,19 +256,21 @@ def _sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK: tl.constexpr, PACKED
         x = tl.where(ok, tl.load(src, mask=ok, other=0), pad)
     else:
         f = tl.load(src, mask=ok, other=float("-inf")).to(tl.float32)
-        if HYST:
-            resident = j < 0
-            for s0 in range(0, K, HYST_SLOTS):
-                s = s0 + tl.arange(0, HYST_SLOTS)
-                held = tl.load(old_ptr + s.to(tl.int64) * st_k, mask=s < K, other=-1)
-                hit = (j[:, None] == held[None, :]) & (held >= 0)[None, :]
-                resident |= tl.max(hit.to(tl.int32), axis=1) > 0
-            f = tl.where(resident, f * bonus, f)
         f = tl.where(f == 0.0, 0.0, f)  # -0.0 ties with +0.0, as in torch's sort
         bits = f.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
         x = (key.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)
     return x
+
+
+@triton.jit
+def _boost_resident(in_ptr, b, h, si_b, si_h, si_j, held, lo, hi, bonus):
+    """Hysteresis, in place: the scores of row (b, h) at the pages `held` (a row's slots, -1 empty) within
+    [lo, hi) times bonus. The barrier orders these stores before the program's reads of the row."""
+    mine = (held >= lo) & (held < hi)
+    ptrs = in_ptr + b * si_b + h * si_h + held.to(tl.int64) * si_j
+    tl.store(ptrs, tl.load(ptrs, mask=mine, other=0.0) * bonus, mask=mine)
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -285,19 +284,20 @@ def _topk_kernel(
     HYST: tl.constexpr,
 ):
     """An early stage of a long row's top-k: the KP best packed keys of chunk c of row (b, h) go to
-    out[b, h, c*KP : c*KP + KP]. Heads outside the phase (heads[b, h] != WANT) exit. HYST: the first stage's
-    scores of resident pages (slots[req_slots[b], h]) count times bonus."""
+    out[b, h, c*KP : c*KP + KP]. Heads outside the phase (heads[b, h] != WANT) exit. HYST (the first stage): the
+    chunk's scores of resident pages (slots[req_slots[b], h]) are multiplied by bonus first, in place."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     b = (r // H).to(tl.int64)
     h = (r % H).to(tl.int64)
     if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
         return
-    old_ptr = slots_ptr + h * st_h
     if HYST:
-        old_ptr += tl.load(req_ptr + b * s_req).to(tl.int64) * st_r
-    top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK, PACKED_IN, NEG_INF_KEY,
-                             old_ptr, st_k, K, bonus, HYST), KP)
+        i = tl.arange(0, KP)
+        r = tl.load(req_ptr + b * s_req).to(tl.int64)
+        held = tl.load(slots_ptr + r * st_r + h * st_h + i.to(tl.int64) * st_k, mask=i < K, other=-1)
+        _boost_resident(in_ptr, b, h, si_b, si_h, si_j, held, c * CHUNK, tl.minimum(c * CHUNK + CHUNK, n), bonus)
+    top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
     i = tl.arange(0, KP)
     tl.store(out_ptr + b * so_b + h * so_h + (c * KP + i).to(tl.int64) * so_j, top)
 
@@ -327,8 +327,9 @@ def _select_slots_kernel(
     mine = tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) == WANT
     changed = i < 0
     if mine:
-        top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY,
-                                 slots_ptr + r * st_r + h * st_h, st_k, K, bonus, HYST and not PACKED_IN), KP)
+        if HYST and not PACKED_IN:
+            _boost_resident(in_ptr, b, h, si_b, si_h, si_j, old, 0, n, bonus)
+        top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, 0, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
         page = 0x7FFFFFFF - top.to(tl.int32)  # the low word (truncation)
         # sel[t]: the t-th best page, -1 where its score is -inf (or padding) and past k.
         sel = tl.where(((top >> 32).to(tl.int32) <= NEG_INF_KEY) | (i >= K), -1, page)

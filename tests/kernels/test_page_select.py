@@ -123,26 +123,28 @@ def test_max_pooling_is_max_of_raw_scores():
 def run_select(fn, scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1,
                hysteresis=0.0):
     """fn on copies of the in-place tensors, recall as the view [:B] of its buffer (stats start non-zero: they
-    accumulate); returns the slot table, the whole recall buffer and the stats."""
-    slots, recall = slots.clone(), recall.clone()
+    accumulate); returns the slot table, the whole recall buffer, the stats and the scores (hysteresis writes)."""
+    scores, slots, recall = scores.clone(), slots.clone(), recall.clone()
     stats = torch.tensor([5.0, 7.0], dtype=torch.float64, device=scores.device)
     fn(scores, slots, req_slots, heads, phase, flags, recall[:req_slots.shape[0]], recall_all, stats, pad_slot,
        hysteresis)
-    return slots, recall, stats
+    return slots, recall, stats, scores
 
 
 def check_select(scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, pad_slot=-1,
                  hysteresis=0.0):
     """select_slots equals the reference on every output, and writes only the batch's slot-table rows and
-    recall rows [:B] (rows past B of the recall buffer are sentinels); the scores are not written."""
+    recall rows [:B] (rows past B of the recall buffer are sentinels); the scores as the reference leaves them
+    (hysteresis multiplies the resident pages' in place; rows of other heads untouched)."""
     B = req_slots.shape[0]
-    given = scores.clone()
     ref = run_select(naive_select_slots, scores, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot,
                      hysteresis)
     with poisoned_outputs():
         out = run_select(select_slots, scores, slots, req_slots, heads, phase, flags, recall, recall_all, pad_slot,
                          hysteresis)
-    assert torch.equal(scores.isnan(), given.isnan()) and torch.equal(scores.nan_to_num(), given.nan_to_num())
+    assert torch.equal(out[3].isnan(), ref[3].isnan()) and torch.equal(out[3].nan_to_num(), ref[3].nan_to_num())
+    if not hysteresis:
+        assert torch.equal(ref[3].isnan(), scores.isnan()) and torch.equal(ref[3].nan_to_num(), scores.nan_to_num())
     assert_close("slots", ref[0], out[0])
     assert_close("recall", ref[1], out[1])
     assert torch.equal(out[1][B:], recall[B:]), "recall rows past the batch were written"
@@ -169,7 +171,7 @@ def test_select_slots_top_k_of_new_requests(k):
     heads = torch.ones(B, H, dtype=torch.bool, device=device())
     flags = torch.rand(B, H, device=device()) < 0.5
     recall = torch.full((B + 1, H, k), 9, dtype=torch.int8, device=device())
-    slots, codes, _ = check_select(scores, table, req_slots, heads, PHASE_NOW, flags, recall)
+    slots, codes, _, _ = check_select(scores, table, req_slots, heads, PHASE_NOW, flags, recall)
     order = torch.sort(scores.cpu(), dim=-1, descending=True, stable=True)
     for b, r in enumerate(req_slots.tolist()):
         for h in range(H):
@@ -205,7 +207,7 @@ def test_select_slots_chunked_with_ties(monkeypatch, chunk, k):
     table[req_slots[2].long(), 1] = torch.arange(k, dtype=torch.int32)  # kept: the head selects later
     recall = torch.zeros(B, H, k, dtype=torch.int8, device=dev)
     flags = torch.zeros(B, H, dtype=torch.bool, device=dev)
-    slots, _, _ = check_select(scores, table, req_slots, heads, PHASE_NOW, flags, recall)
+    slots, _, _, _ = check_select(scores, table, req_slots, heads, PHASE_NOW, flags, recall)
     assert slots[req_slots[2].long(), 1].tolist() == list(range(k))
 
 
@@ -251,7 +253,7 @@ def test_select_slots_delta_commit_and_recall_codes(H_, k, phase, recall_all):
     scores[~(heads if phase == PHASE_NOW else ~heads)] = float("nan")  # rows outside the phase: unwritten
     recall = torch.randint(0, 3, (B + 2, H_, k), dtype=torch.int8)  # last step's codes, then 2 sentinel rows
     args = [t.to(dev) for t in (scores, table, req_slots, heads)]
-    slots, codes, stats = check_select(*args, phase, flags.to(dev), recall.to(dev), recall_all, pad)
+    slots, codes, stats, _ = check_select(*args, phase, flags.to(dev), recall.to(dev), recall_all, pad)
     mine = heads if phase == PHASE_NOW else ~heads
     before = recall[:B]
     now = later = 0
@@ -326,7 +328,7 @@ def test_hysteresis_keeps_resident_pages_unless_outscored():
     recall = torch.zeros(1, 1, 2, dtype=torch.int8, device=dev)
     held = torch.tensor([[[1, 2]]], dtype=torch.int32, device=dev)  # pages 1 (0.30) and 2 (0.20) resident
     for h_, want in [(0.0, [1, 3]), (0.5, [1, 3]), (0.74, [1, 3]), (0.76, [1, 2]), (1.0, [1, 2])]:
-        slots, codes, _ = check_select(scores, held, req_slots, heads, PHASE_NOW, heads, recall, hysteresis=h_)
+        slots, codes, _, _ = check_select(scores, held, req_slots, heads, PHASE_NOW, heads, recall, hysteresis=h_)
         assert slots[0, 0].tolist() == want, h_
     for bad in (-0.1, float("inf"), True):
         with pytest.raises(ValueError, match="hysteresis"):
