@@ -48,6 +48,10 @@ args=(
   # docs/results/session19) but misses needles; "quest" the max over the group of those bounds.
   --kv-selection sketch
   --kv-sketch-channels 0
+  # A reselection keeps a resident page unless another holds more than (1 + H) times its attention mass: pages at
+  # the top-k's edge stop trading places on small query changes (half the recalls on SmolLM2, same scores; 0 = the
+  # paper's plain top-k; default 1 for sketch, rerank and means).
+  --kv-hysteresis 1
   # --kv-rerank-factor 2 (with --kv-selection rerank)
   # Benchmarks only, never to serve: --kv-bench-correction-rate R flags each check for correction with probability
   # R instead of by query similarity (random-weight models have unrealistic query churn).
@@ -55,7 +59,7 @@ args=(
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
   # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
   # (--kv-correction-threshold, --kv-recall-programs, --kv-selection, --kv-rerank-factor, --kv-sketch-channels,
-  # --kv-bench-correction-rate).
+  # --kv-hysteresis, --kv-bench-correction-rate).
   # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
   # --disable-radix-cache (README, LouisKV).
   # --kv-prefill tsp (FastKV's token-selective propagation after layer --kv-tsp-layer, keeping --kv-tsp-keep tokens)

@@ -20,6 +20,11 @@ SELECTIONS = (*SERVABLE_SELECTIONS, "oracle")
 RETRIEVALS = ("freekv", "louiskv")
 # Prefill: "full" (every layer sees the whole prompt) or FastKV's token-selective propagation (tsp_layer, tsp_keep).
 PREFILLS = ("full", "tsp")
+# The hysteresis of FreeKV's attention-mass selections unless set: on SmolLM2 (7.5K tokens of text, budget 512) a
+# resident page counting twice its mass halves the pages the sketch changes per step (0.29 -> 0.15 of the budget)
+# with the same attention mass covered (0.689 -> 0.690) and the same passkey / multikey scores at 4K and 8K; 3 cut
+# the changes to 0.09 but lost 0.02 of the mass (docs/results/session21).
+DEFAULT_HYSTERESIS = 1.0
 # FastKV's observation window: the last prompt tokens, whose queries score the prompt and which always propagate
 # (freekv_kernels.tsp_select.WINDOW; a test keeps the two equal).
 TSP_WINDOW = 8
@@ -89,9 +94,10 @@ class FreeKVConfig:
         an SM slot per page through its PCIe round trip. The recall before attention always uses one per page.
     hysteresis: h >= 0: in a head's reselection its resident pages count (1 + h) times their score, so a page
         must hold more than (1 + h) times a resident page's attention mass to displace it. Pages near the top-k's
-        edge hold similar mass and trade places on small query changes; every trade is a recall. 0 (the paper's
-        top-k) recalls them all. Scores must be attention masses (not "quest") and FreeKV's (LouisKV reselects
-        only at semantic boundaries).
+        edge hold similar mass and trade places on small query changes; every trade is a recall. 0 is the paper's
+        top-k. None (default): DEFAULT_HYSTERESIS for FreeKV's sketch, rerank and means, 0 for quest (whose
+        scores are logits, not masses), oracle (the harness's upper bound) and LouisKV (which reselects only at
+        semantic boundaries); a non-zero value is refused for quest and LouisKV.
     replay_correction_rate: benchmarks only (None, the default: off). FreeKV flags each (request, KV head) check of a
         sparse layer with this probability, drawn per step, instead of by the similarity test; selection, recall and
         the rest of the step are unchanged. A model with random weights has unrealistic query churn: adjacent
@@ -119,7 +125,7 @@ class FreeKVConfig:
     prefill: str = "full"
     tsp_layer: int = 15
     tsp_keep: int = 2048
-    hysteresis: float = 0.0
+    hysteresis: float | None = None
     replay_correction_rate: float | None = None
 
     def __post_init__(self) -> None:
@@ -173,8 +179,8 @@ class FreeKVConfig:
             raise ValueError(f"tsp_keep must be an integer above the {TSP_WINDOW}-token observation "
                              f"window, which always propagates; got {self.tsp_keep!r}")
         hy = self.hysteresis
-        if isinstance(hy, bool) or not isinstance(hy, (int, float)) or not 0.0 <= hy < math.inf:
-            raise ValueError(f"hysteresis must be a finite number >= 0, got {hy!r}")
+        if hy is not None and (isinstance(hy, bool) or not isinstance(hy, (int, float)) or not 0.0 <= hy < math.inf):
+            raise ValueError(f"hysteresis must be a finite number >= 0 or None, got {hy!r}")
         if hy and (self.retrieval != "freekv" or self.selection == "quest"):
             raise ValueError(f"hysteresis applies to FreeKV's attention-mass selections (sketch, rerank, means), not "
                              f"to {self.retrieval if self.retrieval != 'freekv' else 'quest'}: drop hysteresis "
@@ -186,6 +192,14 @@ class FreeKVConfig:
             if self.retrieval != "freekv":
                 raise ValueError("replay_correction_rate replays FreeKV's correction; LouisKV retrieves at semantic "
                                  "boundaries instead: drop replay_correction_rate")
+
+    @property
+    def selection_hysteresis(self) -> float:
+        """The hysteresis select_slots applies (see `hysteresis`)."""
+        if self.hysteresis is not None:
+            return float(self.hysteresis)
+        return DEFAULT_HYSTERESIS if self.retrieval == "freekv" and self.selection in SERVABLE_SELECTIONS and \
+            self.selection != "quest" else 0.0
 
     @property
     def sink_pages(self) -> int:

@@ -720,7 +720,7 @@ class FreeKVEngine:
         scores = self.selector.score(plan, layer, q, heads, phase)
         ops.select_slots(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
                          self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
-                         self.pad_slot, self.cfg.hysteresis)
+                         self.pad_slot, self.cfg.selection_hysteresis)
         if timer is not None:
             timer.mark(layer, phase, 1)
         ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,

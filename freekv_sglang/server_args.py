@@ -23,7 +23,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .config import DEFAULT_SKETCH_CHANNELS, PREFILLS, RECALL_MODES, SERVABLE_SELECTIONS, FreeKVConfig
+from .config import (DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS, PREFILLS, RECALL_MODES, SERVABLE_SELECTIONS,
+                     FreeKVConfig)
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
 ENV_FREEKV_ARGS = "FREEKV_ARGS"
@@ -179,7 +180,7 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-hysteresis", type=float, default=None, metavar="H",
                    help="a reselection keeps a resident page unless another holds more than (1 + H) times its "
                         "attention mass: fewer pages trade places at the top-k's edge, so fewer recalls; 0 = the "
-                        f"plain top-k (default {_DEFAULTS.hysteresis})")
+                        f"plain top-k (default {DEFAULT_HYSTERESIS:g} for sketch, rerank and means; none for quest)")
     g.add_argument("--kv-boundary-threshold", type=float, default=None, metavar="TAU",
                    help="LouisKV: mean cosine similarity of adjacent queries over all query heads below which a "
                         f"request's layer retrieves (default {_DEFAULTS.boundary_tau}, the paper's)")

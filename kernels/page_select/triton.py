@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors
-from .naive import PHASE_NOW, POOLINGS, check_hysteresis, check_phase, resident_factor
+from .naive import PHASE_NOW, POOLINGS, check_hysteresis, check_phase
 
 # Sortable int32 key of -inf (see _sort_keys): keys at or below it are -inf (or padding) and select nothing.
 _NEG_INF_KEY = -2139095041
@@ -397,7 +397,7 @@ def select_slots(
     want = int(phase == PHASE_NOW)
     kp = max(2, triton.next_power_of_2(k))  # tl.topk of one element would reduce to a scalar
     chunk = max(TOPK_CHUNK, 2 * kp)  # each stage keeps at most half of its input
-    hyst, bonus = hysteresis > 0, float(resident_factor(hysteresis))
+    hyst, bonus = hysteresis > 0, 1.0 + hysteresis  # the launcher passes it as fp32, rounded as resident_factor
     x, n, packed = scores, M, False
     while (width := max(triton.next_power_of_2(max(n, 1)), kp)) > max(TOPK_SINGLE, chunk):
         n_chunks = triton.cdiv(n, chunk)

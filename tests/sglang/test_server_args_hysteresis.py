@@ -35,3 +35,17 @@ def test_config_refuses_bad_values_and_other_scores():
     FreeKVConfig(selection="quest", hysteresis=0.0)
     for selection in ("sketch", "rerank", "means"):
         assert FreeKVConfig(selection=selection, hysteresis=2).hysteresis == 2
+
+
+def test_default_applies_to_the_mass_selections_only():
+    """Unset, FreeKV's sketch, rerank and means select with DEFAULT_HYSTERESIS; Quest, the oracle and LouisKV with
+    none; a value given is used as given."""
+    from freekv_sglang.config import DEFAULT_HYSTERESIS
+
+    assert DEFAULT_HYSTERESIS > 0
+    for selection in ("sketch", "rerank", "means"):
+        assert FreeKVConfig(selection=selection).selection_hysteresis == DEFAULT_HYSTERESIS
+        assert FreeKVConfig(selection=selection, hysteresis=0).selection_hysteresis == 0.0
+    for cfg in (FreeKVConfig(selection="quest"), FreeKVConfig(selection="oracle"), FreeKVConfig(retrieval="louiskv")):
+        assert cfg.selection_hysteresis == 0.0
+    assert FreeKVConfig(selection="oracle", hysteresis=2).selection_hysteresis == 2.0
