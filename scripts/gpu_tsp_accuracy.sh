@@ -4,6 +4,8 @@
 # against a FreeKV SGLang server with --kv-prefill tsp and the same settings. KEEP (default 1024), LAYER (14: the
 # middle of 30 layers, as the paper's 15 of 32), TASKS (passkey,multikey), LENGTH (4096), BUDGET (512).
 # RETRIEVAL=none serves TSP alone (SGLang's KV pool, page 1) instead of with FreeKV; ENGINE=0 skips the engine harness.
+# GRID="LAYER:KEEP ..." runs the engine harness once per cell (each in $OUT/acc-engine-LAYER-KEEP); SERVER=0 skips the
+# server; SAMPLES (20) per task.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"
@@ -12,12 +14,19 @@ pkill -9 -f "^[^ ]*python[0-9.]* -m sglang.launch_server" 2>/dev/null; pkill -9 
 sleep 1
 bash scripts/gpu_smollm2.sh build >/dev/null || exit 1
 KEEP=${KEEP:-1024} LAYER=${LAYER:-14} TASKS=${TASKS:-passkey,multikey} LENGTH=${LENGTH:-4096} BUDGET=${BUDGET:-512}
-ACC=(python3 -m freekv_sglang.accuracy --model /tmp/smollm2 --sink 64 --window 128 --page-size 16 --samples 20
-     --lengths "$LENGTH" --budgets "$BUDGET")
-if [ "${ENGINE:-1}" != 0 ]; then
+ACC=(python3 -m freekv_sglang.accuracy --model /tmp/smollm2 --sink 64 --window 128 --page-size 16
+     --samples "${SAMPLES:-20}" --lengths "$LENGTH" --budgets "$BUDGET")
+if [ -n "${GRID:-}" ]; then
+  for cell in $GRID; do
+    echo "== TSP layer ${cell%%:*}, keep ${cell#*:}"
+    "${ACC[@]}" --device cuda --dtype bf16 --batch 8 --tasks "$TASKS" --methods dense,sketch --kv-prefill full,tsp \
+      --kv-tsp-layer "${cell%%:*}" --kv-tsp-keep "${cell#*:}" --out "$OUT/acc-engine-${cell/:/-}" 2>&1 | tail -n 20
+  done
+elif [ "${ENGINE:-1}" != 0 ]; then
   "${ACC[@]}" --device cuda --dtype bf16 --batch 8 --tasks "$TASKS" --methods dense,sketch --kv-prefill full,tsp \
     --kv-tsp-layer "$LAYER" --kv-tsp-keep "$KEEP" --out "$OUT/acc-engine" 2>&1 | tail -n 20
 fi
+[ "${SERVER:-1}" = 0 ] && exit 0
 if [ "${RETRIEVAL:-freekv}" = none ]; then
   SERVE=(--page-size 1)
   LABEL="tsp(keep=$KEEP)-alone-server"
