@@ -198,8 +198,8 @@ class FreeKVConfig:
         """The hysteresis select_slots applies (see `hysteresis`)."""
         if self.hysteresis is not None:
             return float(self.hysteresis)
-        return DEFAULT_HYSTERESIS if self.retrieval == "freekv" and self.selection in SERVABLE_SELECTIONS and \
-            self.selection != "quest" else 0.0
+        mass_scored = self.retrieval == "freekv" and self.selection in ("sketch", "rerank", "means")
+        return DEFAULT_HYSTERESIS if mass_scored else 0.0
 
     @property
     def sink_pages(self) -> int:

@@ -294,8 +294,8 @@ def _topk_kernel(
         return
     if HYST:
         i = tl.arange(0, KP)
-        r = tl.load(req_ptr + b * s_req).to(tl.int64)
-        held = tl.load(slots_ptr + r * st_r + h * st_h + i.to(tl.int64) * st_k, mask=i < K, other=-1)
+        slot = tl.load(req_ptr + b * s_req).to(tl.int64)
+        held = tl.load(slots_ptr + slot * st_r + h * st_h + i.to(tl.int64) * st_k, mask=i < K, other=-1)
         _boost_resident(in_ptr, b, h, si_b, si_h, si_j, held, c * CHUNK, tl.minimum(c * CHUNK + CHUNK, n), bonus)
     top = tl.topk(_sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK, PACKED_IN, NEG_INF_KEY), KP)
     i = tl.arange(0, KP)
