@@ -1,0 +1,68 @@
+"""Torch reference for replay_churn (benchmarks only: FreeKVConfig.replay_churn)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..page_select.naive import in_phase
+
+PROMOTED = 1.0e4  # above any resident page times select_slots' (1 + hysteresis) for hysteresis < 9999
+TIE = 1.0 / 1024  # the draw's weight in the scores that only order pages among their kind
+_M32 = 0xFFFFFFFF
+
+
+def check_rate(rate: float) -> None:
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise ValueError(f"churn rate must be a number in [0, 1], got {rate!r}")
+
+
+def page_draws(seed: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """u in [0, 1) per (seed, page): a 32-bit integer hash (multipliers below 2^31, so int64 products never
+    overflow) of the seed's bits and the page index, the same in the kernel."""
+    x = (seed ^ (pages * 0x61C88647)) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & _M32
+    x = x ^ (x >> 16)
+    return (x >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def naive_replay_churn(
+    scores: torch.Tensor,
+    slots: torch.Tensor,
+    req_slots: torch.Tensor,
+    heads: torch.Tensor | None,
+    phase: int,
+    draws: torch.Tensor,
+    rate: float,
+) -> None:
+    """Replace, in place, the scores [B, H, M] of the heads of `phase` by scores that make select_slots replace about
+    `rate` of the head's k = slots.shape[2] slots with pages it does not hold, at random: a benchmark's stand-in for
+    a real model's selection churn (random weights churn unrealistically much or little).
+
+    Per (row b, KV head h) of the phase, with r = req_slots[b]: the candidates are the pages with a finite score;
+    `held` of them are in slots[r, h]; u = page_draws(bits of draws[b, h], page). A held candidate scores 1 + u TIE;
+    another candidate PROMOTED + u when u < rate k / max(candidates - held, 1), else u TIE; -inf stays. The top k
+    are then the promoted pages (about rate k of them) and the held ones, whatever the hysteresis, so about rate k
+    slots change. draws: [B, H] fp32, fresh every step (the engine's replay draws)."""
+    check_rate(rate)
+    mine = in_phase(heads, phase)
+    k = slots.shape[2]
+    seeds = draws.contiguous().view(torch.int32).to(torch.int64) & _M32
+    pages = torch.arange(scores.shape[2], device=scores.device, dtype=torch.int64)
+    for b, r in enumerate(req_slots.tolist()):
+        for h in range(scores.shape[1]):
+            if mine is not None and not bool(mine[b, h]):
+                continue
+            row = scores[b, h]
+            cand = torch.isfinite(row)
+            held = torch.zeros_like(cand)
+            own = slots[r, h].long()
+            held[own[own >= 0]] = True
+            held &= cand
+            u = page_draws(seeds[b, h], pages)
+            promote = u < rate * k / max(int(cand.sum()) - int(held.sum()), 1)
+            new = torch.where(promote, PROMOTED + u, u * TIE)
+            new = torch.where(held, 1.0 + u * TIE, new)
+            row.copy_(torch.where(cand, new, row))

@@ -1,0 +1,92 @@
+"""Triton replay_churn: one program per (row, KV head)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._utils import check_device, check_index_vectors
+from ..page_select.triton import _heads_args
+from .naive import PROMOTED, TIE, check_rate
+
+
+@triton.jit
+def _page_draws(seed, pages):
+    """page_draws (naive.py) in int64: the same hash, bit for bit."""
+    x = (seed ^ (pages * 0x61C88647)) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    return (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _replay_churn_kernel(
+    scores_ptr, slots_ptr, req_ptr, heads_ptr, draws_ptr, rate_k, M, K,
+    ss_b, ss_h, ss_m,
+    st_r, st_h, st_k,
+    sh_b, sh_h,
+    sd_b, sd_h,
+    HEADS: tl.constexpr, WANT: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, PROMOTED: tl.constexpr,
+    TIE: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
+            return
+    r = tl.load(req_ptr + b).to(tl.int64)
+    row = scores_ptr + b * ss_b + h * ss_h
+    seed = tl.load(draws_ptr + b * sd_b + h * sd_h).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    j = tl.arange(0, KP)
+    own = tl.load(slots_ptr + r * st_r + h * st_h + j * st_k, mask=j < K, other=-1).to(tl.int64)
+    own_score = tl.load(row + own * ss_m, mask=own >= 0, other=float("-inf"))
+    held = tl.sum((own_score > float("-inf")).to(tl.int32), axis=0)
+    i = tl.arange(0, BLOCK)
+    n = 0
+    for m0 in range(0, M, BLOCK):
+        x = tl.load(row + (m0 + i).to(tl.int64) * ss_m, mask=m0 + i < M, other=float("-inf"))
+        n += tl.sum((x > float("-inf")).to(tl.int32), axis=0)
+    p = rate_k / tl.maximum(n - held, 1).to(tl.float32)
+    for m0 in range(0, M, BLOCK):
+        m = (m0 + i).to(tl.int64)
+        x = tl.load(row + m * ss_m, mask=m < M, other=float("-inf"))
+        u = _page_draws(seed, m)
+        new = tl.where(u < p, PROMOTED + u, u * TIE)
+        tl.store(row + m * ss_m, new, mask=(m < M) & (x > float("-inf")))
+    tl.debug_barrier()  # the held pages' stores below come after every thread's store above
+    tl.store(row + own * ss_m, 1.0 + _page_draws(seed, own) * TIE, mask=own_score > float("-inf"))
+
+
+CHURN_BLOCK = 1024
+
+
+def replay_churn(
+    scores: torch.Tensor,
+    slots: torch.Tensor,
+    req_slots: torch.Tensor,
+    heads: torch.Tensor | None,
+    phase: int,
+    draws: torch.Tensor,
+    rate: float,
+) -> None:
+    """See naive_replay_churn."""
+    check_rate(rate)
+    check_device(scores, slots, req_slots, draws)
+    check_index_vectors(req_slots=req_slots)
+    B, H, M = scores.shape
+    K = slots.shape[2]
+    assert scores.dtype == torch.float32 and draws.dtype == torch.float32 and draws.shape == (B, H)
+    assert slots.shape[1] == H and req_slots.shape[0] == B
+    heads_arg, heads_strides, with_heads, want = _heads_args(heads, phase, req_slots)
+    if B * H == 0:
+        return
+    _replay_churn_kernel[(B, H)](
+        scores, slots, req_slots, heads_arg, draws, float(rate * K), M, K,
+        *scores.stride(), *slots.stride(), *heads_strides, *draws.stride(),
+        HEADS=with_heads, WANT=want, KP=triton.next_power_of_2(max(K, 1)), BLOCK=CHURN_BLOCK, PROMOTED=PROMOTED,
+        TIE=TIE, num_warps=4,
+    )
