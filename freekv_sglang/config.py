@@ -104,6 +104,12 @@ class FreeKVConfig:
         queries nearly uncorrelated (the Llama-3.1-8B shape flags 99% of checks at tau 0.9) or nearly constant (the
         Qwen2.5-7B shape: 0.1%). This replays a real model's rate instead: FreeKV's paper reports 0.04-0.14 at tau
         0.8 and 0.17-0.43 at 0.9 on Llama-3.1-8B, SmolLM2-135M 0.13-0.16 at 0.8 and 0.5-0.8 at 0.9.
+    replay_churn: benchmarks only (None, the default: off). Each head's selection replaces about this share of its
+        budget's pages, at random, instead of the pages its scores rank (scoring still runs, then replay_churn
+        replaces the scores): random weights churn unrealistically (random keys trade near-equal pages every step,
+        or none with hysteresis). SmolLM2-135M's default selection changes 0.15 of its budget per step (0.29
+        without hysteresis; benchmarks/churn.py). With replay_correction_rate it replays both of a real model's
+        costs: selection before attention and recall.
     """
 
     budget: int = 2048
@@ -127,6 +133,7 @@ class FreeKVConfig:
     tsp_keep: int = 2048
     hysteresis: float | None = None
     replay_correction_rate: float | None = None
+    replay_churn: float | None = None
 
     def __post_init__(self) -> None:
         p = self.page_size
@@ -192,6 +199,13 @@ class FreeKVConfig:
             if self.retrieval != "freekv":
                 raise ValueError("replay_correction_rate replays FreeKV's correction; LouisKV retrieves at semantic "
                                  "boundaries instead: drop replay_correction_rate")
+        c = self.replay_churn
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+                raise ValueError(f"replay_churn must be a number in [0, 1] or None, got {c!r}")
+            if self.retrieval != "freekv":
+                raise ValueError("replay_churn replays FreeKV's per-step selection; LouisKV selects at semantic "
+                                 "boundaries instead: drop replay_churn")
 
     @property
     def selection_hysteresis(self) -> float:

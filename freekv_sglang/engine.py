@@ -237,9 +237,10 @@ class FreeKVEngine:
                            for d in self.dense]
         self._recall = [None if d else torch.zeros(R, H, k, dtype=torch.int8, device=self.device)
                         for d in self.dense]
-        # cfg.replay_correction_rate (benchmarks): every step's uniform draws per (layer, row, KV head), made by plan().
+        # cfg.replay_correction_rate, cfg.replay_churn (benchmarks): every step's uniform draws per (layer, row, KV
+        # head), made by plan(): the correction flags and the churn's seeds.
         self._replay_u = None
-        if cfg.replay_correction_rate is not None and self.retrieval:
+        if (cfg.replay_correction_rate is not None or cfg.replay_churn is not None) and self.retrieval:
             self._replay_u = torch.ones(L, R, H, dtype=torch.float32, device=self.device)
         self._free_slots = [s for s in range(R - 1, -1, -1) if s != self.pad_slot]
         self._len = [0] * R
@@ -611,7 +612,7 @@ class FreeKVEngine:
 
     def plan(self, batch: int) -> StepPlan:
         """Device-side planning from the static step buffers into the static plan buffers, one launch (two with
-        cfg.replay_correction_rate): capturable in a CUDA graph. The plan returned is a view, valid until the next
+        cfg.replay_correction_rate or cfg.replay_churn): capturable in a CUDA graph. The plan returned is a view, valid until the next
         plan."""
         cfg, plan = self.cfg, self._plan.rows(batch)
         self.ops.plan_step(plan.req_slots, self._step_lens[:batch], self.page_table, cfg.page_size, cfg.sink_pages,
@@ -718,6 +719,9 @@ class FreeKVEngine:
         if timer is not None:
             timer.mark(layer, phase, 0)
         scores = self.selector.score(plan, layer, q, heads, phase)
+        if self.cfg.replay_churn is not None:
+            ops.replay_churn(scores, self.slot_table[layer], plan.req_slots, heads, phase, self._replay_u[layer, :B],
+                             self.cfg.replay_churn)
         ops.select_slots(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
                          self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
                          self.pad_slot, self.cfg.selection_hysteresis)

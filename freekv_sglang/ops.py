@@ -19,6 +19,7 @@ _OPS = {
     "rerank_pages": ("page_rerank", "rerank_pages"),
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
     "plan_step": ("plan_step", "plan_step"),
+    "replay_churn": ("churn_replay", "replay_churn"),  # benchmarks only (FreeKVConfig.replay_churn)
     "tsp_select": ("tsp_select", "tsp_select"),  # FastKV prefill (the HF adapter)
     # LouisKV (freekv_sglang/louiskv.py)
     "kmeans_keys": ("kmeans", "kmeans_keys"),

@@ -40,7 +40,7 @@ class Selector:
         return e.ops.query_similarity(q, e.prev_q[layer], plan.req_slots, e.has_prev[layer], e.tau, e.shape.group,
                                       e._stat_sim[layer] if e.collect_stats else None, e.pad_slot,
                                       e.slot_table[layer], plan.n_slots, heads, self.picks(layer), e.scale, kv=kv,
-                                      replay=None if e._replay_u is None else
+                                      replay=None if e.cfg.replay_correction_rate is None else
                                       (e._replay_u[layer, :q.shape[0]], e.cfg.replay_correction_rate))
 
     def picks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -66,10 +66,11 @@ _KNOB_FLAGS = {
     "kv_tsp_layer": ("--kv-tsp-layer", "tsp_layer"),
     "kv_tsp_keep": ("--kv-tsp-keep", "tsp_keep"),
     "kv_bench_correction_rate": ("--kv-bench-correction-rate", "replay_correction_rate"),
+    "kv_bench_churn": ("--kv-bench-churn", "replay_churn"),
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
 _FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_selection", "kv_rerank_factor",
-                "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate")
+                "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate", "kv_bench_churn")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb", "kvstore_timeout")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb",
@@ -207,6 +208,10 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         "step instead of by query similarity, to decode a random-weight model at a real model's "
                         "correction rate (FreeKV's paper: 0.04-0.14 at tau 0.8 on Llama-3.1-8B); selection and "
                         "recall are unchanged (default: off)")
+    g.add_argument("--kv-bench-churn", type=float, default=None, metavar="SHARE",
+                   help="benchmarks only: each head's selection replaces this share of its budget's pages, at "
+                        "random, instead of the pages its scores rank (scoring still runs), to decode a random-weight "
+                        "model at a real model's churn (SmolLM2-135M: 0.15 a step); default: off")
     g.add_argument("--kvstore-endpoint", default=None, metavar="URL",
                    help="an already running kvstore daemon (ipc://<path> or tcp://<host>:<port>; a tcp daemon's "
                         "token comes from $FREEKV_KVSTORE_TOKEN). Default: start an embedded daemon with this "

@@ -191,6 +191,9 @@ class FreeKVAttnBackend(AttentionBackend):
         if cfg.replay_correction_rate is not None:
             logger.warning("FreeKV benchmark mode (--kv-bench-correction-rate %g): correction is drawn at random, "
                            "not decided by query similarity; do not serve with it", cfg.replay_correction_rate)
+        if cfg.replay_churn is not None:
+            logger.warning("FreeKV benchmark mode (--kv-bench-churn %g): selections replace pages at random, not by "
+                           "their scores; do not serve with it", cfg.replay_churn)
         _ACTIVE.append(self)
 
     def __getattr__(self, name):

@@ -552,6 +552,44 @@ def test_replayed_correction_rate_flags_that_share():
     assert len(set(per_step)) > 3, f"the draws repeat: {per_step}"
 
 
+def churn_run(rate, backend, steps, H=8, R=4, prompt=1600, seed=5):
+    """Decode R requests of `prompt` tokens with cfg.replay_churn = rate under pure speculation (tau 0: every head
+    selects once a step, after attention); returns the engine and its recalled head-pages after each step."""
+    torch.manual_seed(seed)
+    cfg = FreeKVConfig(budget=128, sink=16, window=16, page_size=16, dense_layers=0, tau=0.0, replay_churn=rate)
+    eng = make_engine(cfg, H=H, G=2, L=1, backend=backend)
+    slots = [eng.add_request() for _ in range(R)]
+    for slot in slots:
+        eng.begin_prefill(slot, prompt)
+        k, v = (torch.randn(prompt, H, D, device=DEV) for _ in range(2))
+        eng.prefill_layer(slot, 0, k, v, torch.randn(2 * H, D, device=DEV))
+    recalled = []
+    for _ in range(steps):
+        plan = eng.begin_step(slots)
+        eng.attend(plan, 0, torch.randn(R, 2 * H, D, device=DEV), *(torch.randn(R, H, D, device=DEV) for _ in range(2)))
+        eng.end_step()
+        st = eng.stats()
+        recalled.append(st["recall_pages_now"] + st["recall_pages_speculative"])
+    return eng, recalled
+
+
+def test_replayed_churn_changes_that_share_of_the_budget():
+    """cfg.replay_churn (benchmarks): each selection replaces about that share of a head's 8 budget pages, whatever
+    the queries (random here: they would trade near-equal pages every step); 0 keeps every held page."""
+    _, still = churn_run(0.0, "torch", steps=12)
+    assert still[-1] == still[1] > 0, still  # the first selection fills the slots, then nothing changes
+    _, moving = churn_run(0.25, "torch", steps=61)
+    per_step = (moving[-1] - moving[0]) / 60 / (4 * 8 * 8)  # changed share of R x H x 8 slots
+    assert 0.225 < per_step < 0.275, per_step  # ~3840 changes, a standard error of ~1.6%
+
+
+def test_replayed_churn_is_the_same_from_the_kernels():
+    """The churn replaces the scores, so the Triton path selects exactly the pages the torch path does."""
+    ref, _ = churn_run(0.3, "torch", steps=4, H=2, R=2, prompt=700)
+    out, _ = churn_run(0.3, "triton", steps=4, H=2, R=2, prompt=700)
+    assert torch.equal(ref.slot_table[0].cpu(), out.slot_table[0].cpu())
+
+
 def test_recall_all_ablation_attends_alike_and_recalls_more():
     """--kv-recall all (the no-delta ablation) attends to the same pages as delta recall, and recalls more."""
     base = dict(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)

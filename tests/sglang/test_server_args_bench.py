@@ -1,31 +1,37 @@
-"""--kv-bench-correction-rate (benchmarks only): parsed into FreeKVConfig.replay_correction_rate, refused naming the
-flag when out of range or given with LouisKV."""
+"""--kv-bench-correction-rate and --kv-bench-churn (benchmarks only): parsed into FreeKVConfig.replay_correction_rate
+and replay_churn, refused naming the flag when out of range or given with LouisKV."""
 
 import pytest
 
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.server_args import FreeKVArgsError, settings_from_argv
 
-
-def test_the_rate_reaches_the_config():
-    s = settings_from_argv(["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.15"])
-    assert s.config.replay_correction_rate == 0.15
-    assert settings_from_argv(["--kv-retrieval", "freekv"]).config.replay_correction_rate is None
+BENCH = [("--kv-bench-correction-rate", "replay_correction_rate"), ("--kv-bench-churn", "replay_churn")]
 
 
-@pytest.mark.parametrize("argv", [
-    ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "1.5"],
-    ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "-0.1"],
-    ["--kv-retrieval", "louiskv", "--kv-bench-correction-rate", "0.1"],
-])
-def test_refused_naming_the_flag(argv):
-    with pytest.raises(FreeKVArgsError, match="--kv-bench-correction-rate"):
-        settings_from_argv(argv)
+@pytest.mark.parametrize("flag,field", BENCH)
+def test_the_value_reaches_the_config(flag, field):
+    s = settings_from_argv(["--kv-retrieval", "freekv", flag, "0.15"])
+    assert getattr(s.config, field) == 0.15
+    assert getattr(settings_from_argv(["--kv-retrieval", "freekv"]).config, field) is None
 
 
-def test_config_refuses_a_rate_for_louiskv_and_out_of_range():
+def test_both_together():
+    s = settings_from_argv(["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.1"])
+    assert (s.config.replay_correction_rate, s.config.replay_churn) == (0.3, 0.1)
+
+
+@pytest.mark.parametrize("flag,field", BENCH)
+@pytest.mark.parametrize("retrieval,value", [("freekv", "1.5"), ("freekv", "-0.1"), ("louiskv", "0.1")])
+def test_refused_naming_the_flag(flag, field, retrieval, value):
+    with pytest.raises(FreeKVArgsError, match=flag):
+        settings_from_argv(["--kv-retrieval", retrieval, flag, value])
+
+
+@pytest.mark.parametrize("field", [field for _, field in BENCH])
+def test_config_refuses_louiskv_and_out_of_range(field):
     with pytest.raises(ValueError, match="LouisKV"):
-        FreeKVConfig(retrieval="louiskv", replay_correction_rate=0.2)
+        FreeKVConfig(retrieval="louiskv", **{field: 0.2})
     for bad in (True, "0.2", 2.0, float("nan")):
-        with pytest.raises(ValueError, match="replay_correction_rate"):
-            FreeKVConfig(replay_correction_rate=bad)
+        with pytest.raises(ValueError, match=field):
+            FreeKVConfig(**{field: bad})
