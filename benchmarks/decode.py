@@ -20,13 +20,16 @@ Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args s
   tau0        pure speculation (tau 0): no correction recall before attention
   tau1        no speculation (tau 1): every head reselected and recalled before attention
   recall-all  speculation without delta recall (--kv-recall all)
+  realistic   a real model's correction and churn replayed (--kv-bench-correction-rate 0.3 --kv-bench-churn 0.15)
 A configuration may add server flags after its name, e.g. --configs "full,freekv,freekv --kv-recall-programs 0".
 Random weights make adjacent queries nearly uncorrelated, so at tau 0.9 almost every head is flagged;
-tau0 and tau1 bracket what a real model's correction rate gives. Realistic churn: "freekv --kv-bench-correction-rate
-0.1" flags each (request, KV head) check with that probability instead (FreeKV's paper: 0.04-0.14 on
-Llama-3.1-8B at tau 0.8, 0.17-0.43 at 0.9), while selection and recall run on the model's own queries and keys,
-which change about a fifth of the selected pages per step, as SmolLM2's real ones change a quarter
-(benchmarks/NOTES.md, thirteenth session). The correction rate column reports what the server measured.
+tau0 and tau1 bracket what a real model's correction rate gives. Random keys also churn unrealistically: without
+hysteresis near-equal pages trade places every step, with it (the default) almost none do, where SmolLM2's real
+selection changes 0.15 of its budget per step (benchmarks/churn.py). `realistic` replays both: each (request, KV
+head) check is flagged with probability 0.3 (--kv-bench-correction-rate; FreeKV's paper: 0.04-0.14 on Llama-3.1-8B
+at tau 0.8, 0.17-0.43 at 0.9) and each selection replaces 0.15 of the head's pages at random (--kv-bench-churn;
+scoring still runs). The corr column reports the correction rate the server measured, `changed` the share of the
+budget's pages recalled per request, step, sparse layer and KV head (from the recalled bytes).
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ CONFIGS = {
     "tau0": ["--kv-retrieval", "freekv", "--kv-correction-threshold", "0"],
     "tau1": ["--kv-retrieval", "freekv", "--kv-correction-threshold", "1"],
     "recall-all": ["--kv-retrieval", "freekv", "--kv-recall", "all"],
+    # A real model's costs on random weights: the correction rate in the middle of FreeKV's paper's Llama-3.1-8B
+    # range at tau 0.9 (0.17-0.43) and SmolLM2-135M's changed share per step with the default selection.
+    "realistic": ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.15"],
 }
 STATS = re.compile(r"FreeKV rank 0: (\d+) decode steps, correction rate ([\d.]+) .*recall ([\d.]+) GB before "
                    r"attention \+ ([\d.]+) GB speculative")
@@ -176,11 +182,27 @@ def batch_figures(ok: list[dict], output_len: int) -> dict:
     }
 
 
+def changed_share(cell: dict, args: list[str], model: dict) -> float | None:
+    """Pages recalled per request, decode step, sparse layer and KV head, over the budget's pages: the selection's
+    churn (speculative and corrected together), from the recalled bytes of the batch's output_len - 1 steps."""
+    def flag(name, default):
+        return int(args[args.index(name) + 1]) if name in args else default
+    if "recall_gb" not in cell or not cell.get("completed"):
+        return None
+    budget, page, dense = flag("--kv-budget", 2048), flag("--kv-page-size", 32), flag("--kv-dense-layers", 1)
+    head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
+    page_bytes = 2 * page * head_dim * 2  # K and V of one KV head's page, bf16
+    slots = cell["completed"] * (cell["output_len"] - 1) * (model["num_hidden_layers"] - dense) * \
+        model["num_key_value_heads"] * (budget // page)
+    return round(cell["recall_gb"] * 1e9 / page_bytes / slots, 4)
+
+
 def print_table(result: dict) -> None:
     full = {c["batch"]: c for c in result["cells"] if c["config"] == "full" and "step_ms" in c}
     print(f"\n{result['gpu']}, {result['shape']}, context {result['context']}, {result['output_len']} new tokens; FreeKV {result['freekv_args']}")
     print(f"{'config':<11} {'batch':>5} {'step ms':>8} {'x full':>7} {'TPOT p50':>9} {'tok/s':>8} {'TTFT s':>7} "
-          f"{'corr':>5} {'recall GB/s':>11} {'pool tok':>9} {'GB/req':>7} {'max conc':>8} {'ran/queued':>10}")
+          f"{'corr':>5} {'changed':>7} {'recall GB/s':>11} {'pool tok':>9} {'GB/req':>7} {'max conc':>8} "
+          f"{'ran/queued':>10}")
     for c in result["cells"]:
         if "step_ms" not in c:
             print(f"{c['config']:<11} error: {c.get('error', c.get('errors'))}")
@@ -193,6 +215,7 @@ def print_table(result: dict) -> None:
         print(f"{c['config']:<11} {c['batch']:>5} {c['step_ms']:>8.2f} {ratio:>7.2f} {c['tpot_ms_p50']:>9.2f} "
               f"{c['output_tok_per_s']:>8.1f} "
               f"{c['ttft_s_p50']:>7.2f} {c.get('correction_rate', float('nan')):>5.2f} "
+              f"{c.get('changed_share') or float('nan'):>7.3f} "
               f"{c.get('recall_gbps', float('nan')):>11.2f} {c.get('gpu_pool_tokens') or 0:>9} "
               f"{c.get('kv_gb_per_request', float('nan')):>7.3f} {c.get('max_concurrent') or 0:>8} "
               f"{str(c.get('max_running', '-')) + '/' + str(c.get('max_queued', '-')):>10}")
@@ -235,7 +258,8 @@ def main() -> None:
     model = f"/tmp/dummy-{args.shape}"
     subprocess.run([sys.executable, str(ROOT / "scripts/make_dummy_model.py"), args.shape, model], check=True,
                    stdout=subprocess.DEVNULL)
-    vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
+    model_cfg = json.loads(Path(model, "config.json").read_text())
+    vocab = model_cfg["vocab_size"]
     import torch
 
     gpu = torch.cuda.get_device_name()
@@ -284,6 +308,7 @@ def main() -> None:
                     cell["recall_gb"] = round(gb, 3)
                     if cell.get("decode_s"):
                         cell["recall_gbps"] = round(gb / cell["decode_s"], 2)
+                    cell["changed_share"] = changed_share({**cell, "output_len": args.output_len}, extra, model_cfg)
                 result["cells"].append(cell)
                 print(json.dumps(cell), flush=True)
                 (out / "decode.json").write_text(json.dumps(result, indent=1))  # partial results survive a kill

@@ -80,3 +80,20 @@ def test_memory_cell_counts_a_lone_requests_summaries(tmp_path):
 ])
 def test_max_running_requests_leaves_a_slot_for_a_chunked_prompt(given, batches, context, chunk, expected):
     assert decode.max_running_requests(given, batches, context, chunk) == expected
+
+
+def test_changed_share_counts_budget_pages_of_every_request_step_layer_and_head():
+    """The recalled bytes of a batch over its request-steps x sparse layers x KV heads x budget pages, each page one
+    KV head's K and V in bf16; the budget, page size and dense layers come from the server's flags."""
+    llama = {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096,
+             "num_attention_heads": 32}
+    qwen = {"num_hidden_layers": 28, "num_key_value_heads": 4, "hidden_size": 3584, "num_attention_heads": 28}
+    slots = 16 * 127 * 31 * 8 * 64  # Llama: 16 requests x 127 steps x 31 sparse layers x 8 heads x 64 pages
+    cell = {"recall_gb": slots * 0.15 * (2 * 32 * 128 * 2) / 1e9, "completed": 16, "output_len": 128}
+    flags = ["--kv-budget", "2048", "--kv-page-size", "32"]
+    assert decode.changed_share(cell, flags, llama) == 0.15
+    assert decode.changed_share(cell, [*flags, "--kv-dense-layers", "2"], llama) == round(0.15 * 31 / 30, 4)
+    assert decode.changed_share(cell, ["--kv-budget", "4096", "--kv-page-size", "32"], llama) == 0.075
+    qwen_slots = 16 * 127 * 27 * 4 * 64
+    assert decode.changed_share({**cell, "recall_gb": qwen_slots * 0.2 * 2 * 32 * 128 * 2 / 1e9}, flags, qwen) == 0.2
+    assert decode.changed_share({"completed": 16, "output_len": 128}, flags, llama) is None  # full KV: no recall
