@@ -215,6 +215,7 @@ def bench_select(
     rerank_factors: tuple[int, ...] = (2, 4, 0), sketch_channels: int = 16,
 ) -> dict | list[dict]:
     try:
+        from freekv_kernels.churn_replay import replay_churn
         from freekv_kernels.page_rerank import empty_codes, rerank_pages, sketch_pages, top_pages
         from freekv_kernels.page_select import PHASE_NOW, score_pages, select_slots
     except ImportError as e:
@@ -294,6 +295,15 @@ def bench_select(
                 else:
                     graph = f"{'failed':>9} ({row['graph_error']})"
                 print(f"{ctx:>8} {B:>6} {selection:>14} {row['eager_us']:>9.1f} {graph}")
+            # The realistic mode's own launch (benchmarks only: --kv-bench-churn), what it adds to each selection.
+            draws = torch.rand(B, H, device=DEVICE)
+            row = {"context": ctx, "batch": B, "pages_per_row": M, "k": k, "selection": "replay_churn"}
+            row["eager_us"] = 1e3 * time_ms(
+                lambda i: replay_churn(scores, slots, req_slots, heads, PHASE_NOW, draws, 0.15), repeats, warmup)
+            row["graph_us"] = 1e3 * graph_replay_ms(
+                lambda: replay_churn(scores, slots, req_slots, heads, PHASE_NOW, draws, 0.15), repeats)
+            rows.append(row)
+            print(f"{ctx:>8} {B:>6} {'replay_churn':>14} {row['eager_us']:>9.1f} {row['graph_us']:>9.1f}")
             del summaries, codes, page_table, q, scores
     return rows
 

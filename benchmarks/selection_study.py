@@ -37,6 +37,50 @@ def _lse_pages(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tenso
     return torch.logsumexp(scale * torch.einsum("hgd,nhtd->hgnt", q, keys), dim=-1)
 
 
+def calibrate(q: torch.Tensor, keys: torch.Tensor, widths=(16, 32, 64)) -> dict:
+    """A request's static channels per KV head, chosen once (at its first decode step, as a server could at the end
+    of the prefill) by group-mean |q| x the keys' spread over the prompt, and each channel's key range over the
+    prompt: what a page-independent sketch (the same channels and quantisation steps for every page, so one
+    tensor-core product per request and head) would store."""
+    flat = keys.permute(1, 0, 2, 3).flatten(1, 2)  # [H, n p, D]
+    weight = q.abs().mean(1) * flat.std(1)  # [H, D]
+    masks = {r: torch.zeros_like(weight, dtype=torch.bool).scatter_(1, weight.topk(r, dim=-1).indices, True)
+             for r in widths}
+    return {"masks": masks, "lo": flat.amin(1), "hi": flat.amax(1)}
+
+
+def static_scorers(q: torch.Tensor, keys: torch.Tensor, scale: float, static: dict) -> dict[str, torch.Tensor]:
+    """Page-independent sketches from calibrate(): exact keys, per-page 2-bit codes or per-channel 2/4/8-bit codes
+    over the prompt's range on the static channels, the page's mid-range (or zero: 'z') on the others."""
+    lo, hi = keys.amin(2), keys.amax(2)  # [n, H, D]
+    mid = ((lo + hi) / 2).unsqueeze(2)
+    dec2 = dequantize_keys(quantize_keys(keys, lo, hi), lo, hi)
+    glo, ghi = static["lo"][None, :, None, :], static["hi"][None, :, None, :]
+    out = {}
+    for r, m in static["masks"].items():
+        m = m[None, :, None, :]
+        variants = {f"static{r}": (keys, mid), f"static{r}-p2": (dec2, mid)}
+        for bits in (2, 4, 8):
+            levels = 2 ** bits
+            step = ((ghi - glo) / levels).clamp_min(1e-12)
+            dec = glo + (((keys - glo) / step).floor().clamp(0, levels - 1) + 0.5) * step
+            variants[f"static{r}-g{bits}"] = (dec, mid)
+            variants[f"static{r}-g{bits}z"] = (dec, torch.zeros_like(mid))
+        for name, (inside, outside) in variants.items():
+            out[name] = _group_softmax(_lse_pages(q, torch.where(m, inside, outside), scale))
+    # The default sketch's dynamic picks (the 8 code bytes the group's |q| weighs most, mid-range elsewhere) with
+    # per-channel steps over the prompt's range instead of the page's: weights q x step shared by every page.
+    qbyte = q.abs().mean(1).unflatten(-1, (-1, 4)).sum(-1)
+    picks = torch.zeros_like(qbyte, dtype=torch.bool).scatter_(1, qbyte.topk(8, dim=-1).indices, True)
+    picks = picks.repeat_interleave(4, dim=-1)[None, :, None, :]
+    for bits in (2, 4):
+        levels = 2 ** bits
+        step = ((ghi - glo) / levels).clamp_min(1e-12)
+        dec = glo + (((keys - glo) / step).floor().clamp(0, levels - 1) + 0.5) * step
+        out[f"code2-byte8q-g{bits}"] = _group_softmax(_lse_pages(q, torch.where(picks, dec, mid), scale))
+    return out
+
+
 def scorers(q: torch.Tensor, keys: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
     """Every candidate scorer's [H, n] page scores (higher = keep)."""
     lo, hi = keys.amin(2), keys.amax(2)  # [n, H, D]
@@ -102,6 +146,7 @@ class StudyProbe:
         self.focus_hits: dict[str, int] = {}
         self.rank_hits: dict[str, list[int]] = {}
         self.mass: dict[str, float] = {}
+        self.static: dict[tuple[int, int], dict] = {}  # (layer, slot) -> calibrate()
 
     def __call__(self, layer, plan, q, slots):
         e = self.engine
@@ -114,7 +159,8 @@ class StudyProbe:
             truth = page_attention_mass(e, layer, slot, qb, end)  # [H, n]
             keys = e.candidate_keys.get(layer, slot, end).float()
             best = truth.argmax(1)  # [H]
-            scores = {"oracle": truth, **scorers(qb, keys, e.scale)}
+            static = self.static.setdefault((layer, slot), calibrate(qb, keys))
+            scores = {"oracle": truth, **scorers(qb, keys, e.scale), **static_scorers(qb, keys, e.scale, static)}
             for first in ("means", "mid", "code1", "code2-byte4", "code2-byte4z", "code2-byte1q", "code2-byte2q",
                           "code2-byte4q", "code2-byte4qz", "code2-byte8z"):
                 for f in (2, 4):

@@ -13,12 +13,13 @@ from .naive import PROMOTED, TIE, check_rate
 
 @triton.jit
 def _page_draws(seed, pages):
-    """page_draws (naive.py) in int64: the same hash, bit for bit."""
-    x = (seed ^ (pages * 0x61C88647)) & 0xFFFFFFFF
+    """page_draws (naive.py) in wrapping uint32 arithmetic (one multiply each, where int64 takes several): the same
+    hash, bit for bit. seed: uint32, pages: int32."""
+    x = seed ^ (pages.to(tl.uint32) * tl.full([], 0x61C88647, tl.uint32))
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x * tl.full([], 0x7FEB352D, tl.uint32)
     x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & 0xFFFFFFFF
+    x = x * tl.full([], 0x5BD1E995, tl.uint32)
     x = x ^ (x >> 16)
     return (x >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
@@ -40,10 +41,10 @@ def _replay_churn_kernel(
             return
     r = tl.load(req_ptr + b).to(tl.int64)
     row = scores_ptr + b * ss_b + h * ss_h
-    seed = tl.load(draws_ptr + b * sd_b + h * sd_h).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    seed = tl.load(draws_ptr + b * sd_b + h * sd_h).to(tl.uint32, bitcast=True)
     j = tl.arange(0, KP)
-    own = tl.load(slots_ptr + r * st_r + h * st_h + j * st_k, mask=j < K, other=-1).to(tl.int64)
-    own_score = tl.load(row + own * ss_m, mask=own >= 0, other=float("-inf"))
+    own = tl.load(slots_ptr + r * st_r + h * st_h + j * st_k, mask=j < K, other=-1)
+    own_score = tl.load(row + own.to(tl.int64) * ss_m, mask=own >= 0, other=float("-inf"))
     held = tl.sum((own_score > float("-inf")).to(tl.int32), axis=0)
     i = tl.arange(0, BLOCK)
     n = 0
@@ -52,13 +53,13 @@ def _replay_churn_kernel(
         n += tl.sum((x > float("-inf")).to(tl.int32), axis=0)
     p = rate_k / tl.maximum(n - held, 1).to(tl.float32)
     for m0 in range(0, M, BLOCK):
-        m = (m0 + i).to(tl.int64)
-        x = tl.load(row + m * ss_m, mask=m < M, other=float("-inf"))
+        m = m0 + i
+        x = tl.load(row + m.to(tl.int64) * ss_m, mask=m < M, other=float("-inf"))
         u = _page_draws(seed, m)
         new = tl.where(u < p, PROMOTED + u, u * TIE)
-        tl.store(row + m * ss_m, new, mask=(m < M) & (x > float("-inf")))
+        tl.store(row + m.to(tl.int64) * ss_m, new, mask=(m < M) & (x > float("-inf")))
     tl.debug_barrier()  # the held pages' stores below come after every thread's store above
-    tl.store(row + own * ss_m, 1.0 + _page_draws(seed, own) * TIE, mask=own_score > float("-inf"))
+    tl.store(row + own.to(tl.int64) * ss_m, 1.0 + _page_draws(seed, own) * TIE, mask=own_score > float("-inf"))
 
 
 CHURN_BLOCK = 1024
