@@ -612,8 +612,8 @@ class FreeKVEngine:
 
     def plan(self, batch: int) -> StepPlan:
         """Device-side planning from the static step buffers into the static plan buffers, one launch (two with
-        cfg.replay_correction_rate or cfg.replay_churn): capturable in a CUDA graph. The plan returned is a view, valid until the next
-        plan."""
+        cfg.replay_correction_rate or cfg.replay_churn): capturable in a CUDA graph. The plan returned is a view,
+        valid until the next plan."""
         cfg, plan = self.cfg, self._plan.rows(batch)
         self.ops.plan_step(plan.req_slots, self._step_lens[:batch], self.page_table, cfg.page_size, cfg.sink_pages,
                            cfg.window_pages, self.pad_slot, self.retrieval, **plan.outputs())
