@@ -7,6 +7,9 @@ covers. A scorer fit for a first stage keeps the top page within a few k; one fi
 oracle-like mass at k.
 
     python benchmarks/selection_study.py --task passkey --length 8192 --samples 6 --budget 512 --out study.json
+
+The page-independent sketches (static*, code2-byte8q-g*) are calibrated per request by default, or with
+--calibration model once from a prompt that is not scored (the task's sample after the scored ones).
 """
 
 from __future__ import annotations
@@ -139,9 +142,26 @@ def two_stage(first: torch.Tensor, second: torch.Tensor, num: int) -> torch.Tens
     return torch.where(keep, second, second.amin() - 1)
 
 
+class CalibrationProbe:
+    """Per-model calibration: calibrate() on one prompt that is not scored, per layer at its first decode step."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.layers: dict[int, dict] = {}
+
+    def __call__(self, layer, plan, q, slots):
+        e = self.engine
+        H, G, D = e.shape.num_kv_heads, e.shape.group, e.shape.head_dim
+        end = min(int(plan.cand_end[0]), e.max_pages)
+        if layer not in self.layers and end > e.cfg.sink_pages:
+            keys = e.candidate_keys.get(layer, int(plan.req_slots[0]), end).float()
+            self.layers[layer] = calibrate(q[0].view(H, G, D).float(), keys)
+
+
 class StudyProbe:
-    def __init__(self, engine, k_pages: int):
-        self.engine, self.k = engine, k_pages
+    def __init__(self, engine, k_pages: int, fixed: dict[int, dict] | None = None):
+        """fixed: per-layer calibrations from CalibrationProbe (per model); None: each request's own (per request)."""
+        self.engine, self.k, self.fixed = engine, k_pages, fixed
         self.cases = self.focus_cases = 0
         self.focus_hits: dict[str, int] = {}
         self.rank_hits: dict[str, list[int]] = {}
@@ -159,7 +179,8 @@ class StudyProbe:
             truth = page_attention_mass(e, layer, slot, qb, end)  # [H, n]
             keys = e.candidate_keys.get(layer, slot, end).float()
             best = truth.argmax(1)  # [H]
-            static = self.static.setdefault((layer, slot), calibrate(qb, keys))
+            static = self.fixed[layer] if self.fixed is not None else \
+                self.static.setdefault((layer, slot), calibrate(qb, keys))
             scores = {"oracle": truth, **scorers(qb, keys, e.scale), **static_scorers(qb, keys, e.scale, static)}
             for first in ("means", "mid", "code1", "code2-byte4", "code2-byte4z", "code2-byte1q", "code2-byte2q",
                           "code2-byte4q", "code2-byte4qz", "code2-byte8z"):
@@ -195,6 +216,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-new", type=int, default=None, help="decode steps per sample (default: the task's)")
+    ap.add_argument("--calibration", choices=("request", "model"), default="request",
+                    help="page-independent sketches' channels and ranges: from each request's prompt, or once from "
+                         "another prompt of the task (the sample after the scored ones) for every request")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -202,16 +226,23 @@ def main() -> None:
     geo = Geometry()
     spec = MethodSpec("oracle", "freekv", tau=1.0, selection="oracle")
     cfg = spec.config(args.budget, geo, model.config.num_hidden_layers)
-    samples = make_samples(tok, args.task, args.length, args.samples)
+    samples = make_samples(tok, args.task, args.length, args.samples + 1)
+    samples, calib = samples[:-1], samples[-1]
     max_new = args.max_new or max(s.max_new_tokens for s in samples)
     fm = FreeKVModel.build(model, cfg, max_requests=len(samples), max_context=args.length + max_new + 1,
                            method="freekv")
     t0 = time.perf_counter()
+    fixed = None
+    if args.calibration == "model":
+        cal = fm.engine.probe = CalibrationProbe(fm.engine)
+        fm.generate([list(calib.ids)], 2)
+        fixed = cal.layers
     caches = [fm.prefill(list(s.ids)) for s in samples]
-    probe = fm.engine.probe = StudyProbe(fm.engine, cfg.select_pages)
+    probe = fm.engine.probe = StudyProbe(fm.engine, cfg.select_pages, fixed)
     outs = fm.generate(caches, max_new, eos_token_id=tok.eos_token_id, max_batch=len(samples))
     score = sum(s.score(tok.decode(o, skip_special_tokens=True)) for s, o in zip(samples, outs)) / len(samples)
     res = {"task": args.task, "length": args.length, "budget": args.budget, "k_pages": cfg.select_pages,
+           "calibration": args.calibration,
            "cases": probe.cases, "oracle_score": score, "seconds": time.perf_counter() - t0,
            "scorers": probe.table()}
     res["focus_cases"] = probe.focus_cases
