@@ -54,16 +54,18 @@ args=(
   --kv-hysteresis 1
   # --kv-rerank-factor 2 (with --kv-selection rerank)
   # Benchmarks only, never to serve: --kv-bench-correction-rate R flags each check for correction with probability
-  # R instead of by query similarity (random-weight models have unrealistic query churn).
+  # R instead of by query similarity, and --kv-bench-churn S makes each selection replace a share S of the head's
+  # pages at random (random-weight models have unrealistic query churn; benchmarks/decode.py --configs realistic).
   # --kv-retrieval louiskv instead retrieves only at semantic boundaries (the query's similarity to the previous
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
   # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
   # (--kv-correction-threshold, --kv-recall-programs, --kv-selection, --kv-rerank-factor, --kv-sketch-channels,
-  # --kv-hysteresis, --kv-bench-correction-rate).
+  # --kv-hysteresis, --kv-bench-correction-rate, --kv-bench-churn).
   # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
   # --disable-radix-cache (README, LouisKV).
   # --kv-prefill tsp (FastKV's token-selective propagation after layer --kv-tsp-layer, keeping --kv-tsp-keep tokens)
-  # runs in the engine and the accuracy harness; the server refuses it for now (README, FastKV).
+  # runs with FreeKV or alone (without --kv-retrieval); it prefills each prompt whole (--chunked-prefill-size -1) and
+  # is refused with the radix cache and prefill CUDA graphs (README, FastKV).
   # Host-memory budget (GiB) of the embedded kvstore daemon that holds every request's full KV cache.
   # It starts with the server and stops with it; it must fit in RAM and /dev/shm (containers: --shm-size).
   --kvstore-arena-gb "${ARENA_GB:-16}"
