@@ -5,7 +5,8 @@
 
 For each server configuration: build a random-weight model of the shape (scripts/make_dummy_model.py,
 --load-format dummy), launch SGLang (FlashInfer, CUDA graphs on, page 32, the radix cache on as a server's default
-unless --radix-cache off; the prompts are random, so nothing hits), and for each
+unless --radix-cache off; the prompts are random, so nothing hits), send one untimed warm-up request
+(--warmup-tokens: the first request otherwise pays Triton's compilation of FreeKV's kernels), and for each
 batch B send B requests of `context` random tokens at once (streamed, greedy, `output_len` new tokens).
 Per cell: the decode step time (the span in which the whole batch decodes, per token), TPOT p50 (which
 also counts stalls while the batch's later requests prefill), output throughput, TTFT p50, and for FreeKV the correction rate and the recall
@@ -242,6 +243,9 @@ def main() -> None:
     ap.add_argument("--prefill-cuda-graph", choices=("on", "off"), default="on",
                     help="off: --disable-prefill-cuda-graph on every server (SGLang 0.5.16 captures ~100 prefill "
                     "sizes at start-up, ~4.5 min on an H100 at 32K chunks; decode steps are the same either way)")
+    ap.add_argument("--warmup-tokens", type=int, default=4096,
+                    help="one untimed request of this many prompt tokens (16 new) after each server starts, so the "
+                         "first timed batch does not pay Triton's compilation of the server's kernels; 0: none")
     ap.add_argument("--port", type=int, default=30010)
     ap.add_argument("--out", default="results/decode")
     args = ap.parse_args()
@@ -288,6 +292,10 @@ def main() -> None:
                      out / f"server-{log_name}.log", env)
         try:
             up = srv.wait(600)
+            if args.warmup_tokens:  # long enough to select (past sink + window + budget) and offload
+                warm = run_batch(srv.url, 1, min(args.warmup_tokens, args.context), 16, vocab, seed=0)
+                if not warm.get("completed"):
+                    raise RuntimeError(f"[{name}] the warm-up request failed: {warm.get('errors')}")
             log = srv.log.read_text(errors="replace")
             host = HOST.search(log)
             cap = {"startup_s": round(up, 1), "host_arena_gb": float(host.group(2)) if host else None,
