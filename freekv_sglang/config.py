@@ -192,20 +192,16 @@ class FreeKVConfig:
             raise ValueError(f"hysteresis applies to FreeKV's attention-mass selections (sketch, rerank, means), not "
                              f"to {self.retrieval if self.retrieval != 'freekv' else 'quest'}: drop hysteresis "
                              f"(--kv-hysteresis 0)")
-        r = self.replay_correction_rate
-        if r is not None:
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
-                raise ValueError(f"replay_correction_rate must be a number in [0, 1] or None, got {r!r}")
+        for name, replays in (("replay_correction_rate", "FreeKV's correction"),
+                              ("replay_churn", "FreeKV's per-step selection")):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1] or None, got {v!r}")
             if self.retrieval != "freekv":
-                raise ValueError("replay_correction_rate replays FreeKV's correction; LouisKV retrieves at semantic "
-                                 "boundaries instead: drop replay_correction_rate")
-        c = self.replay_churn
-        if c is not None:
-            if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
-                raise ValueError(f"replay_churn must be a number in [0, 1] or None, got {c!r}")
-            if self.retrieval != "freekv":
-                raise ValueError("replay_churn replays FreeKV's per-step selection; LouisKV selects at semantic "
-                                 "boundaries instead: drop replay_churn")
+                raise ValueError(f"{name} replays {replays}; LouisKV retrieves at semantic boundaries instead: "
+                                 f"drop {name}")
 
     @property
     def selection_hysteresis(self) -> float:
