@@ -59,14 +59,16 @@ def static_scorers(q: torch.Tensor, keys: torch.Tensor, scale: float, static: di
     mid = ((lo + hi) / 2).unsqueeze(2)
     dec2 = dequantize_keys(quantize_keys(keys, lo, hi), lo, hi)
     glo, ghi = static["lo"][None, :, None, :], static["hi"][None, :, None, :]
+    fixed = {}  # bits -> the keys decoded from codes with per-channel steps over the prompt's range
+    for bits in (2, 4, 8):
+        levels = 2 ** bits
+        step = ((ghi - glo) / levels).clamp_min(1e-12)
+        fixed[bits] = glo + (((keys - glo) / step).floor().clamp(0, levels - 1) + 0.5) * step
     out = {}
     for r, m in static["masks"].items():
         m = m[None, :, None, :]
         variants = {f"static{r}": (keys, mid), f"static{r}-p2": (dec2, mid)}
-        for bits in (2, 4, 8):
-            levels = 2 ** bits
-            step = ((ghi - glo) / levels).clamp_min(1e-12)
-            dec = glo + (((keys - glo) / step).floor().clamp(0, levels - 1) + 0.5) * step
+        for bits, dec in fixed.items():
             variants[f"static{r}-g{bits}"] = (dec, mid)
             variants[f"static{r}-g{bits}z"] = (dec, torch.zeros_like(mid))
         for name, (inside, outside) in variants.items():
@@ -77,10 +79,7 @@ def static_scorers(q: torch.Tensor, keys: torch.Tensor, scale: float, static: di
     picks = torch.zeros_like(qbyte, dtype=torch.bool).scatter_(1, qbyte.topk(8, dim=-1).indices, True)
     picks = picks.repeat_interleave(4, dim=-1)[None, :, None, :]
     for bits in (2, 4):
-        levels = 2 ** bits
-        step = ((ghi - glo) / levels).clamp_min(1e-12)
-        dec = glo + (((keys - glo) / step).floor().clamp(0, levels - 1) + 0.5) * step
-        out[f"code2-byte8q-g{bits}"] = _group_softmax(_lse_pages(q, torch.where(picks, dec, mid), scale))
+        out[f"code2-byte8q-g{bits}"] = _group_softmax(_lse_pages(q, torch.where(picks, fixed[bits], mid), scale))
     return out
 
 
