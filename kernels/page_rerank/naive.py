@@ -115,8 +115,8 @@ def naive_sketch_pages(
         dev = (code - (LEVELS - 1) * 0.5) * step[:, None, :]  # [n, p, R]
         return base.T[:, :, None] + torch.einsum("gr,ntr->gnt", q16[:, ch], dev)
 
-    return _page_mass_scores(q, summaries, page_table, req_slots, None, heads, phase, q_by_slot, cand_start, cand_end,
-                             page_logits)
+    return page_mass_scores(q, summaries.shape[1], page_table, req_slots, None, heads, phase, q_by_slot, cand_start,
+                            cand_end, page_logits)
 
 
 def naive_top_pages(
@@ -166,18 +166,18 @@ def naive_rerank_pages(
         # The tensor-core product's operands: fp16 keys, fp16 scaled queries, fp32 sums.
         return torch.einsum("gd,ntd->gnt", (qh * scale).half().float(), keys.half().float())
 
-    return _page_mass_scores(q, summaries, page_table, req_slots, cand, heads, phase, q_by_slot, cand_start, cand_end,
-                             page_logits)
+    return page_mass_scores(q, summaries.shape[1], page_table, req_slots, cand, heads, phase, q_by_slot, cand_start,
+                            cand_end, page_logits)
 
 
-def _page_mass_scores(q, summaries, page_table, req_slots, cand, heads, phase, q_by_slot, cand_start, cand_end,
-                      page_logits) -> torch.Tensor:
-    """The pooling both references share: for each (row, KV head) of the phase, the candidate pages (cand, or every
+def page_mass_scores(q, num_kv_heads, page_table, req_slots, cand, heads, phase, q_by_slot, cand_start, cand_end,
+                     page_logits) -> torch.Tensor:
+    """The pooling the page-mass references share (these and channel_sketch's): for each (row, KV head) of the phase, the candidate pages (cand, or every
     page in [cand_start, cand_end[b])), page_logits(q of the head's group [G, D] fp32, h, host pages) -> [G, n, p],
     per query head the log-sum-exp over each page's tokens, softmax over the pages, mean over the group; -inf at
     every other page; rows of other heads NaN."""
     mine = in_phase(heads, phase)
-    B, H, M = req_slots.shape[0], summaries.shape[1], page_table.shape[1]
+    B, H, M = req_slots.shape[0], num_kv_heads, page_table.shape[1]
     G = q.shape[1] // H
     scores = torch.full((B, H, M), float("nan"), dtype=torch.float32, device=q.device)
     for b, slot in enumerate(req_slots.tolist()):

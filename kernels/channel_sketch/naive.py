@@ -1,0 +1,103 @@
+"""Torch references for the channel sketch: page scores from 4-bit codes of a few key channels fixed per (layer,
+KV head) by a calibration, with the same quantisation steps for every page (see docs/kernels.md).
+
+Calibration (per layer): R channels per KV head, those with the largest mean |q| (over the group and the
+calibration's queries) times the spread (std) of the keys, and each channel's key range [lo, hi] over the
+calibration's keys, cut into 16 equal bins (step = (hi - lo) / 16). Keys outside the range clamp to the first or
+last bin.
+
+Codes: a token costs R / 2 bytes per KV head; byte j holds channel j of the calibration's list in its low nibble and
+channel j + R / 2 in its high nibble. A code store is [page, head, token, byte] (token-major: a page of one head is
+p * R / 2 contiguous bytes).
+
+Scoring: the key on a calibrated channel decodes to its bin's centre, lo + (code + 1/2) step, every other channel
+counts as zero. A query head's logit on a token is then scale * sum_r q_r (lo_r + step_r / 2) + sum_r w_r code_r
+with w = scale * q * step: the first term is the same for every token of the request and head, so it cancels in
+the softmax over pages and is left out, and w is one operand shared by every page (a tensor-core product).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from freekv_kernels.page_rerank.naive import page_mass_scores
+
+BITS = 4
+LEVELS = 1 << BITS
+
+
+class ChannelCalibration(NamedTuple):
+    """One layer's calibration: channels [H, R] int32 (best first), lo [H, R], inv_step = 16 / (hi - lo) and
+    step = 1 / inv_step [H, R] fp32 (both 0 on a constant channel: every key codes to bin 0, weight 0)."""
+
+    channels: torch.Tensor
+    lo: torch.Tensor
+    inv_step: torch.Tensor
+    step: torch.Tensor
+
+
+def calibrate_channels(q: torch.Tensor, keys: torch.Tensor, num_channels: int) -> ChannelCalibration:
+    """From a calibration's queries q [T, H, G, D] and keys [N, H, D]."""
+    H, D = keys.shape[1], keys.shape[2]
+    if num_channels % 32 or not 32 <= num_channels <= D:
+        raise ValueError(f"channel sketch: {num_channels} channels; need a multiple of 32 up to the head dim {D}")
+    k = keys.float()
+    weight = q.float().abs().mean((0, 2)) * k.std(0)  # [H, D]
+    channels = weight.topk(num_channels, dim=-1).indices.int()
+    picked = k.gather(2, channels.long()[None].expand(k.shape[0], -1, -1))  # [N, H, R]
+    lo, hi = picked.amin(0), picked.amax(0)
+    span = hi - lo
+    inv_step = torch.where(span > 0, LEVELS / torch.where(span > 0, span, 1.0), 0.0)
+    step = torch.where(span > 0, 1.0 / torch.where(span > 0, inv_step, 1.0), 0.0)
+    return ChannelCalibration(channels, lo, inv_step, step)
+
+
+def quantize_channels(k: torch.Tensor, channels: torch.Tensor, lo: torch.Tensor, inv_step: torch.Tensor) -> torch.Tensor:
+    """Keys k [..., H, D] -> codes [..., H, R / 2] uint8: bin clamp(floor((k - lo) * inv_step), 0, 15) of each
+    calibrated channel (two fp32 operations, as the kernels round them)."""
+    R = channels.shape[1]
+    picked = k.float().gather(-1, channels.long().expand(*k.shape[:-1], R))
+    c = ((picked - lo) * inv_step).floor().clamp(0, LEVELS - 1).to(torch.uint8)
+    return c[..., : R // 2] | (c[..., R // 2:] << 4)
+
+
+def decode_channels(codes: torch.Tensor) -> torch.Tensor:
+    """codes [..., R / 2] -> the bins [..., R] (float) in the calibration's channel order."""
+    c = codes.to(torch.int32)
+    return torch.cat([c & (LEVELS - 1), c >> BITS], dim=-1).float()
+
+
+def channel_weights(q: torch.Tensor, channels: torch.Tensor, step: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [..., H, G, D] -> the fp16-rounded weights scale * q * step [..., H, G, R] (fp32) on the calibrated
+    channels, as the kernel multiplies them."""
+    R = channels.shape[1]
+    picked = q.float().gather(-1, channels.long()[:, None, :].expand(*q.shape[:-1], R))
+    return (picked * scale * step[:, None, :]).half().float()
+
+
+def naive_channel_sketch_pages(
+    q: torch.Tensor,
+    codes: torch.Tensor,
+    channels: torch.Tensor,
+    step: torch.Tensor,
+    page_table: torch.Tensor,
+    req_slots: torch.Tensor,
+    scale: float,
+    heads: torch.Tensor | None = None,
+    phase: int = 1,
+    q_by_slot: bool = False,
+    cand_start: int = 0,
+    cand_end: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """scores [B, H, M] of every page in [cand_start, cand_end[b]) from codes [P, H, p, R / 2]: per query head the
+    log-sum-exp over the page's tokens of sum_r w_r code_r (channel_weights), a softmax over the pages, the mean
+    over the group; -inf at every other page. Rows of heads outside `phase` stay unwritten (NaN)."""
+    H = codes.shape[1]
+
+    def page_logits(qh: torch.Tensor, h: int, pages: torch.Tensor) -> torch.Tensor:
+        w = channel_weights(qh[None], channels[h:h + 1], step[h:h + 1], scale)[0]  # [G, R]
+        return torch.einsum("gr,ntr->gnt", w, decode_channels(codes[pages, h]))
+
+    return page_mass_scores(q, H, page_table, req_slots, None, heads, phase, q_by_slot, cand_start, cand_end,
+                            page_logits)

@@ -1,0 +1,149 @@
+"""The channel sketch: calibration, 4-bit codes with fixed steps, and the page scores against the torch reference."""
+
+import pytest
+import torch
+from freekv_kernels.channel_sketch import (
+    calibrate_channels,
+    channel_sketch_pages,
+    decode_channels,
+    naive_channel_sketch_pages,
+    quantize_channels,
+)
+from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
+from freekv_kernels.testing import assert_close, device, poisoned_outputs
+
+DEV = device()
+B, SLOTS = 4, 6
+
+
+def test_calibration_picks_the_channels_the_query_weighs_on_spread_keys():
+    """Channels ranked by group-mean |q| x key std (best first); each channel's range over the calibration keys;
+    a constant channel gets step 0; widths other than multiples of 32 up to D are refused."""
+    torch.manual_seed(0)
+    H, G, D = 2, 3, 64
+    keys = torch.randn(200, H, D) * 0.1
+    keys[:, 0, 5] *= 40.0  # wide, and weighed by the query
+    keys[:, 1, 9] = 2.5  # constant
+    q = torch.ones(7, H, G, D)
+    q[..., 0, 5] = 3.0
+    q[..., 1, 9] = 50.0
+    cal = calibrate_channels(q, keys, 32)
+    assert cal.channels.shape == (H, 32) and cal.channels.dtype == torch.int32
+    assert int(cal.channels[0, 0]) == 5
+    assert 9 not in cal.channels[1].tolist()  # no spread: worth nothing however large |q|
+    picked = keys.gather(2, cal.channels.long()[None].expand(200, -1, -1))
+    assert torch.equal(cal.lo, picked.amin(0))
+    torch.testing.assert_close(cal.step * 16, picked.amax(0) - cal.lo)
+    const = calibrate_channels(q, keys, 64)
+    at = (const.channels[1] == 9).nonzero()[0, 0]
+    assert const.step[1, at] == 0 and const.inv_step[1, at] == 0
+    for bad in (16, 48, 96):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            calibrate_channels(q, keys, bad)
+
+
+def test_codes_are_the_fixed_bins_packed_by_nibble():
+    """Bin clamp(floor((k - lo) * 16 / (hi - lo)), 0, 15): channel r of the list in byte r's low nibble (r < R / 2)
+    or byte r - R / 2's high nibble; keys outside the calibration range clamp; decoding at the bin centre lands within
+    half a step inside the range."""
+    torch.manual_seed(1)
+    H, D, R = 3, 128, 32
+    cal = calibrate_channels(torch.randn(5, H, 2, D), torch.randn(300, H, D), R)
+    k = torch.randn(40, H, D) * 1.5  # partly outside the range
+    codes = quantize_channels(k, cal.channels, cal.lo, cal.inv_step)
+    assert codes.shape == (40, H, R // 2) and codes.dtype == torch.uint8
+    picked = k.gather(2, cal.channels.long()[None].expand(40, -1, -1))
+    want = ((picked - cal.lo) / cal.step).floor().clamp(0, 15)
+    got = decode_channels(codes)
+    assert (got != want).float().mean() < 1e-3  # division vs multiplication by the inverse: bin edges only
+    assert torch.equal(got[..., 3], (codes[..., 3] & 15).float())
+    assert torch.equal(got[..., R // 2 + 3], (codes[..., 3] >> 4).float())
+    inside = (picked >= cal.lo) & (picked < cal.lo + 16 * cal.step)
+    err = (cal.lo + (got + 0.5) * cal.step - picked).abs()
+    assert (err[inside] <= cal.step.expand_as(err)[inside] * 0.5 + 1e-5).all()
+
+
+def channel_inputs(G, p, D, R, M, H, phase, dtype=torch.bfloat16):
+    """Random keys in host pages (a shuffled page table per slot), codes from a calibration on other keys, queries
+    per row or per slot; rows ending at M, at the start (none), one page past it and half way; a random head mask."""
+    P = M * SLOTS
+    keys = torch.randn(P, H, p, D).to(dtype)
+    cal = calibrate_channels(torch.randn(9, H, G, D), torch.randn(500, H, D), R)
+    codes = quantize_channels(keys.transpose(1, 2), cal.channels, cal.lo, cal.inv_step).transpose(1, 2).contiguous()
+    pt = torch.randperm(P, dtype=torch.int32)[: SLOTS * M].view(SLOTS, M)
+    rs = torch.tensor([4, 0, 5, 2], dtype=torch.int32)
+    by_slot = phase == PHASE_LATER
+    q = torch.randn(SLOTS if by_slot else B, H * G, D).to(dtype)
+    start = 2
+    cand_end = torch.tensor([M, start, start + 1, M // 2], dtype=torch.int32)
+    heads = torch.rand(B, H) < 0.6
+    return q, codes, cal, pt, rs, start, cand_end, heads, by_slot
+
+
+@pytest.mark.parametrize("G,p,D,R,M,H", [(1, 16, 64, 32, 37, 2), (3, 32, 128, 32, 50, 3), (4, 16, 128, 64, 21, 2),
+                                         (8, 32, 64, 64, 40, 1), (4, 32, 128, 128, 33, 2)])
+@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
+def test_channel_sketch_pages_matches_reference(G, p, D, R, M, H, phase):
+    """Every page in [cand_start, cand_end[b]) (all, none, one, part): the reference's scores, -inf before the start
+    and past the end, a distribution over the row's pages; rows of heads outside the phase unwritten."""
+    torch.manual_seed(2)
+    q, codes, cal, pt, rs, start, cand_end, heads, by_slot = channel_inputs(G, p, D, R, M, H, phase)
+    ref = naive_channel_sketch_pages(q, codes, cal.channels, cal.step, pt, rs, 0.125, heads, phase, by_slot, start,
+                                     cand_end)
+    with poisoned_outputs():
+        out = channel_sketch_pages(*[t.to(DEV) for t in (q, codes, cal.channels, cal.step, pt, rs)], 0.125,
+                                   heads.to(DEV), phase, by_slot, start, cand_end.to(DEV)).cpu()
+    mine = heads == (phase == PHASE_NOW)
+    assert_close("scores", ref[mine], out[mine], atol=1e-5, rtol=1e-4)
+    assert torch.isnan(out[~mine]).all()
+    for b in range(B):
+        for h in range(H):
+            if not mine[b, h]:
+                continue
+            end = min(int(cand_end[b]), M)
+            finite = torch.isfinite(out[b, h])
+            assert finite[start:end].all() and not finite[:start].any() and not finite[end:].any()
+            if end > start:
+                assert torch.isclose(out[b, h, start:end].sum(), torch.tensor(1.0))
+
+
+def test_channel_sketch_pages_without_head_mask():
+    """heads None: every row and KV head scores."""
+    torch.manual_seed(3)
+    q, codes, cal, pt, rs, start, cand_end, _, _ = channel_inputs(4, 32, 128, 32, 24, 2, PHASE_NOW)
+    ref = naive_channel_sketch_pages(q, codes, cal.channels, cal.step, pt, rs, 0.09, None, PHASE_NOW, False, start,
+                                     cand_end)
+    with poisoned_outputs():
+        out = channel_sketch_pages(*[t.to(DEV) for t in (q, codes, cal.channels, cal.step, pt, rs)], 0.09,
+                                   cand_start=start, cand_end=cand_end.to(DEV)).cpu()
+    assert_close("scores", ref, out, atol=1e-5, rtol=1e-4)
+
+
+def test_scores_are_the_attention_mass_of_the_decoded_keys():
+    """The reference leaves out each query head's constant q . (lo + step / 2): its scores are the group mean of the
+    softmax over pages of the page log-sum-exps of q . k~, k~ the bin centres on the calibrated channels and zero
+    elsewhere (up to the fp16 rounding of the weights)."""
+    torch.manual_seed(4)
+    H, G, D, p, R, n = 2, 4, 128, 32, 32, 12
+    keys = torch.randn(n, H, p, D)
+    cal = calibrate_channels(torch.randn(3, H, G, D), keys.transpose(1, 2).flatten(0, 1), R)
+    codes = quantize_channels(keys.transpose(1, 2), cal.channels, cal.lo, cal.inv_step).transpose(1, 2)
+    q = torch.randn(1, H * G, D)
+    scores = naive_channel_sketch_pages(q, codes, cal.channels, cal.step, torch.arange(n, dtype=torch.int32)[None],
+                                        torch.zeros(1, dtype=torch.int32), D ** -0.5, cand_end=torch.tensor([n]))
+    centres = cal.lo[:, None] + (decode_channels(codes) + 0.5) * cal.step[:, None]  # [n, H, p, R]
+    dec = torch.zeros(n, H, p, D).scatter_(3, cal.channels.long()[None, :, None].expand(n, H, p, R), centres)
+    logits = D ** -0.5 * torch.einsum("hgd,nhtd->hgnt", q[0].view(H, G, D), dec)
+    want = torch.softmax(torch.logsumexp(logits, -1), -1).mean(1)
+    torch.testing.assert_close(scores[0], want, atol=2e-3, rtol=1e-2)
+    assert torch.equal(scores[0].argmax(-1), want.argmax(-1))
+
+
+def test_channel_sketch_pages_refuses_bad_shapes():
+    q, codes, cal, pt, rs, start, cand_end, _, _ = channel_inputs(4, 16, 64, 32, 8, 1, PHASE_NOW)
+    args = [t.to(DEV) for t in (q, codes, cal.channels, cal.step, pt, rs)]
+    with pytest.raises(AssertionError):
+        channel_sketch_pages(args[0], args[1][..., :8], *args[2:], 0.1, cand_start=start, cand_end=cand_end.to(DEV))
+    with pytest.raises(AssertionError):
+        channel_sketch_pages(*args[:3], args[3].double(), *args[4:], 0.1, cand_start=start,
+                             cand_end=cand_end.to(DEV))
