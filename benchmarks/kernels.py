@@ -6,7 +6,8 @@ Measures, in one run:
          every (row, head, slot) of a batch recalled, the slot and page tables read by the kernel;
   offload offload_pages writing whole GPU pages into the pinned arena, summaries included (GB/s, % of the GPU->host
          peak);
-  select page scoring (means, quest, the sketch alone, rerank of the sketch's candidates, rerank-all over every page)
+  select page scoring (means, quest, the sketch alone, rerank of the sketch's candidates, rerank-all over every page,
+         the channel sketch)
          + select_slots latency
          per layer (eager and CUDA-graph replay, scoring and selection each alone in a graph, and the floor: reading
          the summaries and codes once at the measured device-copy bandwidth).
@@ -212,9 +213,10 @@ def graph_replay_ms(run: Callable[[], object], repeats: int) -> float:
 
 def bench_select(
     contexts: list[int], batches: list[int], budget: int, repeats: int, warmup: int, copy_gbps: float,
-    rerank_factors: tuple[int, ...] = (2, 4, 0), sketch_channels: int = 16,
+    rerank_factors: tuple[int, ...] = (2, 4, 0), sketch_channels: int = 16, channel_widths: tuple[int, ...] = (32,),
 ) -> dict | list[dict]:
     try:
+        from freekv_kernels.channel_sketch import channel_sketch_pages
         from freekv_kernels.churn_replay import replay_churn
         from freekv_kernels.page_rerank import empty_codes, rerank_pages, sketch_pages, top_pages
         from freekv_kernels.page_select import PHASE_NOW, score_pages, select_slots
@@ -227,7 +229,8 @@ def bench_select(
           f"heads, D={D}, p={PAGE}, k={k} pages ({budget} tokens), every page of every row a candidate. means: "
           f"score_pages (MeanS); quest: score_pages (max); sketch: the sketch alone (the default); rerank/N: the sketch ({sketch_channels} channels' codes "
           f"and every page's mid-range) over every page, its top N*k candidates rescored from all their 2-bit key "
-          f"codes; rerank/0: every page's codes rescored, no sketch. graph: the whole selection captured and "
+          f"codes; rerank/0: every page's codes rescored, no sketch; channelsR: the channel sketch, 4-bit codes of R calibrated "
+          f"channels per token, no summaries (kernels/channel_sketch). graph: the whole selection captured and "
           f"replayed (score / select: each part alone); floor: the bf16 summaries and the codes read once at "
           f"{copy_gbps / 1e3:.2f} TB/s")
     print(f"{'context':>8} {'batch':>6} {'selection':>14} {'eager us':>9} {'graph us':>9} {'score us':>9} "
@@ -246,11 +249,20 @@ def bench_select(
             slots = torch.full((B, H, k), -1, dtype=torch.int32, device=DEVICE)
             heads = torch.ones(B, H, dtype=torch.bool, device=DEVICE)  # every head selects (and is flagged)
             recall = torch.zeros(B, H, k, dtype=torch.int8, device=DEVICE)
-            for selection in ("means", "quest", "sketch", *(f"rerank/{f}" for f in rerank_factors)):
+            channel_codes = {}
+            for r in channel_widths:
+                cc = torch.randint(0, 256, (B * M, H, PAGE, r // 2), dtype=torch.uint8, device=DEVICE)
+                ch = torch.stack([torch.randperm(D, device=DEVICE)[:r] for _ in range(H)]).int()
+                channel_codes[f"channels{r}"] = (cc, ch, torch.rand(H, r, device=DEVICE) * 0.1 + 0.01)
+            for selection in ("means", "quest", "sketch", *(f"rerank/{f}" for f in rerank_factors), *channel_codes):
                 pooling = "max" if selection == "quest" else "mean_softmax"
                 factor = int(selection.split("/")[1]) if selection.startswith("rerank") else None
 
                 def score(pooling=pooling, factor=factor, selection=selection):
+                    if selection in channel_codes:
+                        cc, ch, step = channel_codes[selection]
+                        return channel_sketch_pages(q, cc, ch, step, page_table, req_slots, D**-0.5, heads,
+                                                    cand_start=0, cand_end=cand_end)
                     if selection == "sketch":
                         return sketch_pages(q, summaries, codes, page_table, req_slots, D**-0.5, nbytes, heads,
                                             cand_start=0, cand_end=cand_end)
@@ -274,7 +286,9 @@ def bench_select(
                 row = {"context": ctx, "batch": B, "pages_per_row": M, "k": k, "selection": selection,
                        "pooling": pooling, "sketch_channels": sketch_channels if factor or selection == "sketch" else 0}
                 floor_bytes = summaries.numel() * summaries.element_size()
-                if selection == "sketch":  # its code rows
+                if selection in channel_codes:  # the codes alone
+                    floor_bytes = channel_codes[selection][0].numel()
+                elif selection == "sketch":  # its code rows
                     floor_bytes += B * H * M * PAGE * nbytes
                 elif factor:  # the sketch's code rows, then the candidates' codes
                     floor_bytes += B * H * M * PAGE * nbytes + B * H * min(factor * k, M) * PAGE * D // 4
@@ -304,7 +318,7 @@ def bench_select(
                 lambda: replay_churn(scores, slots, req_slots, heads, PHASE_NOW, draws, 0.15), repeats)
             rows.append(row)
             print(f"{ctx:>8} {B:>6} {'replay_churn':>14} {row['eager_us']:>9.1f} {row['graph_us']:>9.1f}")
-            del summaries, codes, page_table, q, scores
+            del summaries, codes, page_table, q, scores, channel_codes
     return rows
 
 
@@ -328,6 +342,8 @@ def main() -> None:
                     help="rerank selections to time: N > 0 the sketch then N*k candidates, 0 every page's codes")
     ap.add_argument("--sketch-channels", type=int, default=DEFAULT_SKETCH_CHANNELS,
                     help="key channels the sketch (of sketch and rerank) reads")
+    ap.add_argument("--channel-widths", type=int_list, default=[32],
+                    help="calibrated channels of the channel sketches to time (multiples of 32)")
     ap.add_argument("--only-selection", action="store_true", help="skip the link, recall and offload benchmarks")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -348,7 +364,8 @@ def main() -> None:
     link, reps = results["link"], (args.repeats, args.warmup)
     if args.only_selection:
         results["selection"] = bench_select(args.contexts, args.batches, args.budget, *reps, link["d2d_gbps"],
-                                            tuple(args.rerank_factors), args.sketch_channels)
+                                            tuple(args.rerank_factors), args.sketch_channels,
+                                            tuple(args.channel_widths))
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2) + os.linesep)
         return
@@ -359,7 +376,8 @@ def main() -> None:
     results["offload"] = bench_offload(host_layer, args.offload_pages, link["d2h_gbps"], *reps)
     del host_layer
     results["selection"] = bench_select(args.contexts, args.batches, args.budget, *reps, link["d2d_gbps"],
-                                        tuple(args.rerank_factors), args.sketch_channels)
+                                        tuple(args.rerank_factors), args.sketch_channels,
+                                            tuple(args.channel_widths))
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

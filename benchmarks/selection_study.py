@@ -9,16 +9,20 @@ oracle-like mass at k.
     python benchmarks/selection_study.py --task passkey --length 8192 --samples 6 --budget 512 --out study.json
 
 The page-independent sketches (static*, code2-byte8q-g*) are calibrated per request by default, or with
---calibration model once from a prompt that is not scored (the task's sample after the scored ones).
+--calibration model once from a prompt that is not scored: the task's sample after the scored ones, another task's
+prompt (--calibration-text TASK), Python's own argparse source (stdlib: code and English prose that no task
+generates) or uniformly random token ids (random).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 
 import torch
+from freekv_kernels.channel_sketch import calibrate_channels, channel_weights, decode_channels, quantize_channels
 from freekv_kernels.page_rerank.naive import dequantize_keys, quantize_keys
 
 from freekv_sglang import hf_models
@@ -28,6 +32,7 @@ from freekv_sglang.hf_adapter import FreeKVModel
 from freekv_sglang.selectors import page_attention_mass
 
 MULTIPLES = (1, 2, 4, 8)
+CHANNEL_WIDTHS = (32, 64)
 
 
 def _group_softmax(logits: torch.Tensor) -> torch.Tensor:
@@ -50,6 +55,25 @@ def calibrate(q: torch.Tensor, keys: torch.Tensor, widths=(16, 32, 64)) -> dict:
     masks = {r: torch.zeros_like(weight, dtype=torch.bool).scatter_(1, weight.topk(r, dim=-1).indices, True)
              for r in widths}
     return {"masks": masks, "lo": flat.amin(1), "hi": flat.amax(1)}
+
+
+def calibrate_kernel(q: torch.Tensor, keys: torch.Tensor) -> dict:
+    """The channel sketch's own calibrations (freekv_kernels.channel_sketch) of CHANNEL_WIDTHS channels from queries
+    q [T, H, G, D] and the keys [n, H, p, D] of their pages."""
+    flat = keys.transpose(1, 2).flatten(0, 1)  # [n p, H, D]
+    return {r: calibrate_channels(q, flat, r) for r in CHANNEL_WIDTHS if r <= keys.shape[-1]}
+
+
+def channel_scorers(q: torch.Tensor, keys: torch.Tensor, scale: float, cals: dict) -> dict[str, torch.Tensor]:
+    """The channel sketch's scores (its torch reference's arithmetic: fixed-step 4-bit codes of the calibrated
+    channels, nothing elsewhere) of q [H, G, D] on the pages' keys [n, H, p, D]."""
+    out = {}
+    for r, cal in cals.items():
+        codes = quantize_channels(keys.transpose(1, 2), cal.channels, cal.lo, cal.inv_step).transpose(1, 2)
+        w = channel_weights(q, cal.channels, cal.step, scale)  # [H, G, R]
+        out[f"channels{r}"] = _group_softmax(torch.logsumexp(torch.einsum("hgr,nhtr->hgnt", w,
+                                                                          decode_channels(codes)), dim=-1))
+    return out
 
 
 def static_scorers(q: torch.Tensor, keys: torch.Tensor, scale: float, static: dict) -> dict[str, torch.Tensor]:
@@ -142,30 +166,43 @@ def two_stage(first: torch.Tensor, second: torch.Tensor, num: int) -> torch.Tens
 
 
 class CalibrationProbe:
-    """Per-model calibration: calibrate() on one prompt that is not scored, per layer at its first decode step."""
+    """Per-model calibration from one prompt that is not scored: calibrate() per layer at its first decode step; the
+    channel sketch's calibrate_kernel() from the queries of every decode step and the keys at the last."""
 
     def __init__(self, engine):
         self.engine = engine
         self.layers: dict[int, dict] = {}
+        self.queries: dict[int, list[torch.Tensor]] = {}
+        self.keys: dict[int, torch.Tensor] = {}
 
     def __call__(self, layer, plan, q, slots):
         e = self.engine
         H, G, D = e.shape.num_kv_heads, e.shape.group, e.shape.head_dim
         end = min(int(plan.cand_end[0]), e.max_pages)
-        if layer not in self.layers and end > e.cfg.sink_pages:
-            keys = e.candidate_keys.get(layer, int(plan.req_slots[0]), end).float()
-            self.layers[layer] = calibrate(q[0].view(H, G, D).float(), keys)
+        if end <= e.cfg.sink_pages:
+            return
+        qh = q[0].view(H, G, D).float()
+        keys = e.candidate_keys.get(layer, int(plan.req_slots[0]), end).float()
+        self.layers.setdefault(layer, calibrate(qh, keys))
+        self.queries.setdefault(layer, []).append(qh)
+        self.keys[layer] = keys
+
+    def kernel_calibrations(self) -> dict[int, dict]:
+        return {layer: calibrate_kernel(torch.stack(qs), self.keys[layer]) for layer, qs in self.queries.items()}
 
 
 class StudyProbe:
-    def __init__(self, engine, k_pages: int, fixed: dict[int, dict] | None = None):
-        """fixed: per-layer calibrations from CalibrationProbe (per model); None: each request's own (per request)."""
-        self.engine, self.k, self.fixed = engine, k_pages, fixed
+    def __init__(self, engine, k_pages: int, fixed: dict[int, dict] | None = None,
+                 fixed_kernel: dict[int, dict] | None = None):
+        """fixed, fixed_kernel: per-layer calibrations from CalibrationProbe (per model); None: each request's own
+        from its first decode step (per request)."""
+        self.engine, self.k, self.fixed, self.fixed_kernel = engine, k_pages, fixed, fixed_kernel
         self.cases = self.focus_cases = 0
         self.focus_hits: dict[str, int] = {}
         self.rank_hits: dict[str, list[int]] = {}
         self.mass: dict[str, float] = {}
         self.static: dict[tuple[int, int], dict] = {}  # (layer, slot) -> calibrate()
+        self.kernel_static: dict[tuple[int, int], dict] = {}  # (layer, slot) -> calibrate_kernel()
 
     def __call__(self, layer, plan, q, slots):
         e = self.engine
@@ -180,7 +217,10 @@ class StudyProbe:
             best = truth.argmax(1)  # [H]
             static = self.fixed[layer] if self.fixed is not None else \
                 self.static.setdefault((layer, slot), calibrate(qb, keys))
-            scores = {"oracle": truth, **scorers(qb, keys, e.scale), **static_scorers(qb, keys, e.scale, static)}
+            cals = self.fixed_kernel[layer] if self.fixed_kernel is not None else \
+                self.kernel_static.setdefault((layer, slot), calibrate_kernel(qb[None], keys))
+            scores = {"oracle": truth, **scorers(qb, keys, e.scale), **static_scorers(qb, keys, e.scale, static),
+                      **channel_scorers(qb, keys, e.scale, cals)}
             for first in ("means", "mid", "code1", "code2-byte4", "code2-byte4z", "code2-byte1q", "code2-byte2q",
                           "code2-byte4q", "code2-byte4qz", "code2-byte8z"):
                 for f in (2, 4):
@@ -207,6 +247,21 @@ class StudyProbe:
                 for name, hits in self.rank_hits.items()}
 
 
+def calibration_ids(tok, text: str | None, length: int, own: list[int]) -> list[int]:
+    """The calibration prompt's token ids, about `length` long (see the module docstring)."""
+    if text is None:
+        return own
+    if text == "random":
+        special = set(tok.all_special_ids)
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, tok.vocab_size, (length,), generator=g).tolist()
+        return [i for i in ids if i not in special]
+    if text == "stdlib":
+        ids = tok(inspect.getsource(argparse), add_special_tokens=False)["input_ids"]
+        return (ids * (length // len(ids) + 1))[:length]
+    return list(make_samples(tok, text, length, 1, seed=1)[0].ids)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", default="passkey")
@@ -218,6 +273,8 @@ def main() -> None:
     ap.add_argument("--calibration", choices=("request", "model"), default="request",
                     help="page-independent sketches' channels and ranges: from each request's prompt, or once from "
                          "another prompt of the task (the sample after the scored ones) for every request")
+    ap.add_argument("--calibration-text", default=None,
+                    help="with --calibration model: a task name, 'stdlib' or 'random' (default: the scored task)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -231,17 +288,17 @@ def main() -> None:
     fm = FreeKVModel.build(model, cfg, max_requests=len(samples), max_context=args.length + max_new + 1,
                            method="freekv")
     t0 = time.perf_counter()
-    fixed = None
+    fixed = fixed_kernel = None
     if args.calibration == "model":
         cal = fm.engine.probe = CalibrationProbe(fm.engine)
-        fm.generate([list(calib.ids)], 2)
-        fixed = cal.layers
+        fm.generate([calibration_ids(tok, args.calibration_text, args.length, list(calib.ids))], 8)
+        fixed, fixed_kernel = cal.layers, cal.kernel_calibrations()
     caches = [fm.prefill(list(s.ids)) for s in samples]
-    probe = fm.engine.probe = StudyProbe(fm.engine, cfg.select_pages, fixed)
+    probe = fm.engine.probe = StudyProbe(fm.engine, cfg.select_pages, fixed, fixed_kernel)
     outs = fm.generate(caches, max_new, eos_token_id=tok.eos_token_id, max_batch=len(samples))
     score = sum(s.score(tok.decode(o, skip_special_tokens=True)) for s, o in zip(samples, outs)) / len(samples)
     res = {"task": args.task, "length": args.length, "budget": args.budget, "k_pages": cfg.select_pages,
-           "calibration": args.calibration,
+           "calibration": args.calibration, "calibration_text": args.calibration_text,
            "cases": probe.cases, "oracle_score": score, "seconds": time.perf_counter() - t0,
            "scorers": probe.table()}
     res["focus_cases"] = probe.focus_cases
