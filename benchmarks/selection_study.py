@@ -71,8 +71,9 @@ def channel_scorers(q: torch.Tensor, keys: torch.Tensor, scale: float, cals: dic
     for r, cal in cals.items():
         codes = quantize_channels(keys.transpose(1, 2), cal.channels, cal.lo, cal.inv_step).transpose(1, 2)
         w = channel_weights(q, cal.channels, cal.step, scale)  # [H, G, R]
-        out[f"channels{r}"] = _group_softmax(torch.logsumexp(torch.einsum("hgr,nhtr->hgnt", w,
-                                                                          decode_channels(codes)), dim=-1))
+        logits = torch.einsum("hgr,nhtr->hgnt", w, decode_channels(codes))
+        out[f"channels{r}"] = _group_softmax(torch.logsumexp(logits, dim=-1))
+        out[f"channels{r}-max"] = _group_softmax(logits.amax(-1))  # a page's best token instead of its sum
     return out
 
 
@@ -136,10 +137,10 @@ def scorers(q: torch.Tensor, keys: torch.Tensor, scale: float) -> dict[str, torc
     weight = q.abs().mean(1) * (hi - lo).mean(0)  # [H, D]
     masks = {}
     for r in (D // 8, D // 4):
-        masks[f"code2-ch{r}"] = torch.zeros(keys.shape[1], D, dtype=torch.bool).scatter_(
+        masks[f"code2-ch{r}"] = torch.zeros(keys.shape[1], D, dtype=torch.bool, device=keys.device).scatter_(
             1, weight.topk(r, dim=-1).indices, True)
     # The same from |q| alone (no page statistics), and whole code bytes (4 channels each) instead of channels.
-    masks["code2-ch16q"] = torch.zeros(keys.shape[1], D, dtype=torch.bool).scatter_(
+    masks["code2-ch16q"] = torch.zeros(keys.shape[1], D, dtype=torch.bool, device=keys.device).scatter_(
         1, q.abs().mean(1).topk(D // 8, dim=-1).indices, True)
     for nb in (4, 8):
         byte_w = weight.unflatten(-1, (-1, 4)).sum(-1)  # [H, D / 4]

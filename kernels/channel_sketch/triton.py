@@ -12,7 +12,7 @@ from .._alloc import empty
 from .._utils import check_device, check_index_vectors
 from ..page_rerank.triton import _full_scan, _pool
 from ..page_select.triton import _heads_args
-from .naive import BITS, LEVELS
+from .naive import BITS
 
 
 @triton.jit
@@ -20,16 +20,18 @@ def _channel_lse_kernel(
     q_ptr, codes_ptr, ch_ptr, step_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, lse_ptr,
     C, cand_start, M, scale,
     sq_b, sq_h, sq_d,
-    sc_p, sc_h, sc_t,
+    sc_p, sc_h,
     sch_h, sstep_h,
     spt_r, spt_m, s_slot, s_cend,
     sh_b, sh_h,
     sl_b, sl_h, sl_c,
-    G: tl.constexpr, GD: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr, NP: tl.constexpr,
-    HEADS: tl.constexpr, WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr,
+    G: tl.constexpr, GP: tl.constexpr, TPR: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+    NP: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr, BITS: tl.constexpr,
 ):
-    """lse[b, h, c, g] of NP pages: [NP p, HALF] low nibbles x [HALF, GD] weights plus the high nibbles' product (query
-    heads in the first G columns, GD >= 16 for the product), then the log-sum-exp over each page's p tokens."""
+    """lse[b, h, c, g] of NP pages. A product row holds TPR consecutive tokens (TPR * HALF code bytes, contiguous)
+    and the weights are block-diagonal [TPR * HALF, TPR * GP], so the product's TPR * GP >= 16 columns are TPR
+    tokens x GP query heads: every column is a logit the log-sum-exp needs. (With the GP columns alone, padded to 16
+    for the product, three quarters of a 4-head group's exponentials were padding, and they took most of the time.)"""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
@@ -41,36 +43,46 @@ def _channel_lse_kernel(
     c = tl.program_id(2) * NP + tl.arange(0, NP)
     ok = cand_start + c < end
     page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
-    j = tl.arange(0, HALF)
-    col = tl.arange(0, GD)
-    w_lo = _weights(q_row, ch_ptr + h * sch_h, step_ptr + h * sstep_h, scale, sq_h, sq_d, G, GD, HALF)
-    w_hi = _weights(q_row, ch_ptr + h * sch_h + HALF, step_ptr + h * sstep_h + HALF, scale, sq_h, sq_d, G, GD, HALF)
-    t = tl.arange(0, PAGE)
-    byte = tl.load(codes_ptr + page[:, None, None] * sc_p + h * sc_h + t[None, :, None] * sc_t + j[None, None, :],
-                   mask=ok[:, None, None], other=0)
-    byte = tl.reshape(byte, [NP * PAGE, HALF]).to(tl.int32)
-    acc = tl.dot((byte & (LEVELS - 1)).to(tl.float16), w_lo)
-    acc = tl.dot((byte >> BITS).to(tl.float16), w_hi, acc)  # [NP p, GD]
-    acc = tl.reshape(acc, [NP, PAGE, GD])
-    m = tl.max(acc, axis=1)  # [NP, GD]
+    w_lo = _weights(q_row, ch_ptr + h * sch_h, step_ptr + h * sstep_h, scale, sq_h, sq_d, G, GP, TPR, HALF)
+    w_hi = _weights(q_row, ch_ptr + h * sch_h + HALF, step_ptr + h * sstep_h + HALF, scale, sq_h, sq_d, G, GP, TPR,
+                    HALF)
+    ROWS: tl.constexpr = PAGE // TPR  # product rows per page
+    r = tl.arange(0, ROWS)
+    k = tl.arange(0, TPR * HALF)
+    byte = tl.load(codes_ptr + page[:, None, None] * sc_p + h * sc_h + (r * TPR * HALF)[None, :, None]
+                   + k[None, None, :], mask=ok[:, None, None], other=0)
+    byte = tl.reshape(byte, [NP * ROWS, TPR * HALF]).to(tl.int16)
+    # A code as fp16 without a conversion: the bits of 1024 + code, minus 1024 (exact).
+    k1024 = tl.full([1, 1], 1024.0, tl.float16)
+    acc = tl.dot(((byte & ((1 << BITS) - 1)) | 0x6400).to(tl.float16, bitcast=True) - k1024, w_lo)
+    acc = tl.dot(((byte >> BITS) | 0x6400).to(tl.float16, bitcast=True) - k1024, w_hi, acc)
+    acc = tl.reshape(acc, [NP, PAGE, GP])  # column t * GP + g of row i: token TPR * i + t, head g
+    m = tl.max(acc, axis=1)  # [NP, GP]
     lse = m + tl.log(tl.sum(tl.exp(acc - m[:, None, :]), axis=1))
     lse = tl.where(ok[:, None], lse, float("-inf"))
-    tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None].to(tl.int64) * sl_c + col[None, :], lse,
-             mask=(c < C)[:, None] & (col < G)[None, :])
+    g = tl.arange(0, GP)
+    tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None].to(tl.int64) * sl_c + g[None, :], lse,
+             mask=(c < C)[:, None] & (g < G)[None, :])
 
 
 @triton.jit
-def _weights(q_row, ch_ptr, step_ptr, scale, sq_h, sq_d, G: tl.constexpr, GD: tl.constexpr, HALF: tl.constexpr):
-    """[HALF, GD] fp16: scale * q * step of the group's query heads (columns) on HALF calibrated channels."""
-    j = tl.arange(0, HALF)
-    col = tl.arange(0, GD)
-    ch = tl.load(ch_ptr + j).to(tl.int64)
-    step = tl.load(step_ptr + j)
-    qv = tl.load(q_row + col[None, :] * sq_h + ch[:, None] * sq_d, mask=(col < G)[None, :], other=0.0)
+def _weights(q_row, ch_ptr, step_ptr, scale, sq_h, sq_d, G: tl.constexpr, GP: tl.constexpr, TPR: tl.constexpr,
+             HALF: tl.constexpr):
+    """[TPR * HALF, TPR * GP] fp16, block-diagonal: block t holds scale * q * step of the group's query heads
+    (columns) on HALF calibrated channels (rows); 0 off the blocks and in the padding heads' columns."""
+    k = tl.arange(0, TPR * HALF)
+    n = tl.arange(0, TPR * GP)
+    ch = tl.load(ch_ptr + k % HALF).to(tl.int64)
+    step = tl.load(step_ptr + k % HALF)
+    on = ((k // HALF)[:, None] == (n // GP)[None, :]) & (n % GP < G)[None, :]
+    qv = tl.load(q_row + (n % GP)[None, :] * sq_h + ch[:, None] * sq_d, mask=on, other=0.0)
     return (qv.to(tl.float32) * scale * step[:, None]).to(tl.float16)
 
 
-CHANNEL_TOKENS = 512  # tokens per program: 512 / p pages, one product of [512, R / 2] x [R / 2, 16] per nibble
+# Tokens per program (512 / p pages) and warps. Measured on an H100 at 16 x 32K, p 32, G 4 (score alone, µs), 32 / 64
+# channels: 256 tokens / 4 warps 81 / 123, 512 / 4 71 / 108, 1024 / 4 69 / 126, 1024 / 8 73 / 117, 2048 / 4 87 / 147;
+# 2 warps differ little at 256-512 tokens and collapse at 2048.
+CHANNEL_TOKENS = 512
 CHANNEL_WARPS = 4
 
 
@@ -94,29 +106,30 @@ def channel_sketch_pages(
     B, Hq, D = req_slots.shape[0], q.shape[1], q.shape[2]
     P, H, p, half = codes.shape
     R, M = 2 * half, page_table.shape[1]
-    assert Hq % H == 0 and codes.dtype == torch.uint8 and codes.stride(3) == 1 and codes.stride(2) == half
+    assert Hq % H == 0 and codes.dtype == torch.uint8 and codes.stride(3) == 1 and codes.stride(2) == half, \
+        "a page of a head's codes must be contiguous (token-major)"
     assert channels.shape == (H, R) and channels.dtype == torch.int32 and channels.stride(1) == 1
     assert step.shape == (H, R) and step.dtype == torch.float32 and step.stride(1) == 1
     assert R % 32 == 0 and R <= D and p >= 16 and p & (p - 1) == 0, "tl.dot needs 16 x 16 operands"
+    G, gp = Hq // H, triton.next_power_of_2(Hq // H)
+    tpr = max(1, 16 // gp)  # tokens per product row: TPR * GP >= 16 columns
     assert q_by_slot or q.shape[0] == B
-    G = Hq // H
     C, cand_args = _full_scan(req_slots, cand_start, cand_end, M)
     heads_args = _heads_args(heads, phase, req_slots)
     heads_arg, heads_strides, with_heads, want = heads_args
     scores = empty(B, H, M, dtype=torch.float32, device=q.device)
     if B * H == 0:
         return scores
-    gp = triton.next_power_of_2(G)
     lse = empty(B, H, max(C, 1), gp, dtype=torch.float32, device=q.device)  # scratch
     if C:
         np_ = max(1, CHANNEL_TOKENS // p)
         _channel_lse_kernel[(B, H, triton.cdiv(C, np_))](
             q, codes, channels, step, page_table, req_slots, cand_end, heads_arg, lse,
             C, cand_start, M, scale,
-            *q.stride(), codes.stride(0), codes.stride(1), codes.stride(2), channels.stride(0), step.stride(0),
+            *q.stride(), codes.stride(0), codes.stride(1), channels.stride(0), step.stride(0),
             *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *lse.stride()[:3],
-            G=G, GD=max(16, gp), HALF=half, PAGE=p, NP=np_, HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot,
-            LEVELS=LEVELS, BITS=BITS, num_warps=CHANNEL_WARPS,
+            G=G, GP=gp, TPR=tpr, HALF=half, PAGE=p, NP=np_, HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot,
+            BITS=BITS, num_warps=CHANNEL_WARPS,
         )
     _pool(lse, cand_args, False, heads_args, scores, C, cand_start, G)
     return scores
