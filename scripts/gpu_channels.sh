@@ -5,7 +5,8 @@
 #   bash scripts/gpu_channels.sh stash  (carry .gpu-model/1)  SmolLM2 part 1
 #   bash scripts/gpu_channels.sh study  (carry .gpu-model/2)  selection_study.py on SmolLM2 (20 samples, 8K, budget
 #       512): passkey, multikey and vartrack with the channel sketch calibrated once from Python's argparse source;
-#       passkey calibrated from random tokens and per request. TASKS / CALIBRATIONS override.
+#       passkey calibrated from random tokens and per request. CALIBRATIONS (task:text ...), SAMPLES and MAX_NEW
+#       (decode steps per sample) override.
 # Logs and JSON under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,7 @@ study)
     task=${run%%:*}; cal=${run#*:}
     flags=(--calibration model --calibration-text "$cal"); [ "$cal" = request ] && flags=(--calibration request)
     python3 benchmarks/selection_study.py --device cuda --model /tmp/smollm2 --task "$task" --length 8192 --samples "${SAMPLES:-20}" \
-      --budget 512 "${flags[@]}" --out "$OUT/study-$task-$cal.json" >"$OUT/study-$task-$cal.log" 2>&1
+      --budget 512 ${MAX_NEW:+--max-new "$MAX_NEW"} "${flags[@]}" --out "$OUT/study-$task-$cal.json" >"$OUT/study-$task-$cal.log" 2>&1
     echo "== $task, calibration $cal: $(grep -m1 budget "$OUT/study-$task-$cal.log")"
     grep -E "^(oracle|means|code2-byte8q|static32-g4z|channels[0-9]+) " "$OUT/study-$task-$cal.log"
   done ;;
