@@ -7,9 +7,10 @@ from .naive import (
     channel_weights,
     decode_channels,
     naive_channel_sketch_pages,
+    naive_write_channel_codes,
     quantize_channels,
 )
-from .triton import channel_sketch_pages
+from .triton import channel_sketch_pages, write_channel_codes
 
 __all__ = [
     "ChannelCalibration",
@@ -18,5 +19,7 @@ __all__ = [
     "channel_weights",
     "decode_channels",
     "naive_channel_sketch_pages",
+    "naive_write_channel_codes",
     "quantize_channels",
+    "write_channel_codes",
 ]

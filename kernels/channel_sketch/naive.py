@@ -101,3 +101,24 @@ def naive_channel_sketch_pages(
 
     return page_mass_scores(q, H, page_table, req_slots, None, heads, phase, q_by_slot, cand_start, cand_end,
                             page_logits)
+
+
+def naive_write_channel_codes(
+    k_cache: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    valid: torch.Tensor,
+    page_size: int,
+    codes: torch.Tensor,
+    channels: torch.Tensor,
+    lo: torch.Tensor,
+    inv_step: torch.Tensor,
+) -> None:
+    """For each valid i: codes[dst[i], :, rows] = quantize_channels of rows src[i] * p .. + p of k_cache [T, H, D]
+    (offload_pages' arguments: a source page that runs past the last row writes only the rows that exist, the rest
+    of that host page is left as it was)."""
+    p = page_size
+    for s, d, ok in zip(src.tolist(), dst.tolist(), valid.tolist()):
+        if ok:
+            k = k_cache[s * p: (s + 1) * p]  # [rows, H, D]
+            codes[d, :, : k.shape[0]] = quantize_channels(k, channels, lo, inv_step).transpose(0, 1)
