@@ -14,7 +14,9 @@ CODE_SELECTIONS = ("sketch", "rerank")
 # matched oracle selection on SmolLM2 (head dim 64; 16 channels: within a sample but a lower hit rate), and on the
 # Llama-3.1-8B shape (head dim 128) it costs what rerank/2 with 16 did at 16 x 32K (docs/results/session16).
 DEFAULT_SKETCH_CHANNELS = 32
-SELECTIONS = (*SERVABLE_SELECTIONS, "oracle")
+# "channels" scores from codes of channels calibrated once per model (FreeKVModel.calibrate); the server cannot
+# calibrate yet, so it is the harness's until it can.
+SELECTIONS = (*SERVABLE_SELECTIONS, "channels", "oracle")
 # Retrieval policies over the one engine: FreeKV (speculative page selection with correction, scored by `selection`)
 # and LouisKV (freekv_sglang/louiskv.py: retrieval at semantic boundaries of clusters and segments).
 RETRIEVALS = ("freekv", "louiskv")
@@ -57,13 +59,17 @@ class FreeKVConfig:
         rescored from all their codes (rerank_factor 0: every page). "means": the paper's group-consistent MeanS
         on the summaries alone. "quest": max over the group of the summaries' upper bounds. "oracle": exact
         attention mass from the host copy of the keys (the accuracy harness's upper bound; not servable).
+        "channels": 4-bit codes of sketch_channels key channels per KV head (default 32), chosen and quantised
+        once per model by a calibration (FreeKVModel.calibrate), the same steps for every page, nothing elsewhere
+        (freekv_kernels.channel_sketch; harness only until the server calibrates).
         SmolLM2, passkey and multikey at 4K / 8K, budgets 512 / 1024: sketch with 32 channels scores the oracle's
         score in every cell, rerank/2 with 16 within a sample, at 1.0x and 1.5x the sketch's cost at 16 x 32K
         (docs/results/session16).
     rerank_factor: N > 0 (default 2): the rerank's best N x (budget pages) of its sketch are rescored from all
         their codes; 0 rescores every page.
     sketch_channels: key channels the sketch (of "sketch" and "rerank") reads per KV head (a multiple of 4, at
-        most head_dim): the group's largest |q| ones, 4 per code byte; 0 (default): min(32, head_dim).
+        most head_dim): the group's largest |q| ones, 4 per code byte; 0 (default): min(32, head_dim). With
+        "channels": the calibrated channels (a multiple of 32, at most head_dim; 0: 32).
     retrieval: the policy. "freekv" (default): everything above. "louiskv" (LouisKV, freekv_sglang/louiskv.py):
         a request's layer retrieves only at a semantic boundary, where the mean cosine similarity over all query
         heads of the adjacent queries falls below boundary_tau, scoring k-means clusters of the prompt's keys and
@@ -160,7 +166,10 @@ class FreeKVConfig:
         if not _is_int(self.sketch_channels) or self.sketch_channels < 0 or self.sketch_channels % 4:
             raise ValueError(f"sketch_channels must be 0 (the default, min({DEFAULT_SKETCH_CHANNELS}, head_dim)) or a "
                              f"positive multiple of 4 (channels per code byte), got {self.sketch_channels!r}")
-        if self.selection in CODE_SELECTIONS and self.retrieval == "freekv" and p < 16:
+        if self.selection == "channels" and self.sketch_channels % 32:
+            raise ValueError(f"selection 'channels' codes a multiple of 32 channels (16 bytes a token per 32), got "
+                             f"sketch_channels={self.sketch_channels}")
+        if self.selection in (*CODE_SELECTIONS, "channels") and self.retrieval == "freekv" and p < 16:
             raise ValueError(f"page_size must be at least 16 tokens for selection {self.selection!r} (its kernels "
                              f"multiply on tensor cores), got {p}; or choose selection 'means'")
         if not _is_int(self.recall_programs) or self.recall_programs < 0:
@@ -189,7 +198,8 @@ class FreeKVConfig:
         if hy is not None and (isinstance(hy, bool) or not isinstance(hy, (int, float)) or not 0.0 <= hy < math.inf):
             raise ValueError(f"hysteresis must be a finite number >= 0 or None, got {hy!r}")
         if hy and (self.retrieval != "freekv" or self.selection == "quest"):
-            raise ValueError(f"hysteresis applies to FreeKV's attention-mass selections (sketch, rerank, means), not "
+            raise ValueError(f"hysteresis applies to FreeKV's attention-mass selections (sketch, rerank, means, "
+                             f"channels), not "
                              f"to {self.retrieval if self.retrieval != 'freekv' else 'quest'}: drop hysteresis "
                              f"(--kv-hysteresis 0)")
         for name, replays in (("replay_correction_rate", "FreeKV's correction"),
@@ -208,7 +218,7 @@ class FreeKVConfig:
         """The hysteresis select_slots applies (see `hysteresis`)."""
         if self.hysteresis is not None:
             return float(self.hysteresis)
-        mass_scored = self.retrieval == "freekv" and self.selection in ("sketch", "rerank", "means")
+        mass_scored = self.retrieval == "freekv" and self.selection in ("sketch", "rerank", "means", "channels")
         return DEFAULT_HYSTERESIS if mass_scored else 0.0
 
     @property
@@ -248,14 +258,20 @@ class FreeKVConfig:
         """Code bytes (4 channels each) the sketch reads per KV head for a model of this head dim."""
         return (self.sketch_channels or min(DEFAULT_SKETCH_CHANNELS, head_dim)) // 4
 
+    @property
+    def channel_count(self) -> int:
+        """The calibrated channels of selection "channels"."""
+        return self.sketch_channels or 32
+
     def check_model(self, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int | None = None) -> None:
         """Refuse model shapes FreeKV cannot serve, naming the knob to change."""
         if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
             raise ValueError(f"FreeKV's kernels (page scoring, attention, and the rerank selection's four 2-bit key "
                              f"codes per byte) need a power-of-two head dim >= 16; this model's is {head_dim}")
-        if head_dim is not None and self.selection in CODE_SELECTIONS and self.retrieval == "freekv" and \
-                self.sketch_channels > head_dim:
-            raise ValueError(f"sketch_channels={self.sketch_channels} exceeds the model's head dim {head_dim}: "
+        channels = self.channel_count if self.selection == "channels" else self.sketch_channels
+        if head_dim is not None and self.selection in (*CODE_SELECTIONS, "channels") and \
+                self.retrieval == "freekv" and channels > head_dim:
+            raise ValueError(f"sketch_channels={channels} exceeds the model's head dim {head_dim}: "
                              f"lower --kv-sketch-channels")
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
             raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")

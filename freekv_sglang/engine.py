@@ -389,9 +389,15 @@ class FreeKVEngine:
             src = torch.arange(len(pages), **i32)
             dst = self.page_table[slot, pages.start:pages.stop]
             valid = torch.ones(len(pages), dtype=torch.bool, device=self.device)
-            self.ops.offload_pages(k.contiguous(), v.contiguous(), self.host.arena[:, layer], self.summaries[layer],
-                                   src, dst, valid, self.cfg.page_size, programs=PREFILL_OFFLOAD_PROGRAMS,
-                                   codes=self.selector.codes(layer))
+            self._offload(layer, k.contiguous(), v.contiguous(), src, dst, valid, PREFILL_OFFLOAD_PROGRAMS)
+
+    def _offload(self, layer: int, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                 valid: torch.Tensor, programs: int = 0) -> None:
+        """offload_pages of a sparse layer's pages (src rows of k, v to host pages dst where valid) with their
+        summaries and the selector's codes, then the selector's own upkeep of those pages."""
+        self.ops.offload_pages(k, v, self.host.arena[:, layer], self.summaries[layer], src, dst, valid,
+                               self.cfg.page_size, programs=programs, codes=self.selector.codes(layer))
+        self.selector.offloaded(layer, k, src, dst, valid)
 
     # ---- shared prefixes (radix prefix sharing, docs/radix.md) --------------------------------
 
@@ -456,8 +462,7 @@ class FreeKVEngine:
                 elif gpu:
                     if staged is not None:
                         kc, vc = staged[0](layer)
-                    self.ops.offload_pages(kc, vc, self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p,
-                                           programs=PREFILL_OFFLOAD_PROGRAMS, codes=self.selector.codes(layer))
+                    self._offload(layer, kc, vc, src, dst, valid, PREFILL_OFFLOAD_PROGRAMS)
             if self.device.type == "cuda" and not self.dense_outside:
                 torch.cuda.synchronize(self.device)  # the arena is read next by other requests (and the CPU)
             self._complete[slot] = num_pages
@@ -543,8 +548,7 @@ class FreeKVEngine:
             if self.dense[layer]:
                 continue
             self.ops.pages_from_host(self.host.arena[:, layer], dst, k, v, rows)
-            self.ops.offload_pages(k, v, self.host.arena[:, layer], self.summaries[layer], src, dst, valid, p,
-                                   programs=PREFILL_OFFLOAD_PROGRAMS, codes=self.selector.codes(layer))
+            self._offload(layer, k, v, src, dst, valid, PREFILL_OFFLOAD_PROGRAMS)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -580,9 +584,7 @@ class FreeKVEngine:
         e = st.record()
         with st.on("recall"):
             st.wait(e)
-            self.ops.offload_pages(k_src, v_src, self.host.arena[:, layer], self.summaries[layer], offload_src,
-                                   offload_dst, offload_valid, p, programs=PREFILL_OFFLOAD_PROGRAMS,
-                                   codes=self.selector.codes(layer))
+            self._offload(layer, k_src, v_src, offload_src, offload_dst, offload_valid, PREFILL_OFFLOAD_PROGRAMS)
             H = self.shape.num_kv_heads
             kc.view(-1, p, H, D)[resident_dst] = k_src.view(-1, p, H, D)[resident_src]
             vc.view(-1, p, H, D)[resident_dst] = v_src.view(-1, p, H, D)[resident_src]
@@ -700,9 +702,7 @@ class FreeKVEngine:
             st.wait(e_attn)
             if self.retrieval and self.selector.speculative:
                 self._select(plan, layer, self.prev_q[layer], PHASE_LATER)  # q_i, stored by the trigger
-            ops.offload_pages(kc, vc, self.host.arena[:, layer], self.summaries[layer], plan.offload_src,
-                              plan.offload_dst, plan.offload_valid, p,
-                              codes=self.selector.codes(layer))
+            self._offload(layer, kc, vc, plan.offload_src, plan.offload_dst, plan.offload_valid)
             if self.retrieval:
                 self.selector.after_offload(plan, layer)
         return out

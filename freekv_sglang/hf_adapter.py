@@ -117,11 +117,29 @@ class FreeKVModel:
         return PrefillCache(list(ids), ks, vs, qs, int(self.model.lm_head(h[-1:]).float().argmax(-1)),
                             self.prefill_mode, kept)
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether a selector needs calibrate() before the first prompt (selection "channels")."""
+        return any(hasattr(eng.selector, "calibrate") for eng in self.engines)
+
     @torch.no_grad()
-    def prompt_pass(self, ids: list[int], tsp: tuple[int, int] | None):
+    def calibrate(self, ids: list[int]) -> None:
+        """Calibrate every sparse layer's selector from a dense pass over ids: the queries and keys of every token
+        (freekv_sglang.calibration's text)."""
+
+        def on_layer(i: int, q: torch.Tensor, k: torch.Tensor) -> None:
+            eng, layer = self._layer(i)
+            if not eng.dense[layer] and hasattr(eng.selector, "calibrate"):
+                eng.selector.calibrate(layer, q, k)
+
+        self.prompt_pass(ids, None, on_layer)
+
+    @torch.no_grad()
+    def prompt_pass(self, ids: list[int], tsp: tuple[int, int] | None, on_layer=None):
         """Dense causal prefill of one prompt, with token-selective propagation at tsp = (layer, keep) when given:
         per-layer K/V [n or m, H, D] and last query [Hq, D], the propagated positions (None: every token) and the
-        final hidden states [n or m, hidden] (after the model's last norm, what the LM head reads)."""
+        final hidden states [n or m, hidden] (after the model's last norm, what the LM head reads). on_layer(i, q,
+        k) sees each layer's post-RoPE queries [n, Hq, D] and keys [n, H, D]."""
         t = torch.tensor(ids, device=self.device)
         h = self.embed(t)
         cos, sin = self._rotary(h, torch.arange(len(ids), device=self.device))
@@ -134,6 +152,8 @@ class FreeKVModel:
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                v.transpose(0, 1)[None], is_causal=True, enable_gqa=True)
             h = self._finish_layer(layer, h, o[0].transpose(0, 1))
+            if on_layer is not None:
+                on_layer(i, q, k)
             ks.append(k)
             vs.append(v)
             qs.append(q[-1])
@@ -239,6 +259,10 @@ def main() -> None:
     ids = tok(args.prompt)["input_ids"]
     fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + args.max_new_tokens + 1,
                            method=args.method)
+    if fm.needs_calibration:
+        from .calibration import calibration_ids
+
+        fm.calibrate(calibration_ids(tok))
     out = fm.generate([ids], args.max_new_tokens, eos_token_id=tok.eos_token_id)[0]
     print(f"prompt: {len(ids)} tokens; output: {tok.decode(out)!r}")
     print(fm.stats())

@@ -11,6 +11,7 @@ page order and the unit upkeep after offload.
 from __future__ import annotations
 
 import torch
+from freekv_kernels.channel_sketch import ChannelCalibration, calibrate_channels
 from freekv_kernels.page_rerank import CODE_BITS, empty_codes
 from freekv_kernels.page_rerank.naive import PER_BYTE
 from freekv_kernels.page_select.naive import PHASE_LATER, in_phase
@@ -54,6 +55,10 @@ class Selector:
 
     def after_offload(self, plan, layer: int) -> None:
         """Recall stream, after the offload of the pages leaving the window."""
+
+    def offloaded(self, layer: int, k: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, valid: torch.Tensor):
+        """After every offload_pages of a sparse layer (prompt, staged, decode, retained prefix), with its arguments:
+        the keys k [T, H, D] of pages src went to host pages dst where valid."""
 
     def score(self, plan, layer: int, q: torch.Tensor, heads: torch.Tensor, phase: int) -> torch.Tensor:
         raise NotImplementedError
@@ -140,6 +145,54 @@ class Sketch(Rerank):
         return self._sketch(plan, layer, q, heads, phase)
 
 
+class Channels(Selector):
+    """4-bit codes of channel_count key channels per KV head, chosen and quantised once per model by a calibration
+    (the same steps for every page), nothing elsewhere: per query head the log-sum-exp of a page's logits, softmax
+    over the pages, group mean, as one tensor-core product per (row, KV head) (freekv_kernels.channel_sketch).
+    calibrate() must run for every sparse layer before the first page goes to the host (FreeKVModel.calibrate)."""
+
+    name = "channels"
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        e = engine
+        H, p, R = e.shape.num_kv_heads, e.cfg.page_size, e.cfg.channel_count
+        num_host = e.host.arena.shape[0]
+        self._codes = [None if dense else torch.zeros(num_host, H, p, R // 2, dtype=torch.uint8, device=e.device)
+                       for dense in e.dense]
+        # In place once calibrated, so a captured graph keeps its pointers.
+        self._cal = [None if dense else ChannelCalibration(
+            torch.zeros(H, R, dtype=torch.int32, device=e.device),
+            *(torch.zeros(H, R, dtype=torch.float32, device=e.device) for _ in range(3))) for dense in e.dense]
+        self._calibrated = [False] * len(e.dense)
+
+    def calibrate(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
+        """A sparse layer's calibration from queries q [T, Hq, D] and keys [T, H, D] of a calibration text."""
+        e = self.engine
+        H, G, D = e.shape.num_kv_heads, e.shape.group, e.shape.head_dim
+        cal = calibrate_channels(q.view(-1, H, G, D), keys, e.cfg.channel_count)
+        for have, new in zip(self._cal[layer], cal):
+            have.copy_(new)
+        self._calibrated[layer] = True
+
+    def _check(self, layer: int) -> ChannelCalibration:
+        if not self._calibrated[layer]:
+            raise RuntimeError(f"selection 'channels': sparse layer {layer} has no calibration; run "
+                               "FreeKVModel.calibrate (or Channels.calibrate per layer) before the first prompt")
+        return self._cal[layer]
+
+    def offloaded(self, layer, k, src, dst, valid):
+        cal = self._check(layer)
+        self.engine.ops.write_channel_codes(k, src, dst, valid, self.engine.cfg.page_size, self._codes[layer],
+                                            cal.channels, cal.lo, cal.inv_step)
+
+    def score(self, plan, layer, q, heads, phase):
+        e, cal = self.engine, self._check(layer)
+        return e.ops.channel_sketch_pages(q, self._codes[layer], cal.channels, cal.step, e.page_table, plan.req_slots,
+                                          e.scale, heads, phase, phase == PHASE_LATER, e.cfg.sink_pages,
+                                          plan.cand_end)
+
+
 class Oracle(Selector):
     """The exact attention mass of the query on each candidate page, read from the host copy of the keys: per query
     head a softmax over every candidate token, summed per page, mean over the group. An upper bound for the accuracy
@@ -192,7 +245,7 @@ def page_attention_mass(engine, layer: int, slot: int, q: torch.Tensor, end: int
     return torch.softmax(torch.logsumexp(s, dim=-1), dim=-1).mean(1)
 
 
-SELECTORS = {cls.name: cls for cls in (Rerank, Sketch, MeanS, Quest, Oracle)}
+SELECTORS = {cls.name: cls for cls in (Rerank, Sketch, MeanS, Quest, Channels, Oracle)}
 
 
 def make_selector(cfg: FreeKVConfig, engine) -> Selector:
@@ -213,10 +266,13 @@ def picks_bytes_per_slot(cfg: FreeKVConfig, num_kv_heads: int, group: int, head_
 
 def sketch_bytes_per_token(cfg: FreeKVConfig, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> float:
     """GPU bytes of selection sketches per context token and sparse layer: the min / max page summaries, plus the
-    key codes of the rerank and the sketch, or LouisKV's unit table (a centroid and a token count per unit row, a unit range per page)."""
+    key codes of the rerank and the sketch (or the channel codes), or LouisKV's unit table (a centroid and a token
+    count per unit row, a unit range per page)."""
     H, D, p = num_kv_heads, head_dim, cfg.page_size
     summaries = H * 2 * D * dtype_bytes / p
     if cfg.retrieval == "louiskv":
         return summaries + H * (cfg.units_per_page * (D * dtype_bytes + 4) + 8) / p
     codes = H * D * CODE_BITS / 8 if cfg.selection in CODE_SELECTIONS else 0
+    if cfg.selection == "channels":
+        codes = H * cfg.channel_count / 2
     return summaries + codes

@@ -8,6 +8,9 @@ All methods share one dense prefill and attend to the same number of tokens per 
   --rerank-factor N, 0 = every page rescored) or the paper's MeanS alone,
   speculative with correction below tau (tau 0 = pure speculation, tau 1 = reselect every head every step, i.e.
   no speculation).
+- channels(tau): FreeKV scoring pages from 4-bit codes of 32 key channels per KV head (channels/cC with
+  --sketch-channels C) chosen and quantised once per model from a calibration text (freekv_sglang.calibration),
+  the same steps for every page, speculative with correction as above.
 - quest: the Quest-style baseline: max over the query group of the min / max bounds, selected with the current
   query every step (the engine has no per-query-head selection).
 - oracle: the exact attention mass of the current query per KV-head group, from the host copy of the keys,
@@ -75,21 +78,21 @@ class MethodSpec:
                             **({} if self.hysteresis is None else {"hysteresis": self.hysteresis}))
 
 
-METHOD_NAMES = ("dense", "oracle", "rerank", "sketch", "means", "quest", "louiskv", "streaming")
+METHOD_NAMES = ("dense", "oracle", "rerank", "sketch", "means", "channels", "quest", "louiskv", "streaming")
 
 
 def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None,
                   louiskv_tau: float = FreeKVConfig().boundary_tau,
                   sketch_channels: int | None = None, hysteresis: list[float] | None = None) -> list[MethodSpec]:
-    """'dense,oracle,rerank,sketch,means,quest,louiskv,streaming' -> specs; rerank, sketch and means expand to one
-    spec per tau and, when given, per hysteresis (labelled /hH)."""
+    """'dense,oracle,rerank,sketch,means,channels,quest,louiskv,streaming' -> specs; rerank, sketch, means and
+    channels expand to one spec per tau and, when given, per hysteresis (labelled /hH)."""
     out: list[MethodSpec] = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
         if name == "dense":
             out.append(MethodSpec("dense", "freekv", uses_budget=False))
-        elif name in ("rerank", "sketch", "means"):
+        elif name in ("rerank", "sketch", "means", "channels"):
             factor = rerank_factor if name == "rerank" else None
-            channels = sketch_channels if name in ("rerank", "sketch") else None
+            channels = sketch_channels if name in ("rerank", "sketch", "channels") else None
             label = name if factor is None else f"{name}/{factor}"  # rerank/N: N x budget candidates, 0 every page
             label += "" if channels is None else f"/c{channels}"  # the sketch's channels
             out.extend(MethodSpec(f"{label}{'' if h is None else f'/h{h:g}'}(tau={t:g})", "freekv", tau=t,

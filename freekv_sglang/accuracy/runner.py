@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..calibration import calibration_ids
 from .diagnostics import SelectionProbes
 from .methods import Geometry, MethodSpec
 from .tasks import Sample, make_samples
@@ -105,6 +106,8 @@ class EngineBackend:
             fkv_cfg = spec.config(budget or 0, cfg.geometry, self.num_layers)
             fm = self._build(self.model, fkv_cfg, max_requests=len(chunk), max_context=max_context,
                              method=spec.engine_method)
+            if fm.needs_calibration:
+                fm.calibrate(calibration_ids(self.tok))
             if fm.prefill_mode not in caches:
                 t0 = time.perf_counter()
                 made = [fm.prefill(list(s.ids)) for s in chunk]

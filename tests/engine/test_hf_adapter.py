@@ -48,3 +48,25 @@ def test_sparse_budget_still_finds_the_passkey(smollm2):
     assert "58213" in tok.decode(out)
     st = fm.engine.stats()
     assert 0 <= min(st["correction_rate"].values()) and max(st["correction_rate"].values()) <= 1
+
+
+def test_channels_selection_calibrates_and_finds_the_passkey(smollm2):
+    """selection 'channels': without a calibration the first prompt is refused, naming calibrate; calibrate() from
+    the calibration text gives every sparse layer its channels (not the dense first layer), and the passkey comes
+    back at a budget of 128 tokens."""
+    from freekv_sglang.calibration import calibration_ids
+
+    model, tok = smollm2
+    ids = passkey_prompt(tok, "58213", 40)
+    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=16, tau=0.9, dense_layers=1, selection="channels")
+    fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + 16)
+    assert fm.needs_calibration
+    with pytest.raises(RuntimeError, match="calibrate"):
+        fm.generate([ids], 2)
+    fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + 16)
+    fm.calibrate(calibration_ids(tok, 1024))
+    sel = fm.engine.selector
+    assert sel._calibrated == [False] + [True] * (model.config.num_hidden_layers - 1)
+    assert (sel._cal[1].step > 0).all() and sel._cal[1].channels.shape == (model.config.num_key_value_heads, 32)
+    out = fm.generate([ids], 8)[0]
+    assert "58213" in tok.decode(out)

@@ -1,0 +1,88 @@
+"""Selection 'channels' in the engine: calibration, the codes written at every offload, and the Triton path equal to
+the torch references step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freekv_kernels.channel_sketch import quantize_channels
+from freekv_kernels.testing import device
+from freekv_sglang.config import FreeKVConfig
+from freekv_sglang.engine import FreeKVEngine, ModelShape
+
+D = 64
+DEV = device()
+STEPS = 20
+
+
+def make_engine(cfg, H, G, L, backend):
+    shape = ModelShape(num_layers=L, num_q_heads=H * G, num_kv_heads=H, head_dim=D)
+    return FreeKVEngine(cfg, shape, max_requests=4, max_context=2048, dtype=torch.float32, device=DEV,
+                        backend=backend)
+
+
+def calibrate(engines, H, G, L):
+    torch.manual_seed(11)
+    cal = [(torch.randn(300, H * G, D, device=DEV), torch.randn(300, H, D, device=DEV)) for _ in range(L)]
+    for e in engines:
+        for layer in range(L):
+            if not e.dense[layer]:
+                e.selector.calibrate(layer, *cal[layer])
+
+
+def test_prompt_without_calibration_is_refused():
+    cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, dense_layers=1, selection="channels")
+    e = make_engine(cfg, 2, 2, 2, "torch")
+    s = e.add_request()
+    e.begin_prefill(s, 150)
+    e.prefill_layer(s, 0, torch.randn(150, 2, D, device=DEV), torch.randn(150, 2, D, device=DEV),
+                    torch.randn(4, D, device=DEV))  # the dense layer needs none
+    with pytest.raises(RuntimeError, match="layer 1 has no calibration"):
+        e.prefill_layer(s, 1, torch.randn(150, 2, D, device=DEV), torch.randn(150, 2, D, device=DEV),
+                        torch.randn(4, D, device=DEV))
+
+
+def test_triton_backend_equals_torch_backend(prefill_alike):
+    """Outputs, slot tables and statistics agree step by step (a padding row included; G = 3 pads the kernel's
+    query heads), and every offloaded page's codes (prompt pages at prefill, window pages at decode) are
+    quantize_channels of its host keys. (The kernels' shapes are tested in tests/kernels/test_channel_sketch.py.)"""
+    cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="channels")
+    H, G, L, lens = 2, 3, 2, [150, 97]
+    engines = [make_engine(cfg, H, G, L, b) for b in ("torch", "triton")]
+    calibrate(engines, H, G, L)
+    torch.manual_seed(5)
+    slots = prefill_alike(engines, lens, device=DEV)
+    for _ in range(STEPS):  # past a window page's offload
+        q = torch.randn(L, len(lens) + 1, H * G, D, device=DEV)
+        kv = torch.randn(2, L, len(lens) + 1, H, D, device=DEV)
+        outs = []
+        for e in engines:
+            plan = e.begin_step(slots, pad_to=len(lens) + 1)
+            outs.append([e.attend(plan, layer, q[layer], kv[0, layer], kv[1, layer]) for layer in range(L)])
+            e.end_step()
+        for layer in range(L):
+            torch.testing.assert_close(outs[1][layer][:len(lens)], outs[0][layer][:len(lens)], atol=1e-4, rtol=1e-4)
+        assert torch.equal(engines[0].slot_table[:, slots], engines[1].slot_table[:, slots])
+    st = [e.stats() for e in engines]
+    cos = [x.pop("mean_cosine") for x in st]
+    assert st[0] == st[1] and st[0]["recall_bytes_now"] > 0
+    assert cos[0].keys() == cos[1].keys() and all(abs(cos[0][k] - cos[1][k]) < 1e-6 for k in cos[0])
+    for e in engines:
+        sel = e.selector
+        cal = sel._cal[1]
+        for slot, n in zip(slots, lens):
+            pages = e._host_pages[slot][: (n + STEPS) // 16 - cfg.window_pages - cfg.sink_pages]
+            assert len(pages) > (n // 16 - cfg.window_pages - cfg.sink_pages)  # decode offloaded pages too
+            keys = e.host.arena[pages, 1, :, 0].to(DEV)  # [n, H, p, D]
+            want = quantize_channels(keys.transpose(1, 2), cal.channels, cal.lo, cal.inv_step).transpose(1, 2)
+            assert torch.equal(sel._codes[1][pages], want)
+
+
+def test_channel_counts_are_checked():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        FreeKVConfig(selection="channels", sketch_channels=48)
+    with pytest.raises(ValueError, match="exceeds the model's head dim 16"):
+        FreeKVConfig(selection="channels").check_model(2, 4, 2, head_dim=16)
+    with pytest.raises(ValueError, match="page_size must be at least 16"):
+        FreeKVConfig(selection="channels", page_size=8, sink=8, window=8, budget=16)
