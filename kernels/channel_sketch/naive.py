@@ -39,7 +39,7 @@ class ChannelCalibration(NamedTuple):
 
 def calibrate_channels(q: torch.Tensor, keys: torch.Tensor, num_channels: int) -> ChannelCalibration:
     """From a calibration's queries q [T, H, G, D] and keys [N, H, D]."""
-    H, D = keys.shape[1], keys.shape[2]
+    D = keys.shape[2]
     if num_channels % 32 or not 32 <= num_channels <= D:
         raise ValueError(f"channel sketch: {num_channels} channels; need a multiple of 32 up to the head dim {D}")
     k = keys.float()
