@@ -167,10 +167,14 @@ class Channels(Selector):
         self._calibrated = [False] * len(e.dense)
 
     def calibrate(self, layer: int, q: torch.Tensor, keys: torch.Tensor) -> None:
-        """A sparse layer's calibration from queries q [T, Hq, D] and keys [T, H, D] of a calibration text."""
+        """A sparse layer's calibration from queries q [T, Hq, D] and keys [T, H, D] of a calibration text, past its
+        first `sink` tokens: sink pages are never scored, and their keys (an attention sink's are outliers) would
+        stretch the ranges that the 16 bins cut."""
         e = self.engine
-        H, G, D = e.shape.num_kv_heads, e.shape.group, e.shape.head_dim
-        cal = calibrate_channels(q.view(-1, H, G, D), keys, e.cfg.channel_count)
+        H, G, D, s = e.shape.num_kv_heads, e.shape.group, e.shape.head_dim, e.cfg.sink
+        if keys.shape[0] <= s:
+            raise ValueError(f"a calibration needs more than the sink's {s} tokens, got {keys.shape[0]}")
+        cal = calibrate_channels(q[s:].view(-1, H, G, D), keys[s:], e.cfg.channel_count)
         for have, new in zip(self._cal[layer], cal):
             have.copy_(new)
         self._calibrated[layer] = True

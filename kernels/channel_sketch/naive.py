@@ -1,10 +1,14 @@
 """Torch references for the channel sketch: page scores from 4-bit codes of a few key channels fixed per (layer,
 KV head) by a calibration, with the same quantisation steps for every page (see docs/kernels.md).
 
-Calibration (per layer): R channels per KV head, those with the largest mean |q| (over the group and the
-calibration's queries) times the spread (std) of the keys, and each channel's key range [lo, hi] over the
-calibration's keys, cut into 16 equal bins (step = (hi - lo) / 16). Keys outside the range clamp to the first or
-last bin.
+Calibration (per layer), invariant under RoPE: keys and queries arrive rotated by their position, channel i with
+channel i + D/2 (the rotate-half pairing of Llama- and Qwen-style models), so a channel's values at positions the
+calibration never saw lie anywhere within its pair's norm. Each channel's range is therefore [-r, r], r the largest
+pair norm over the calibration's keys, and the R channels kept per KV head are those with the largest mean pair norm
+of the queries (over the group and the calibration's tokens) times the rms pair norm of the keys. (Ranges taken from
+a 4K-token calibration text covered 0.41 of the attention mass at 8K, against 0.58 for the default sketch: the
+low-frequency channels had not turned far enough.) The bins are 16 equal steps over the range; keys outside it (a
+pair norm above any seen) clamp to the first or last bin.
 
 Codes: a token costs R / 2 bytes per KV head; byte j holds channel j of the calibration's list in its low nibble and
 channel j + R / 2 in its high nibble. A code store is [page, head, token, byte] (token-major: a page of one head is
@@ -38,16 +42,21 @@ class ChannelCalibration(NamedTuple):
 
 
 def calibrate_channels(q: torch.Tensor, keys: torch.Tensor, num_channels: int) -> ChannelCalibration:
-    """From a calibration's queries q [T, H, G, D] and keys [N, H, D]."""
+    """From a calibration's post-RoPE queries q [T, H, G, D] and keys [N, H, D] (see the module docstring)."""
     D = keys.shape[2]
     if num_channels % 32 or not 32 <= num_channels <= D:
         raise ValueError(f"channel sketch: {num_channels} channels; need a multiple of 32 up to the head dim {D}")
-    k = keys.float()
-    weight = q.float().abs().mean((0, 2)) * k.std(0)  # [H, D]
+
+    def pair_norm(x: torch.Tensor) -> torch.Tensor:  # [..., D] -> [..., D]: each channel's rotate-half pair norm
+        x = x.float()
+        r = (x[..., : D // 2].square() + x[..., D // 2:].square()).sqrt()
+        return torch.cat([r, r], dim=-1)
+
+    kn = pair_norm(keys)  # [N, H, D]
+    weight = pair_norm(q).mean((0, 2)) * kn.square().mean(0).sqrt()  # [H, D]
     channels = weight.topk(num_channels, dim=-1).indices.int()
-    picked = k.gather(2, channels.long()[None].expand(k.shape[0], -1, -1))  # [N, H, R]
-    lo, hi = picked.amin(0), picked.amax(0)
-    span = hi - lo
+    hi = kn.amax(0).gather(1, channels.long())  # [H, R]
+    lo, span = -hi, 2 * hi
     inv_step = torch.where(span > 0, LEVELS / torch.where(span > 0, span, 1.0), 0.0)
     step = torch.where(span > 0, 1.0 / torch.where(span > 0, inv_step, 1.0), 0.0)
     return ChannelCalibration(channels, lo, inv_step, step)

@@ -18,30 +18,58 @@ DEV = device()
 B, SLOTS = 4, 6
 
 
+def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x [N, ..., D] at positions [N] (base 10000)."""
+    D = x.shape[-1]
+    theta = positions.float()[:, None] * 10000.0 ** (-torch.arange(D // 2).float() / (D // 2))  # [N, D / 2]
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (D // 2,)
+    cos, sin = theta.cos().view(shape), theta.sin().view(shape)
+    a, b = x[..., : D // 2], x[..., D // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
 def test_calibration_picks_the_channels_the_query_weighs_on_spread_keys():
-    """Channels ranked by group-mean |q| x key std (best first); each channel's range over the calibration keys;
-    a constant channel gets step 0; widths other than multiples of 32 up to D are refused."""
+    """Channels ranked by the group's mean query pair norm x the keys' rms pair norm (channel i pairs with i + D/2),
+    best first; each channel's range [-r, r], r its pair's largest key norm; a pair of constant zeros gets step 0;
+    widths other than multiples of 32 up to D are refused."""
     torch.manual_seed(0)
     H, G, D = 2, 3, 64
     keys = torch.randn(200, H, D) * 0.1
-    keys[:, 0, 5] *= 40.0  # wide, and weighed by the query
-    keys[:, 1, 9] = 2.5  # constant
+    keys[:, 0, 5] *= 40.0  # wide, and weighed by the query: channels 5 and 37 (its pair) lead
+    keys[:, 1, 9] = keys[:, 1, 41] = 0.0  # a zero pair
     q = torch.ones(7, H, G, D)
     q[..., 0, 5] = 3.0
     q[..., 1, 9] = 50.0
     cal = calibrate_channels(q, keys, 32)
     assert cal.channels.shape == (H, 32) and cal.channels.dtype == torch.int32
-    assert int(cal.channels[0, 0]) == 5
-    assert 9 not in cal.channels[1].tolist()  # no spread: worth nothing however large |q|
-    picked = keys.gather(2, cal.channels.long()[None].expand(200, -1, -1))
-    assert torch.equal(cal.lo, picked.amin(0))
-    torch.testing.assert_close(cal.step * 16, picked.amax(0) - cal.lo)
-    const = calibrate_channels(q, keys, 64)
-    at = (const.channels[1] == 9).nonzero()[0, 0]
-    assert const.step[1, at] == 0 and const.inv_step[1, at] == 0
+    assert set(cal.channels[0, :2].tolist()) == {5, 37}
+    assert 9 not in cal.channels[1].tolist() and 41 not in cal.channels[1].tolist()  # no spread: worth nothing
+    r = (keys[..., :32].square() + keys[..., 32:].square()).sqrt().amax(0)  # [H, D / 2]
+    want_hi = r.repeat(1, 2).gather(1, cal.channels.long())
+    torch.testing.assert_close(cal.lo, -want_hi)
+    torch.testing.assert_close(cal.step * 16, 2 * want_hi)
+    full = calibrate_channels(q, keys, 64)
+    at = (full.channels[1] == 9).nonzero()[0, 0]
+    assert full.step[1, at] == 0 and full.inv_step[1, at] == 0
     for bad in (16, 48, 96):
         with pytest.raises(ValueError, match="multiple of 32"):
             calibrate_channels(q, keys, bad)
+
+
+def test_calibration_is_the_same_at_any_position():
+    """The same pre-RoPE keys and queries rotated to positions 0.. and 20000..: the same channels and ranges, and
+    every key at the far positions inside its channel's range (a calibration text shorter than the context)."""
+    torch.manual_seed(6)
+    H, G, D, N = 2, 4, 128, 400
+    k0 = torch.randn(N, H, D) + torch.linspace(-2, 2, D)  # channel means, as real keys have
+    q0 = torch.randn(N, H, G, D)
+    near, far = torch.arange(N), torch.arange(N) + 20000
+    a = calibrate_channels(rope(q0, near), rope(k0, near), 32)
+    b = calibrate_channels(rope(q0, far), rope(k0, far), 32)
+    assert torch.equal(a.channels, b.channels)
+    torch.testing.assert_close(a.lo, b.lo)
+    kf = rope(k0, far).gather(2, a.channels.long()[None].expand(N, -1, -1))
+    assert ((kf >= a.lo - 1e-4) & (kf <= -a.lo + 1e-4)).all()
 
 
 def test_codes_are_the_fixed_bins_packed_by_nibble():
