@@ -10,14 +10,13 @@ oracle-like mass at k.
 
 The page-independent sketches (static*, code2-byte8q-g*) are calibrated per request by default, or with
 --calibration model once from a prompt that is not scored: the task's sample after the scored ones, another task's
-prompt (--calibration-text TASK), Python's own argparse source (stdlib: code and English prose that no task
-generates) or uniformly random token ids (random).
+prompt (--calibration-text TASK), the selection's own calibration text (stdlib: Python's argparse source,
+freekv_sglang.calibration) or uniformly random token ids (random).
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import time
 
@@ -26,6 +25,7 @@ from freekv_kernels.channel_sketch import calibrate_channels, channel_weights, d
 from freekv_kernels.page_rerank.naive import dequantize_keys, quantize_keys
 
 from freekv_sglang import hf_models
+from freekv_sglang.calibration import calibration_ids as product_calibration_ids
 from freekv_sglang.accuracy.methods import Geometry, MethodSpec
 from freekv_sglang.accuracy.tasks import make_samples
 from freekv_sglang.hf_adapter import FreeKVModel
@@ -258,8 +258,7 @@ def calibration_ids(tok, text: str | None, length: int, own: list[int]) -> list[
         ids = torch.randint(0, tok.vocab_size, (length,), generator=g).tolist()
         return [i for i in ids if i not in special]
     if text == "stdlib":
-        ids = tok(inspect.getsource(argparse), add_special_tokens=False)["input_ids"]
-        return (ids * (length // len(ids) + 1))[:length]
+        return product_calibration_ids(tok, length)
     return list(make_samples(tok, text, length, 1, seed=1)[0].ids)
 
 
