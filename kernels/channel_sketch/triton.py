@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors
-from ..page_rerank.triton import _full_scan, _pool
+from ..page_rerank.triton import _full_scan, _page_block, _pool
 from ..page_select.triton import _heads_args
 from .naive import BITS, LEVELS
 
@@ -37,12 +37,8 @@ def _channel_lse_kernel(
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
             return
-    slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
-    q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
-    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
-    c = tl.program_id(2) * NP + tl.arange(0, NP)
-    ok = cand_start + c < end
-    page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
+    _, q_row, c, ok, page = _page_block(q_ptr, pt_ptr, slots_ptr, cend_ptr, b, h, cand_start, M, sq_b, sq_h, spt_r,
+                                        spt_m, s_slot, s_cend, G, NP, Q_BY_SLOT)
     w_lo = _weights(q_row, ch_ptr + h * sch_h, step_ptr + h * sstep_h, scale, sq_h, sq_d, G, GP, TPR, HALF)
     w_hi = _weights(q_row, ch_ptr + h * sch_h + HALF, step_ptr + h * sstep_h + HALF, scale, sq_h, sq_d, G, GP, TPR,
                     HALF)

@@ -165,6 +165,21 @@ def _rerank_shift(acc, byte, summ, ss_mm, j_ok, q, i: tl.constexpr, LEVELS: tl.c
 
 
 @triton.jit
+def _page_block(q_ptr, pt_ptr, slots_ptr, cend_ptr, b, h, cand_start, M, sq_b, sq_h, spt_r, spt_m, s_slot, s_cend,
+                G: tl.constexpr, NP: tl.constexpr, Q_BY_SLOT: tl.constexpr):
+    """A full-scan page kernel's block (program_id(2)) of (row b, KV head h): the row's request slot, the group's
+    query row (by slot or by row), the NP candidate indices c, whether each is before the row's candidate end, and
+    its host page (0 where not)."""
+    slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
+    q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
+    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
+    c = tl.program_id(2) * NP + tl.arange(0, NP)
+    ok = cand_start + c < end
+    page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
+    return slot, q_row, c, ok, page
+
+
+@triton.jit
 def _sketch_picks_kernel(
     q_ptr, slots_ptr, heads_ptr, sel_ptr, qp_ptr, scale,
     sq_b, sq_h, sq_d, s_slot, sh_b, sh_h, ssel_b, ssel_h, sqp_b, sqp_h, sqp_c,
@@ -226,12 +241,8 @@ def _sketch_lse_kernel(
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
             return
-    slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
-    q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
-    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
-    c = tl.program_id(2) * NP + tl.arange(0, NP)
-    ok = cand_start + c < end
-    page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
+    slot, q_row, c, ok, page = _page_block(q_ptr, pt_ptr, slots_ptr, cend_ptr, b, h, cand_start, M, sq_b, sq_h,
+                                           spt_r, spt_m, s_slot, s_cend, G, NP, Q_BY_SLOT)
     summ = summ_ptr + page * ss_p + h * ss_h  # [NP]
     g = tl.arange(0, GP)
     # Mid-range term: [NP, D] x [D, GD] twice (query heads in the first G columns, GD >= 16 for the product).
