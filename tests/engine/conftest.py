@@ -24,3 +24,35 @@ def prefill_alike():
         return slots
 
     return prefill
+
+
+@pytest.fixture
+def decode_alike():
+    """decode_alike(engines, slots, steps, device) -> stats: `steps` decode steps of the slots plus one padding row,
+    the same random queries and K/V in every engine; each step every engine's outputs (real rows) and slot tables
+    must equal the first engine's, then its statistics (mean cosines within 1e-6). Returns the first engine's
+    statistics, mean cosines left out."""
+
+    def decode(engines, slots, steps, device="cpu"):
+        shape, n = engines[0].shape, len(slots)
+        L, Hq, H, D = shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+        for _ in range(steps):
+            q = torch.randn(L, n + 1, Hq, D, device=device)
+            kv = torch.randn(2, L, n + 1, H, D, device=device)
+            outs = []
+            for e in engines:
+                plan = e.begin_step(slots, pad_to=n + 1)
+                outs.append([e.attend(plan, layer, q[layer], kv[0, layer], kv[1, layer]) for layer in range(L)])
+                e.end_step()
+            for out, e in zip(outs[1:], engines[1:]):
+                for layer in range(L):
+                    torch.testing.assert_close(out[layer][:n], outs[0][layer][:n], atol=1e-4, rtol=1e-4)
+                assert torch.equal(engines[0].slot_table[:, slots], e.slot_table[:, slots])
+        st = [e.stats() for e in engines]
+        cos = [x.pop("mean_cosine") for x in st]
+        for other, c in zip(st[1:], cos[1:]):
+            assert other == st[0]
+            assert c.keys() == cos[0].keys() and all(abs(c[k] - cos[0][k]) < 1e-6 for k in c)
+        return st[0]
+
+    return decode
