@@ -7,16 +7,14 @@ import math
 
 RECALL_MODES = ("delta", "all")
 # Page selectors (freekv_sglang/selectors.py): the servable ones, then the accuracy harness's exact upper bound.
-SERVABLE_SELECTIONS = ("sketch", "rerank", "means", "quest")
+SERVABLE_SELECTIONS = ("sketch", "rerank", "channels", "means", "quest")
 # The selections that score from 2-bit key codes (written at offload, head_dim / 4 GPU bytes per token and KV head).
 CODE_SELECTIONS = ("sketch", "rerank")
 # The sketch's channels unless sketch_channels says otherwise (capped at the head dim): with 32 the one-stage sketch
 # matched oracle selection on SmolLM2 (head dim 64; 16 channels: within a sample but a lower hit rate), and on the
 # Llama-3.1-8B shape (head dim 128) it costs what rerank/2 with 16 did at 16 x 32K (docs/results/session16).
 DEFAULT_SKETCH_CHANNELS = 32
-# "channels" scores from codes of channels calibrated once per model (FreeKVModel.calibrate); the server cannot
-# calibrate yet, so it is the harness's until it can.
-SELECTIONS = (*SERVABLE_SELECTIONS, "channels", "oracle")
+SELECTIONS = (*SERVABLE_SELECTIONS, "oracle")
 # Retrieval policies over the one engine: FreeKV (speculative page selection with correction, scored by `selection`)
 # and LouisKV (freekv_sglang/louiskv.py: retrieval at semantic boundaries of clusters and segments).
 RETRIEVALS = ("freekv", "louiskv")
@@ -60,8 +58,8 @@ class FreeKVConfig:
         on the summaries alone. "quest": max over the group of the summaries' upper bounds. "oracle": exact
         attention mass from the host copy of the keys (the accuracy harness's upper bound; not servable).
         "channels": 4-bit codes of sketch_channels key channels per KV head (default 32), chosen and quantised
-        once per model by a calibration (FreeKVModel.calibrate), the same steps for every page, nothing elsewhere
-        (freekv_kernels.channel_sketch; harness only until the server calibrates).
+        once per model by a calibration pass over a fixed text (FreeKVModel.calibrate; the server runs it at
+        start-up), the same steps for every page, nothing elsewhere (freekv_kernels.channel_sketch).
         SmolLM2, passkey and multikey at 4K / 8K, budgets 512 / 1024: sketch with 32 channels scores the oracle's
         score in every cell, rerank/2 with 16 within a sample, at 1.0x and 1.5x the sketch's cost at 16 x 32K
         (docs/results/session16).

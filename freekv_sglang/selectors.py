@@ -179,6 +179,11 @@ class Channels(Selector):
             have.copy_(new)
         self._calibrated[layer] = True
 
+    def uncalibrated(self) -> list[int]:
+        """The sparse layers that calibrate() has not reached."""
+        return [layer for layer, (dense, done) in enumerate(zip(self.engine.dense, self._calibrated))
+                if not dense and not done]
+
     def _check(self, layer: int) -> ChannelCalibration:
         if not self._calibrated[layer]:
             raise RuntimeError(f"selection 'channels': sparse layer {layer} has no calibration; run "

@@ -168,7 +168,9 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="how pages are scored: 'sketch' scores every page as attention mass from its mid-range "
                         "keys and the 2-bit codes of the channels the query weighs most (head_dim / 4 GPU bytes "
                         "per token, KV head and layer); 'rerank' rescores that sketch's best candidates from all "
-                        "their codes; 'means' the paper's group-mean softmax "
+                        "their codes; 'channels' scores from 4-bit codes of the key channels a calibration pass "
+                        "at start-up picked for the model (--kv-sketch-channels of them, default 32: 16 GPU bytes "
+                        "per token, KV head and layer); 'means' the paper's group-mean softmax "
                         "of min / max bounds; 'quest' the max over the group of those bounds "
                         f"(default {_DEFAULTS.selection})")
     g.add_argument("--kv-rerank-factor", type=int, default=None, metavar="N",
@@ -177,7 +179,8 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         f"(default {_DEFAULTS.rerank_factor})")
     g.add_argument("--kv-sketch-channels", type=int, default=None, metavar="N",
                    help="key channels the sketch (rerank and sketch) reads per KV head, the query's largest; a multiple of 4 "
-                        f"up to the head dim (default min({DEFAULT_SKETCH_CHANNELS}, head dim))")
+                        f"up to the head dim (default min({DEFAULT_SKETCH_CHANNELS}, head dim)). With channels: the "
+                        "calibrated channels, a multiple of 32 (default 32)")
     g.add_argument("--kv-hysteresis", type=float, default=None, metavar="H",
                    help="a reselection keeps a resident page unless another holds more than (1 + H) times its "
                         "attention mass: fewer pages trade places at the top-k's edge, so fewer recalls; 0 = the "

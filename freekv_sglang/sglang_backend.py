@@ -202,6 +202,25 @@ class FreeKVAttnBackend(AttentionBackend):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
+    # ---- calibration -------------------------------------------------------------------------
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether the selection must be calibrated before the first prompt (selection "channels")."""
+        return any(hasattr(eng.selector, "calibrate") for eng in self._engines())
+
+    def calibrate_layer(self, layer_id: int, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Model layer layer_id's queries [T, Hq, D] and keys [T, H, D] of the calibration pass, to the selector of
+        the engine that holds the layer (dense layers take none)."""
+        eng, local = (self.late, layer_id - self.split) if layer_id >= self.split else (self.engine, layer_id)
+        if not eng.dense[local] and hasattr(eng.selector, "calibrate"):
+            eng.selector.calibrate(local, q, k)
+
+    def uncalibrated_layers(self) -> list[int]:
+        """Model layers whose selector still waits for its calibration."""
+        return sorted(layer + (self.split if eng is self.late else 0) for eng in self._engines()
+                      for layer in getattr(eng.selector, "uncalibrated", lambda: [])())
+
     # ---- request lifecycle -------------------------------------------------------------------
 
     def release(self, slot: int) -> None:

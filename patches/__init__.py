@@ -40,6 +40,7 @@ _SEAM_MODULES = (
     "model_runner_post_pool",
     "model_runner_dummy_batch",
     "attn_backend_wrapper",
+    "model_runner_calibrate",
     "req_pool_free",
     "forward_batch_init_new",
     "eager_runner_load_batch",

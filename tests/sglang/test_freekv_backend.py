@@ -27,13 +27,13 @@ CFG = FreeKVConfig(budget=32, sink=16, window=16, page_size=P, tau=0.6, dense_la
 SIZE, CTX, TOKENS, STAGING = 6, 512, 8192, 40  # request slots 1..SIZE (0 pads), max context, pool tokens
 
 
-def make_pool():
+def make_pool(head_dim=D):
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     from freekv_patches._staging_pool import staging_pool_class
 
     return staging_pool_class(MHATokenToKVPool)(
-        TOKENS, page_size=P, dtype=torch.float32, head_num=H, head_dim=D, layer_num=L, device="cpu",
+        TOKENS, page_size=P, dtype=torch.float32, head_num=H, head_dim=head_dim, layer_num=L, device="cpu",
         enable_memory_saver=False, start_layer=0, end_layer=L, enable_alt_stream=False, enable_kv_cache_copy=False,
         post_capture_active=False, freekv_dense_layers=CFG.dense_layers, freekv_staging_pages=STAGING)
 
@@ -108,12 +108,12 @@ def daemon():
     handle.stop()
 
 
-def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0, cfg=CFG, tsp=None):
-    model_config = SimpleNamespace(num_hidden_layers=L, num_attention_heads=HQ, head_dim=D,
+def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0, cfg=CFG, tsp=None, head_dim=D):
+    model_config = SimpleNamespace(num_hidden_layers=L, num_attention_heads=HQ, head_dim=head_dim,
                                    get_num_kv_heads=lambda tp: H // tp)
     req_pool = SimpleNamespace(size=SIZE, req_to_token=torch.zeros(SIZE + 1, CTX, dtype=torch.int32),
                                req_generation=torch.zeros(SIZE + 1, dtype=torch.int64))
-    runner = SimpleNamespace(model_config=model_config, tp_size=1, tp_rank=0, token_to_kv_pool=make_pool(),
+    runner = SimpleNamespace(model_config=model_config, tp_size=1, tp_rank=0, token_to_kv_pool=make_pool(head_dim),
                              req_to_token_pool=req_pool, kv_cache_dtype=torch.float32, page_size=P, device="cpu",
                              next_page=1, capture_tail_hooks=[])  # page 0 absorbs padding writes
     if not tail_hooks:
