@@ -31,6 +31,31 @@ def random_calibration_ids(vocab_size: int, num_tokens: int = CALIBRATION_TOKENS
     return torch.randint(vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def calibrate_synthetic(engine, sample, num_tokens: int = 1024) -> bool:
+    """Calibrate an engine that waits for it (engine.needs_calibration, selection "channels") for a synthetic workload,
+    whose keys have no model to calibrate from: sample(layer, n) -> (q [n, Hq, D], k [n, H, D]) draws n queries and
+    keys as the workload does (past the sink's tokens, which calibrate() skips). Returns whether it calibrated."""
+    if not engine.needs_calibration:
+        return False
+    n = engine.cfg.sink + num_tokens
+    for layer, dense in enumerate(engine.dense):
+        if not dense:
+            engine.selector.calibrate(layer, *sample(layer, n))
+    return True
+
+
+def gaussian_sample(engine, seed: int = 0):
+    """A calibration sample of standard-normal queries and keys (seeded per layer), as random-key workloads draw."""
+    s = engine.shape
+
+    def sample(layer: int, n: int):
+        g = torch.Generator().manual_seed(seed * 1000 + layer)
+        q = torch.randn(n, s.num_q_heads, s.head_dim, generator=g)
+        return q.to(engine.device), torch.randn(n, s.num_kv_heads, s.head_dim, generator=g).to(engine.device)
+
+    return sample
+
+
 class CalibrationAttention:
     """The attention of a server's calibration pass (freekv_patches.model_runner_calibrate): it stands in for the
     served backend through one dense causal forward over the calibration ids, hands each layer's post-RoPE queries

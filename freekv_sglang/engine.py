@@ -296,6 +296,12 @@ class FreeKVEngine:
     def seq_len(self, slot: int) -> int:
         return self._len[slot]
 
+    @property
+    def needs_calibration(self) -> bool:
+        """Whether a sparse layer's selector still waits for its calibration (selection "channels": its calibrate()
+        before the first prompt; freekv_sglang.calibration)."""
+        return bool(getattr(self.selector, "uncalibrated", list)())
+
     def is_active(self, slot: int) -> bool:
         return 0 <= slot < self.num_slots and slot != self.pad_slot and slot not in self._free_slots
 

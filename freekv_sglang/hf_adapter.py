@@ -119,8 +119,8 @@ class FreeKVModel:
 
     @property
     def needs_calibration(self) -> bool:
-        """Whether a selector needs calibrate() before the first prompt (selection "channels")."""
-        return any(hasattr(eng.selector, "calibrate") for eng in self.engines)
+        """Whether a selector waits for calibrate() before the first prompt (selection "channels")."""
+        return any(eng.needs_calibration for eng in self.engines)
 
     @torch.no_grad()
     def calibrate(self, ids: list[int]) -> None:

@@ -206,8 +206,8 @@ class FreeKVAttnBackend(AttentionBackend):
 
     @property
     def needs_calibration(self) -> bool:
-        """Whether the selection must be calibrated before the first prompt (selection "channels")."""
-        return any(hasattr(eng.selector, "calibrate") for eng in self._engines())
+        """Whether the selection waits for a calibration before the first prompt (selection "channels")."""
+        return any(eng.needs_calibration for eng in self._engines())
 
     def calibrate_layer(self, layer_id: int, q: torch.Tensor, k: torch.Tensor) -> None:
         """Model layer layer_id's queries [T, Hq, D] and keys [T, H, D] of the calibration pass, to the selector of
@@ -219,7 +219,7 @@ class FreeKVAttnBackend(AttentionBackend):
     def uncalibrated_layers(self) -> list[int]:
         """Model layers whose selector still waits for its calibration."""
         return sorted(layer + (self.split if eng is self.late else 0) for eng in self._engines()
-                      for layer in getattr(eng.selector, "uncalibrated", lambda: [])())
+                      for layer in getattr(eng.selector, "uncalibrated", list)())
 
     # ---- request lifecycle -------------------------------------------------------------------
 
