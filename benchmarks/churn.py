@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from freekv_sglang.calibration import CALIBRATION_TOKENS, calibration_ids
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.hf_adapter import FreeKVModel
 from freekv_sglang.hf_models import load_smollm2
@@ -49,9 +50,11 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(model, cfg: FreeKVConfig, ids: list[int], warm: int, new: int) -> tuple[dict, list[int]]:
+def run(model, tok, cfg: FreeKVConfig, ids: list[int], warm: int, new: int) -> tuple[dict, list[int]]:
     """One greedy decode of warm + new steps, measured over the last new."""
     fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + warm + new + 16)
+    if fm.needs_calibration:
+        fm.calibrate(calibration_ids(tok, CALIBRATION_TOKENS))
     probe = fm.engine.probe = ChurnProbe(fm.engine)
     cache = fm.prefill(ids)
     slot = fm.load_prefill(cache)
@@ -69,7 +72,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=3000)
     ap.add_argument("--new", type=int, default=64, help="measured decode steps")
     ap.add_argument("--warm", type=int, default=2, help="decode steps before them (the slots' first fill)")
-    ap.add_argument("--selections", default="sketch,rerank,means")
+    ap.add_argument("--selections", default="channels,sketch,rerank,means")
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--sink", type=int, default=32)
     ap.add_argument("--window", type=int, default=64)
@@ -89,7 +92,7 @@ def main() -> None:
                             for h in args.hysteresis.split(",") if h]:
         cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
                            tau=args.tau, dense_layers=1, selection=selection, hysteresis=hyst)
-        stats, out = run(model, cfg, ids, args.warm, args.new)
+        stats, out = run(model, tok, cfg, ids, args.warm, args.new)
         rows.append({"source": "SmolLM2-135M", "selection": selection if not hyst else f"{selection}/h{hyst:g}",
                      "hysteresis": hyst, "prompt_tokens": len(ids),
                      "new_tokens": args.new,

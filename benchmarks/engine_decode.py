@@ -30,7 +30,8 @@ churn and topic shifts fitted to SmolLM2-135M (NOTES.md, thirteenth session; --s
 topic-shift rate). --shape smollm2 runs SmolLM2-135M's attention shape (30 layers, 9 / 3 heads, head dim 64), the
 geometry the fit was made at; the default is llama8b.
 
-Policies (--policies): freekv (the default selection: the one-stage sketch, speculative with correction at tau),
+Policies (--policies): freekv (the default selection: the channel sketch, speculative with correction at tau,
+calibrated from queries and keys drawn as the workload draws them), freekv-sketch (the one-stage sketch),
 freekv-rerank (the two-stage rerank/2 with a 16-channel sketch),
 freekv-means (FreeKV with MeanS selection), louiskv (retrieval at semantic boundaries of clusters and segments);
 a FreeKV policy with a suffix /hH (e.g. freekv/h1) selects with FreeKVConfig.hysteresis H.
@@ -68,6 +69,7 @@ from pathlib import Path
 
 import torch
 
+from freekv_sglang.calibration import calibrate_synthetic, gaussian_sample
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
 
@@ -81,6 +83,7 @@ SHAPES = {"llama8b": (32, 32, 8, 128), "smollm2": (30, 9, 3, 64)}
 DEFAULTS = FreeKVConfig()
 POLICIES = {
     "freekv": dict(retrieval="freekv"),
+    "freekv-sketch": dict(retrieval="freekv", selection="sketch"),  # the default in sessions 16-23
     "freekv-rerank": dict(retrieval="freekv", selection="rerank", sketch_channels=16),  # the default before session 16
     "freekv-means": dict(retrieval="freekv", selection="means"),
     "louiskv": dict(retrieval="louiskv"),
@@ -158,6 +161,9 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
     if args.keys == "structured":
         # The same seed for every policy of a config: they see the same keys and queries.
         structured = StructuredKV(L, batch, HQ, H, D, context, dev, args.seed, **{**STRUCTURED, "shift": args.shift})
+    # The channel sketch (the default selection) calibrates from queries and keys drawn as this workload draws them.
+    calibrate_synthetic(eng, gaussian_sample(eng, args.seed) if structured is None else
+                        structured.calibration_sample(args.page_size))
     slots = list(range(1, batch + 1))
     t0 = time.perf_counter()
     for row, s in enumerate(slots):

@@ -35,6 +35,7 @@ from types import SimpleNamespace
 
 import torch
 
+from freekv_sglang.calibration import calibrate_synthetic, gaussian_sample
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
 from freekv_sglang.flashinfer_attention import FlashInferHeadAttention
@@ -123,6 +124,7 @@ def main() -> None:
             eng = FreeKVEngine(cfg, ModelShape(L, HQ, H, D), max_requests=B + 1, max_context=args.context + 512,
                                dtype=BF, device="cuda", backend="triton", pad_slot=0, dense_outside=True,
                                host_pages=host_pages)
+            calibrate_synthetic(eng, gaussian_sample(eng) if gen is None else gen.calibration_sample(32))
             fi = FlashInferHeadAttention(inner, cfg, HQ, H, D, eng.num_slots, torch.device("cuda"))
             slots = list(range(1, B + 1))
             for row, s in enumerate(slots):

@@ -46,6 +46,7 @@ from the exact keys of the candidate pages (eager, CPU or small shapes only: it 
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import defaultdict
 
@@ -123,6 +124,20 @@ class StructuredKV:
         self.topic[row] = z[-1]
         for layer in range(self.L):
             yield self.keys(layer, z, page_size), self._randn(context, self.H, self.D)
+
+    def calibration_sample(self, page_size: int, seed: int = 1):
+        """sample(layer, n) for freekv_sglang.calibration.calibrate_synthetic: n keys of a fresh prompt and n queries
+        (the requests' current ones, repeated), drawn with a generator of their own so the workload's draws do not
+        move."""
+        twin = copy.copy(self)
+        twin.gen = torch.Generator(device=self.dev).manual_seed(seed)
+
+        def sample(layer: int, n: int):
+            k = twin.keys(layer, twin.prompt_topics(n), page_size)
+            q = twin.queries()[layer].reshape(-1, self.Hq, self.D)
+            return q.repeat(-(-n // q.shape[0]), 1, 1)[:n], k
+
+        return sample
 
     def queries(self) -> torch.Tensor:
         """q [L, B, Hq, D] with norm sqrt(D) (logits unit(q) . k after the engine's 1 / sqrt(D))."""

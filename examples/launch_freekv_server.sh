@@ -40,13 +40,13 @@ args=(
   # GPU programs of the speculative recall, which reads host memory beside the model's GEMMs; each strides
   # over many pages so the recall does not take SMs from the GEMMs (0 = one program per page).
   --kv-recall-programs 32
-  # How pages are scored: "sketch" (default) as attention mass from the page's mid-range keys refined by 2-bit
-  # codes of the --kv-sketch-channels channels the query weighs most (0: min(32, head dim)), accurate where one token
-  # of a page matters (a needle), head_dim / 4 GPU bytes per token and KV head; "rerank" then rescores its best
-  # --kv-rerank-factor x budget pages from all their codes; "means" (the paper's MeanS over min / max page
-  # summaries) costs less per step (the sketch's steps are 15-23% longer at 8-16 requests of 32K,
-  # docs/results/session19) but misses needles; "quest" the max over the group of those bounds.
-  --kv-selection sketch
+  # How pages are scored: "channels" (default) as attention mass from 4-bit codes of --kv-sketch-channels key
+  # channels (0: 32) that a calibration pass at start-up picks for the model, 16 GPU bytes per token and KV head,
+  # accurate where one token of a page matters (a needle) at the cost of MeanS's step (docs/results/session24);
+  # "sketch" from 2-bit codes of the channels each query weighs most (head_dim / 4 bytes; up to 18% longer steps);
+  # "rerank" then rescores the sketch's best --kv-rerank-factor x budget pages from all their codes; "means" (the
+  # paper's MeanS over min / max page summaries) misses needles; "quest" the max over the group of those bounds.
+  --kv-selection channels
   --kv-sketch-channels 0
   # A reselection keeps a resident page unless another holds more than (1 + H) times its attention mass: pages at
   # the top-k's edge stop trading places on small query changes (half the recalls on SmolLM2, same scores; 0 = the

@@ -49,20 +49,21 @@ class FreeKVConfig:
     dense_layers: the first layers attend densely over the whole context.
     recall: "delta" recalls only the pages a new selection adds to a head's slots; "all" recalls every
         selected page of a reselected head (an ablation: what delta recall saves).
-    selection: how pages are scored, all from the page summaries and (sketch, rerank) 2-bit per-channel key codes
-        (head_dim / 4 bytes per token and KV head, in the page's min / max range) as attention mass: per query head
-        the log-sum-exp of the page's logits, softmax over pages, group mean. "sketch" (default): one stage; every
-        page's keys are its mid-range except on the sketch_channels channels the group's query weighs most, which
-        decode from their codes. "rerank": two stages; that sketch's best rerank_factor x (budget pages) are
-        rescored from all their codes (rerank_factor 0: every page). "means": the paper's group-consistent MeanS
-        on the summaries alone. "quest": max over the group of the summaries' upper bounds. "oracle": exact
-        attention mass from the host copy of the keys (the accuracy harness's upper bound; not servable).
-        "channels": 4-bit codes of sketch_channels key channels per KV head (default 32), chosen and quantised
-        once per model by a calibration pass over a fixed text (FreeKVModel.calibrate; the server runs it at
-        start-up), the same steps for every page, nothing elsewhere (freekv_kernels.channel_sketch).
-        SmolLM2, passkey and multikey at 4K / 8K, budgets 512 / 1024: sketch with 32 channels scores the oracle's
-        score in every cell, rerank/2 with 16 within a sample, at 1.0x and 1.5x the sketch's cost at 16 x 32K
-        (docs/results/session16).
+    selection: how pages are scored, as attention mass: per query head the log-sum-exp of the page's logits, softmax
+        over pages, group mean. "channels" (default): from 4-bit codes of sketch_channels key channels per KV head
+        (default 32: 16 GPU bytes per token and KV head), chosen and quantised once per model by a calibration pass
+        over a fixed text (FreeKVModel.calibrate; the server runs it at start-up), the same steps for every page,
+        nothing elsewhere (freekv_kernels.channel_sketch): one tensor-core product per request and KV head. It needs
+        a head dim of at least 32 and rotate-half RoPE. "sketch": from the page summaries and 2-bit per-channel key
+        codes (head_dim / 4 bytes per token and KV head, in the page's min / max range); one stage; every page's
+        keys are its mid-range except on the sketch_channels channels the group's query weighs most, which decode
+        from their codes. "rerank": two stages; that sketch's best rerank_factor x (budget pages) are rescored
+        from all their codes (rerank_factor 0: every page). "means": the paper's group-consistent MeanS on the
+        summaries alone. "quest": max over the group of the summaries' upper bounds. "oracle": exact attention
+        mass from the host copy of the keys (the accuracy harness's upper bound; not servable).
+        SmolLM2, passkey and multikey at 4K / 8K, budgets 512 / 1024, 20 samples: channels and the sketch score
+        the oracle's score in every cell; served under a real model's churn, the channels' step is within 5% of
+        MeanS's and the sketch's up to 18% above it (docs/results/session24, session16).
     rerank_factor: N > 0 (default 2): the rerank's best N x (budget pages) of its sketch are rescored from all
         their codes; 0 rescores every page.
     sketch_channels: key channels the sketch (of "sketch" and "rerank") reads per KV head (a multiple of 4, at
@@ -124,7 +125,7 @@ class FreeKVConfig:
     dense_layers: int = 1
     recall: str = "delta"
     recall_programs: int = 32
-    selection: str = "sketch"
+    selection: str = "channels"
     rerank_factor: int = 2
     sketch_channels: int = 0
     retrieval: str = "freekv"
@@ -266,10 +267,14 @@ class FreeKVConfig:
         if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
             raise ValueError(f"FreeKV's kernels (page scoring, attention, and the rerank selection's four 2-bit key "
                              f"codes per byte) need a power-of-two head dim >= 16; this model's is {head_dim}")
-        channels = self.channel_count if self.selection == "channels" else self.sketch_channels
-        if head_dim is not None and self.selection in (*CODE_SELECTIONS, "channels") and \
-                self.retrieval == "freekv" and channels > head_dim:
-            raise ValueError(f"sketch_channels={channels} exceeds the model's head dim {head_dim}: "
+        if head_dim is not None and self.selection == "channels" and self.retrieval == "freekv" and \
+                self.channel_count > head_dim:
+            fix = "pick another --kv-selection" if head_dim < 32 else "lower --kv-sketch-channels (a multiple of 32)"
+            raise ValueError(f"selection 'channels' codes {self.channel_count} key channels, more than the model's "
+                             f"head dim {head_dim}: {fix}")
+        if head_dim is not None and self.selection in CODE_SELECTIONS and self.retrieval == "freekv" and \
+                self.sketch_channels > head_dim:
+            raise ValueError(f"sketch_channels={self.sketch_channels} exceeds the model's head dim {head_dim}: "
                              f"lower --kv-sketch-channels")
         if num_kv_heads < 1 or num_q_heads % num_kv_heads:
             raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")

@@ -31,13 +31,13 @@ def test_smoke_mode_end_to_end(tmp_path, capsys):
     print(f"smoke run: {dt:.1f} s")
     summary = json.loads((tmp_path / "summary.json").read_text())
     cells = {(s["method"], s["budget"]): s for s in summary["scores"]}
-    expected = {("dense", None)} | {(m.name, 256) for m in parse_methods("oracle,sketch,rerank,means,quest,streaming",
-                                                                         [0, 0.9, 1])}
+    methods = parse_methods("oracle,channels,sketch,rerank,means,quest,streaming", [0, 0.9, 1])
+    expected = {("dense", None)} | {(m.name, 256) for m in methods}
     assert set(cells) == expected  # every method produced a scored row
     assert all(c["samples"] == 4 and c["task"] == "passkey" and c["length"] == 1024 for c in cells.values())
     assert cells[("dense", None)]["score"] >= 0.9
     stats = {s["method"]: s for s in summary["engine_stats"]}
-    for name in ("sketch", "rerank"):
+    for name in ("channels", "sketch", "rerank"):
         assert stats[f"{name}(tau=0)"]["mean_correction_rate"] == 0
         assert stats[f"{name}(tau=1)"]["mean_correction_rate"] == pytest.approx(1)
     assert all(0 < c <= 1 for c in stats["means(tau=0.9)"]["mean_cosine"])

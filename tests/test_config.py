@@ -143,11 +143,13 @@ def test_recall_programs():
 
 
 def test_selection_knobs():
-    assert FreeKVConfig().selection == "sketch" and FreeKVConfig().rerank_factor == 2  # rerank: the sketch's best 2k
-    assert FreeKVConfig().sketch_bytes(128) == 8 and FreeKVConfig().sketch_bytes(16) == 4  # min(32, head dim) / 4
-    assert FreeKVConfig(sketch_channels=16).sketch_bytes(128) == 4
+    assert FreeKVConfig().selection == "channels" and FreeKVConfig().rerank_factor == 2  # rerank: the sketch's best 2k
+    assert FreeKVConfig().channel_count == 32 and FreeKVConfig(sketch_channels=64).channel_count == 64
+    sketch = FreeKVConfig(selection="sketch")
+    assert sketch.sketch_bytes(128) == 8 and sketch.sketch_bytes(16) == 4  # min(32, head dim) / 4
+    assert FreeKVConfig(selection="sketch", sketch_channels=16).sketch_bytes(128) == 4
     # Which selections run the sketch (and so hold its picks): the sketch, the rerank of candidates, not rerank/0.
-    assert FreeKVConfig().sketches and FreeKVConfig(selection="rerank").sketches
+    assert sketch.sketches and FreeKVConfig(selection="rerank").sketches and not FreeKVConfig().sketches
     assert not FreeKVConfig(selection="rerank", rerank_factor=0).sketches and not FreeKVConfig(selection="means").sketches
     assert not FreeKVConfig(retrieval="louiskv").sketches
     assert FreeKVConfig(rerank_factor=4).rerank_pages == 4 * FreeKVConfig().select_pages
@@ -155,8 +157,10 @@ def test_selection_knobs():
         FreeKVConfig(selection="topk")
     with pytest.raises(ValueError, match="rerank_factor"):
         FreeKVConfig(rerank_factor=-1)
-    with pytest.raises(ValueError, match="page_size must be at least 16 tokens for selection 'sketch'"):
+    with pytest.raises(ValueError, match="page_size must be at least 16 tokens for selection 'channels'"):
         FreeKVConfig(page_size=8, budget=64, sink=64, window=64)
+    with pytest.raises(ValueError, match="page_size must be at least 16 tokens for selection 'sketch'"):
+        FreeKVConfig(page_size=8, budget=64, sink=64, window=64, selection="sketch")
     with pytest.raises(ValueError, match="page_size must be at least 16 tokens for selection 'rerank'"):
         FreeKVConfig(page_size=8, budget=64, sink=64, window=64, selection="rerank")
     FreeKVConfig(page_size=8, budget=64, sink=64, window=64, selection="means")  # MeanS takes any page size
@@ -164,9 +168,18 @@ def test_selection_knobs():
         with pytest.raises(ValueError, match="^sketch_channels must be 0"):
             FreeKVConfig(sketch_channels=bad)
     with pytest.raises(ValueError, match="sketch_channels=32 exceeds the model's head dim 16: lower --kv-sketch-channels"):
-        FreeKVConfig(sketch_channels=32).check_model(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
+        FreeKVConfig(sketch_channels=32, selection="sketch").check_model(num_layers=2, num_q_heads=4, num_kv_heads=2,
+                                                                          head_dim=16)
     FreeKVConfig(sketch_channels=32, selection="means").check_model(2, 4, 2, 16)  # no sketch, nothing to fit
-    FreeKVConfig().check_model(2, 4, 2, 16)  # the default fits: min(32, head dim)
+    FreeKVConfig(selection="sketch").check_model(2, 4, 2, 16)  # the sketch's default fits: min(32, head dim)
+    # The channel sketch codes 32 channels at least: a smaller head dim needs another selection.
+    with pytest.raises(ValueError, match="codes 32 key channels, more than the model's head dim 16: pick another "
+                                         "--kv-selection"):
+        FreeKVConfig().check_model(2, 4, 2, 16)
+    with pytest.raises(ValueError, match="codes 128 key channels, more than the model's head dim 64: lower "
+                                         "--kv-sketch-channels"):
+        FreeKVConfig(sketch_channels=128).check_model(2, 4, 2, 64)
+    FreeKVConfig().check_model(2, 4, 2, 32)
 
 
 @pytest.mark.parametrize("head_dim", [8, 96, 80])

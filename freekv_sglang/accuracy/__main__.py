@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..calibration import CALIBRATION_TOKENS
 from . import report
 from .methods import Geometry, parse_methods, with_prefill
 from .runner import RunConfig, run
@@ -20,7 +21,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 # Small enough for the test suite on 2 CPU cores: 4 passkey prompts of ~1K tokens, every method.
-SMOKE = dict(tasks="passkey", lengths="1024", budgets="256", samples=4, batch=4)
+SMOKE = dict(tasks="passkey", lengths="1024", budgets="256", samples=4, batch=4, calibration_tokens=1024)
 
 
 def _ints(s: str) -> list[int]:
@@ -39,14 +40,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lengths", default="4096,8192", help="context lengths in tokens (prompt + answer)")
     ap.add_argument("--budgets", default="512,1024", help="selected tokens, excluding sink and window")
     ap.add_argument("--samples", type=int, default=20, help="samples per task and length")
-    ap.add_argument("--methods", default="dense,oracle,sketch,rerank,means,quest,streaming",
-                    help="from dense, oracle, rerank, sketch, means, quest, louiskv, streaming (rerank, sketch and "
-                         "means once per tau)")
+    ap.add_argument("--methods", default="dense,oracle,channels,sketch,rerank,means,quest,streaming",
+                    help="from dense, oracle, channels, rerank, sketch, means, quest, louiskv, streaming (channels, "
+                         "rerank, sketch and means once per tau)")
     ap.add_argument("--taus", default="0.9", help="FreeKV correction thresholds of rerank and means")
     ap.add_argument("--louiskv-tau", type=float, default=0.7,
                     help="LouisKV's boundary threshold (the paper's default 0.7; 0.85 in its long-input runs)")
     ap.add_argument("--rerank-factor", type=int, default=None,
                     help="rerank candidates per selected page (0: every page; default: FreeKVConfig's)")
+    ap.add_argument("--calibration-tokens", type=int, default=CALIBRATION_TOKENS,
+                    help="tokens of the calibration text (freekv_sglang.calibration) that calibrate the channel "
+                         f"sketch before each of its runs (default {CALIBRATION_TOKENS}, the server's)")
     ap.add_argument("--sketch-channels", type=int, default=None,
                     help="key channels the sketch of rerank and sketch reads (default: FreeKVConfig's)")
     ap.add_argument("--hysteresis", default=None,
@@ -135,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                                              args.kv_tsp_layer, _ints(args.kv_tsp_keep)), geometry=geo,
                         seed=args.seed,
                         template=args.template, batch=args.batch, backend=args.backend, url=args.url,
-                        server_method=args.server_method, server_budget=args.server_budget)
+                        server_method=args.server_method, server_budget=args.server_budget,
+                        calibration_tokens=args.calibration_tokens)
         for spec in cfg.methods:  # refuse bad geometry before any prefill
             for b in cfg.budgets if spec.uses_budget else [0]:
                 spec.config(b, geo, max(args.dense_layers, 1))

@@ -2,15 +2,14 @@
 
 All methods share one dense prefill and attend to the same number of tokens per step:
 - dense: every layer dense (dense_layers = num_layers), the full-KV reference; budget-independent.
-- sketch(tau), rerank(tau), means(tau): FreeKV with the default selection (a one-stage sketch: mid-range keys
-  refined by the 2-bit codes of the channels the query weighs most; sketch/cC with --sketch-channels C), the
+- channels(tau): FreeKV with the default selection, scoring pages from 4-bit codes of 32 key channels per KV head
+  (channels/cC with --sketch-channels C) chosen and quantised once per model from a calibration text
+  (freekv_sglang.calibration), the same steps for every page, speculative with correction below tau (tau 0 = pure
+  speculation, tau 1 = reselect every head every step, i.e. no speculation).
+- sketch(tau), rerank(tau), means(tau): FreeKV with a one-stage sketch (mid-range keys refined by the 2-bit codes of
+  the channels the query weighs most; sketch/cC with --sketch-channels C; the default in sessions 16-23), the
   two-stage rerank (that sketch's best candidates rescored from all their codes; rerank/N(tau) with
-  --rerank-factor N, 0 = every page rescored) or the paper's MeanS alone,
-  speculative with correction below tau (tau 0 = pure speculation, tau 1 = reselect every head every step, i.e.
-  no speculation).
-- channels(tau): FreeKV scoring pages from 4-bit codes of 32 key channels per KV head (channels/cC with
-  --sketch-channels C) chosen and quantised once per model from a calibration text (freekv_sglang.calibration),
-  the same steps for every page, speculative with correction as above.
+  --rerank-factor N, 0 = every page rescored) or the paper's MeanS alone, speculative with correction as above.
 - quest: the Quest-style baseline: max over the query group of the min / max bounds, selected with the current
   query every step (the engine has no per-query-head selection).
 - oracle: the exact attention mass of the current query per KV-head group, from the host copy of the keys,

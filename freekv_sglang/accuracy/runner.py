@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..calibration import calibration_ids
+from ..calibration import CALIBRATION_TOKENS, calibration_ids
 from .diagnostics import SelectionProbes
 from .methods import Geometry, MethodSpec
 from .tasks import Sample, make_samples
@@ -45,6 +45,7 @@ class RunConfig:
     url: str = "http://127.0.0.1:30000"
     server_method: str = "sglang"  # row label of the server's answers
     server_budget: int | None = None
+    calibration_tokens: int = CALIBRATION_TOKENS  # of the calibration text, for a selection that needs one
 
 
 def cells(cfg: RunConfig) -> list[tuple[MethodSpec, int | None]]:
@@ -107,7 +108,7 @@ class EngineBackend:
             fm = self._build(self.model, fkv_cfg, max_requests=len(chunk), max_context=max_context,
                              method=spec.engine_method)
             if fm.needs_calibration:
-                fm.calibrate(calibration_ids(self.tok))
+                fm.calibrate(calibration_ids(self.tok, cfg.calibration_tokens))
             if fm.prefill_mode not in caches:
                 t0 = time.perf_counter()
                 made = [fm.prefill(list(s.ids)) for s in chunk]

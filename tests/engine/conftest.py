@@ -1,14 +1,19 @@
 import pytest
 import torch
 
+from freekv_sglang.calibration import calibrate_synthetic, gaussian_sample
+
 
 @pytest.fixture
 def prefill_alike():
     """prefill_alike(engines, lens, dtype, device) -> slots: one prompt per length, the same random K/V (and last
-    query) in every engine, each layer prefilled in turn; slot ids come from the last engine."""
+    query) in every engine, each layer prefilled in turn; slot ids come from the last engine. An engine that waits for
+    a calibration (the default channel sketch) is first calibrated from the same Gaussian queries and keys."""
 
     def prefill(engines, lens, dtype=torch.float32, device="cpu"):
         shape = engines[0].shape
+        for e in engines:
+            calibrate_synthetic(e, gaussian_sample(e))
         slots = []
         for n in lens:
             data = [(torch.randn(n, shape.num_kv_heads, shape.head_dim, device=device, dtype=dtype),

@@ -68,7 +68,7 @@ def test_triton_backend_equals_torch_backend(prefill_alike, decode_alike):
 def test_channel_counts_are_checked():
     with pytest.raises(ValueError, match="multiple of 32"):
         FreeKVConfig(selection="channels", sketch_channels=48)
-    with pytest.raises(ValueError, match="exceeds the model's head dim 16"):
+    with pytest.raises(ValueError, match="more than the model.s head dim 16: pick another --kv-selection"):
         FreeKVConfig(selection="channels").check_model(2, 4, 2, head_dim=16)
     with pytest.raises(ValueError, match="page_size must be at least 16"):
         FreeKVConfig(selection="channels", page_size=8, sink=8, window=8, budget=16)

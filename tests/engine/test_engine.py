@@ -19,7 +19,7 @@ from freekv_kernels.token_index import head_token_index, naive_head_token_index
 from freekv_sglang.layout import head_indptr, row_tokens
 from freekv_kernels.testing import device
 
-D = 16
+D = 16  # below the default channel sketch's 32 channels: these tests select with the sketch unless they name one
 DEV = device()
 
 
@@ -191,7 +191,7 @@ def run_and_check(cfg, H, G, prompt_lens, steps, L=3, backend="torch", atol=1e-5
 
 @pytest.mark.parametrize("G", [1, 3, 4])
 def test_budget_covering_context_equals_dense(G):
-    cfg = FreeKVConfig(budget=512, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=512, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1)
     eng, _ = run_and_check(cfg, H=2, G=G, prompt_lens=[37, 100, 16], steps=40, expect_dense=True)
     assert eng.stats()["steps"] == 40
 
@@ -199,7 +199,8 @@ def test_budget_covering_context_equals_dense(G):
 @pytest.mark.parametrize("tau", [0.0, 0.5, 1.0])
 def test_speculation_and_correction_match_oracle(tau):
     # No hysteresis: on random keys it keeps nearly every resident page, and this test needs speculative recalls.
-    cfg = FreeKVConfig(budget=48, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, hysteresis=0.0)
+    cfg = FreeKVConfig(selection="sketch", budget=48, sink=16, window=32, page_size=16, tau=tau, dense_layers=1,
+                       hysteresis=0.0)
     eng, flags = run_and_check(cfg, H=2, G=3, prompt_lens=[200, 131], steps=36)
     rate = sum(map(sum, flags)) / sum(map(len, flags))
     if tau == 1.0:
@@ -267,7 +268,7 @@ def test_tau_one_selects_with_current_query(selection):
 
 
 def test_batch_equals_each_request_alone():
-    cfg = FreeKVConfig(budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)
     H, G, L, lens, steps = 2, 3, 2, [90, 161, 47], 20
     torch.manual_seed(1)
     prompts = [[(torch.randn(n, H, D, device=DEV), torch.randn(n, H, D, device=DEV), torch.randn(H * G, D, device=DEV))
@@ -305,7 +306,7 @@ def test_batch_equals_each_request_alone():
 
 def test_leave_and_join_reuse_slots_cleanly():
     """A request joining a slot another request left behaves exactly like one in a fresh engine."""
-    cfg = FreeKVConfig(budget=32, sink=16, window=16, page_size=16, tau=0.7, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=16, tau=0.7, dense_layers=1)
     H, G, L = 2, 4, 2
     eng = make_engine(cfg, H, G, L, max_requests=2)
     fresh = make_engine(cfg, H, G, L, max_requests=2)
@@ -348,7 +349,7 @@ def test_leave_and_join_reuse_slots_cleanly():
 
 
 def test_bad_usage_is_refused():
-    cfg = FreeKVConfig(budget=32, sink=16, window=16, page_size=16)
+    cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=16)
     eng = make_engine(cfg, 2, 2, 2, max_requests=1, max_context=64)
     s = eng.add_request()
     with pytest.raises(RuntimeError, match="slots are in use"):
@@ -365,7 +366,7 @@ def test_bad_usage_is_refused():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU side is test_cuda_graph.py's step timing test")
 def test_step_timing_needs_a_gpu():
-    eng = make_engine(FreeKVConfig(budget=32, sink=16, window=16, page_size=16), 2, 2, 2)
+    eng = make_engine(FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=16), 2, 2, 2)
     assert eng.enable_step_timing() is False and eng.step_times() is None
 
 
@@ -383,14 +384,14 @@ def test_step_timer_samples_layers_over_the_depth():
 def test_triton_kernels_match_oracle(tau):
     """The same oracle check with every op from the Triton kernels (interpreter on CPU, CUDA on GPU). Taus 0 and 1
     under Triton: test_replayed_correction_rate_overrides_tau (the same decode with every head, or none, flagged)."""
-    cfg = FreeKVConfig(budget=32, sink=16, window=16, page_size=16, tau=tau, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=16, tau=tau, dense_layers=1)
     run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=18, L=2, backend="triton", atol=1e-4)
 
 
 def test_framework_slots_padding_and_outside_dense_layers():
     """SGLang's usage: its own slot ids (req_pool_idx), row 0 for padding, dense layers run elsewhere,
     lengths given by the caller; a padded batch must not disturb the real rows."""
-    cfg = FreeKVConfig(budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)
     H, G, L = 2, 3, 2
     shape = ModelShape(num_layers=L, num_q_heads=H * G, num_kv_heads=H, head_dim=D)
     eng = FreeKVEngine(cfg, shape, max_requests=6, max_context=512, dtype=torch.float32, device=DEV,
@@ -459,7 +460,7 @@ def head_major_attention(cfg, H, G, order_log=None, triton_lists=True):
 @pytest.mark.parametrize("tau", [0.0, 0.6, 1.0])
 def test_head_major_token_lists_match_oracle(tau):
     """The flat (row, head) token lists the FlashInfer path attends to hold exactly FreeKV's tokens."""
-    cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=tau, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=48, sink=16, window=16, page_size=16, tau=tau, dense_layers=1)
     run_and_check(cfg, H=2, G=3, prompt_lens=[90, 37, 150], steps=20, L=2,
                   attention=head_major_attention(cfg, 2, 3))
 
@@ -470,7 +471,7 @@ def test_head_major_lists_are_the_context_in_order_when_the_budget_covers_it(pag
     """With every page selected, each (row, head) list is the whole context in token order: the order an
     order-sensitive kernel (FlashInfer) reads full attention in, so both round alike."""
     p = page_size
-    cfg = FreeKVConfig(budget=12 * p, sink=p, window=2 * p, page_size=p, tau=0.5, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=12 * p, sink=p, window=2 * p, page_size=p, tau=0.5, dense_layers=1)
     H, G, L = 3, 2, 2
     eng = make_engine(cfg, H, G, L, max_requests=3, max_context=16 * p)
     slots, lens = [], [5, 3 * p + 7, 9 * p + 1]
@@ -499,7 +500,7 @@ def test_head_major_lists_are_the_context_in_order_when_the_budget_covers_it(pag
 
 
 def test_row_tokens_on_the_host_match_the_plan_past_the_budget():
-    cfg = FreeKVConfig(budget=32, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1)
     eng = make_engine(cfg, 2, 2, 2, max_requests=2, max_context=1024)
     s = eng.add_request()
     eng.begin_prefill(s, 1)
@@ -513,7 +514,7 @@ def test_row_tokens_on_the_host_match_the_plan_past_the_budget():
 def test_one_kv_head_and_many_candidates(backend):
     """One KV head (MQA, or GQA split by tensor parallelism) with more candidates than a warp: once a stride-0
     head index made the Triton recall write outside its pages."""
-    cfg = FreeKVConfig(budget=96 * 32, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=96 * 32, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1)
     run_and_check(cfg, H=1, G=8, prompt_lens=[1201, 700], steps=3, L=2, backend=backend, atol=1e-4,
                   expect_dense=True)
 
@@ -522,7 +523,7 @@ def test_one_kv_head_and_many_candidates(backend):
 def test_replayed_correction_rate_overrides_tau(backend):
     """cfg.replay_correction_rate (benchmarks): rate 0 decodes as pure speculation and rate 1 as no speculation,
     whatever tau."""
-    base = dict(budget=48, sink=16, window=16, page_size=16, dense_layers=1)
+    base = dict(budget=48, sink=16, window=16, page_size=16, dense_layers=1, selection="sketch")
     run_and_check(FreeKVConfig(**base, tau=1.0, replay_correction_rate=0.0), H=2, G=2, prompt_lens=[150, 97],
                   steps=3, L=2, backend=backend, oracle_tau=0.0)
     run_and_check(FreeKVConfig(**base, tau=0.0, replay_correction_rate=1.0), H=2, G=2, prompt_lens=[150, 97],
@@ -531,7 +532,7 @@ def test_replayed_correction_rate_overrides_tau(backend):
 
 def test_replayed_correction_rate_flags_that_share():
     """A replayed rate in between flags about that share of the checks, fresh draws every step."""
-    cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, dense_layers=0, tau=0.9,
+    cfg = FreeKVConfig(selection="sketch", budget=48, sink=16, window=16, page_size=16, dense_layers=0, tau=0.9,
                        replay_correction_rate=0.3)
     eng = make_engine(cfg, H=8, G=1, L=1)
     slots = [eng.add_request() for _ in range(4)]
@@ -556,7 +557,8 @@ def churn_run(rate, backend, steps, H=8, R=4, prompt=1600, seed=5):
     """Decode R requests of `prompt` tokens with cfg.replay_churn = rate under pure speculation (tau 0: every head
     selects once a step, after attention); returns the engine and its recalled head-pages after each step."""
     torch.manual_seed(seed)
-    cfg = FreeKVConfig(budget=128, sink=16, window=16, page_size=16, dense_layers=0, tau=0.0, replay_churn=rate)
+    cfg = FreeKVConfig(selection="sketch", budget=128, sink=16, window=16, page_size=16, dense_layers=0, tau=0.0,
+                       replay_churn=rate)
     eng = make_engine(cfg, H=H, G=2, L=1, backend=backend)
     slots = [eng.add_request() for _ in range(R)]
     for slot in slots:
@@ -592,7 +594,7 @@ def test_replayed_churn_is_the_same_from_the_kernels():
 
 def test_recall_all_ablation_attends_alike_and_recalls_more():
     """--kv-recall all (the no-delta ablation) attends to the same pages as delta recall, and recalls more."""
-    base = dict(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)
+    base = dict(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="sketch")
     torch.manual_seed(3)
     delta, _ = run_and_check(FreeKVConfig(**base), H=2, G=2, prompt_lens=[150, 97], steps=12, L=2)
     torch.manual_seed(3)
@@ -605,7 +607,7 @@ def test_recall_all_ablation_attends_alike_and_recalls_more():
 
 def test_head_indptr_matches_the_device_token_lists():
     """The host offsets FlashInfer is planned with equal where head_token_index puts each (row, head) list."""
-    cfg = FreeKVConfig(budget=32, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1)
     H, lens = 3, [1, 17, 90, 300, 64]
     indptr = head_indptr(cfg, lens, H)
     n = [row_tokens(cfg, x) for x in lens]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from freekv_sglang.calibration import calibration_ids
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.hf_adapter import FreeKVModel
 
@@ -30,6 +31,7 @@ def test_greedy_equals_hf_generate_when_budget_covers_context(smollm2):
     # Budget beyond every context: FreeKV must reproduce the model's own greedy generation exactly.
     cfg = FreeKVConfig(budget=1024, sink=32, window=32, page_size=16, tau=0.9, dense_layers=1)
     fm = FreeKVModel.build(model, cfg, max_requests=2, max_context=512)
+    fm.calibrate(calibration_ids(tok, 512))  # the default channel sketch
     outs = fm.generate(prompts, new, max_batch=2)  # 2 at a time: the third joins when one leaves
     for ids, out in zip(prompts, outs):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, min_new_tokens=new)
@@ -39,10 +41,11 @@ def test_greedy_equals_hf_generate_when_budget_covers_context(smollm2):
 
 
 def test_sparse_budget_still_finds_the_passkey(smollm2):
+    """The sketch (the default's uncalibrated alternative; the default is the test below)."""
     model, tok = smollm2
     ids = passkey_prompt(tok, "58213", 40)
     assert len(ids) > 700
-    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=16, tau=0.9, dense_layers=1)
+    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=16, tau=0.9, dense_layers=1, selection="sketch")
     fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + 16)
     out = fm.generate([ids], 8)[0]
     assert "58213" in tok.decode(out)
@@ -51,14 +54,13 @@ def test_sparse_budget_still_finds_the_passkey(smollm2):
 
 
 def test_channels_selection_calibrates_and_finds_the_passkey(smollm2):
-    """selection 'channels': without a calibration the first prompt is refused, naming calibrate; calibrate() from
-    the calibration text gives every sparse layer its channels (not the dense first layer), and the passkey comes
-    back at a budget of 128 tokens."""
-    from freekv_sglang.calibration import calibration_ids
-
+    """The default selection, 'channels': without a calibration the first prompt is refused, naming calibrate;
+    calibrate() from the calibration text gives every sparse layer its channels (not the dense first layer), and the
+    passkey comes back at a budget of 128 tokens."""
     model, tok = smollm2
     ids = passkey_prompt(tok, "58213", 40)
-    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=16, tau=0.9, dense_layers=1, selection="channels")
+    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=16, tau=0.9, dense_layers=1)
+    assert cfg.selection == "channels"
     fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + 16)
     assert fm.needs_calibration
     with pytest.raises(RuntimeError, match="calibrate"):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from freekv_kernels.tsp_select import naive_tsp_select
+from freekv_sglang.calibration import calibration_ids
 from freekv_sglang.config import TSP_WINDOW, FreeKVConfig
 from freekv_sglang.hf_adapter import FreeKVModel, _rope
 
@@ -80,6 +81,8 @@ def test_tsp_with_freekv_decodes_and_counts_every_layer(smollm2):
     ids = prompt(tok, "58213", 20)
     fm = FreeKVModel.build(model, cfg(prefill="tsp", tsp_layer=TSP_LAYER, tsp_keep=192), max_requests=2,
                            max_context=len(ids) + 16)
+    fm.calibrate(calibration_ids(tok, 512))  # both engines' sparse layers (the default channel sketch)
+    assert not fm.needs_calibration
     outs = fm.generate([ids, ids[:150]], 3, max_batch=2)
     assert [len(o) for o in outs] == [3, 3]
     st = fm.stats()

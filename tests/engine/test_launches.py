@@ -14,6 +14,7 @@ from freekv_kernels.testing import device
 from freekv_kernels.token_index import head_token_index
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from freekv_sglang.calibration import calibrate_synthetic, gaussian_sample
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
 from freekv_sglang.layout import row_tokens
@@ -72,13 +73,15 @@ def recorder(monkeypatch, eng):
 
 
 def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5, selection="sketch", factor=None,
-               retrieval="freekv"):
+               retrieval="freekv", head_dim=D):
     """Launches per sparse layer of the third decode step of two requests (slots filled, some heads flagged)."""
+    D = head_dim
     cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall,
                        selection=selection, rerank_factor=FreeKVConfig().rerank_factor if factor is None else factor,
                        retrieval=retrieval, boundary_tau=tau)
     eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=1024, dtype=torch.float32,
                        device=DEV, backend="triton", method=method, pad_slot=0, dense_outside=True)
+    calibrate_synthetic(eng, gaussian_sample(eng))
     rec = recorder(monkeypatch, eng)
     slots = [1, 2]
     for s, n in zip(slots, [500, 300]):
@@ -119,13 +122,13 @@ EVERY_PAGE = {"_rerank_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_
 # The rerank: the sketch's log-sum-exps (its byte picks come with the similarity check), pooled scores and top
 # candidates first.
 RERANK = {**EVERY_PAGE, "_sketch_lse_kernel": 1, "_rerank_pool_kernel": 2, "_top_pages_kernel": 1}
-# The default, the sketch alone: its log-sum-exps, pooled scores, then the selection and recall.
+# The sketch alone (the default in sessions 16-23): its log-sum-exps, pooled scores, then the selection and recall.
 SELECT = {"_sketch_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
 
 
 @pytest.mark.parametrize("recall", ["delta", "all"])
 def test_freekv_layer_launches(monkeypatch, recall):
-    """12 launches per sparse layer with the default sketch selection: 3 on the compute stream (similarity with the
+    """12 launches per sparse layer with the sketch selection: 3 on the compute stream (similarity with the
     sketch's byte picks and the KV write, attention and its split combine), 4 on the select stream before attention,
     5 on the recall stream; no torch glue anywhere."""
     got = count_step(monkeypatch, recall=recall)
@@ -133,6 +136,20 @@ def test_freekv_layer_launches(monkeypatch, recall):
         "compute": {"_query_similarity_kernel": 1, "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1},
         "select": SELECT,
         "recall": {**SELECT, "_offload_pages_kernel": 1},
+    }
+
+
+def test_channels_layer_launches(monkeypatch):
+    """The default selection, the channel sketch (head dim 32: it codes 32 channels): its log-sum-exps and pooled
+    scores in place of the sketch's, and one launch more after the offload, the codes of the page leaving the window:
+    13 per sparse layer."""
+    got = count_step(monkeypatch, selection="channels", head_dim=32)
+    channels = {**SELECT, "_channel_lse_kernel": 1}
+    del channels["_sketch_lse_kernel"]
+    assert got == {
+        "compute": {"_query_similarity_kernel": 1, "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1},
+        "select": channels,
+        "recall": {**channels, "_offload_pages_kernel": 1, "_write_codes_kernel": 1},
     }
 
 
@@ -181,7 +198,7 @@ def test_louiskv_layer_launches(monkeypatch):
 def test_plan_is_one_launch(monkeypatch, dense_outside):
     """The step's index tensors, before the first layer, come from one kernel on the compute stream (the dense
     outputs only when the engine runs the dense layers itself)."""
-    cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=64, sink=16, window=32, page_size=16, dense_layers=1)
     eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=1024, dtype=torch.float32,
                        device=DEV, backend="triton", dense_outside=dense_outside)
     rec = recorder(monkeypatch, eng)

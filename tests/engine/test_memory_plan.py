@@ -27,7 +27,8 @@ def _tensor_bytes(*engines) -> int:
 
 
 @pytest.mark.parametrize("cfg, shape", [
-    (FreeKVConfig(budget=64, sink=16, window=32, page_size=16, dense_layers=1), ModelShape(4, 8, 2, 16)),
+    (FreeKVConfig(selection="sketch", budget=64, sink=16, window=32, page_size=16, dense_layers=1),
+     ModelShape(4, 8, 2, 16)),
     (FreeKVConfig(budget=96, sink=32, window=32, page_size=32, dense_layers=2), ModelShape(5, 6, 3, 32)),
 ])
 def test_engine_reservation_covers_its_tensors(cfg, shape):
@@ -45,7 +46,8 @@ def test_tsp_reservation_covers_both_engines():
     from freekv_sglang.engine import tsp_engines
     from freekv_sglang.host_pool import LocalHostPool
 
-    cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, dense_layers=1, prefill="tsp", tsp_layer=2)
+    cfg = FreeKVConfig(selection="sketch", budget=64, sink=16, window=32, page_size=16, dense_layers=1, prefill="tsp",
+                       tsp_layer=2)
     shape, slots, ctx, host = ModelShape(5, 8, 2, 16), 5, 700, 40
     pool = LocalHostPool(host, 5, 2, 16, 16, torch.float16, pin=False)
     engines = tsp_engines(cfg, shape, pool, max_requests=slots, max_context=ctx, dtype=torch.float16, device="cpu",

@@ -15,7 +15,7 @@ DEV = device()
 H, G, L = 2, 2, 3
 P = 5  # shared full pages
 KEY_OWNER = 1 << 40  # a host-pool owner standing for the retained prefix
-CFG = FreeKVConfig(budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)
+CFG = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1)
 
 
 def make_engine(cfg=CFG, dense_outside=False):

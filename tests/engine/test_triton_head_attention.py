@@ -14,6 +14,7 @@ import pytest
 import torch
 from freekv_kernels.testing import device
 
+from freekv_sglang.calibration import calibrate_synthetic, gaussian_sample
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
 
@@ -69,6 +70,7 @@ def dense(q, ks, vs, H, mode):
 def setup(G, H, cfg, lens, bs, mode):
     eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=bs, max_context=2048, dtype=DT, device=DEV,
                        backend=BACKEND, pad_slot=0, dense_outside=True)
+    calibrate_synthetic(eng, gaussian_sample(eng))  # the default channel sketch, from keys like these
     ta = TritonHeadAttention(inner_backend(mode, bs, H * G), cfg, H * G, H, D, eng.num_slots, DEV)
     hist, slots = [], []
     for i, n in enumerate(lens):
@@ -113,6 +115,7 @@ def test_past_the_budget_it_matches_the_engine_kernel(mode):
     eng, ta, hist, slots = setup(G, H, cfg, lens, bs, mode)
     twin = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=bs, max_context=2048, dtype=DT, device=DEV,
                         backend=BACKEND, pad_slot=0, dense_outside=True)
+    calibrate_synthetic(twin, gaussian_sample(twin))
     for s, n, (k, v) in zip(slots, lens, hist):
         twin.add_request(s)
         twin.begin_prefill(s, n)

@@ -20,8 +20,9 @@ from freekv_kernels.testing import device
 DEV = device()
 L, HQ, H, D, P = 4, 6, 2, 16, 16
 SHAPE = ModelShape(L, HQ, H, D)
-CFG = FreeKVConfig(budget=64, sink=16, window=16, page_size=P, tau=0.7, dense_layers=1, prefill="tsp", tsp_layer=1,
-                   tsp_keep=40)
+# Head dim 16: below the default channel sketch's 32 channels, so the sketch selects.
+CFG = FreeKVConfig(selection="sketch", budget=64, sink=16, window=16, page_size=P, tau=0.7, dense_layers=1, prefill="tsp",
+                   tsp_layer=1, tsp_keep=40)
 CTX = 512
 
 

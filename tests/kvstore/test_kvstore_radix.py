@@ -74,7 +74,7 @@ def test_engine_on_a_kvstore_arena_starts_from_a_retained_prefix(daemons):
     from freekv_sglang.kvstore_pool import KVStoreHostPool
 
     L, H, G, D, p, P = 3, 2, 2, 16, 16, 4
-    cfg = FreeKVConfig(budget=32, sink=16, window=16, page_size=p, tau=0.6, dense_layers=1)
+    cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=p, tau=0.6, dense_layers=1)
     shape = ModelShape(num_layers=L, num_q_heads=H * G, num_kv_heads=H, head_dim=D)
     dev = device()
     d = daemons.start("ipc")

@@ -22,8 +22,8 @@ from freekv_sglang.server_args import FreeKVServerSettings
 from freekv_sglang import sglang_backend
 from freekv_sglang.sglang_backend import FreeKVAttnBackend, on_request_freed
 
-L, HQ, H, D, P = 3, 6, 2, 16, 16
-CFG = FreeKVConfig(budget=32, sink=16, window=16, page_size=P, tau=0.6, dense_layers=1)
+L, HQ, H, D, P = 3, 6, 2, 16, 16  # head dim 16: below the default channel sketch's 32 channels
+CFG = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=P, tau=0.6, dense_layers=1)
 SIZE, CTX, TOKENS, STAGING = 6, 512, 8192, 40  # request slots 1..SIZE (0 pads), max context, pool tokens
 
 

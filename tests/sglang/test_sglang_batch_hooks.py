@@ -160,7 +160,7 @@ def test_scheduler_self_check(plugins, monkeypatch):
     from freekv_patches.model_runner_post_pool import hook
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    llama = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    llama = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)  # head dim 32
     runner = _runner(llama, SimpleNamespace(_freekv=FreeKVServerSettings(config=FreeKVConfig())))
     monkeypatch.setenv("FREEKV_KVSTORE_ENDPOINT", "ipc:///tmp/from-env.sock")
     hook(None, runner)
@@ -190,7 +190,7 @@ def test_self_check_refuses_missing_hooks(plugins, monkeypatch):
     from freekv_patches.model_runner_post_pool import hook
 
     monkeypatch.setattr(eager.EagerRunner, "load_batch", eager.EagerRunner.load_batch.__wrapped__)
-    llama = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    llama = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)  # head dim 32
     with pytest.raises(RuntimeError, match="EagerRunner.load_batch"):
         hook(None, _runner(llama, ON))
 
