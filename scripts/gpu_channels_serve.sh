@@ -2,10 +2,10 @@
 # Issue 18: the channel sketch served (--kv-selection channels, calibrated at start-up), in four consecutive calls on
 # one warm machine (a transfer holds 64 MiB; the machine goes back after 30 minutes held):
 #   bash scripts/gpu_channels_serve.sh decode   (carry .gpu-wheels)   benchmarks/decode.py, realistic churn, the
-#       default sketch vs channels vs MeanS: SHAPE (default qwen2.5-7b), BATCHES (default 16), CONFIGS override
+#       the sketch (the default before session 24) vs channels vs MeanS: SHAPE (default qwen2.5-7b), BATCHES (default 16), CONFIGS override
 #   bash scripts/gpu_channels_serve.sh stash    (carry .gpu-model/1)  SmolLM2 part 1
 #   bash scripts/gpu_channels_serve.sh harness  (carry .gpu-model/2)  the accuracy harness through the engine, 20
-#       samples: passkey, multikey and vartrack at 4K and 8K, budgets 512 and 1024, channels and the default sketch
+#       samples: passkey, multikey and vartrack at 4K and 8K, budgets 512 and 1024, channels and the sketch
 #   bash scripts/gpu_channels_serve.sh server                         a FreeKV SGLang server with --kv-selection
 #       channels on SmolLM2 and the harness through it (passkey and multikey at 8K, budget 1024)
 # Logs and JSON under $OUT.
