@@ -63,6 +63,8 @@ def calibrate(runner, backend) -> None:
     fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND)  # what decoder layers and RadixAttention read
     with torch.no_grad(), forward_context(ForwardContext(attn_backend=CalibrationAttention(backend.calibrate_layer))):
         decoder(torch.tensor(ids, device=runner.device), torch.arange(len(ids), device=runner.device), fb)
+    if torch.device(runner.device).type == "cuda":
+        torch.cuda.empty_cache()  # the pass's activations: SGLang sizes its pools from free memory after capture
     missing = backend.uncalibrated_layers()
     if missing:
         raise RuntimeError(f"FreeKV: the calibration pass reached no attention of layers {missing}")
