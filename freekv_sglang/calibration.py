@@ -1,5 +1,7 @@
-"""The calibration text of selection "channels": Python's own argparse source (code and English prose, on every
-machine that runs Python, and nothing a benchmark task generates), its first CALIBRATION_TOKENS tokens.
+"""Calibration of selection "channels" (the default): its text, Python's own argparse source (code and English prose,
+on every machine that runs Python, and nothing a benchmark task generates), its first CALIBRATION_TOKENS tokens;
+seeded random ids for random weights; the server pass's stand-in attention (CalibrationAttention, used by
+freekv_patches.model_runner_calibrate); and calibrate_synthetic for engines fed synthetic queries and keys.
 
 On SmolLM2-135M, channels calibrated from it, from uniformly random token ids or from a task's own prompt scored
 alike (docs/results/session23): the calibration picks the channels a model's queries weigh and its keys spread on,
