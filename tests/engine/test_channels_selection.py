@@ -22,15 +22,6 @@ def make_engine(cfg, H, G, L, backend):
                         backend=backend)
 
 
-def calibrate(engines, H, G, L):
-    torch.manual_seed(11)
-    cal = [(torch.randn(300, H * G, D, device=DEV), torch.randn(300, H, D, device=DEV)) for _ in range(L)]
-    for e in engines:
-        for layer in range(L):
-            if not e.dense[layer]:
-                e.selector.calibrate(layer, *cal[layer])
-
-
 def test_prompt_without_calibration_is_refused():
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, dense_layers=1, selection="channels")
     e = make_engine(cfg, 2, 2, 2, "torch")
@@ -46,11 +37,11 @@ def test_prompt_without_calibration_is_refused():
 def test_triton_backend_equals_torch_backend(prefill_alike, decode_alike):
     """Outputs, slot tables and statistics agree step by step (a padding row included; G = 3 pads the kernel's
     query heads), and every offloaded page's codes (prompt pages at prefill, window pages at decode) are
-    quantize_channels of its host keys. (The kernels' shapes are tested in tests/kernels/test_channel_sketch.py.)"""
+    quantize_channels of its host keys. prefill_alike calibrates both engines from one Gaussian sample. (The
+    kernels' shapes are tested in tests/kernels/test_channel_sketch.py.)"""
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="channels")
     H, G, L, lens = 2, 3, 2, [150, 97]
     engines = [make_engine(cfg, H, G, L, b) for b in ("torch", "triton")]
-    calibrate(engines, H, G, L)
     torch.manual_seed(5)
     slots = prefill_alike(engines, lens, device=DEV)
     assert decode_alike(engines, slots, STEPS, device=DEV)["recall_bytes_now"] > 0  # STEPS: past a window offload
