@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from freekv_sglang.calibration import CALIBRATION_TOKENS, calibration_ids
+from freekv_sglang.calibration import calibration_ids
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.hf_adapter import FreeKVModel
 from freekv_sglang.hf_models import load_smollm2
@@ -54,7 +54,7 @@ def run(model, tok, cfg: FreeKVConfig, ids: list[int], warm: int, new: int) -> t
     """One greedy decode of warm + new steps, measured over the last new."""
     fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + warm + new + 16)
     if fm.needs_calibration:
-        fm.calibrate(calibration_ids(tok, CALIBRATION_TOKENS))
+        fm.calibrate(calibration_ids(tok))
     probe = fm.engine.probe = ChurnProbe(fm.engine)
     cache = fm.prefill(ids)
     slot = fm.load_prefill(cache)

@@ -296,11 +296,14 @@ class FreeKVEngine:
     def seq_len(self, slot: int) -> int:
         return self._len[slot]
 
+    def uncalibrated_layers(self) -> list[int]:
+        """The sparse layers whose selector still waits for its calibration (selection "channels": its calibrate()
+        before the first prompt; freekv_sglang.calibration)."""
+        return getattr(self.selector, "uncalibrated", list)()
+
     @property
     def needs_calibration(self) -> bool:
-        """Whether a sparse layer's selector still waits for its calibration (selection "channels": its calibrate()
-        before the first prompt; freekv_sglang.calibration)."""
-        return bool(getattr(self.selector, "uncalibrated", list)())
+        return bool(self.uncalibrated_layers())
 
     def is_active(self, slot: int) -> bool:
         return 0 <= slot < self.num_slots and slot != self.pad_slot and slot not in self._free_slots

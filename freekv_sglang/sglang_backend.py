@@ -219,7 +219,7 @@ class FreeKVAttnBackend(AttentionBackend):
     def uncalibrated_layers(self) -> list[int]:
         """Model layers whose selector still waits for its calibration."""
         return sorted(layer + (self.split if eng is self.late else 0) for eng in self._engines()
-                      for layer in getattr(eng.selector, "uncalibrated", list)())
+                      for layer in eng.uncalibrated_layers())
 
     # ---- request lifecycle -------------------------------------------------------------------
 
