@@ -14,7 +14,10 @@ CODE_SELECTIONS = ("sketch", "rerank")
 # matched oracle selection on SmolLM2 (head dim 64; 16 channels: within a sample but a lower hit rate), and on the
 # Llama-3.1-8B shape (head dim 128) it costs what rerank/2 with 16 did at 16 x 32K (docs/results/session16).
 DEFAULT_SKETCH_CHANNELS = 32
-SELECTIONS = (*SERVABLE_SELECTIONS, "oracle")
+# "replay" scores nothing (benchmarks only, with replay_churn): a step with it against one with a real selection is
+# what that selection's scoring costs the step, with the same pages recalled.
+BENCH_SELECTIONS = ("replay",)
+SELECTIONS = (*SERVABLE_SELECTIONS, "oracle", *BENCH_SELECTIONS)
 # Retrieval policies over the one engine: FreeKV (speculative page selection with correction, scored by `selection`)
 # and LouisKV (freekv_sglang/louiskv.py: retrieval at semantic boundaries of clusters and segments).
 RETRIEVALS = ("freekv", "louiskv")
@@ -60,7 +63,9 @@ class FreeKVConfig:
         from their codes. "rerank": two stages; that sketch's best rerank_factor x (budget pages) are rescored
         from all their codes (rerank_factor 0: every page). "means": the paper's group-consistent MeanS on the
         summaries alone. "quest": max over the group of the summaries' upper bounds. "oracle": exact attention
-        mass from the host copy of the keys (the accuracy harness's upper bound; not servable).
+        mass from the host copy of the keys (the accuracy harness's upper bound; not servable). "replay": no
+        scoring, every candidate page ties (benchmarks only, with replay_churn, whose draws are then the whole
+        selection): the baseline that prices a selection's scoring in a step.
         SmolLM2, passkey and multikey at 4K / 8K, budgets 512 / 1024, 20 samples: channels and the sketch score
         the oracle's score in every cell; served under a real model's churn, the channels' step is within 5% of
         MeanS's and the sketch's up to 18% above it (docs/results/session24, session16).
@@ -171,6 +176,9 @@ class FreeKVConfig:
         if self.selection in (*CODE_SELECTIONS, "channels") and self.retrieval == "freekv" and p < 16:
             raise ValueError(f"page_size must be at least 16 tokens for selection {self.selection!r} (its kernels "
                              f"multiply on tensor cores), got {p}; or choose selection 'means'")
+        if self.selection in BENCH_SELECTIONS and (self.replay_churn is None or self.retrieval != "freekv"):
+            raise ValueError(f"selection {self.selection!r} scores nothing: it is a benchmark baseline for FreeKV's "
+                             f"replay_churn (--kv-bench-churn); set it, or pick another --kv-selection")
         if not _is_int(self.recall_programs) or self.recall_programs < 0:
             raise ValueError(f"recall_programs must be a non-negative integer, got {self.recall_programs!r}")
         if self.retrieval not in RETRIEVALS:

@@ -22,7 +22,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
-from .config import PREFILLS, SELECTIONS, TSP_WINDOW, FreeKVConfig
+from .config import BENCH_SELECTIONS, PREFILLS, SELECTIONS, TSP_WINDOW, FreeKVConfig
 from .engine import FreeKVEngine, ModelShape, merged_stats, tsp_engines
 
 SUPPORTED = ("llama", "qwen2")
@@ -245,7 +245,8 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--dense-layers", type=int, default=1)
     ap.add_argument("--method", default="freekv", choices=("freekv", "streaming"))
-    ap.add_argument("--selection", default=FreeKVConfig().selection, choices=SELECTIONS)
+    ap.add_argument("--selection", default=FreeKVConfig().selection,
+                    choices=[s for s in SELECTIONS if s not in BENCH_SELECTIONS])
     ap.add_argument("--kv-prefill", default="full", choices=PREFILLS)
     ap.add_argument("--kv-tsp-layer", type=int, default=14, help="--kv-prefill tsp: SmolLM2's middle layer")
     ap.add_argument("--kv-tsp-keep", type=int, default=256, help="--kv-prefill tsp: tokens propagated")

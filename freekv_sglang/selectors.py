@@ -224,6 +224,24 @@ class Oracle(Selector):
         return scores
 
 
+class Replay(Selector):
+    """Benchmarks only (FreeKVConfig.replay_churn): no scoring; every candidate page scores 0 and the replay's draws
+    make the whole selection. A step with it against a step with another selector, both replaying the same churn
+    (so recalling the same share of pages), is what that selector's scoring costs the step."""
+
+    name = "replay"
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self._pages = torch.arange(engine.max_pages, dtype=torch.int32, device=engine.device)
+
+    def score(self, plan, layer, q, heads, phase):
+        e = self.engine
+        cand = (self._pages >= e.cfg.sink_pages) & (self._pages < plan.cand_end[:, None])  # [B, M]
+        scores = torch.where(cand, 0.0, float("-inf"))
+        return scores[:, None].expand(-1, e.shape.num_kv_heads, -1).contiguous()
+
+
 class CandidateKeys:
     """Device copies of the exact keys of each request's offloaded pages, fetched from the host arena once per page
     (a request's candidate range only grows) and dropped when its slot changes owner: the oracle and the harness's
@@ -254,7 +272,7 @@ def page_attention_mass(engine, layer: int, slot: int, q: torch.Tensor, end: int
     return torch.softmax(torch.logsumexp(s, dim=-1), dim=-1).mean(1)
 
 
-SELECTORS = {cls.name: cls for cls in (Rerank, Sketch, MeanS, Quest, Channels, Oracle)}
+SELECTORS = {cls.name: cls for cls in (Rerank, Sketch, MeanS, Quest, Channels, Oracle, Replay)}
 
 
 def make_selector(cfg: FreeKVConfig, engine) -> Selector:

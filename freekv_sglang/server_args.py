@@ -23,8 +23,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .config import (DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS, PREFILLS, RECALL_MODES, SERVABLE_SELECTIONS,
-                     FreeKVConfig)
+from .config import (BENCH_SELECTIONS, DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS, PREFILLS, RECALL_MODES,
+                     SERVABLE_SELECTIONS, FreeKVConfig)
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
 ENV_FREEKV_ARGS = "FREEKV_ARGS"
@@ -164,14 +164,15 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-recall-programs", type=int, default=None, metavar="N",
                    help="GPU programs of the speculative recall, which runs beside the model's GEMMs; 0 = one per "
                         f"page recalled (default {_DEFAULTS.recall_programs})")
-    g.add_argument("--kv-selection", choices=SERVABLE_SELECTIONS, default=None,
+    g.add_argument("--kv-selection", choices=(*SERVABLE_SELECTIONS, *BENCH_SELECTIONS), default=None,
                    help="how pages are scored: 'sketch' scores every page as attention mass from its mid-range "
                         "keys and the 2-bit codes of the channels the query weighs most (head_dim / 4 GPU bytes "
                         "per token, KV head and layer); 'rerank' rescores that sketch's best candidates from all "
                         "their codes; 'channels' scores from 4-bit codes of the key channels a calibration pass "
                         "at start-up picked for the model (--kv-sketch-channels of them, default 32: 16 GPU bytes "
                         "per token, KV head and layer); 'means' the paper's group-mean softmax "
-                        "of min / max bounds; 'quest' the max over the group of those bounds "
+                        "of min / max bounds; 'quest' the max over the group of those bounds; 'replay' scores "
+                        "nothing, a benchmark baseline for --kv-bench-churn "
                         f"(default {_DEFAULTS.selection})")
     g.add_argument("--kv-rerank-factor", type=int, default=None, metavar="N",
                    help="N > 0: the rerank rescores the best N x (budget pages) of a sketch over every page (a few "

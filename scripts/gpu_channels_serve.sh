@@ -2,7 +2,8 @@
 # Issue 18: the channel sketch served (--kv-selection channels, calibrated at start-up), in four consecutive calls on
 # one warm machine (a transfer holds 64 MiB; the machine goes back after 30 minutes held):
 #   bash scripts/gpu_channels_serve.sh decode   (carry .gpu-wheels)   benchmarks/decode.py, realistic churn, the
-#       the sketch (the default before session 24) vs channels vs MeanS: SHAPE (default qwen2.5-7b), BATCHES (default 16), CONFIGS override
+#       the sketch (the default before session 24) vs channels vs MeanS: SHAPE (default qwen2.5-7b), BATCHES (default 16),
+#       CONFIGS and FREEKV_ARGS (decode.py's --freekv-args, e.g. a larger --kvstore-arena-gb for 16 x 32K) override
 #   bash scripts/gpu_channels_serve.sh stash    (carry .gpu-model/1)  SmolLM2 part 1
 #   bash scripts/gpu_channels_serve.sh harness  (carry .gpu-model/2)  the accuracy harness through the engine, 20
 #       samples: passkey, multikey and vartrack at 4K and 8K, budgets 512 and 1024, channels and the sketch
@@ -19,7 +20,8 @@ case "${1:-}" in
 decode)
   python3 benchmarks/decode.py --shape "${SHAPE:-qwen2.5-7b}" --context 32000 --batches "${BATCHES:-16}" \
     --configs "${CONFIGS:-realistic,realistic --kv-selection channels,realistic --kv-selection means}" \
-    --prefill-cuda-graph off --output-len 128 --out "$OUT/decode" 2>&1 | tail -n 25
+    ${FREEKV_ARGS:+--freekv-args "$FREEKV_ARGS"} --prefill-cuda-graph off --output-len 128 --out "$OUT/decode" 2>&1 |
+    tail -n 25
   grep -h "calibrated" "$OUT"/decode/*.log 2>/dev/null | head -n 3 ;;
 stash)
   bash scripts/gpu_smollm2.sh stash ;;

@@ -553,11 +553,11 @@ def test_replayed_correction_rate_flags_that_share():
     assert len(set(per_step)) > 3, f"the draws repeat: {per_step}"
 
 
-def churn_run(rate, backend, steps, H=8, R=4, prompt=1600, seed=5):
+def churn_run(rate, backend, steps, H=8, R=4, prompt=1600, seed=5, selection="sketch"):
     """Decode R requests of `prompt` tokens with cfg.replay_churn = rate under pure speculation (tau 0: every head
     selects once a step, after attention); returns the engine and its recalled head-pages after each step."""
     torch.manual_seed(seed)
-    cfg = FreeKVConfig(selection="sketch", budget=128, sink=16, window=16, page_size=16, dense_layers=0, tau=0.0,
+    cfg = FreeKVConfig(selection=selection, budget=128, sink=16, window=16, page_size=16, dense_layers=0, tau=0.0,
                        replay_churn=rate)
     eng = make_engine(cfg, H=H, G=2, L=1, backend=backend)
     slots = [eng.add_request() for _ in range(R)]
@@ -590,6 +590,24 @@ def test_replayed_churn_is_the_same_from_the_kernels():
     ref, _ = churn_run(0.3, "torch", steps=4, H=2, R=2, prompt=700)
     out, _ = churn_run(0.3, "triton", steps=4, H=2, R=2, prompt=700)
     assert torch.equal(ref.slot_table[0].cpu(), out.slot_table[0].cpu())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_replay_selection_picks_what_a_scoring_selection_picks_under_the_replay(backend):
+    """Selection "replay" (benchmarks) scores nothing, yet under replay_churn it holds exactly the sketch's pages: the
+    replay replaces every candidate's score, so only the candidate ranges matter, and those it gets right."""
+    ref, ref_recalled = churn_run(0.3, backend, steps=5, H=2, R=3, prompt=700)
+    out, out_recalled = churn_run(0.3, backend, steps=5, H=2, R=3, prompt=700, selection="replay")
+    assert torch.equal(ref.slot_table[0].cpu(), out.slot_table[0].cpu())
+    assert out_recalled == ref_recalled and out_recalled[-1] > out_recalled[0]
+
+
+def test_replay_selection_needs_the_churn_replay():
+    with pytest.raises(ValueError, match="--kv-bench-churn"):
+        FreeKVConfig(selection="replay")
+    with pytest.raises(ValueError, match="--kv-bench-churn"):
+        FreeKVConfig(selection="replay", replay_churn=0.1, retrieval="louiskv")
+    assert FreeKVConfig(selection="replay", replay_churn=0.1).selection == "replay"
 
 
 def test_recall_all_ablation_attends_alike_and_recalls_more():

@@ -35,3 +35,10 @@ def test_config_refuses_louiskv_and_out_of_range(field):
     for bad in (True, "0.2", 2.0, float("nan")):
         with pytest.raises(ValueError, match=field):
             FreeKVConfig(**{field: bad})
+
+
+def test_the_replay_selection_is_refused_without_the_churn_replay():
+    assert settings_from_argv(["--kv-retrieval", "freekv", "--kv-selection", "replay", "--kv-bench-churn",
+                               "0.15"]).config.selection == "replay"
+    with pytest.raises(FreeKVArgsError, match="--kv-bench-churn"):
+        settings_from_argv(["--kv-retrieval", "freekv", "--kv-selection", "replay"])
