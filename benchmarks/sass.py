@@ -1,6 +1,6 @@
 """SASS of the selection kernels for sm_90, on a machine without a GPU: registers and instructions per kernel.
 
-    python3 benchmarks/sass.py                       # every kernel of one rerank/2 and one MeanS selection
+    python3 benchmarks/sass.py                       # every kernel of one channels, sketch, rerank/2 and MeanS selection
     python3 benchmarks/sass.py --kernel _rerank_lse_kernel --dump   # and its SASS, with an opcode histogram
 
 An issue-bound kernel's time follows its instruction count, which needs no GPU to count: a selection at the
@@ -81,15 +81,18 @@ def capture() -> None:
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = record
+    from freekv_sglang.calibration import calibrate_synthetic, gaussian_sample
     from freekv_sglang.config import FreeKVConfig
     from freekv_sglang.engine import FreeKVEngine, ModelShape
 
     torch.manual_seed(0)
     L, HQ, H, D, B, ctx = 3, 32, 8, 128, 2, 4096
-    for selection in ("sketch", "rerank", "means"):
+    for selection in ("channels", "sketch", "rerank", "means"):
         cfg = FreeKVConfig(budget=2048, sink=128, window=512, page_size=32, selection=selection)
         eng = FreeKVEngine(cfg, ModelShape(L, HQ, H, D), max_requests=B, max_context=ctx + 64,
                            dtype=torch.bfloat16, device="cpu", backend="triton")
+        if eng.needs_calibration:
+            calibrate_synthetic(eng, gaussian_sample(eng, seed=0))
         slots = [eng.add_request() for _ in range(B)]
         for s in slots:
             eng.begin_prefill(s, ctx)

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors
-from ..page_rerank.triton import _full_scan, _page_block, _pool
+from ..page_rerank.triton import _full_scan, _pool
 from ..page_select.triton import _heads_args
 from .naive import BITS, LEVELS
 
@@ -26,39 +26,49 @@ def _channel_lse_kernel(
     sh_b, sh_h,
     sl_b, sl_h, sl_c,
     G: tl.constexpr, GP: tl.constexpr, TPR: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
-    NP: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr, Q_BY_SLOT: tl.constexpr, BITS: tl.constexpr,
+    NP: tl.constexpr, BLOCKS: tl.constexpr, STAGES: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
+    Q_BY_SLOT: tl.constexpr, BITS: tl.constexpr,
 ):
-    """lse[b, h, c, g] of NP pages. A product row holds TPR consecutive tokens (TPR * HALF code bytes, contiguous)
-    and the weights are block-diagonal [TPR * HALF, TPR * GP], so the product's TPR * GP >= 16 columns are TPR
-    tokens x GP query heads: every column is a logit the log-sum-exp needs. (With the GP columns alone, padded to 16
-    for the product, three quarters of a 4-head group's exponentials were padding, and they took most of the time.)"""
+    """lse[b, h, c, g] of BLOCKS blocks of NP pages, up to the row's candidate end (the pool reads no further). A
+    product row holds TPR consecutive tokens (TPR * HALF code bytes, contiguous) and the weights are block-diagonal
+    [TPR * HALF, TPR * GP], so the product's TPR * GP >= 16 columns are TPR tokens x GP query heads: every column
+    is a logit the log-sum-exp needs. (With the GP columns alone, padded to 16 for the product, three quarters of a
+    4-head group's exponentials were padding, and they took most of the time.) The weights are made once per
+    program and the blocks' loads pipelined."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
             return
-    _, q_row, c, ok, page = _page_block(q_ptr, pt_ptr, slots_ptr, cend_ptr, b, h, cand_start, M, sq_b, sq_h, spt_r,
-                                        spt_m, s_slot, s_cend, G, NP, Q_BY_SLOT)
+    slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
+    q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
+    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
+    first = tl.program_id(2) * BLOCKS * NP
+    if cand_start + first >= end:
+        return
     w_lo = _weights(q_row, ch_ptr + h * sch_h, step_ptr + h * sstep_h, scale, sq_h, sq_d, G, GP, TPR, HALF)
     w_hi = _weights(q_row, ch_ptr + h * sch_h + HALF, step_ptr + h * sstep_h + HALF, scale, sq_h, sq_d, G, GP, TPR,
                     HALF)
     ROWS: tl.constexpr = PAGE // TPR  # product rows per page
     r = tl.arange(0, ROWS)
     k = tl.arange(0, TPR * HALF)
-    byte = tl.load(codes_ptr + page[:, None, None] * sc_p + h * sc_h + (r * TPR * HALF)[None, :, None]
-                   + k[None, None, :], mask=ok[:, None, None], other=0)
-    byte = tl.reshape(byte, [NP * ROWS, TPR * HALF]).to(tl.int16)
+    g = tl.arange(0, GP)
     # A code as fp16 without a conversion: the bits of 1024 + code, minus 1024 (exact).
     k1024 = tl.full([1, 1], 1024.0, tl.float16)
-    acc = tl.dot(((byte & ((1 << BITS) - 1)) | 0x6400).to(tl.float16, bitcast=True) - k1024, w_lo)
-    acc = tl.dot(((byte >> BITS) | 0x6400).to(tl.float16, bitcast=True) - k1024, w_hi, acc)
-    acc = tl.reshape(acc, [NP, PAGE, GP])  # column t * GP + g of row i: token TPR * i + t, head g
-    m = tl.max(acc, axis=1)  # [NP, GP]
-    lse = m + tl.log(tl.sum(tl.exp(acc - m[:, None, :]), axis=1))
-    lse = tl.where(ok[:, None], lse, float("-inf"))
-    g = tl.arange(0, GP)
-    tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None].to(tl.int64) * sl_c + g[None, :], lse,
-             mask=(c < C)[:, None] & (g < G)[None, :])
+    for blk in tl.range(0, BLOCKS, num_stages=STAGES):
+        c = first + blk * NP + tl.arange(0, NP)
+        ok = cand_start + c < end
+        page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
+        byte = tl.load(codes_ptr + page[:, None, None] * sc_p + h * sc_h + (r * TPR * HALF)[None, :, None]
+                       + k[None, None, :], mask=ok[:, None, None], other=0)
+        byte = tl.reshape(byte, [NP * ROWS, TPR * HALF]).to(tl.int16)
+        acc = tl.dot(((byte & ((1 << BITS) - 1)) | 0x6400).to(tl.float16, bitcast=True) - k1024, w_lo)
+        acc = tl.dot(((byte >> BITS) | 0x6400).to(tl.float16, bitcast=True) - k1024, w_hi, acc)
+        acc = tl.reshape(acc, [NP, PAGE, GP])  # column t * GP + g of row i: token TPR * i + t, head g
+        m = tl.max(acc, axis=1)  # [NP, GP]
+        lse = m + tl.log(tl.sum(tl.exp(acc - m[:, None, :]), axis=1))
+        tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None].to(tl.int64) * sl_c + g[None, :], lse,
+                 mask=((c < C) & ok)[:, None] & (g < G)[None, :])
 
 
 @triton.jit
@@ -75,11 +85,15 @@ def _weights(q_row, ch_ptr, step_ptr, scale, sq_h, sq_d, G: tl.constexpr, GP: tl
     return (qv.to(tl.float32) * scale * step[:, None]).to(tl.float16)
 
 
-# Tokens per program (512 / p pages) and warps. Measured on an H100 at 16 x 32K, p 32, G 4 (score alone, µs), 32 / 64
+# Tokens per block (512 / p pages) and warps. Measured on an H100 at 16 x 32K, p 32, G 4 (score alone, µs), 32 / 64
 # channels: 256 tokens / 4 warps 81 / 123, 512 / 4 71 / 108, 1024 / 4 69 / 126, 1024 / 8 73 / 117, 2048 / 4 87 / 147;
-# 2 warps differ little at 256-512 tokens and collapse at 2048.
+# 2 warps differ little at 256-512 tokens and collapse at 2048. Blocks per program (session 25, H100, score and pool,
+# 32 channels): 1 block 64.9 µs at 16 x 32K, 8.6 at 1 x 32K, 68.7 at 4 x 128K; 2 blocks, 2 stages 60.3 / 8.8 / 65.3;
+# 8 blocks, 3 stages 59.7 / 15.7 / 65.3 (too few programs at one request).
 CHANNEL_TOKENS = 512
 CHANNEL_WARPS = 4
+CHANNEL_BLOCKS = 2
+CHANNEL_STAGES = 2
 
 
 def channel_sketch_pages(
@@ -119,13 +133,13 @@ def channel_sketch_pages(
     lse = empty(B, H, max(C, 1), gp, dtype=torch.float32, device=q.device)  # scratch
     if C:
         np_ = max(1, CHANNEL_TOKENS // p)
-        _channel_lse_kernel[(B, H, triton.cdiv(C, np_))](
+        _channel_lse_kernel[(B, H, triton.cdiv(C, np_ * CHANNEL_BLOCKS))](
             q, codes, channels, step, page_table, req_slots, cand_end, heads_arg, lse,
             C, cand_start, M, scale,
             *q.stride(), codes.stride(0), codes.stride(1), channels.stride(0), step.stride(0),
             *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *lse.stride()[:3],
-            G=G, GP=gp, TPR=tpr, HALF=half, PAGE=p, NP=np_, HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot,
-            BITS=BITS, num_warps=CHANNEL_WARPS,
+            G=G, GP=gp, TPR=tpr, HALF=half, PAGE=p, NP=np_, BLOCKS=CHANNEL_BLOCKS, STAGES=CHANNEL_STAGES,
+            HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, BITS=BITS, num_warps=CHANNEL_WARPS,
         )
     _pool(lse, cand_args, False, heads_args, scores, C, cand_start, G)
     return scores

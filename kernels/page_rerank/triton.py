@@ -348,10 +348,15 @@ def _rerank_pool_kernel(
         tl.store(row + (m0 + i).to(tl.int64) * so_m, tl.full([BLOCK], neg_inf, tl.float32), mask=m0 + i < M)
     g = tl.arange(0, GP)
     g_ok = g < G
+    # A full scan's candidates stop at the row's end: the log-sum-exps past it are never read (a kernel may skip
+    # writing them).
+    n = C
+    if not CAND_LIST:
+        n = tl.minimum(C, tl.minimum(tl.load(cend_ptr + b * s_cend), M) - cand_start)
     m_i = tl.full([GP], neg_inf, tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     for c0 in range(0, C, BLOCK):
-        ok = (c0 + i < C)[:, None] & g_ok[None, :]
+        ok = (c0 + i < n)[:, None] & g_ok[None, :]
         x = tl.load(lse_ptr + b * sl_b + h * sl_h + (c0 + i)[:, None] * sl_c + g[None, :], mask=ok, other=neg_inf)
         m_new = tl.maximum(m_i, tl.max(x, axis=0))
         m_safe = tl.where(m_new == neg_inf, 0.0, m_new)
@@ -360,17 +365,14 @@ def _rerank_pool_kernel(
     m_safe = tl.where(m_i == neg_inf, 0.0, m_i)
     inv_l = 1.0 / tl.maximum(l_i, 1.0)  # >= 1 where the head has a candidate
     tl.debug_barrier()  # the -inf fill above lands before the candidates' scores
-    end = M
-    if not CAND_LIST:
-        end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
     for c0 in range(0, C, BLOCK):
-        ok = (c0 + i < C)[:, None] & g_ok[None, :]
+        ok = (c0 + i < n)[:, None] & g_ok[None, :]
         x = tl.load(lse_ptr + b * sl_b + h * sl_h + (c0 + i)[:, None] * sl_c + g[None, :], mask=ok, other=neg_inf)
         pooled = tl.sum(tl.exp(x - m_safe[None, :]) * inv_l[None, :], axis=1) / G
         if CAND_LIST:
             logical = tl.load(cand_ptr + b * scd_b + h * scd_h + (c0 + i) * scd_c, mask=c0 + i < C, other=-1)
         else:
-            logical = tl.where(cand_start + c0 + i < end, cand_start + c0 + i, -1)
+            logical = tl.where(c0 + i < n, cand_start + c0 + i, -1)
         tl.store(row + logical.to(tl.int64) * so_m, pooled, mask=logical >= 0)
 
 
