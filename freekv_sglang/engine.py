@@ -403,10 +403,10 @@ class FreeKVEngine:
     def _offload(self, layer: int, k: torch.Tensor, v: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
                  valid: torch.Tensor, programs: int = 0) -> None:
         """offload_pages of a sparse layer's pages (src rows of k, v to host pages dst where valid) with their
-        summaries and the selector's codes, then the selector's own upkeep of those pages."""
+        summaries and the selector's codes, in one launch."""
         self.ops.offload_pages(k, v, self.host.arena[:, layer], self.summaries[layer], src, dst, valid,
-                               self.cfg.page_size, programs=programs, codes=self.selector.codes(layer))
-        self.selector.offloaded(layer, k, src, dst, valid)
+                               self.cfg.page_size, programs=programs, codes=self.selector.codes(layer),
+                               channels=self.selector.code_channels(layer))
 
     # ---- shared prefixes (radix prefix sharing, docs/radix.md) --------------------------------
 

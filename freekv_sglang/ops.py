@@ -20,7 +20,6 @@ _OPS = {
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
     "plan_step": ("plan_step", "plan_step"),
     "channel_sketch_pages": ("channel_sketch", "channel_sketch_pages"),
-    "write_channel_codes": ("channel_sketch", "write_channel_codes"),
     "replay_churn": ("churn_replay", "replay_churn"),  # benchmarks only (FreeKVConfig.replay_churn)
     "tsp_select": ("tsp_select", "tsp_select"),  # FastKV prefill (the HF adapter)
     # LouisKV (freekv_sglang/louiskv.py)

@@ -28,7 +28,12 @@ class Selector:
         self.engine = engine
 
     def codes(self, layer: int) -> torch.Tensor | None:
-        """The layer's key codes [P, H, p, D / 4] that offload_pages writes, or None."""
+        """The layer's key codes that offload_pages writes ([P, H, p, D / 4] 2-bit codes, or the channel codes of
+        code_channels), or None."""
+        return None
+
+    def code_channels(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The layer's calibrated (channels, lo, inv_step) when its codes are channel codes, else None."""
         return None
 
     def trigger(self, plan, layer: int, q: torch.Tensor, heads: torch.Tensor, kv: tuple) -> torch.Tensor:
@@ -55,10 +60,6 @@ class Selector:
 
     def after_offload(self, plan, layer: int) -> None:
         """Recall stream, after the offload of the pages leaving the window."""
-
-    def offloaded(self, layer: int, k: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, valid: torch.Tensor):
-        """After every offload_pages of a sparse layer (prompt, staged, decode, retained prefix), with its arguments:
-        the keys k [T, H, D] of pages src went to host pages dst where valid."""
 
     def score(self, plan, layer: int, q: torch.Tensor, heads: torch.Tensor, phase: int) -> torch.Tensor:
         raise NotImplementedError
@@ -190,10 +191,13 @@ class Channels(Selector):
                                "FreeKVModel.calibrate (or Channels.calibrate per layer) before the first prompt")
         return self._cal[layer]
 
-    def offloaded(self, layer, k, src, dst, valid):
+    def codes(self, layer):
+        self._check(layer)
+        return self._codes[layer]
+
+    def code_channels(self, layer):
         cal = self._check(layer)
-        self.engine.ops.write_channel_codes(k, src, dst, valid, self.engine.cfg.page_size, self._codes[layer],
-                                            cal.channels, cal.lo, cal.inv_step)
+        return cal.channels, cal.lo, cal.inv_step
 
     def score(self, plan, layer, q, heads, phase):
         e, cal = self.engine, self._check(layer)

@@ -10,7 +10,7 @@ from .naive import (
     naive_write_channel_codes,
     quantize_channels,
 )
-from .triton import channel_sketch_pages, write_channel_codes
+from .triton import channel_sketch_pages
 
 __all__ = [
     "ChannelCalibration",
@@ -21,5 +21,4 @@ __all__ = [
     "naive_channel_sketch_pages",
     "naive_write_channel_codes",
     "quantize_channels",
-    "write_channel_codes",
 ]

@@ -12,7 +12,7 @@ from .._alloc import empty
 from .._utils import check_device, check_index_vectors
 from ..page_rerank.triton import _full_scan, _pool
 from ..page_select.triton import _heads_args
-from .naive import BITS, LEVELS
+from .naive import BITS
 
 
 @triton.jit
@@ -143,64 +143,3 @@ def channel_sketch_pages(
         )
     _pool(lse, cand_args, False, heads_args, scores, C, cand_start, G)
     return scores
-
-
-@triton.jit
-def _write_codes_kernel(
-    k_ptr, src_ptr, dst_ptr, valid_ptr, codes_ptr, ch_ptr, lo_ptr, inv_ptr, T,
-    sk_t, sk_h, sk_d, sc_p, sc_h, sc_t, sch_h, slo_h, sinv_h,
-    PAGE: tl.constexpr, HALF: tl.constexpr, LEVELS: tl.constexpr, BITS: tl.constexpr,
-):
-    """codes[dst[i], h] of page src[i]'s existing rows: per (page, KV head) program, the calibrated channels of
-    its p keys gathered, binned and packed two per byte."""
-    i = tl.program_id(0)
-    h = tl.program_id(1).to(tl.int64)
-    if not tl.load(valid_ptr + i):
-        return
-    s = tl.load(src_ptr + i).to(tl.int64)
-    d = tl.load(dst_ptr + i).to(tl.int64)
-    t = tl.arange(0, PAGE)
-    j = tl.arange(0, HALF)
-    row = s * PAGE + t
-    ok = (row < T)[:, None]
-    out = tl.zeros([PAGE, HALF], tl.int32)
-    for half in tl.static_range(2):
-        ch = tl.load(ch_ptr + h * sch_h + half * HALF + j).to(tl.int64)
-        lo = tl.load(lo_ptr + h * slo_h + half * HALF + j)
-        inv = tl.load(inv_ptr + h * sinv_h + half * HALF + j)
-        k = tl.load(k_ptr + row[:, None] * sk_t + h * sk_h + ch[None, :] * sk_d, mask=ok, other=0.0).to(tl.float32)
-        c = tl.minimum(tl.maximum(tl.floor((k - lo[None, :]) * inv[None, :]), 0.0), LEVELS - 1).to(tl.int32)
-        out = out | (c << (BITS * half))
-    tl.store(codes_ptr + d * sc_p + h * sc_h + t[:, None] * sc_t + j[None, :], out.to(tl.uint8), mask=ok)
-
-
-def write_channel_codes(
-    k_cache: torch.Tensor,
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    valid: torch.Tensor,
-    page_size: int,
-    codes: torch.Tensor,
-    channels: torch.Tensor,
-    lo: torch.Tensor,
-    inv_step: torch.Tensor,
-) -> None:
-    """See naive_write_channel_codes."""
-    check_device(k_cache, src, dst, valid, codes, channels, lo, inv_step)
-    check_index_vectors(src=src, dst=dst, valid=valid)
-    T, H, D = k_cache.shape
-    half = codes.shape[3]
-    assert codes.shape[1:3] == (H, page_size) and codes.dtype == torch.uint8 and codes.stride(3) == 1
-    for t in (channels, lo, inv_step):
-        assert t.shape == (H, 2 * half) and t.stride(1) == 1
-    assert channels.dtype == torch.int32 and lo.dtype == inv_step.dtype == torch.float32
-    assert page_size & (page_size - 1) == 0 and half & (half - 1) == 0
-    n = src.shape[0]
-    if n * H == 0:
-        return
-    _write_codes_kernel[(n, H)](
-        k_cache, src, dst, valid, codes, channels, lo, inv_step, T,
-        *k_cache.stride(), codes.stride(0), codes.stride(1), codes.stride(2), channels.stride(0), lo.stride(0),
-        inv_step.stride(0),
-        PAGE=page_size, HALF=half, LEVELS=LEVELS, BITS=BITS,
-    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from freekv_kernels.channel_sketch.naive import naive_write_channel_codes
 from freekv_kernels.page_rerank.naive import quantize_keys
 
 
@@ -18,10 +19,13 @@ def naive_offload_pages(
     page_size: int,
     programs: int = 0,
     codes: torch.Tensor | None = None,
+    channels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """For each valid i: host_layer[dst[i], :, 0 / 1] <- rows src[i]*p .. +p of k_cache / v_cache, NHD -> HND, and
     summaries[dst[i], :, 0 / 1] = the elementwise min / max over those rows of k_cache; with codes [P, H, p, D / 4],
-    also codes[dst[i], :, rows] = the rows' 2-bit key codes in that range (freekv_kernels.page_rerank).
+    also codes[dst[i], :, rows] = the rows' 2-bit key codes in that range (freekv_kernels.page_rerank); with
+    channels = (channels, lo, inv_step) of a layer's calibration, codes [P, H, p, R / 2] are the rows' 4-bit
+    channel codes instead (naive_write_channel_codes).
 
     A source page that runs past the last row (a prefill tensor whose length is not a multiple of p) copies and
     summarises only the rows that exist; the rest of that host page is left as it was. `programs` shapes the
@@ -36,5 +40,7 @@ def naive_offload_pages(
             host_layer[d, :, 1, : v.shape[0]].copy_(v.transpose(0, 1))
             summaries[d, :, 0] = k.amin(dim=0)
             summaries[d, :, 1] = k.amax(dim=0)
-            if codes is not None:
+            if codes is not None and channels is None:
                 codes[d, :, : k.shape[0]] = quantize_keys(k.transpose(0, 1), summaries[d, :, 0], summaries[d, :, 1])
+    if channels is not None:
+        naive_write_channel_codes(k_cache, src, dst, valid, page_size, codes, *channels)

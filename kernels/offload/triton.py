@@ -1,5 +1,6 @@
 """Offload: write whole GPU pages (every head) into the HND host arena, NHD -> HND fused into the copy, and
-summarise them (per-head elementwise min / max of the keys) from the same read.
+summarise them (per-head elementwise min / max of the keys) from the same read, with the selection's key codes
+(the rerank's 2-bit codes or the channel sketch's 4-bit codes) in the same launch.
 
 On CUDA `host_layer` is pinned (or cudaHostRegister'ed) host memory that the kernel writes directly over UVA.
 """
@@ -11,6 +12,8 @@ import triton
 import triton.language as tl
 
 from .._utils import capped_grid, check_device, check_index_vectors
+from ..channel_sketch.naive import BITS as CHANNEL_BITS
+from ..channel_sketch.naive import LEVELS as CHANNEL_LEVELS
 from ..page_rerank.naive import CODE_BITS, LEVELS, PER_BYTE
 
 
@@ -21,6 +24,9 @@ def _offload_pages_kernel(
     host_ptr,
     summ_ptr,
     codes_ptr,
+    ch_ptr,
+    lo_ptr,
+    inv_ptr,
     src_ptr,
     dst_ptr,
     valid_ptr,
@@ -41,6 +47,7 @@ def _offload_pages_kernel(
     s_ch,
     s_ct,
     s_cj,
+    s_chh,
     H: tl.constexpr,
     PAGE: tl.constexpr,
     D: tl.constexpr,
@@ -48,8 +55,14 @@ def _offload_pages_kernel(
     LEVELS: tl.constexpr,
     BITS: tl.constexpr,
     PER_BYTE: tl.constexpr,
+    CHANNELS: tl.constexpr,
+    HALF: tl.constexpr,
+    CH_LEVELS: tl.constexpr,
+    CH_BITS: tl.constexpr,
 ):
-    """Work item w = (entry w // H, head w % H); programs stride over the N * H items."""
+    """Work item w = (entry w // H, head w % H); programs stride over the N * H items. CODES: 2-bit codes of every
+    channel in the page's range; CHANNELS: 4-bit codes of the 2 * HALF calibrated channels (ch / lo / inv_step rows
+    of s_chh per head), two per byte."""
     t = tl.arange(0, PAGE).to(tl.int64)[:, None]
     d = tl.arange(0, D)[None, :]
     for w in range(tl.program_id(0), N * H, tl.num_programs(0)):
@@ -84,6 +97,18 @@ def _offload_pages_kernel(
             packed = tl.sum(tl.reshape(code, [PAGE, D // PER_BYTE, PER_BYTE]) << shifts, axis=2)
             j = tl.arange(0, D // PER_BYTE)[None, :]
             tl.store(codes_ptr + dst * s_cp + h * s_ch + t * s_ct + j * s_cj, packed.to(tl.uint8), mask=m)
+        if CHANNELS:
+            # The calibrated channels' keys, gathered again from the rows just read (cached); fixed bins per channel.
+            j = tl.arange(0, HALF)
+            out = tl.zeros([PAGE, HALF], tl.int32)
+            for part in tl.static_range(2):
+                ch = tl.load(ch_ptr + h * s_chh + part * HALF + j).to(tl.int64)
+                lo = tl.load(lo_ptr + h * s_chh + part * HALF + j)
+                inv = tl.load(inv_ptr + h * s_chh + part * HALF + j)
+                kc = tl.load(k_ptr + rows * s_kt + h * s_kh + ch[None, :], mask=m, other=0.0).to(tl.float32)
+                c = tl.minimum(tl.maximum(tl.floor((kc - lo[None, :]) * inv[None, :]), 0.0), CH_LEVELS - 1)
+                out = out | (c.to(tl.int32) << (CH_BITS * part))
+            tl.store(codes_ptr + dst * s_cp + h * s_ch + t * s_ct + j[None, :] * s_cj, out.to(tl.uint8), mask=m)
 
 
 def offload_pages(
@@ -97,10 +122,13 @@ def offload_pages(
     page_size: int,
     programs: int = 0,
     codes: torch.Tensor | None = None,
+    channels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """For each valid i: host_layer[dst[i], :, 0 / 1] <- rows src[i]*p .. +p of k_cache / v_cache, NHD -> HND, and
     summaries[dst[i], :, 0 / 1] = the elementwise min / max over those rows of k_cache; with codes [P, H, p, D / 4],
-    also the rows' 2-bit key codes in that range (freekv_kernels.page_rerank), from the same read.
+    also the rows' 2-bit key codes in that range (freekv_kernels.page_rerank), from the same read; with channels
+    (a layer's calibrated channels [H, R], lo [H, R] and inv_step [H, R]), codes [P, H, p, R / 2] are the rows'
+    4-bit channel codes instead (freekv_kernels.channel_sketch).
 
     A source page that runs past the last row (a prefill tensor whose length is not a multiple of p) copies and
     summarises only the rows that exist; the rest of that host page is left as it was.
@@ -115,17 +143,29 @@ def offload_pages(
     assert v_cache.shape == k_cache.shape and host_layer.shape[1:] == (H, 2, page_size, D)
     assert summaries.shape[1:] == (H, 2, D) and summaries.stride(-1) == 1
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    if codes is not None:
+    half = 0
+    if channels is not None:
+        check_device(codes, *channels)
+        ch, lo, inv = channels
+        half = ch.shape[1] // 2
+        assert codes.shape[1:] == (H, page_size, half) and codes.dtype == torch.uint8 and codes.stride(3) == 1
+        assert ch.dtype == torch.int32 and lo.dtype == inv.dtype == torch.float32 and half & (half - 1) == 0
+        assert all(t.shape == (H, 2 * half) and t.stride() == ch.stride() and t.stride(1) == 1 for t in (lo, inv))
+    elif codes is not None:
         check_device(codes)
         assert codes.shape[1:] == (H, page_size, D // PER_BYTE) and codes.dtype == torch.uint8
     if n == 0:
         return
+    ch, lo, inv = channels if channels is not None else (summaries,) * 3
     _offload_pages_kernel[capped_grid(n * H, programs)](
         k_cache,
         v_cache,
         host_layer,
         summaries,
         summaries if codes is None else codes,
+        ch,
+        lo,
+        inv,
         src,
         dst,
         valid,
@@ -143,12 +183,17 @@ def offload_pages(
         summaries.stride(1),
         summaries.stride(2),
         *((0, 0, 0, 0) if codes is None else codes.stride()),
+        ch.stride(0) if channels is not None else 0,
         H=H,
         PAGE=page_size,
         D=D,
-        CODES=codes is not None,
+        CODES=codes is not None and channels is None,
         LEVELS=LEVELS,
         BITS=CODE_BITS,
         PER_BYTE=PER_BYTE,
+        CHANNELS=channels is not None,
+        HALF=max(half, 1),
+        CH_LEVELS=CHANNEL_LEVELS,
+        CH_BITS=CHANNEL_BITS,
         num_warps=4,
     )

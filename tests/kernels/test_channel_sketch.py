@@ -7,10 +7,9 @@ from freekv_kernels.channel_sketch import (
     channel_sketch_pages,
     decode_channels,
     naive_channel_sketch_pages,
-    naive_write_channel_codes,
     quantize_channels,
-    write_channel_codes,
 )
+from freekv_kernels.offload import naive_offload_pages, offload_pages
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 from freekv_kernels.testing import assert_close, device, poisoned_outputs
 
@@ -181,24 +180,31 @@ def test_channel_sketch_pages_refuses_bad_shapes():
 
 @pytest.mark.parametrize("H,D,p,R", [(1, 64, 16, 32), (3, 128, 32, 64), (8, 64, 32, 32), (2, 128, 16, 128)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_write_channel_codes_matches_reference(H, D, p, R, dtype):
-    """offload_pages' arguments: every valid page's codes (a partial last page's existing rows only), equal to the
-    reference's and to quantize_channels of the page's keys; other host pages and rows untouched."""
+def test_offload_writes_the_channel_codes(H, D, p, R, dtype):
+    """offload_pages with a calibration's channels: every valid page's codes (a partial last page's existing rows
+    only), equal to the reference's (naive_write_channel_codes) and to quantize_channels of the page's keys; other
+    host pages and rows untouched; the pages and summaries as without codes."""
     torch.manual_seed(5)
     T = 5 * p + 7
     kc = (torch.randn(T, H, D) * 1.3).to(dtype)  # partly outside the calibration range
+    vc = torch.randn(T, H, D).to(dtype)
     cal = calibrate_channels(torch.randn(4, H, 2, D), torch.randn(300, H, D), R)
     src = torch.tensor([0, 3, 5, 2], dtype=torch.int32)
     dst = torch.tensor([4, 1, 2, 6], dtype=torch.int32)
     valid = torch.tensor([True, True, True, False])
     outs = []
-    for fn, dev in ((naive_write_channel_codes, "cpu"), (write_channel_codes, DEV)):
+    for fn, dev in ((naive_offload_pages, "cpu"), (offload_pages, DEV)):
         codes = torch.full((7, H, p, R // 2), 0xAB, dtype=torch.uint8, device=dev)
-        fn(kc.to(dev), src.to(dev), dst.to(dev), valid.to(dev), p, codes,
-           *[t.to(dev) for t in (cal.channels, cal.lo, cal.inv_step)])
-        outs.append(codes.cpu())
-    ref, out = outs
-    assert torch.equal(ref, out)
+        host = torch.zeros(7, H, 2, p, D, dtype=dtype)
+        if dev != "cpu" and dev.type == "cuda":
+            host = host.pin_memory()
+        summ = torch.zeros(7, H, 2, D, dtype=dtype, device=dev)
+        fn(kc.to(dev), vc.to(dev), host, summ, src.to(dev), dst.to(dev), valid.to(dev), p, codes=codes,
+           channels=tuple(t.to(dev) for t in (cal.channels, cal.lo, cal.inv_step)))
+        outs.append((codes.cpu(), host.cpu(), summ.cpu()))
+    (ref, ref_host, ref_summ), (out, out_host, out_summ) = outs
+    assert torch.equal(ref, out) and torch.equal(ref_host, out_host) and torch.equal(ref_summ, out_summ)
     assert (out[[0, 3, 5, 6]] == 0xAB).all() and (out[2, :, 7:] == 0xAB).all()  # the partial page's missing rows
     want = quantize_channels(kc[:p], cal.channels, cal.lo, cal.inv_step).transpose(0, 1)
     assert torch.equal(out[4], want)
+    assert torch.equal(out_host[4, :, 0], kc[:p].transpose(0, 1))
