@@ -33,8 +33,10 @@ geometry the fit was made at; the default is llama8b.
 Policies (--policies): freekv (the default selection: the channel sketch, speculative with correction at tau,
 calibrated from queries and keys drawn as the workload draws them), freekv-sketch (the one-stage sketch),
 freekv-rerank (the two-stage rerank/2 with a 16-channel sketch),
-freekv-means (FreeKV with MeanS selection), louiskv (retrieval at semantic boundaries of clusters and segments);
-a FreeKV policy with a suffix /hH (e.g. freekv/h1) selects with FreeKVConfig.hysteresis H.
+freekv-means (FreeKV with MeanS selection), louiskv (retrieval at semantic boundaries of clusters and segments),
+freekv-replay (the default with a real model's correction rate 0.3 and churn 0.15 replayed, as decode.py's
+`realistic`), freekv-replay-only (the same replay with selection "replay": no scoring); a FreeKV policy with a
+suffix /hH (e.g. freekv/h1) selects with FreeKVConfig.hysteresis H, /rN runs the speculative recall on N programs.
 Reported per config, over the timed steps (after --warmup steps that fill the slots):
   retrieval_share     FreeKV: the share of (request, sparse layer, KV head) checks flagged for correction (they
                       select and recall before attention); LouisKV: the share of (request, sparse layer) steps at a
@@ -86,8 +88,13 @@ POLICIES = {
     "freekv-sketch": dict(retrieval="freekv", selection="sketch"),  # the default in sessions 16-23
     "freekv-rerank": dict(retrieval="freekv", selection="rerank", sketch_channels=16),  # the default before session 16
     "freekv-means": dict(retrieval="freekv", selection="means"),
+    # A real model's correction rate and selection churn replayed (benchmarks/decode.py's `realistic`), with the
+    # default selection's scoring / none (the replay's draws alone): their difference is the scoring's cost.
+    "freekv-replay": dict(retrieval="freekv", replay_correction_rate=0.3, replay_churn=0.15),
+    "freekv-replay-only": dict(retrieval="freekv", selection="replay", replay_correction_rate=0.3, replay_churn=0.15),
     "louiskv": dict(retrieval="louiskv"),
 }
+KNOB_SUFFIXES = {"h": ("hysteresis", float), "r": ("recall_programs", int)}
 
 
 def host_bytes(batch: int, context: int, layers: int, shape: str = "llama8b", dtype_bytes: int = 2) -> int:
@@ -138,9 +145,14 @@ class Structured:
 
 
 def policy_knobs(policy: str) -> dict:
-    """POLICIES[name] for "name", plus FreeKVConfig.hysteresis H for "name/hH"."""
-    name, _, hyst = policy.partition("/h")
-    return {**POLICIES[name], **({"hysteresis": float(hyst)} if hyst else {})}
+    """POLICIES[name] for "name", plus FreeKVConfig.hysteresis H for a suffix "/hH" and recall_programs N for
+    "/rN" (e.g. "freekv-replay/r128")."""
+    name, *suffixes = policy.split("/")
+    knobs = dict(POLICIES[name])
+    for suffix in suffixes:
+        field, kind = KNOB_SUFFIXES[suffix[:1]]
+        knobs[field] = kind(suffix[1:])
+    return knobs
 
 
 def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict:
@@ -309,7 +321,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--contexts", default="32768,131072", help="prompt tokens per request")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--policies", default="freekv,freekv-means,louiskv",
-                    help=f"from {','.join(POLICIES)}; a FreeKV policy with /hH: with FreeKVConfig.hysteresis H")
+                    help=f"from {','.join(POLICIES)}; a FreeKV policy with /hH: with FreeKVConfig.hysteresis H, "
+                         "/rN: with recall_programs N")
     ap.add_argument("--steps", type=int, default=4096, help="timed decode steps (the paper's long outputs: >= 4K)")
     ap.add_argument("--warmup", type=int, default=16, help="untimed steps first (at least 3 are eager)")
     ap.add_argument("--layers", type=int, default=None, help="model layers (default: the shape's); the first is "
@@ -359,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers < 2 or args.steps < 1:
         raise SystemExit("--layers must be >= 2 (one dense, one sparse) and --steps >= 1")
     policies = [p for p in args.policies.split(",") if p]
-    bad = [p for p in policies if p.partition("/h")[0] not in POLICIES]
+    bad = [p for p in policies if p.split("/")[0] not in POLICIES
+           or any(x[:1] not in KNOB_SUFFIXES or not x[1:] for x in p.split("/")[1:])]
     if bad:
         raise SystemExit(f"unknown policies {bad}; choose from {list(POLICIES)}")
     out = Path(args.out)

@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import engine_decode  # noqa: E402
 
@@ -57,3 +59,20 @@ def test_structured_keys_concentrate_and_churn_less(tmp_path):
     assert rnd["topk_mass"] < 0.3 and st["topk_mass"] > 0.6
     assert st["oracle_change"] < 0.85 * rnd["oracle_change"]
     assert st["changed_share"] < 0.85 * rnd["changed_share"]
+
+
+def test_replayed_policies_and_knob_suffixes(tmp_path):
+    """freekv-replay / freekv-replay-only replay a real model's correction and churn (the second without scoring);
+    /rN sets the speculative recall's programs; an unknown suffix is refused."""
+    assert engine_decode.policy_knobs("freekv-replay-only/r128/h0") == {
+        "retrieval": "freekv", "selection": "replay", "replay_correction_rate": 0.3, "replay_churn": 0.15,
+        "recall_programs": 128, "hysteresis": 0.0}
+    out = tmp_path / "replay.json"
+    assert engine_decode.main([*TINY, "--contexts", "2048", "--steps", "12", "--policies",
+                               "freekv-replay,freekv-replay-only/r4", "--out", str(out)]) == 0
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+    for r in rows.values():  # 12 steps x 8 KV heads of one sparse layer: a share of 0.3 flagged, 0.15 changed
+        assert 0.05 < r["retrieval_share"] < 0.6 and 0.05 < r["changed_share"] < 0.3, r
+    assert rows["freekv-replay-only/r4"]["selection"] == "replay"
+    with pytest.raises(SystemExit, match="unknown policies"):
+        engine_decode.main([*TINY, "--policies", "freekv/x3", "--out", str(out)])
