@@ -18,7 +18,7 @@ from .naive import BITS
 @triton.jit
 def _channel_lse_kernel(
     q_ptr, codes_ptr, ch_ptr, step_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, lse_ptr,
-    C, cand_start, M, scale,
+    cand_start, M, scale,
     sq_b, sq_h, sq_d,
     sc_p, sc_h,
     sch_h, sstep_h,
@@ -68,7 +68,7 @@ def _channel_lse_kernel(
         m = tl.max(acc, axis=1)  # [NP, GP]
         lse = m + tl.log(tl.sum(tl.exp(acc - m[:, None, :]), axis=1))
         tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None].to(tl.int64) * sl_c + g[None, :], lse,
-                 mask=((c < C) & ok)[:, None] & (g < G)[None, :])
+                 mask=ok[:, None] & (g < G)[None, :])
 
 
 @triton.jit
@@ -135,7 +135,7 @@ def channel_sketch_pages(
         np_ = max(1, CHANNEL_TOKENS // p)
         _channel_lse_kernel[(B, H, triton.cdiv(C, np_ * CHANNEL_BLOCKS))](
             q, codes, channels, step, page_table, req_slots, cand_end, heads_arg, lse,
-            C, cand_start, M, scale,
+            cand_start, M, scale,
             *q.stride(), codes.stride(0), codes.stride(1), channels.stride(0), step.stride(0),
             *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *lse.stride()[:3],
             G=G, GP=gp, TPR=tpr, HALF=half, PAGE=p, NP=np_, BLOCKS=CHANNEL_BLOCKS, STAGES=CHANNEL_STAGES,
