@@ -145,6 +145,7 @@ def offload_pages(
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     half = 0
     if channels is not None:
+        assert codes is not None, "channel codes need their store (codes)"
         check_device(codes, *channels)
         ch, lo, inv = channels
         half = ch.shape[1] // 2
