@@ -372,8 +372,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers < 2 or args.steps < 1:
         raise SystemExit("--layers must be >= 2 (one dense, one sparse) and --steps >= 1")
     policies = [p for p in args.policies.split(",") if p]
-    bad = [p for p in policies if p.split("/")[0] not in POLICIES
-           or any(x[:1] not in KNOB_SUFFIXES or not x[1:] for x in p.split("/")[1:])]
+    bad = []
+    for p in policies:
+        try:
+            policy_knobs(p)
+        except (KeyError, ValueError):  # an unknown name or suffix, or a suffix without its number
+            bad.append(p)
     if bad:
         raise SystemExit(f"unknown policies {bad}; choose from {list(POLICIES)}")
     out = Path(args.out)

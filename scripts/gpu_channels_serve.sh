@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 18: the channel sketch served (--kv-selection channels, calibrated at start-up), in four consecutive calls on
 # one warm machine (a transfer holds 64 MiB; the machine goes back after 30 minutes held):
-#   bash scripts/gpu_channels_serve.sh decode   (carry .gpu-wheels)   benchmarks/decode.py, realistic churn, the
+#   bash scripts/gpu_channels_serve.sh decode   (carry .gpu-wheels)   benchmarks/decode.py, realistic churn,
 #       the sketch (the default before session 24) vs channels vs MeanS: SHAPE (default qwen2.5-7b), BATCHES (default 16),
 #       CONFIGS and FREEKV_ARGS (decode.py's --freekv-args, e.g. a larger --kvstore-arena-gb for 16 x 32K) override
 #   bash scripts/gpu_channels_serve.sh stash    (carry .gpu-model/1)  SmolLM2 part 1
