@@ -18,26 +18,27 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            flagged heads and the empty slots being filled; record E_now
   compute: wait E_now; attention over sink | slots | window (an outside kernel: head_token_index,
            which lists each head's tokens straight from the slot table, and the kernel); record E_attn
-  recall:  wait E_attn; score_pages + select_slots with q_i for the remaining heads (speculative,
-           used by step i+1) and recall_pages of every other changed slot; offload_pages summarises
-           and offloads the page leaving the window
-  end_step: compute joins both side streams.
+  speculate: wait E_attn; the scoring + select_slots with q_i for the remaining heads (speculative, used by
+           step i+1); record E_spec
+  recall:  wait E_spec; recall_pages of every other changed slot; offload_pages summarises and offloads the
+           page leaving the window. Layer l's recall runs beside layer l+1's speculative selection.
+  end_step: compute joins the three side streams.
 So only flagged heads' selection and recall sit on the critical path, as in the paper.
 That is the FreeKV policy; the engine's retrieval policy is its selector (selectors.py): which heads select before
 attention (its trigger, the first launch), how pages are scored, whether the other heads select speculatively after
 attention, the page order of a prompt's offload and any upkeep after the offload. LouisKV (louiskv.py) triggers at
 semantic boundaries per request (semantic_boundary, then write_kv), scores clusters and segments (unit_page_scores),
 selects nothing after attention and forms segments after the offload (segment_pages). Recall never
-writes a slot this step's attention reads: the speculative recall waits for E_attn (ordering, not
-double buffering), and the join orders it before the next step's correction recall and before the KV
+writes a slot this step's attention reads: the speculative recall waits for E_attn through E_spec (ordering,
+not double buffering), and the join orders it before the next step's correction recall and before the KV
 write that reuses the ring page being offloaded. Speculative work of layer l overlaps layers l+1.. of
 the same step; only the last layer's is exposed at the join.
 Tensors that cross streams are either consumed before the consumer's event is waited on by their
 producer stream (the flags), or live in persistent buffers: the step plan (written on compute before the
-first layer, read by both side streams until the join), the current query in prev_q, the heads that
-select before attention (_now_heads, written on compute, read by both side streams) and the recall code
-of every (row, head, slot) (_recall, written by the select stream, completed and read by the recall
-stream), so the caching allocator never hands a block to one stream while another still reads it.
+first layer, read by the side streams until the join), the current query in prev_q, the heads that
+select before attention (_now_heads, written on compute, read by the side streams) and the recall code
+of every (row, head, slot) (_recall, written by the select stream, completed by the speculate stream, read by
+the recall stream), so the caching allocator never hands a block to one stream while another still reads it.
 """
 
 from __future__ import annotations
@@ -706,11 +707,17 @@ class FreeKVEngine:
             out = attention(q, kc, vc, plan, self.slot_table[layer])
         if self.probe is not None:
             self.probe(layer, plan, q, self.slot_table[layer])
-        e_attn = st.record()
-        with st.on("recall"):
-            st.wait(e_attn)
-            if self.retrieval and self.selector.speculative:
+        e_attn = e_spec = st.record()
+        speculative = self.retrieval and self.selector.speculative
+        if speculative:
+            with st.on("speculate"):
+                st.wait(e_attn)
                 self._select(plan, layer, self.prev_q[layer], PHASE_LATER)  # q_i, stored by the trigger
+                e_spec = st.record()
+        with st.on("recall"):
+            st.wait(e_spec)
+            if speculative:
+                self._recall_phase(plan, layer, PHASE_LATER)
             self._offload(layer, kc, vc, plan.offload_src, plan.offload_dst, plan.offload_valid)
             if self.retrieval:
                 self.selector.after_offload(plan, layer)
@@ -718,10 +725,11 @@ class FreeKVEngine:
 
     def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
         """Select with q for the heads of `phase` (PHASE_NOW: those with _now_heads set, PHASE_LATER: the others,
-        with q by request slot), commit their slots, and recall what this phase recalls. Before attention:
-        flagged heads attend with q_i's selection, and so does every head whose selection grew into an empty
-        slot (attention must not miss pages it could hold), so those slots are recalled now; the other changed
-        slots (the latter heads' evictions) wait for the recall after attention, with the speculative heads'."""
+        with q by request slot) and commit their slots; PHASE_NOW also recalls what it recalls (PHASE_LATER's recall
+        is _recall_phase, on the recall stream). Before attention: flagged heads attend with q_i's selection, and so
+        does every head whose selection grew into an empty slot (attention must not miss pages it could hold), so
+        those slots are recalled now; the other changed slots (the latter heads' evictions) wait for the recall after
+        attention, with the speculative heads'."""
         ops, B = self.ops, plan.req_slots.shape[0]
         heads, recall = self._now_heads[layer][:B], self._recall[layer][:B]
         timer = self.timer
@@ -736,11 +744,20 @@ class FreeKVEngine:
                          self.pad_slot, self.cfg.selection_hysteresis)
         if timer is not None:
             timer.mark(layer, phase, 1)
-        ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
-                         self.slot_table[layer], plan.req_slots, plan.slot_pages, recall, phase, self.cfg.page_size,
-                         programs=self.cfg.recall_programs if phase == PHASE_LATER else 0)
+        if phase == PHASE_NOW:
+            self._recall_phase(plan, layer, phase)
+
+    def _recall_phase(self, plan: StepPlan, layer: int, phase: int) -> None:
+        """Recall the slots that the phase's selection marked in _recall."""
+        timer = self.timer
         if timer is not None:
             timer.mark(layer, phase, 2)
+        self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
+                              self.slot_table[layer], plan.req_slots, plan.slot_pages,
+                                   self._recall[layer][:plan.req_slots.shape[0]], phase, self.cfg.page_size,
+                              programs=self.cfg.recall_programs if phase == PHASE_LATER else 0)
+        if timer is not None:
+            timer.mark(layer, phase, 3)
 
     def end_step(self) -> None:
         self.streams.join()

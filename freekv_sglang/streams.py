@@ -12,13 +12,18 @@ import torch
 
 class Streams:
     """compute: the caller's stream. select: selection and correction recall (on the critical path of
-    flagged heads). recall: speculative recall, summaries and offload (off the critical path)."""
+    flagged heads). speculate: the speculative selection after attention. recall: speculative recall, summaries
+    and offload (off the critical path). The speculative selection has its own stream so that layer l+1's runs
+    while layer l's recall holds the link: on one stream the link idled during every layer's selection."""
+
+    NAMES = ("select", "speculate", "recall")
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self._used: set[str] = set()  # the side streams given work since the last join
         if self.cuda:
-            self.select = torch.cuda.Stream(device)
-            self.recall = torch.cuda.Stream(device)
+            for name in self.NAMES:
+                setattr(self, name, torch.cuda.Stream(device))
 
     def record(self) -> torch.cuda.Event | None:
         if not self.cuda:
@@ -37,13 +42,18 @@ class Streams:
         """The compute stream waits for every side stream: once per step, which orders a step's recall,
         offload and summaries before the next step's KV writes, and ends a CUDA graph capture joined."""
         if self.cuda:
+            # Only the streams given work since the last join: waiting on one that a CUDA graph capture never forked
+            # (e.g. speculate under a policy that selects nothing after attention) would invalidate the capture.
             cur = torch.cuda.current_stream()
-            cur.wait_stream(self.select)
-            cur.wait_stream(self.recall)
+            for name in self.NAMES:
+                if name in self._used:
+                    cur.wait_stream(getattr(self, name))
+            self._used.clear()
 
     def on(self, name: str):
         if not self.cuda:
             return contextlib.nullcontext()
+        self._used.add(name)
         return torch.cuda.stream(getattr(self, name))
 
 
@@ -51,11 +61,11 @@ class StepTimer:
     """Times sparse layers' selection and recall in both phases of a decode step with timing events recorded on the
     stream that runs them. They are external events, so a CUDA graph capture turns them into event record nodes that
     every replay records again (an ordinary event would become a cross-stream dependency instead); read() gives the
-    last step's totals. Each timed layer costs 3 event nodes per phase (~2 us each on an H200: timing all 31 sparse
+    last step's totals. Each timed layer costs 4 event nodes per phase (~2 us each on an H200: timing all 31 sparse
     layers of a Llama-3.1-8B step added 0.43 ms to a 4.5 ms engine step), so a server times a few layers spread over
     the depth and scales their sum to every sparse layer."""
 
-    MARKS = 3  # before scoring, after the slot commit, after the recall
+    MARKS = 4  # before scoring, after the slot commit, before and after the recall (after attention, on another stream)
 
     def __init__(self, sparse_layers: list[int], sample: int | None = None):
         n = len(sparse_layers)
@@ -81,7 +91,7 @@ class StepTimer:
             return None
         torch.cuda.synchronize()
         out: dict[int, tuple[float, float]] = {}
-        for (_, phase), (start, selected, recalled) in self._events.items():
+        for (_, phase), (start, selected, recalling, recalled) in self._events.items():
             sel, rec = out.get(phase, (0.0, 0.0))
-            out[phase] = (sel + start.elapsed_time(selected) / 1e3, rec + selected.elapsed_time(recalled) / 1e3)
+            out[phase] = (sel + start.elapsed_time(selected) / 1e3, rec + recalling.elapsed_time(recalled) / 1e3)
         return {phase: (sel * self.scale, rec * self.scale) for phase, (sel, rec) in out.items()}

@@ -117,6 +117,6 @@ def test_step_timing_of_sampled_layers(prefill_alike):
     assert {layer for layer, _ in e.timer._events} == {2}
     t = e.step_times()
     assert all(x > 0 for kind in t.values() for x in kind.values())
-    start, selected, recalled = e.timer._events[(2, PHASE_NOW)]
+    start, selected, recalling, recalled = e.timer._events[(2, PHASE_NOW)]
     assert t["selection"]["before_attention"] == pytest.approx(2 * start.elapsed_time(selected) / 1e3)
-    assert t["recall"]["before_attention"] == pytest.approx(2 * selected.elapsed_time(recalled) / 1e3)
+    assert t["recall"]["before_attention"] == pytest.approx(2 * recalling.elapsed_time(recalled) / 1e3)

@@ -124,18 +124,25 @@ EVERY_PAGE = {"_rerank_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_
 RERANK = {**EVERY_PAGE, "_sketch_lse_kernel": 1, "_rerank_pool_kernel": 2, "_top_pages_kernel": 1}
 # The sketch alone (the default in sessions 16-23): its log-sum-exps, pooled scores, then the selection and recall.
 SELECT = {"_sketch_lse_kernel": 1, "_rerank_pool_kernel": 1, "_select_slots_kernel": 1, "_recall_pages_kernel": 1}
+# After attention: the selection on the speculate stream, its recall and the offload on the recall stream.
+RECALL = {"_recall_pages_kernel": 1, "_offload_pages_kernel": 1}
+
+
+def speculative(select: dict) -> dict:
+    return {k: v for k, v in select.items() if k != "_recall_pages_kernel"}
 
 
 @pytest.mark.parametrize("recall", ["delta", "all"])
 def test_freekv_layer_launches(monkeypatch, recall):
     """12 launches per sparse layer with the sketch selection: 3 on the compute stream (similarity with the
     sketch's byte picks and the KV write, attention and its split combine), 4 on the select stream before attention,
-    5 on the recall stream; no torch glue anywhere."""
+    3 on the speculate stream and 2 on the recall stream after it; no torch glue anywhere."""
     got = count_step(monkeypatch, recall=recall)
     assert got == {
         "compute": {"_query_similarity_kernel": 1, "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1},
         "select": SELECT,
-        "recall": {**SELECT, "_offload_pages_kernel": 1},
+        "speculate": speculative(SELECT),
+        "recall": RECALL,
     }
 
 
@@ -149,7 +156,8 @@ def test_channels_layer_launches(monkeypatch):
     assert got == {
         "compute": {"_query_similarity_kernel": 1, "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1},
         "select": channels,
-        "recall": {**channels, "_offload_pages_kernel": 1},
+        "speculate": speculative(channels),
+        "recall": RECALL,
     }
 
 
@@ -166,16 +174,19 @@ def test_means_quest_and_streaming_layer_launches(monkeypatch):
     launches fewer per selection), MeanS (12 launches), Quest (max pooling: no pooling kernel) and StreamingLLM
     (nothing selected: no side-stream selection)."""
     rerank = count_step(monkeypatch, selection="rerank")
-    assert rerank["select"] == RERANK and rerank["recall"] == {**RERANK, "_offload_pages_kernel": 1}
+    assert rerank["select"] == RERANK and rerank["speculate"] == speculative(RERANK)
     every = count_step(monkeypatch, selection="rerank", factor=0)
-    assert every["select"] == EVERY_PAGE and every["recall"] == {**EVERY_PAGE, "_offload_pages_kernel": 1}
+    assert every["select"] == EVERY_PAGE and every["speculate"] == speculative(EVERY_PAGE)
     means = count_step(monkeypatch, selection="means")
-    assert means["select"] == MEANS and means["recall"] == {**MEANS, "_offload_pages_kernel": 1}
+    assert means["select"] == MEANS and means["speculate"] == speculative(MEANS)
     quest = count_step(monkeypatch, selection="quest")
     no_pool = {k: v for k, v in MEANS.items() if k != "_pool_scores_kernel"}
-    assert quest["select"] == no_pool and quest["recall"] == {**no_pool, "_offload_pages_kernel": 1}
+    assert quest["select"] == no_pool and quest["speculate"] == speculative(no_pool)
+    for got in (rerank, every, means, quest):
+        assert got["recall"] == RECALL
     streaming = count_step(monkeypatch, method="streaming")
-    assert "select" not in streaming and streaming["recall"] == {"_offload_pages_kernel": 1}
+    assert "select" not in streaming and "speculate" not in streaming
+    assert streaming["recall"] == {"_offload_pages_kernel": 1}
     assert streaming["compute"] == {"_query_similarity_kernel": 1, "_sparse_decode_attention_kernel": 1,
                                     "_combine_splits_kernel": 1}
 
