@@ -64,6 +64,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -153,6 +154,19 @@ def policy_knobs(policy: str) -> dict:
         field, kind = KNOB_SUFFIXES[suffix[:1]]
         knobs[field] = kind(suffix[1:])
     return knobs
+
+
+def trace_steps(run, advance, sync, path: str, steps: int = 4) -> None:
+    """A chrome trace of `steps` more steps (kernels of a replayed graph included) for benchmarks/trace_summary.py."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            advance()
+            run()
+        sync()
+    prof.export_chrome_trace(path)
 
 
 def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict:
@@ -257,6 +271,9 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
                 for phase, sec in by_phase.items():
                     phase_ms.setdefault(f"{kind}_ms_{PHASE_NAMES[phase]}", []).append(sec * 1e3)
     after = eng.stats()
+    if args.trace and dev.type == "cuda":  # after the counted steps: a few more under torch's profiler
+        name = f"trace-{context}-{batch}-{policy.replace('/', '_')}.json.gz"
+        trace_steps(run, advance, sync, os.path.join(args.trace, name))
     n = args.steps
     checks = after["checks"] - before["checks"]
     flagged = after["flagged"] - before["flagged"]
@@ -355,6 +372,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timed-layers", type=int, default=None,
                     help="--step-timing in this many sparse layers spread over the depth, scaled to all (the server "
                          "times 4); default every sparse layer")
+    ap.add_argument("--trace", default=None, help="GPU: a directory for a torch-profiler trace of 4 more steps per "
+                    "config, after the timed ones")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="results/engine-decode.json")
     return ap
