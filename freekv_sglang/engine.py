@@ -754,7 +754,7 @@ class FreeKVEngine:
             timer.mark(layer, phase, 2)
         self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
                               self.slot_table[layer], plan.req_slots, plan.slot_pages,
-                                   self._recall[layer][:plan.req_slots.shape[0]], phase, self.cfg.page_size,
+                              self._recall[layer][:plan.req_slots.shape[0]], phase, self.cfg.page_size,
                               programs=self.cfg.recall_programs if phase == PHASE_LATER else 0)
         if timer is not None:
             timer.mark(layer, phase, 3)
