@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SKIP = {".venv", ".git", "scratch", ".gpu-wheels", ".whl", "build", "__pycache__"}
+# .device and .gpu-model hold local, untracked device outputs and scratch copies (a base checkout for an A/B).
+SKIP = {".venv", ".git", "scratch", ".gpu-wheels", ".whl", "build", "__pycache__", ".device", ".gpu-model"}
 SOURCES = sorted(p for p in ROOT.rglob("*.py") if not SKIP & set(p.relative_to(ROOT).parts))
 
 
