@@ -183,13 +183,17 @@ def qwen_hf_dir() -> Path:
     return cached_dir(f"{QWEN_NAME}-{QWEN_SHA256[:16]}-c{_CONVERSION}", functools.partial(_convert_gguf, gguf))
 
 
-MODELS: dict[str, Callable[[], Path]] = {"smollm2": smollm2_hf_dir, "qwen2.5-coder-0.5b": qwen_hf_dir}
+# name -> (its GGUF's path, its cached HF directory); both build on first call.
+MODELS: dict[str, tuple[Callable[[], Path], Callable[[], Path]]] = {
+    "smollm2": (smollm2_gguf_path, smollm2_hf_dir),
+    "qwen2.5-coder-0.5b": (qwen_gguf_path, qwen_hf_dir),
+}
 
 
 def hf_dir(name: str) -> Path:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {sorted(MODELS)}")
-    return MODELS[name]()
+    return MODELS[name][1]()
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
@@ -239,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             out = export_model(args.out_dir, _DTYPES[args.dtype], args.model)
             print(out)
         else:
-            print(smollm2_gguf_path() if args.model == "smollm2" else qwen_gguf_path())
+            print(MODELS[args.model][0]())
             print(hf_dir(args.model))
     except (ModuleNotFoundError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
