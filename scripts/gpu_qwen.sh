@@ -6,6 +6,13 @@
 #   device: bash scripts/gpu_qwen.sh stash N     (carry .gpu-model/qwen/N; N = 1..8) keeps part N in /tmp/qwen-parts
 #   device: bash scripts/gpu_qwen.sh build       (carry .gpu-wheels and .gpu-model/qwen/SHA256, after a stash of every
 #                                               part) joins, checks sha256, converts to an fp32 HF folder /tmp/qwen05
+#   device: bash scripts/gpu_qwen.sh acc [ARGS]   (after build) the accuracy harness on /tmp/qwen05, bf16, page 16,
+#                                               sink 64, window 128: NAME (sel) names its resumed output folder
+#                                               /tmp/qwen-acc/NAME, copied to $OUT; it stops after LIMIT s (520) so a
+#                                               call returns, and the next call resumes it. TASKS, LENGTHS
+#                                               (16384,32768), BUDGETS (512,1024), METHODS, SAMPLES (20); ARGS go to
+#                                               the harness (e.g. --kv-prefill full,tsp --kv-tsp-layer 11)
+#   device: bash scripts/gpu_qwen.sh tsp-layer  (after build; carry .gpu-model/texts) FastKV's TSP layer selection
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GGUF=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
@@ -37,5 +44,22 @@ build)
   python3 -W ignore -c "from pathlib import Path; from freekv_sglang.hf_models import _convert_gguf
 _convert_gguf(Path('/tmp/qwen-gguf/$GGUF'), Path('/tmp/qwen05')); print('built /tmp/qwen05')"
   ;;
-*) sed -n 2,8p "$0"; exit 2 ;;
+acc)
+  shift
+  source scripts/gpu_env.sh
+  out=/tmp/qwen-acc/${NAME:-sel}
+  rc=0
+  timeout "${LIMIT:-520}" python3 -W ignore -m freekv_sglang.accuracy --model /tmp/qwen05 --device cuda --dtype bf16 \
+    --batch 10 --sink 64 --window 128 --page-size 16 --samples "${SAMPLES:-20}" --lengths "${LENGTHS:-16384,32768}" \
+    --tasks "${TASKS:-passkey,multikey,vartrack}" --budgets "${BUDGETS:-512,1024}" \
+    --methods "${METHODS:-dense,oracle,channels,means,quest,streaming}" --out "$out" "$@" 2>&1 | tail -n 60 || rc=$?
+  [ "${PIPESTATUS[0]}" = 124 ] && echo "stopped after ${LIMIT:-520} s: run again on this machine to resume"
+  mkdir -p "${OUT:-results}/qwen-acc" && cp -r "$out" "${OUT:-results}/qwen-acc/"
+  exit $rc ;;
+tsp-layer)
+  source scripts/gpu_env.sh
+  python3 -W ignore -m freekv_sglang.tsp_layer --model /tmp/qwen05 --device cuda --text .gpu-model/texts/fastkv.txt \
+    --text .gpu-model/texts/louiskv.txt --length "${LENGTH:-8192}" --prompts 2 --keep "${KEEP:-2048}" \
+    --out "${OUT:-results}/tsp-layer-qwen.json" ;;
+*) sed -n 2,16p "$0"; exit 2 ;;
 esac
