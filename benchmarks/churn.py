@@ -1,6 +1,7 @@
-"""How the real SmolLM2-135M's decode attention churns (CPU): the pages FreeKV recalls per step, how often it corrects,
-and how concentrated attention is, per sparse layer, for each selection. These are the statistics the structured
-keys of benchmarks/engine_decode.py (--keys structured, benchmarks/realistic_churn.py) are fitted to.
+"""How a real model's decode attention churns (CPU; SmolLM2-135M, or --model qwen2.5-coder-0.5b): the pages FreeKV
+recalls per step, how often it corrects, and how concentrated attention is, per sparse layer, for each selection.
+These are the statistics the structured keys of benchmarks/engine_decode.py (--keys structured,
+benchmarks/realistic_churn.py) are fitted to.
 
     python3 benchmarks/churn.py --text ../shared/papers/freekv-iclr.txt --context 3000 --new 64 \
         --selections sketch,rerank,means --out results/churn-smollm2.json
@@ -32,11 +33,12 @@ import torch
 from freekv_sglang.calibration import calibration_ids
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.hf_adapter import FreeKVModel
-from freekv_sglang.hf_models import load_smollm2
+from freekv_sglang.hf_models import MODELS, load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from realistic_churn import ChurnProbe, counters, summarize  # noqa: E402
 
+SOURCES = {"smollm2": "SmolLM2-135M", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B"}
 COLUMNS = ("correction_rate", "changed_share", "changed_share_now", "cos_mean", "cos_std", "boundary",
            "top_half_k_mass", "topk_mass", "top_2k_mass", "top1_mass", "covered_mass", "oracle_change")
 
@@ -79,10 +81,11 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--hysteresis", default="0", help="comma-separated FreeKVConfig.hysteresis values, each a row")
+    ap.add_argument("--model", default="smollm2", choices=sorted(MODELS), help="a packaged model (hf_models)")
     ap.add_argument("--out", default="results/churn-smollm2.json")
     args = ap.parse_args()
 
-    model, tok = load_smollm2(dtype=torch.float32)
+    model, tok = load_model(args.model, torch.float32)
     ids = tok(Path(args.text).read_text())["input_ids"][:args.context]
     if len(ids) < args.context:
         raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than --context {args.context}")
@@ -93,9 +96,9 @@ def main() -> None:
         cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
                            tau=args.tau, dense_layers=1, selection=selection, hysteresis=hyst)
         stats, out = run(model, tok, cfg, ids, args.warm, args.new)
-        rows.append({"source": "SmolLM2-135M", "selection": selection if not hyst else f"{selection}/h{hyst:g}",
-                     "hysteresis": hyst, "prompt_tokens": len(ids),
-                     "new_tokens": args.new,
+        rows.append({"source": SOURCES.get(args.model, args.model),
+                     "selection": selection if not hyst else f"{selection}/h{hyst:g}",
+                     "hysteresis": hyst, "prompt_tokens": len(ids), "new_tokens": args.new,
                      "budget": args.budget, "sink": args.sink, "window": args.window, "page_size": args.page_size,
                      "tau": args.tau, "budget_pages": cfg.select_pages, "text": Path(args.text).name,
                      "generated": tok.decode(out), **stats})

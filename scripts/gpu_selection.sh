@@ -5,7 +5,10 @@
 #       batch 16: the graph-captured step with rerank against means)
 #   bash scripts/gpu_selection.sh stash   (carry .gpu-model/1)  SmolLM2 part 1
 #   bash scripts/gpu_selection.sh accuracy (carry .gpu-model/2) the accuracy harness through the engine (every method),
-#       then the same prompts through a plain SGLang server and a FreeKV server (triton attention: no JIT)
+#       then the same prompts through a plain SGLang server and a FreeKV server (triton attention: no JIT). DTYPE
+#       (bfloat16) is the harness's and both servers' dtype: float32 takes most of SGLang's rounding against the
+#       harness's HF model out of the comparison (the weights stay bf16 values). METHODS (every one), LENGTHS
+#       (4096,8192) and BUDGETS (512,1024) for the harness; the servers run 8K at budget 1024.
 #   bash scripts/gpu_selection.sh speed   (carry .gpu-wheels; a call of its own: FlashInfer's first start JIT-builds)
 #       decode.py on the Llama-3.1-8B shape at 32K, 1 and 16 requests: full KV, FreeKV with the default selection,
 #       with rerank/0 and with MeanS
@@ -34,8 +37,10 @@ accuracy)
        --rerank-factor "${RERANK:-2}")
   # RESUME: a records.jsonl of an earlier call to go on from (finished cells are skipped).
   mkdir -p "$OUT/acc-engine"; [ -n "${RESUME:-}" ] && cp "$RESUME" "$OUT/acc-engine/records.jsonl"
-  [ "${SERVERS_ONLY:-0}" = 1 ] || "${ACC[@]}" --device cuda --dtype bf16 --batch 10 --tasks passkey,multikey,vartrack --lengths 4096,8192 \
-    --budgets 512,1024 --out "$OUT/acc-engine" 2>&1 | tail -n 75
+  DTYPE=${DTYPE:-bfloat16}
+  [ "${SERVERS_ONLY:-0}" = 1 ] || "${ACC[@]}" --device cuda --dtype "$DTYPE" --batch 10 \
+    --tasks passkey,multikey,vartrack --lengths "${LENGTHS:-4096,8192}" --budgets "${BUDGETS:-512,1024}" \
+    ${METHODS:+--methods "$METHODS"} --out "$OUT/acc-engine" 2>&1 | tail -n 75
   PORT=30001
   [ "${ENGINE_ONLY:-0}" = 1 ] && exit 0
   for srv in plain freekv; do
@@ -44,7 +49,7 @@ accuracy)
                                 --kv-correction-threshold 0.9 --kv-dense-layers 1 --kvstore-arena-gb 4)
     setsid python3 -m sglang.launch_server --model-path /tmp/smollm2 --port $PORT --attention-backend triton \
       --sampling-backend pytorch --grammar-backend none --disable-radix-cache --page-size 16 --mem-fraction-static 0.3 \
-      --max-running-requests 16 "${flags[@]}" >"$OUT/server-$srv.log" 2>&1 &
+      --max-running-requests 16 --dtype "$DTYPE" "${flags[@]}" >"$OUT/server-$srv.log" 2>&1 &
     SPID=$!; t0=$(date +%s)
     until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
       kill -0 $SPID 2>/dev/null || { echo "$srv server exited"; tail -30 "$OUT/server-$srv.log"; break; }
