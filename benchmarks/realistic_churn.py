@@ -42,6 +42,11 @@ from the exact keys of the candidate pages (eager, CPU or small shapes only: it 
   cos_mean/std    the group-mean cosine of adjacent queries per KV head (what the correction check thresholds)
   boundary        the share of (row, layer) steps whose mean cosine over all query heads is below 0.7 (LouisKV's
                   semantic boundary at its default threshold)
+  returning_W     of the pages the selection attends that it did not attend at the previous step (what recall moves),
+                  the share it attended at some step of the W before: what a GPU cache of the pages evicted in the
+                  last W steps would serve without a PCIe read (W in RETURN_WINDOWS; the first W steps see less
+                  history, so a lower bound)
+  victim_share_W  the pages attended in the last W steps and not now, over the budget's pages: that cache's size
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ from freekv_sglang.selectors import page_attention_mass
 # LouisKV's default threshold on the mean adjacent cosine over a row's query heads (FreeKVConfig.boundary_tau): the
 # share of steps below it is how often a real model's queries jump, which the topic shifts stand for.
 BOUNDARY_TAU = 0.7
+# Windows (decode steps) of the returning-page statistic.
+RETURN_WINDOWS = (4, 16, 64)
 # Generator parameters fitted to SmolLM2-135M on CPU (NOTES.md, thirteenth session).
 STRUCTURED = dict(topics=12, heaps=0.5, seg_tokens=256, kappa=3.0, kappa_spread=0.0, sigma=0.2, content=1.75, alpha=0.8,
                   rho=0.6, head_spread=0.3, step_spread=0.35, shift=0.01)
@@ -178,6 +185,8 @@ class ChurnProbe:
         self.active = False  # until set, calls only keep the previous step's state (slots still filling)
         self.acc: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.prev: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (layer, slot) -> the attended candidate pages per KV head, one list of sets per step, newest last.
+        self.attended: dict[tuple[int, int], list[list[set[int]]]] = defaultdict(list)
 
     @torch.no_grad()
     def __call__(self, layer: int, plan, q: torch.Tensor, slots: torch.Tensor) -> None:
@@ -206,6 +215,7 @@ class ChurnProbe:
             for h in range(H):
                 chosen[h, sel[h][(sel[h] >= 0) & (sel[h] < mass.shape[1])]] = True
             a["covered_mass"] += float((mass * chosen).sum())
+            self._returning(a, self.attended[(layer, slot)], [set(c.nonzero().flatten().tolist()) for c in chosen])
             pq, ptop = prev
             kept = (top[:, :, None] == ptop[:, None, :]).any(-1).sum()
             a["oracle_change"] += H - float(kept) / self.k  # summed over heads
@@ -214,6 +224,18 @@ class ChurnProbe:
             a["cos2"] += float((cos * cos).sum())
             a["below_tau"] += float((cos < e.tau).sum())
             a["boundary"] += H * float(cos.mean() < BOUNDARY_TAU)  # every head of the row, as LouisKV counts
+
+    def _returning(self, a: dict[str, float], hist: list[list[set[int]]], now: list[set[int]]) -> None:
+        if hist:
+            for h, pages in enumerate(now):
+                new = pages - hist[-1][h]
+                a["new_pages"] += len(new)
+                for w in RETURN_WINDOWS:
+                    recent = set().union(*(step[h] for step in hist[-w:]))
+                    a[f"returning_{w}"] += len(new & recent)
+                    a[f"victims_{w}"] += len(recent - pages)
+        hist.append(now)
+        del hist[:-max(RETURN_WINDOWS)]
 
     def per_layer(self) -> dict[int, dict[str, float]]:
         out = {}
@@ -226,6 +248,9 @@ class ChurnProbe:
                           "covered_mass": a["covered_mass"] / n, "oracle_change": a["oracle_change"] / n,
                           "cos_mean": mean, "cos_std": math.sqrt(max(a["cos2"] / n - mean * mean, 0.0)),
                           "below_tau": a["below_tau"] / n}
+            for w in RETURN_WINDOWS:
+                out[layer][f"returning_{w}"] = a[f"returning_{w}"] / max(a["new_pages"], 1)
+                out[layer][f"victim_share_{w}"] = a[f"victims_{w}"] / (n * self.k)
         return out
 
 
@@ -251,7 +276,8 @@ def summarize(probe: ChurnProbe, engine, before: torch.Tensor, steps: int, rows:
         d["changed_share_now"] = now / (checks * k)
     keys = ("top_half_k_mass", "topk_mass", "top_2k_mass", "top1_mass", "covered_mass", "boundary", "oracle_change",
             "cos_mean", "cos_std", "below_tau",
-            "correction_rate", "changed_share", "changed_share_now")
+            "correction_rate", "changed_share", "changed_share_now",
+            *(f"{stat}_{w}" for w in RETURN_WINDOWS for stat in ("returning", "victim_share")))
     mean = {key: sum(d[key] for d in layers.values()) / max(len(layers), 1) for key in keys}
     return {"mean": {key: round(v, 4) for key, v in mean.items()},
             "per_layer": {layer: {key: round(v, 4) if isinstance(v, float) else v for key, v in d.items()}
