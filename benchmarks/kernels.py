@@ -4,6 +4,10 @@ Measures, in one run:
   link   the host<->GPU link peak: one large pinned copy_ each way; the device-memory copy bandwidth;
   recall recall_pages gathering random 16 KiB (page, head) chunks straight from a pinned host arena (GB/s, % of peak),
          every (row, head, slot) of a batch recalled, the slot and page tables read by the kernel;
+  recall before attention (--recall-blocks; alone with --only-recall-blocks) the recall of a correction: a share of
+         (row, KV head) pairs flagged, a share of their slots changed, either pair by pair or whole rows (a surprising
+         token moves every head of its row); one program per (row, head, slot) item, as the engine launches it, against
+         capped programs over blocks of slots (recall_pages' programs and slot_block);
   offload offload_pages writing whole GPU pages into the pinned arena, summaries included (GB/s, % of the GPU->host
          peak);
   select page scoring (means, quest, the sketch alone, rerank of the sketch's candidates, rerank-all over every page,
@@ -165,6 +169,47 @@ def bench_recall(host_layer: torch.Tensor, sizes: list[int], peak: float, repeat
         rows.append(row)
         print(f"{n:>8} {row['bytes'] / 2**20:>8.0f} {row['ms']:>9.3f} {row['gbps']:>8.1f} {row['pct_peak']:>6.1f}% "
               f"{row['gpu_ms']:>9.3f} {row['gpu_gbps']:>9.1f} {row['gpu_pct_peak']:>6.1f}%")
+    return rows
+
+
+def correction_set(batch: int, flagged: float, changed: float, by_row: bool, src_pages: int,
+                   gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """recall_pages inputs of a recall before attention: (row, head) pairs flagged with probability `flagged` (whole
+    rows with it when by_row), each slot of a flagged pair changed (coded PHASE_NOW) with probability `changed`."""
+    M = 4 * SLOTS
+    page_table = torch.randint(0, src_pages, (batch, M), dtype=torch.int32, device=DEVICE, generator=gen)
+    slots = torch.randint(0, M, (batch, H, SLOTS), dtype=torch.int32, device=DEVICE, generator=gen)
+    req_slots = torch.arange(batch, dtype=torch.int32, device=DEVICE)
+    slot_pages = torch.arange(batch * SLOTS, dtype=torch.int32, device=DEVICE).view(batch, SLOTS)
+    pairs = (batch, 1) if by_row else (batch, H)
+    flags = torch.rand(pairs, device=DEVICE, generator=gen) < flagged
+    hit = flags[:, :, None] & (torch.rand(batch, H, SLOTS, device=DEVICE, generator=gen) < changed)
+    return page_table, slots, req_slots, slot_pages, hit.to(torch.int8)
+
+
+def bench_recall_blocks(host_layer: torch.Tensor, batch: int, flagged: float, changed: float, programs: list[int],
+                        blocks: list[int], peak: float, repeats: int, warmup: int) -> list[dict]:
+    k, v = torch.empty(2, batch * SLOTS * PAGE, H, D, dtype=DTYPE, device=DEVICE)
+    print(f"\nrecall before attention: {batch} rows x {H} KV heads x {SLOTS} slots, {flagged:.2f} of the pairs "
+          f"flagged, {changed:.2f} of a flagged pair's slots changed; GPU time (launch hidden), a fresh draw per call")
+    print(f"{'flags by':>8} {'programs':>8} {'block':>5} {'us':>8} {'GB/s':>7} {'% peak':>7} {'x per item':>10}")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    rows = []
+    for by_row in (False, True):
+        sets = [correction_set(batch, flagged, changed, by_row, host_layer.shape[0], gen)
+                for _ in range(warmup + repeats)]
+        nbytes = statistics.mean(int(s[4].sum()) for s in sets) * CHUNK_BYTES
+        base = None
+        for progs, block in [(0, 0)] + [(p, b) for p in programs for b in blocks]:
+            ms = time_ms(lambda i, p=progs, b=block: recall_pages(host_layer, k, v, *sets[i], 1, PAGE, programs=p,
+                                                                  slot_block=b), repeats, warmup, True)
+            base = base or ms
+            row = {"flags_by": "row" if by_row else "pair", "programs": progs, "slot_block": block, "ms": ms,
+                   "bytes": nbytes, "gbps": gbps(nbytes, ms), "speedup": base / ms}
+            row["pct_peak"] = 100 * row["gbps"] / peak
+            rows.append(row)
+            print(f"{row['flags_by']:>8} {progs or 'items':>8} {block or '-':>5} {ms * 1e3:>8.1f} {row['gbps']:>7.1f} "
+                  f"{row['pct_peak']:>6.1f}% {row['speedup']:>10.2f}")
     return rows
 
 
@@ -345,6 +390,13 @@ def main() -> None:
     ap.add_argument("--channel-widths", type=int_list, default=[32],
                     help="calibrated channels of the channel sketches to time (multiples of 32)")
     ap.add_argument("--only-selection", action="store_true", help="skip the link, recall and offload benchmarks")
+    ap.add_argument("--recall-blocks", action="store_true", help="also time the recall before attention")
+    ap.add_argument("--only-recall-blocks", action="store_true", help="the link and the recall before attention only")
+    ap.add_argument("--recall-batch", type=int, default=16, help="rows of the recall before attention")
+    ap.add_argument("--recall-flagged", type=float, default=0.3, help="flagged share of (row, KV head) pairs")
+    ap.add_argument("--recall-changed", type=float, default=0.33, help="changed share of a flagged pair's slots")
+    ap.add_argument("--recall-programs", type=int_list, default=[132, 264, 528, 1056])
+    ap.add_argument("--recall-slot-blocks", type=int_list, default=[1, 4, 16, 64])
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA device")
@@ -372,6 +424,14 @@ def main() -> None:
     # The arena's content is irrelevant to a copy's speed: left unfilled, it costs only the pinning.
     P = max(int(args.arena_gib * GiB) // (H * CHUNK_BYTES), max(args.offload_pages))
     host_layer = pinned_empty(P, 1, H, 2, PAGE, D, dtype=DTYPE)[:, 0]
+    if args.recall_blocks or args.only_recall_blocks:
+        results["recall_blocks"] = bench_recall_blocks(host_layer, args.recall_batch, args.recall_flagged,
+                                                       args.recall_changed, args.recall_programs,
+                                                       args.recall_slot_blocks, link["h2d_gbps"], *reps)
+    if args.only_recall_blocks:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + os.linesep)
+        return
     results["recall"] = bench_recall(host_layer, args.recall_chunks, link["h2d_gbps"], *reps)
     results["offload"] = bench_offload(host_layer, args.offload_pages, link["d2h_gbps"], *reps)
     del host_layer

@@ -18,10 +18,11 @@ def naive_recall_pages(
     phase: int,
     page_size: int,
     programs: int = 0,
+    slot_block: int = 0,
 ) -> None:
     """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
     page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache.
-    `programs` shapes the Triton launch only."""
+    `programs` and `slot_block` shape the Triton launch only."""
     p = page_size
     rows = req_slots.tolist()
     for b, h, s in (recall == phase).nonzero().tolist():

@@ -72,6 +72,7 @@ def recall_pages(
     phase: int,
     page_size: int,
     programs: int = 0,
+    slot_block: int = 0,
 ) -> None:
     """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
     page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache.
@@ -80,6 +81,8 @@ def recall_pages(
     programs launched, each striding over whole (b, h) rows of K slots: a speculative recall running beside the
     model's GEMMs then holds a few SMs during its PCIe reads instead of one CTA per item, and a row without an
     entry of the phase (most of them) costs one vector load of its codes, not K dependent byte loads.
+    slot_block > 0 (a power of two) sets the work item to (b, h, block of that many slots) instead, whatever the
+    programs: smaller blocks spread a row's entries over more programs (benchmarks/kernels.py --recall-blocks).
     """
     check_device(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall)
     check_index_vectors(req_slots=req_slots)
@@ -89,9 +92,11 @@ def recall_pages(
     assert host_layer.shape[2:] == (2, page_size, D)
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
+    if slot_block < 0 or slot_block & (slot_block - 1):
+        raise ValueError(f"slot_block must be 0 or a power of two, got {slot_block!r}")
     if B * H * K == 0:
         return
-    sb = triton.next_power_of_2(K) if programs > 0 else 1
+    sb = slot_block or (triton.next_power_of_2(K) if programs > 0 else 1)
     _recall_pages_kernel[capped_grid(B * H * triton.cdiv(K, sb), programs)](
         host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall,
         B, H, K,
