@@ -42,11 +42,10 @@ from the exact keys of the candidate pages (eager, CPU or small shapes only: it 
   cos_mean/std    the group-mean cosine of adjacent queries per KV head (what the correction check thresholds)
   boundary        the share of (row, layer) steps whose mean cosine over all query heads is below 0.7 (LouisKV's
                   semantic boundary at its default threshold)
-  returning_W     of the pages the selection attends that it did not attend at the previous step (what recall moves),
-                  the share it attended at some step of the W before: what a GPU cache of the pages evicted in the
-                  last W steps would serve without a PCIe read (W in RETURN_WINDOWS; the first W steps see less
-                  history, so a lower bound)
-  victim_share_W  the pages attended in the last W steps and not now, over the budget's pages: that cache's size
+  victim_hit_F    of the pages the selection attends that it did not attend at the previous step (what recall moves),
+                  the share that a GPU victim cache of F x the budget's pages per (row, layer, KV head) would hold:
+                  the pages that left the attended set, least recently evicted dropped first (F in VICTIM_SIZES;
+                  the cache starts empty at the first measured step)
 """
 
 from __future__ import annotations
@@ -62,8 +61,8 @@ from freekv_sglang.selectors import page_attention_mass
 # LouisKV's default threshold on the mean adjacent cosine over a row's query heads (FreeKVConfig.boundary_tau): the
 # share of steps below it is how often a real model's queries jump, which the topic shifts stand for.
 BOUNDARY_TAU = 0.7
-# Windows (decode steps) of the returning-page statistic.
-RETURN_WINDOWS = (4, 16, 64)
+# Victim cache capacities, in budgets, of the victim-hit statistic.
+VICTIM_SIZES = (0.25, 0.5, 1.0, 2.0)
 # Generator parameters fitted to SmolLM2-135M on CPU (NOTES.md, thirteenth session).
 STRUCTURED = dict(topics=12, heaps=0.5, seg_tokens=256, kappa=3.0, kappa_spread=0.0, sigma=0.2, content=1.75, alpha=0.8,
                   rho=0.6, head_spread=0.3, step_spread=0.35, shift=0.01)
@@ -185,8 +184,10 @@ class ChurnProbe:
         self.active = False  # until set, calls only keep the previous step's state (slots still filling)
         self.acc: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self.prev: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # (layer, slot) -> the attended candidate pages per KV head, one list of sets per step, newest last.
-        self.attended: dict[tuple[int, int], list[list[set[int]]]] = defaultdict(list)
+        # (layer, slot) -> per KV head: the pages attended at the previous step, and per victim capacity the pages
+        # evicted since, least recently evicted first (dict order).
+        self.attended: dict[tuple[int, int], list[set[int]]] = {}
+        self.victims: dict[tuple[int, int], list[dict[float, dict[int, None]]]] = {}
 
     @torch.no_grad()
     def __call__(self, layer: int, plan, q: torch.Tensor, slots: torch.Tensor) -> None:
@@ -215,7 +216,7 @@ class ChurnProbe:
             for h in range(H):
                 chosen[h, sel[h][(sel[h] >= 0) & (sel[h] < mass.shape[1])]] = True
             a["covered_mass"] += float((mass * chosen).sum())
-            self._returning(a, self.attended[(layer, slot)], [set(c.nonzero().flatten().tolist()) for c in chosen])
+            self._victims(a, (layer, slot), [set(c.nonzero().flatten().tolist()) for c in chosen])
             pq, ptop = prev
             kept = (top[:, :, None] == ptop[:, None, :]).any(-1).sum()
             a["oracle_change"] += H - float(kept) / self.k  # summed over heads
@@ -225,17 +226,24 @@ class ChurnProbe:
             a["below_tau"] += float((cos < e.tau).sum())
             a["boundary"] += H * float(cos.mean() < BOUNDARY_TAU)  # every head of the row, as LouisKV counts
 
-    def _returning(self, a: dict[str, float], hist: list[list[set[int]]], now: list[set[int]]) -> None:
-        if hist:
-            for h, pages in enumerate(now):
-                new = pages - hist[-1][h]
-                a["new_pages"] += len(new)
-                for w in RETURN_WINDOWS:
-                    recent = set().union(*(step[h] for step in hist[-w:]))
-                    a[f"returning_{w}"] += len(new & recent)
-                    a[f"victims_{w}"] += len(recent - pages)
-        hist.append(now)
-        del hist[:-max(RETURN_WINDOWS)]
+    def _victims(self, a: dict[str, float], key: tuple[int, int], now: list[set[int]]) -> None:
+        prev = self.attended.get(key)
+        self.attended[key] = now
+        if prev is None:
+            self.victims[key] = [{f: {} for f in VICTIM_SIZES} for _ in now]
+            return
+        for h, pages in enumerate(now):
+            new, gone = pages - prev[h], sorted(prev[h] - pages)
+            a["new_pages"] += len(new)
+            for f, cache in self.victims[key][h].items():
+                a[f"victim_hits_{f:g}"] += sum(p in cache for p in new)
+                for p in new:
+                    cache.pop(p, None)
+                for p in gone:
+                    cache.pop(p, None)
+                    cache[p] = None
+                while len(cache) > f * self.k:
+                    del cache[next(iter(cache))]
 
     def per_layer(self) -> dict[int, dict[str, float]]:
         out = {}
@@ -248,9 +256,8 @@ class ChurnProbe:
                           "covered_mass": a["covered_mass"] / n, "oracle_change": a["oracle_change"] / n,
                           "cos_mean": mean, "cos_std": math.sqrt(max(a["cos2"] / n - mean * mean, 0.0)),
                           "below_tau": a["below_tau"] / n}
-            for w in RETURN_WINDOWS:
-                out[layer][f"returning_{w}"] = a[f"returning_{w}"] / max(a["new_pages"], 1)
-                out[layer][f"victim_share_{w}"] = a[f"victims_{w}"] / (n * self.k)
+            for f in VICTIM_SIZES:
+                out[layer][f"victim_hit_{f:g}"] = a[f"victim_hits_{f:g}"] / max(a["new_pages"], 1)
         return out
 
 
@@ -277,7 +284,7 @@ def summarize(probe: ChurnProbe, engine, before: torch.Tensor, steps: int, rows:
     keys = ("top_half_k_mass", "topk_mass", "top_2k_mass", "top1_mass", "covered_mass", "boundary", "oracle_change",
             "cos_mean", "cos_std", "below_tau",
             "correction_rate", "changed_share", "changed_share_now",
-            *(f"{stat}_{w}" for w in RETURN_WINDOWS for stat in ("returning", "victim_share")))
+            *(f"victim_hit_{f:g}" for f in VICTIM_SIZES))
     mean = {key: sum(d[key] for d in layers.values()) / max(len(layers), 1) for key in keys}
     return {"mean": {key: round(v, 4) for key, v in mean.items()},
             "per_layer": {layer: {key: round(v, 4) if isinstance(v, float) else v for key, v in d.items()}
