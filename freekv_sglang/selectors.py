@@ -219,9 +219,11 @@ class Oracle(Selector):
         G, D = e.shape.group, e.shape.head_dim
         scores = torch.full((B, H, M), float("-inf"), dtype=torch.float32, device=e.device)
         mine = in_phase(heads, phase)
+        # One host read each for the rows' ranges and phases, not one per row.
+        ends, selecting = plan.cand_end.tolist(), [True] * B if mine is None else mine.any(1).tolist()
         for b, slot in enumerate(plan.req_slots.tolist()):
-            end = min(int(plan.cand_end[b]), M)
-            if slot == e.pad_slot or end <= e.cfg.sink_pages or not bool(mine[b].any()):
+            end = min(int(ends[b]), M)
+            if slot == e.pad_slot or end <= e.cfg.sink_pages or not selecting[b]:
                 continue
             mass = page_attention_mass(e, layer, slot, (q[slot] if phase == PHASE_LATER else q[b]).view(H, G, D), end)
             scores[b, :, e.cfg.sink_pages:end] = mass
