@@ -113,8 +113,7 @@ def test_recall_pages_few_programs(H, p, phase, programs):
                  programs=programs)
 
 
-@pytest.mark.parametrize("slot_block", [0, 4])
-@pytest.mark.parametrize("programs", [0, 1, 3, 16])
+@pytest.mark.parametrize("programs,slot_block", [(0, 0), (1, 0), (3, 0), (16, 0), (0, 4), (3, 4)])
 @pytest.mark.parametrize("phase", [1, 2])
 @pytest.mark.parametrize("H,p", [(1, 16), (8, 32)])
 @pytest.mark.parametrize("k", [5, 37])
