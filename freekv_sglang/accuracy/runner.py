@@ -91,10 +91,11 @@ def _sample_record(s: Sample, method: str, budget: int | None, output: str) -> d
 
 class EngineBackend:
     def __init__(self, model, tokenizer, cfg: RunConfig, log=print):
-        from ..hf_adapter import FreeKVModel
+        from ..hf_adapter import FreeKVModel, model_shape
 
         self.model, self.tok, self.cfg, self.log = model, tokenizer, cfg, log
         self.num_layers = model.config.num_hidden_layers
+        self.shape = model_shape(model)
         self._build = FreeKVModel.build
 
     def run_chunk(self, chunk: list[Sample], todo: list[tuple[MethodSpec, int | None]]) -> list[dict]:
@@ -103,10 +104,13 @@ class EngineBackend:
         max_new = max(s.max_new_tokens for s in chunk)
         max_context = max(len(s.ids) for s in chunk) + max_new + 1
         caches: dict[str, tuple[list, float]] = {}  # by FreeKVModel.prefill_mode: prompts' caches, prefill s
+        # One host arena for the chunk's every engine: pinning (on a GPU host) one per method and budget cost more
+        # than some of their decodes. Each engine's requests leave it when they finish, so it is whole again.
+        pool = self._host_pool(len(chunk), max_context)
         for spec, budget in todo:
             fkv_cfg = spec.config(budget or 0, cfg.geometry, self.num_layers)
             fm = self._build(self.model, fkv_cfg, max_requests=len(chunk), max_context=max_context,
-                             method=spec.engine_method)
+                             method=spec.engine_method, host_pool=pool)
             if fm.needs_calibration:
                 fm.calibrate(calibration_ids(self.tok, cfg.calibration_tokens))
             if fm.prefill_mode not in caches:
@@ -134,7 +138,16 @@ class EngineBackend:
             mean = sum(r["score"] for r in recs[:-1]) / len(chunk)
             self.log(f"  {spec.name:<18} budget={budget!s:<5} score={mean:.2f}{diag} decode {dt:.1f} s")
             del fm
+            if pool.free_pages != pool.arena.shape[0]:
+                raise RuntimeError(f"{spec.name} left {pool.arena.shape[0] - pool.free_pages} host pages allocated")
         return out
+
+    def _host_pool(self, requests: int, max_context: int):
+        from ..host_pool import LocalHostPool
+
+        s, p = self.shape, self.cfg.geometry.page_size
+        return LocalHostPool(requests * -(-max_context // p), s.num_layers, s.num_kv_heads, p, s.head_dim,
+                             next(self.model.parameters()).dtype)
 
     def _stats_record(self, s: Sample, spec: MethodSpec, budget, fm, outs, decode_s, prefill_s) -> dict:
         st = fm.stats()
