@@ -2,7 +2,8 @@
 (CPU; SmolLM2-135M or --model qwen2.5-coder-0.5b).
 
 The recall is what bounds a served step under a real model's churn (benchmarks/NOTES.md, sessions 22-26), and
-benchmarks/churn.py finds that most pages a selection recalls were attended a few steps before (returning_W). So
+benchmarks/churn.py finds that about half the pages a selection recalls left its attended set a few steps before
+(victim_hit_F). So
 with the same GPU pages per (request, layer, KV head), C = the budget's pages, does a policy that keeps recently
 useful pages recall less for the same attention mass? One greedy decode with the default selection records, every
 step and sparse layer, each KV head's exact attention mass over its candidate pages (the oracle's scores; the decode
