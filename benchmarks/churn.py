@@ -53,12 +53,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run(model, tok, cfg: FreeKVConfig, ids: list[int], warm: int, new: int) -> tuple[dict, list[int]]:
-    """One greedy decode of warm + new steps, measured over the last new."""
+def prompt_ids(tok, text: str, context: int) -> list[int]:
+    """The first `context` tokens of a text file, then a cue to summarise it."""
+    ids = tok(Path(text).read_text())["input_ids"][:context]
+    if len(ids) < context:
+        raise SystemExit(f"{text} has {len(ids)} tokens, fewer than --context {context}")
+    return ids + tok("\n\nIn short, this paper")["input_ids"]
+
+
+def probed_decode(model, tok, cfg: FreeKVConfig, ids: list[int], warm: int, new: int, make_probe):
+    """One greedy decode of warm + new steps with make_probe(engine) as the engine's probe, active over the last
+    new: (the FreeKVModel, the probe, counters() when it turned active, the tokens)."""
     fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + warm + new + 16)
     if fm.needs_calibration:
         fm.calibrate(calibration_ids(tok))
-    probe = fm.engine.probe = ChurnProbe(fm.engine)
+    probe = fm.engine.probe = make_probe(fm.engine)
     cache = fm.prefill(ids)
     slot = fm.load_prefill(cache)
     out = [cache.first_token]
@@ -66,6 +75,12 @@ def run(model, tok, cfg: FreeKVConfig, ids: list[int], warm: int, new: int) -> t
         if i == warm:
             probe.active, before = True, counters(fm.engine)
         out += fm.decode_step([slot], [out[-1]])
+    return fm, probe, before, out
+
+
+def run(model, tok, cfg: FreeKVConfig, ids: list[int], warm: int, new: int) -> tuple[dict, list[int]]:
+    """One greedy decode of warm + new steps, measured over the last new."""
+    fm, probe, before, out = probed_decode(model, tok, cfg, ids, warm, new, ChurnProbe)
     return summarize(probe, fm.engine, before, new, 1), out
 
 
@@ -87,10 +102,7 @@ def main() -> None:
     args = ap.parse_args()
 
     model, tok = load_model(args.model, torch.float32)
-    ids = tok(Path(args.text).read_text())["input_ids"][:args.context]
-    if len(ids) < args.context:
-        raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than --context {args.context}")
-    ids += tok("\n\nIn short, this paper")["input_ids"]
+    ids = prompt_ids(tok, args.text, args.context)
     rows = []
     for selection, hyst in [(s, float(h)) for s in args.selections.split(",") if s
                             for h in args.hysteresis.split(",") if h]:

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from freekv_sglang.calibration import calibration_ids
 from freekv_sglang.config import FreeKVConfig
-from freekv_sglang.hf_adapter import FreeKVModel
 from freekv_sglang.hf_models import MODELS, load_model
 from freekv_sglang.selectors import page_attention_mass
+
+from churn import probed_decode, prompt_ids  # benchmarks/, the script's directory, is on sys.path
 
 
 class MassRecorder:
@@ -120,24 +120,12 @@ def main() -> None:
     args = ap.parse_args()
 
     model, tok = load_model(args.model, torch.float32)
-    ids = tok(Path(args.text).read_text())["input_ids"][:args.context]
-    if len(ids) < args.context:
-        raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than --context {args.context}")
-    ids += tok("\n\nIn short, this paper")["input_ids"]
+    ids = prompt_ids(tok, args.text, args.context)
     cfg = FreeKVConfig(budget=args.budget, sink=args.sink, window=args.window, page_size=args.page_size,
                        dense_layers=1)
     C = cfg.select_pages
     keep = [int(k) for k in args.keep.split(",")] if args.keep else [C // 4, C // 2, 3 * C // 4]
-    fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=len(ids) + args.warm + args.new + 16)
-    if fm.needs_calibration:
-        fm.calibrate(calibration_ids(tok))
-    rec = fm.engine.probe = MassRecorder(fm.engine)
-    cache = fm.prefill(ids)
-    slot = fm.load_prefill(cache)
-    out = [cache.first_token]
-    for i in range(args.warm + args.new):
-        rec.active = i >= args.warm
-        out += fm.decode_step([slot], [out[-1]])
+    _, rec, _, out = probed_decode(model, tok, cfg, ids, args.warm, args.new, MassRecorder)
     rows = study(rec.mass, C, [float(h) for h in args.hysteresis.split(",")], keep)
     print(f"{args.model}, {len(ids)} prompt tokens, {args.new} steps, C = {C} pages of {args.page_size}, "
           f"{len(rec.mass)} (layer, KV head) cases; exact attention mass as the score")
