@@ -94,7 +94,6 @@ class EngineBackend:
         from ..hf_adapter import FreeKVModel, model_shape
 
         self.model, self.tok, self.cfg, self.log = model, tokenizer, cfg, log
-        self.num_layers = model.config.num_hidden_layers
         self.shape = model_shape(model)
         self._build = FreeKVModel.build
 
@@ -108,7 +107,7 @@ class EngineBackend:
         # than some of their decodes. Each engine's requests leave it when they finish, so it is whole again.
         pool = self._host_pool(len(chunk), max_context)
         for spec, budget in todo:
-            fkv_cfg = spec.config(budget or 0, cfg.geometry, self.num_layers)
+            fkv_cfg = spec.config(budget or 0, cfg.geometry, self.shape.num_layers)
             fm = self._build(self.model, fkv_cfg, max_requests=len(chunk), max_context=max_context,
                              method=spec.engine_method, host_pool=pool)
             if fm.needs_calibration:
