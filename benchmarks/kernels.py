@@ -367,6 +367,11 @@ def bench_select(
     return rows
 
 
+def write_json(path: Path, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + os.linesep)
+
+
 def int_list(s: str) -> list[int]:
     return [int(x) for x in s.split(",")]
 
@@ -418,8 +423,7 @@ def main() -> None:
         results["selection"] = bench_select(args.contexts, args.batches, args.budget, *reps, link["d2d_gbps"],
                                             tuple(args.rerank_factors), args.sketch_channels,
                                             tuple(args.channel_widths))
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2) + os.linesep)
+        write_json(Path(args.out), results)
         return
     # The arena's content is irrelevant to a copy's speed: left unfilled, it costs only the pinning.
     P = max(int(args.arena_gib * GiB) // (H * CHUNK_BYTES), max(args.offload_pages))
@@ -429,8 +433,7 @@ def main() -> None:
                                                        args.recall_changed, args.recall_programs,
                                                        args.recall_slot_blocks, link["h2d_gbps"], *reps)
     if args.only_recall_blocks:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2) + os.linesep)
+        write_json(Path(args.out), results)
         return
     results["recall"] = bench_recall(host_layer, args.recall_chunks, link["h2d_gbps"], *reps)
     results["offload"] = bench_offload(host_layer, args.offload_pages, link["d2h_gbps"], *reps)
@@ -439,10 +442,8 @@ def main() -> None:
                                         tuple(args.rerank_factors), args.sketch_channels,
                                             tuple(args.channel_widths))
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + os.linesep)
-    print(f"\nwrote {out}")
+    write_json(Path(args.out), results)
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":
