@@ -189,6 +189,47 @@ def test_sglang_backend_posts_token_ids_and_scores(smollm2, tmp_path):
         [("sglang-freekv", 256, 1.0, 3)]
 
 
+def test_sglang_backend_refuses_answers_clipped_at_the_context_length(smollm2, tmp_path):
+    """SGLang cuts max_new_tokens to its context length less two tokens: a prompt that fills the model's window
+    gets a short answer that would score as wrong. The harness stops with the flag to change instead."""
+    import http.server
+    import threading
+
+    ctx = {}  # the stand-in server's context length, by prompt length
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            out = []
+            for ids, sp in zip(body["input_ids"], body["sampling_params"]):
+                n = min(sp["max_new_tokens"], ctx[len(ids)] - 2 - len(ids))  # SGLang's scheduler rule
+                out.append({"text": " 1" * n, "meta_info": {"completion_tokens": n,
+                                                            "finish_reason": {"type": "length", "length": n}}})
+            data = json.dumps(out).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    args = ["--backend", "sglang", "--url", f"http://127.0.0.1:{srv.server_port}", "--tasks", "passkey",
+            "--lengths", "1024", "--samples", "1", "--out"]
+    n = len(tasks.make_samples(smollm2[1], "passkey", 1024, 1)[0].ids)
+    try:
+        ctx[n] = n + 7 + 1  # one token short
+        with pytest.raises(RuntimeError, match=rf"after 6 of 7 new tokens.*--context-length {n + 9}\b"):
+            main(args + [str(tmp_path / "short")])
+        ctx[n] = n + 7 + 2
+        assert main(args + [str(tmp_path / "room")]) == 0
+    finally:
+        srv.shutdown()
+
+
 def test_sglang_backend_unreachable_server_is_a_clear_error(smollm2, tmp_path):
     with pytest.raises(RuntimeError, match="cannot reach an SGLang server"):
         main(["--backend", "sglang", "--url", "http://127.0.0.1:9", "--tasks", "passkey", "--lengths", "1024",

@@ -188,7 +188,21 @@ class SGLangBackend:
             out = [out]
         if len(out) != len(chunk) or not all("text" in o for o in out):
             raise RuntimeError(f"unexpected /generate response from {self.url}: {str(out)[:500]}")
+        for s, o in zip(chunk, out):
+            self._check_not_clipped(s, o.get("meta_info", {}))
         return [o["text"] for o in out]
+
+    def _check_not_clipped(self, s: Sample, meta: dict) -> None:
+        """SGLang cuts max_new_tokens to fit its context length less two tokens; an answer cut short there would
+        score as a wrong answer while the engine, which has no such margin, answers in full."""
+        reason, n = meta.get("finish_reason"), meta.get("completion_tokens")
+        if isinstance(reason, dict) and reason.get("type") == "length" and n is not None and n < s.max_new_tokens:
+            need = len(s.ids) + s.max_new_tokens + 2
+            raise RuntimeError(
+                f"the server at {self.url} stopped {s.task}/{s.length}/#{s.index} after {n} of {s.max_new_tokens} "
+                f"new tokens: its context length leaves no room for the answer ({len(s.ids)} prompt tokens). "
+                f"Start it with --context-length {need} or more (above the model's own, with "
+                f"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1), or run shorter --lengths")
 
     def run_chunk(self, chunk: list[Sample], todo) -> list[dict]:
         t0 = time.perf_counter()
