@@ -34,8 +34,8 @@ server)
   PORT=30001
   setsid python3 -m sglang.launch_server --model-path /tmp/smollm2 --port $PORT --attention-backend flashinfer \
     --sampling-backend pytorch --grammar-backend none --disable-radix-cache --page-size 16 --mem-fraction-static 0.3 \
-    --max-running-requests 16 --kv-retrieval freekv --kv-selection channels --kv-budget 1024 --kv-sink 64 \
-    --kv-window 128 --kv-page-size 16 --kv-correction-threshold 0.9 --kv-dense-layers 1 --kvstore-arena-gb 4 \
+    --max-running-requests 16 "${SMOLLM2_CONTEXT[@]}" --kv-retrieval freekv --kv-selection channels --kv-budget 1024 \
+    --kv-sink 64 --kv-window 128 --kv-page-size 16 --kv-correction-threshold 0.9 --kv-dense-layers 1 --kvstore-arena-gb 4 \
     >"$OUT/server-channels.log" 2>&1 &
   SPID=$!
   wait_healthy freekv-channels $PORT $SPID "$OUT/server-channels.log" 400 || exit 1

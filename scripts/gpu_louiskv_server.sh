@@ -24,7 +24,8 @@ for srv in freekv louiskv; do
   else flags=(--kv-retrieval louiskv "${COMMON[@]}" --kv-boundary-threshold "${LOUISKV_TAU:-0.7}"); fi
   FREEKV_STATS_EVERY=64 setsid python3 -m sglang.launch_server --model-path /tmp/smollm2 --port $PORT \
     --attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-radix-cache --page-size 16 \
-    --mem-fraction-static 0.3 --max-running-requests 16 --chunked-prefill-size 2048 "${flags[@]}" \
+    --mem-fraction-static 0.3 --max-running-requests 16 --chunked-prefill-size 2048 "${SMOLLM2_CONTEXT[@]}" \
+    "${flags[@]}" \
     >"$OUT/server-$srv.log" 2>&1 &
   SPID=$!; t0=$(date +%s); up=1
   until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
