@@ -23,6 +23,9 @@ Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args s
   recall-all  speculation without delta recall (--kv-recall all)
   realistic   a real model's correction and churn replayed (--kv-bench-correction-rate 0.3 --kv-bench-churn 0.15)
 A configuration may add server flags after its name, e.g. --configs "full,freekv,freekv --kv-recall-programs 0".
+--profile-steps N: SGLang's profiler (/start_profile, GPU activity only) over N decode steps of each batch, started
+once the server logs a decode batch with every request of the batch running; benchmarks/trace_summary.py writes
+profile-CONFIG-bB.txt from the trace: kernels by total time and each GPU stream's busy time per step.
 Random weights make adjacent queries nearly uncorrelated, so at tau 0.9 almost every head is flagged;
 tau0 and tau1 bracket what a real model's correction rate gives. Random keys also churn unrealistically: without
 hysteresis near-equal pages trade places every step, with it (the default) almost none do, where SmolLM2's real
@@ -44,7 +47,9 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -165,6 +170,44 @@ def run_batch(url: str, batch: int, context: int, output_len: int, vocab: int, s
     return {**out, **batch_figures(ok, output_len)} if ok else out
 
 
+DECODE_LINE = re.compile(r"Decode batch[^#\n]*#running-req: (\d+)")
+
+
+def profile_when_decoding(url: str, log: Path, offset: int, batch: int, steps: int, trace_dir: Path,
+                          timeout: float = 1800) -> threading.Thread:
+    """A thread that starts SGLang's profiler for `steps` steps once the log (past offset) shows a decode batch
+    with `batch` requests running: the profiler then sees the batch's decode, not its prefills."""
+    def watch():
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            with open(log, errors="replace") as f:
+                f.seek(offset)
+                if any(int(n) >= batch for n in DECODE_LINE.findall(f.read())):
+                    body = {"output_dir": str(trace_dir), "num_steps": steps, "activities": ["GPU"]}
+                    urllib.request.urlopen(urllib.request.Request(url + "/start_profile", json.dumps(body).encode(),
+                                                                  {"Content-Type": "application/json"}), timeout=60)
+                    return
+            time.sleep(0.2)
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def summarize_trace(trace_dir: Path, steps: int, out: Path, wait_s: float = 120) -> str:
+    """trace_summary.py over the trace the profiler writes after its last step."""
+    t0 = time.time()
+    while time.time() - t0 < wait_s:
+        traces = sorted(trace_dir.glob("*.json*"))
+        if traces:
+            time.sleep(5)  # written after the file appears
+            r = subprocess.run([sys.executable, str(ROOT / "benchmarks/trace_summary.py"), str(traces[-1]),
+                                "--steps", str(steps)], capture_output=True, text=True)
+            out.write_text(r.stdout + r.stderr)
+            return str(out)
+        time.sleep(2)
+    return f"no trace in {trace_dir} after {wait_s:.0f} s"
+
+
 def batch_figures(ok: list[dict], output_len: int) -> dict:
     """Figures of the requests that completed (sent at once, so their times share an origin). The decode span
     runs from the last first token to the last token; `decoding_together` counts the requests still decoding
@@ -247,6 +290,8 @@ def main() -> None:
                     help="one untimed request of this many prompt tokens (16 new) after each server starts, so the "
                          "first timed batch does not pay Triton's compilation of the server's kernels; 0: none")
     ap.add_argument("--port", type=int, default=30010)
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="profile this many decode steps of each batch (see above); 0: no profile")
     ap.add_argument("--out", default="results/decode")
     args = ap.parse_args()
     out = Path(args.out)
@@ -305,7 +350,13 @@ def main() -> None:
                 if not b:
                     raise RuntimeError(f"[{name}] --batches max: no concurrency figure in the start-up lines")
                 before, offset = srv.stats(), srv.log.stat().st_size
+                trace_dir = out / f"trace-{log_name}-b{b}"
+                if args.profile_steps:
+                    profile_when_decoding(srv.url, srv.log, offset, b, args.profile_steps, trace_dir)
                 cell = {"config": name, **run_batch(srv.url, b, args.context, args.output_len, vocab, seed=b), **cap}
+                if args.profile_steps:
+                    cell["profile"] = summarize_trace(trace_dir, args.profile_steps,
+                                                      out / f"profile-{log_name}-b{b}.txt")
                 time.sleep(0.5)
                 after = srv.stats()
                 cell.update(scheduler_cell(srv.log, offset))

@@ -6,6 +6,9 @@ Prints, over the trace's window: the span of CPU and GPU activity, GPU busy time
 kernels and copies by total time, the CUDA runtime calls that block (synchronize, blocking copies) by total time,
 and the Python functions (traces recorded with_stack) whose file matches --match by inclusive time. Inclusive times
 of nested calls overlap, so read the Python table top-down, as a profile's call tree.
+Then, per GPU stream: its busy time (its kernels and copies merged), its share of the GPU span, and its kernels by
+total time; --steps N divides every time by the N steps the window holds (a profile of N decode steps), so the
+streams of a decode step (compute, and FreeKV's select, speculate and recall streams) read as ms per step.
 """
 
 from __future__ import annotations
@@ -40,11 +43,30 @@ def table(title: str, totals: dict[str, list[float]], top: int) -> None:
         print(f"{ms:9.2f} {int(n):6d}  {name[:150]}")
 
 
+def streams(gpu: list[dict], steps: int, top: int) -> None:
+    """Per stream: busy (merged) and kernel totals, per step."""
+    by: dict = defaultdict(list)
+    for e in gpu:
+        by[e.get("args", {}).get("stream", "?")].append(e)
+    lo, hi = min(e["ts"] for e in gpu), max(e["ts"] + e["dur"] for e in gpu)
+    print(f"\nGPU streams over {steps} step(s), ms per step (GPU span {(hi - lo) / 1e3 / steps:.3f} ms per step)")
+    print(f"{'stream':>8} {'busy':>9} {'share':>6} {'kernels':>8}  top kernels (ms per step)")
+    for sid, es in sorted(by.items(), key=lambda kv: -merged_busy([(e["ts"], e["ts"] + e["dur"]) for e in kv[1]])):
+        busy = merged_busy([(e["ts"], e["ts"] + e["dur"]) for e in es]) / 1e3
+        names: dict = defaultdict(float)
+        for e in es:
+            names[e["name"]] += e["dur"] / 1e3
+        tops = ", ".join(f"{n[:60]} {t / steps:.3f}" for n, t in sorted(names.items(), key=lambda kv: -kv[1])[:top])
+        print(f"{sid!s:>8} {busy / steps:9.3f} {busy / ((hi - lo) / 1e3):6.1%} {len(es) / steps:8.1f}  {tops}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--match", default="freekv,sglang/srt", help="comma-separated substrings of Python file names")
+    ap.add_argument("--steps", type=int, default=1, help="steps in the trace's window: the stream table per step")
+    ap.add_argument("--stream-top", type=int, default=6, help="kernels named per stream")
     args = ap.parse_args()
     events = load(args.trace)
     gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -74,6 +96,8 @@ def main() -> None:
     table("GPU kernels and copies", sums["gpu"], args.top)
     table("CUDA runtime calls that may block", sums["blocking"], args.top)
     table(f"Python functions in {args.match} (inclusive)", sums["python"], args.top)
+    if gpu:
+        streams(gpu, max(args.steps, 1), args.stream_top)
 
 
 if __name__ == "__main__":

@@ -97,3 +97,42 @@ def test_changed_share_counts_budget_pages_of_every_request_step_layer_and_head(
     qwen_slots = 16 * 127 * 27 * 4 * 64
     assert decode.changed_share({**cell, "recall_gb": qwen_slots * 0.2 * 2 * 32 * 128 * 2 / 1e9}, flags, qwen) == 0.2
     assert decode.changed_share({"completed": 16, "output_len": 128}, flags, llama) is None  # full KV: no recall
+
+
+def test_profile_starts_once_the_whole_batch_decodes(tmp_path):
+    """--profile-steps: nothing is profiled while the log shows prefills or a partial batch decoding; the first
+    decode line with the whole batch running starts SGLang's profiler for the asked steps, GPU activity only."""
+    import http.server
+    import threading
+    import time
+
+    posts = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            posts.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    log = tmp_path / "server.log"
+    log.write_text("[2026-11-27 10:00:00] Decode batch, #running-req: 4, #token: 100\n")  # an earlier batch's
+    offset = log.stat().st_size
+    try:
+        t = decode.profile_when_decoding(f"http://127.0.0.1:{srv.server_port}", log, offset, 4, 16, tmp_path / "tr")
+        with open(log, "a") as f:
+            f.write("[2026-11-27 10:00:01] Prefill batch, #new-seq: 1, #new-token: 8192\n"
+                    "[2026-11-27 10:00:02] Decode batch [40], #running-req: 3, #token: 98304, token usage: 0.10\n")
+        time.sleep(1.0)
+        assert posts == [] and t.is_alive()
+        with open(log, "a") as f:
+            f.write("[2026-11-27 10:00:03] Decode batch [80], #running-req: 4, #token: 131072, token usage: 0.13\n")
+        t.join(10)
+    finally:
+        srv.shutdown()
+    assert posts == [("/start_profile", {"output_dir": str(tmp_path / "tr"), "num_steps": 16, "activities": ["GPU"]})]

@@ -14,7 +14,8 @@ import trace_summary  # noqa: E402
 
 
 def test_summary_of_a_small_trace(tmp_path, capsys):
-    ev = lambda cat, name, ts, dur: {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+    def ev(cat, name, ts, dur, stream=7):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1, "args": {"stream": stream}}
     events = [
         ev("python_function", "freekv_sglang/radix.py(1): export", 0, 10_000),
         ev("python_function", "other/lib.py(2): f", 0, 5_000),
@@ -22,17 +23,21 @@ def test_summary_of_a_small_trace(tmp_path, capsys):
         ev("cuda_runtime", "cudaLaunchKernel", 1_000, 10),
         ev("kernel", "_page_copy_kernel", 1_000, 2_000),
         ev("kernel", "_page_copy_kernel", 2_500, 2_000),  # overlaps the first: busy 1000..4500
-        ev("kernel", "_fwd_kernel", 6_000, 1_000),
+        ev("kernel", "_fwd_kernel", 6_000, 1_000, stream=9),
         {"ph": "i", "name": "marker", "ts": 0},  # not a complete event: ignored
     ]
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     assert trace_summary.merged_busy([(1, 3), (2, 5), (6, 7)]) == 5
-    sys.argv = ["trace_summary.py", str(path)]
+    sys.argv = ["trace_summary.py", str(path), "--steps", "2"]
     trace_summary.main()
     out = capsys.readouterr().out
     assert "CPU span 10.00 ms, GPU span 6.00 ms, GPU busy 4.50 ms" in out
     assert "    4.00      2  _page_copy_kernel" in out and "    1.00      1  _fwd_kernel" in out
     assert "    3.00      1  cudaDeviceSynchronize" in out and "cudaLaunchKernel" not in out
     assert "   10.00      1  freekv_sglang/radix.py(1): export" in out and "other/lib.py" not in out
+    # Per stream and per step (2 steps): stream 7 busy 3.5 ms of the 6 ms span, stream 9 1 ms (0.5 per step).
+    assert "GPU span 3.000 ms per step" in out
+    assert "       7     1.750  58.3%      1.0  _page_copy_kernel 2.000" in out
+    assert "       9     0.500  16.7%      0.5  _fwd_kernel 0.500" in out
