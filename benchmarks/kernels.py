@@ -367,6 +367,44 @@ def bench_select(
     return rows
 
 
+def bench_topk_stages(contexts: list[int], batches: list[int], budget: int, chunks: list[int], repeats: int) -> list:
+    """select_slots alone, its top-k staged as the launcher stages it (one program per row and head sorts a whole
+    row of up to TOPK_SINGLE pages) against a first stage over chunks of C pages (TOPK_SINGLE = TOPK_CHUNK = C):
+    at one request 8 programs sort ~1,000 scores each while the GPU idles, and before attention that sort is on
+    the critical path. GPU time per call, from the replay of a graph of 32 calls (a step's sparse layers)."""
+    import freekv_kernels.page_select.triton as pst
+    from freekv_kernels.page_select import PHASE_NOW, select_slots
+
+    k = budget // PAGE
+    print(f"\nselect_slots per call (graph of 32 calls), k={k} pages, every head selecting; staged: today's launcher, "
+          f"C: first stage over chunks of C pages")
+    print(f"{'context':>8} {'batch':>6} {'staging':>8} {'us':>8} {'x today':>8}")
+    rows = []
+    for ctx in contexts:
+        for B in batches:
+            M = ctx // PAGE
+            scores = torch.rand(B, H, M, device=DEVICE)
+            slots = torch.full((B, H, k), -1, dtype=torch.int32, device=DEVICE)
+            req_slots = torch.arange(B, dtype=torch.int32, device=DEVICE)
+            heads = torch.ones(B, H, dtype=torch.bool, device=DEVICE)
+            recall = torch.zeros(B, H, k, dtype=torch.int8, device=DEVICE)
+            base = None
+            for chunk in [0, *chunks]:
+                saved = pst.TOPK_SINGLE, pst.TOPK_CHUNK
+                if chunk:
+                    pst.TOPK_SINGLE = pst.TOPK_CHUNK = chunk
+                try:
+                    us = 1e3 * graph_replay_ms(
+                        lambda: [select_slots(scores, slots, req_slots, heads, PHASE_NOW, heads, recall)
+                                 for _ in range(32)], repeats) / 32
+                finally:
+                    pst.TOPK_SINGLE, pst.TOPK_CHUNK = saved
+                base = base or us
+                rows.append({"context": ctx, "batch": B, "chunk": chunk, "us": us, "x_today": us / base})
+                print(f"{ctx:>8} {B:>6} {chunk or 'today':>8} {us:>8.1f} {us / base:>8.2f}")
+    return rows
+
+
 def write_json(path: Path, results: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2) + os.linesep)
@@ -397,6 +435,9 @@ def main() -> None:
     ap.add_argument("--only-selection", action="store_true", help="skip the link, recall and offload benchmarks")
     ap.add_argument("--recall-blocks", action="store_true", help="also time the recall before attention")
     ap.add_argument("--only-recall-blocks", action="store_true", help="the link and the recall before attention only")
+    ap.add_argument("--only-topk-stages", action="store_true",
+                    help="select_slots alone: today's top-k staging against first stages of --topk-chunks pages")
+    ap.add_argument("--topk-chunks", type=int_list, default=[512, 256, 128])
     ap.add_argument("--recall-batch", type=int, default=16, help="rows of the recall before attention")
     ap.add_argument("--recall-flagged", type=float, default=0.3, help="flagged share of (row, KV head) pairs")
     ap.add_argument("--recall-changed", type=float, default=0.33, help="changed share of a flagged pair's slots")
@@ -417,6 +458,11 @@ def main() -> None:
     print(f"shapes: {env['shapes']}")
     results = {"env": env, "args": vars(args), "correctness": check_correctness()}
 
+    if args.only_topk_stages:
+        batches = sorted({1, 4, *args.batches})
+        results["topk_stages"] = bench_topk_stages(args.contexts, batches, args.budget, args.topk_chunks, args.repeats)
+        write_json(Path(args.out), results)
+        return
     results["link"] = bench_link(args.peak_gib, args.repeats)
     link, reps = results["link"], (args.repeats, args.warmup)
     if args.only_selection:
