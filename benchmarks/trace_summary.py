@@ -8,7 +8,9 @@ and the Python functions (traces recorded with_stack) whose file matches --match
 of nested calls overlap, so read the Python table top-down, as a profile's call tree.
 Then, per GPU stream: its busy time (its kernels and copies merged), its share of the GPU span, and its kernels by
 total time; --steps N divides every time by the N steps the window holds (a profile of N decode steps), so the
-streams of a decode step (compute, and FreeKV's select, speculate and recall streams) read as ms per step.
+streams of a decode step read as ms per step. In a CUDA-graph replay the trace's streams are the graph's own lanes,
+which follow its branches (e.g. the critical chain with the selection before attention, the speculative selection,
+the speculative recall), not the streams the graph was captured from.
 """
 
 from __future__ import annotations
