@@ -3,6 +3,7 @@ scorers and the report. The smoke run is 4 passkey prompts of ~1K tokens with ev
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -147,23 +148,17 @@ def test_bad_arguments_are_refused(capsys):
     assert "error:" in capsys.readouterr().err
 
 
-def test_sglang_backend_posts_token_ids_and_scores(smollm2, tmp_path):
-    """The server target against a stand-in /generate (stdlib HTTP server) that reads the pass key
-    out of the token ids it receives."""
+@contextlib.contextmanager
+def stand_in_generate(answer):
+    """A stdlib HTTP server on a free port that answers each POST with the JSON of answer(path, body); yields its
+    URL. It stands in for an SGLang server's /generate."""
     import http.server
-    import re
     import threading
-
-    _, tok = smollm2
-    seen = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append((self.path, body))
-            keys = [re.search(r"pass key number is (\d+)", tok.decode(ids)).group(1) for ids in body["input_ids"]]
-            out = [{"text": f" {k}.", "meta_info": {}} for k in keys]
-            data = json.dumps(out).encode()
+            data = json.dumps(answer(self.path, body)).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -176,12 +171,25 @@ def test_sglang_backend_posts_token_ids_and_scores(smollm2, tmp_path):
     srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        url = f"http://127.0.0.1:{srv.server_port}"
+        yield f"http://127.0.0.1:{srv.server_port}"
+    finally:
+        srv.shutdown()
+
+
+def test_sglang_backend_posts_token_ids_and_scores(smollm2, tmp_path):
+    """The server target against a stand-in /generate that reads the pass key out of the token ids it receives."""
+    _, tok = smollm2
+    seen = []
+
+    def answer(path, body):
+        seen.append((path, body))
+        keys = [re.search(r"pass key number is (\d+)", tok.decode(ids)).group(1) for ids in body["input_ids"]]
+        return [{"text": f" {k}.", "meta_info": {}} for k in keys]
+
+    with stand_in_generate(answer) as url:
         assert main(["--backend", "sglang", "--url", url, "--tasks", "passkey", "--lengths", "1024", "--samples", "3",
                      "--batch", "2", "--server-method", "sglang-freekv", "--server-budget", "256",
                      "--out", str(tmp_path)]) == 0
-    finally:
-        srv.shutdown()
     assert [p for p, _ in seen] == ["/generate", "/generate"]
     assert all(sp["temperature"] == 0 for _, b in seen for sp in b["sampling_params"])
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -192,42 +200,25 @@ def test_sglang_backend_posts_token_ids_and_scores(smollm2, tmp_path):
 def test_sglang_backend_refuses_answers_clipped_at_the_context_length(smollm2, tmp_path):
     """SGLang cuts max_new_tokens to its context length less two tokens: a prompt that fills the model's window
     gets a short answer that would score as wrong. The harness stops with the flag to change instead."""
-    import http.server
-    import threading
-
     ctx = {}  # the stand-in server's context length, by prompt length
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self):
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            out = []
-            for ids, sp in zip(body["input_ids"], body["sampling_params"]):
-                n = min(sp["max_new_tokens"], ctx[len(ids)] - 2 - len(ids))  # SGLang's scheduler rule
-                out.append({"text": " 1" * n, "meta_info": {"completion_tokens": n,
-                                                            "finish_reason": {"type": "length", "length": n}}})
-            data = json.dumps(out).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def answer(path, body):
+        out = []
+        for ids, sp in zip(body["input_ids"], body["sampling_params"]):
+            n = min(sp["max_new_tokens"], ctx[len(ids)] - 2 - len(ids))  # SGLang's scheduler rule
+            out.append({"text": " 1" * n, "meta_info": {"completion_tokens": n,
+                                                        "finish_reason": {"type": "length", "length": n}}})
+        return out
 
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    args = ["--backend", "sglang", "--url", f"http://127.0.0.1:{srv.server_port}", "--tasks", "passkey",
-            "--lengths", "1024", "--samples", "1", "--out"]
     n = len(tasks.make_samples(smollm2[1], "passkey", 1024, 1)[0].ids)
-    try:
+    with stand_in_generate(answer) as url:
+        args = ["--backend", "sglang", "--url", url, "--tasks", "passkey", "--lengths", "1024", "--samples", "1",
+                "--out"]
         ctx[n] = n + 7 + 1  # one token short
         with pytest.raises(RuntimeError, match=rf"after 6 of 7 new tokens.*--context-length {n + 9}\b"):
             main(args + [str(tmp_path / "short")])
         ctx[n] = n + 7 + 2
         assert main(args + [str(tmp_path / "room")]) == 0
-    finally:
-        srv.shutdown()
 
 
 def test_sglang_backend_unreachable_server_is_a_clear_error(smollm2, tmp_path):
