@@ -22,9 +22,9 @@ COMMON=(--kv-budget 1024 --kv-sink 64 --kv-window 128 --kv-page-size 16 --kv-den
 for srv in freekv louiskv; do
   if [ $srv = freekv ]; then flags=(--kv-retrieval freekv "${COMMON[@]}" --kv-correction-threshold 0.9)
   else flags=(--kv-retrieval louiskv "${COMMON[@]}" --kv-boundary-threshold "${LOUISKV_TAU:-0.7}"); fi
-  FREEKV_STATS_EVERY=64 setsid python3 -m sglang.launch_server --model-path /tmp/smollm2 --port $PORT \
+  FREEKV_STATS_EVERY=64 setsid "${SMOLLM2_SERVER[@]}" --port $PORT \
     --attention-backend triton --sampling-backend pytorch --grammar-backend none --disable-radix-cache --page-size 16 \
-    --mem-fraction-static 0.3 --max-running-requests 16 --chunked-prefill-size 2048 "${SMOLLM2_CONTEXT[@]}" \
+    --mem-fraction-static 0.3 --max-running-requests 16 --chunked-prefill-size 2048 \
     "${flags[@]}" \
     >"$OUT/server-$srv.log" 2>&1 &
   SPID=$!; t0=$(date +%s); up=1

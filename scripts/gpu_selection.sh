@@ -8,7 +8,7 @@
 #       then the same prompts through a plain SGLang server and a FreeKV server (triton attention: no JIT). DTYPE
 #       (bfloat16) is the harness's dtype; the servers run bfloat16 (sgl_kernel's rmsnorm has no float32). METHODS
 #       (every one), LENGTHS (4096,8192) and BUDGETS (512,1024) for the harness; the servers run 8K at budget 1024,
-#       with a context length 2 tokens above the model's 8,192 (gpu_env.sh's SMOLLM2_CONTEXT says why).
+#       with a context length 2 tokens above the model's 8,192 (gpu_env.sh's SMOLLM2_SERVER says why).
 #   bash scripts/gpu_selection.sh speed   (carry .gpu-wheels; a call of its own: FlashInfer's first start JIT-builds)
 #       decode.py on the Llama-3.1-8B shape at 32K, 1 and 16 requests: full KV, FreeKV with the default selection,
 #       with rerank/0 and with MeanS
@@ -47,9 +47,9 @@ accuracy)
     flags=()
     [ $srv = freekv ] && flags=(--kv-retrieval freekv --kv-budget 1024 --kv-sink 64 --kv-window 128 --kv-page-size 16
                                 --kv-correction-threshold 0.9 --kv-dense-layers 1 --kvstore-arena-gb 4)
-    setsid python3 -m sglang.launch_server --model-path /tmp/smollm2 --port $PORT --attention-backend triton \
+    setsid "${SMOLLM2_SERVER[@]}" --port $PORT --attention-backend triton \
       --sampling-backend pytorch --grammar-backend none --disable-radix-cache --page-size 16 --mem-fraction-static 0.3 \
-      --max-running-requests 16 "${SMOLLM2_CONTEXT[@]}" "${flags[@]}" >"$OUT/server-$srv.log" 2>&1 &
+      --max-running-requests 16 "${flags[@]}" >"$OUT/server-$srv.log" 2>&1 &
     SPID=$!; t0=$(date +%s)
     until python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; do
       kill -0 $SPID 2>/dev/null || { echo "$srv server exited"; tail -30 "$OUT/server-$srv.log"; break; }

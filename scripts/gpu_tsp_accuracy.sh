@@ -36,9 +36,9 @@ else
   LABEL="freekv-tsp(keep=$KEEP)-server"
 fi
 PORT=30001
-setsid python3 -m sglang.launch_server --model-path /tmp/smollm2 --port $PORT --attention-backend flashinfer \
+setsid "${SMOLLM2_SERVER[@]}" --port $PORT --attention-backend flashinfer \
   --sampling-backend pytorch --grammar-backend none --disable-radix-cache --disable-prefill-cuda-graph \
-  --chunked-prefill-size -1 --mem-fraction-static 0.3 --max-running-requests 16 "${SMOLLM2_CONTEXT[@]}" "${SERVE[@]}" \
+  --chunked-prefill-size -1 --mem-fraction-static 0.3 --max-running-requests 16 "${SERVE[@]}" \
   --kv-prefill tsp --kv-tsp-layer "$LAYER" --kv-tsp-keep "$KEEP" >"$OUT/server-tsp-$KEEP.log" 2>&1 &
 SPID=$!
 wait_healthy "$LABEL" $PORT $SPID "$OUT/server-tsp-$KEEP.log" 300 || exit 1
