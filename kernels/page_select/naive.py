@@ -9,6 +9,20 @@ import torch
 POOLINGS = ("mean_softmax", "max")
 # The engine's two selection phases: heads[b, h] True selects before attention, False after it.
 PHASE_NOW, PHASE_LATER = 1, 2
+# A victim op packs, per (row, head, slot), the victim entry a recall evicts the slot's page into and the entry it
+# takes the incoming page from, each plus one (0: none), in the low and high 16 bits of an int32.
+VICTIM_SHIFT = 16
+MAX_VICTIM_ENTRIES = (1 << 15) - 2  # the high field stays below the int32 sign bit
+
+
+def victim_op(evict: int, source: int) -> int:
+    """The packed op of one recall item: evict into entry `evict`, take the page from entry `source` (-1: none)."""
+    return (evict + 1) | ((source + 1) << VICTIM_SHIFT)
+
+
+def unpack_victim_op(op: torch.Tensor | int) -> tuple:
+    """(evict, source) of packed ops, -1 for none."""
+    return (op & ((1 << VICTIM_SHIFT) - 1)) - 1, (op >> VICTIM_SHIFT) - 1
 
 
 def check_phase(phase: int) -> None:
@@ -88,6 +102,48 @@ def _slot_delta(old: list[int], sel: list[int]) -> list[int]:
     return [p if p != -1 else next(incoming, -1) for p in kept]
 
 
+def check_victims(victims: torch.Tensor | None, victim_age: torch.Tensor | None, victim_ops: torch.Tensor | None,
+                  slots: torch.Tensor, recall: torch.Tensor, recall_all: bool) -> bool:
+    """Whether a select_slots call keeps a victim cache; its three tensors come together, shaped after slots."""
+    given = [t is not None for t in (victims, victim_age, victim_ops)]
+    if not any(given):
+        return False
+    if not all(given):
+        raise ValueError("victims, victim_age and victim_ops come together")
+    if recall_all:
+        raise ValueError("recall_all re-recalls every selected page: a victim cache has nothing to save there")
+    R, H = slots.shape[:2]
+    V = victims.shape[2]
+    assert victims.shape == victim_age.shape == (R, H, V) and 1 <= V <= MAX_VICTIM_ENTRIES
+    assert victims.dtype == victim_age.dtype == victim_ops.dtype == torch.int32 and victim_ops.shape == recall.shape
+    return True
+
+
+def _victim_moves(old: list[int], new: list[int], entries: list[int], age: list[int]) -> tuple[list, list, list]:
+    """One head's victim ops for the slot change old -> new, and its victim table afterwards.
+
+    An incoming page that an entry holds comes from that entry (a hit), which is then freed. Each outgoing page, in
+    slot order, goes to the next entry among those no hit reads in this change (so no entry is written and read by
+    one recall launch), free ones first, then the oldest (ages are insertion stamps, ties by entry); an outgoing page
+    finding no such entry is dropped."""
+    V = len(entries)
+    source = [entries.index(n) if n != o and n != -1 and n in entries else -1 for n, o in zip(new, old)]
+    read = {e for e in source if e >= 0}
+    eligible = sorted((e for e in range(V) if e not in read), key=lambda e: (entries[e] != -1, age[e], e))
+    clock = max(age) + 1
+    entries, age = [(-1 if e in read else p) for e, p in enumerate(entries)], [(-1 if e in read else a)
+                                                                               for e, a in enumerate(age)]
+    evict, j = [-1] * len(old), 0
+    for s, (n, o) in enumerate(zip(new, old)):
+        if n != o and n != -1 and o != -1:
+            if j < len(eligible):
+                e = eligible[j]
+                evict[s], entries[e], age[e] = e, o, clock + j
+            j += 1
+    return [victim_op(e, src) if n != o and n != -1 else 0 for e, src, n, o in zip(evict, source, new, old)], \
+        entries, age
+
+
 def naive_select_slots(
     scores: torch.Tensor,
     slots: torch.Tensor,
@@ -100,6 +156,9 @@ def naive_select_slots(
     stats: torch.Tensor | None = None,
     pad_slot: int = -1,
     hysteresis: float = 0.0,
+    victims: torch.Tensor | None = None,
+    victim_age: torch.Tensor | None = None,
+    victim_ops: torch.Tensor | None = None,
 ) -> None:
     """Top-k selection, slot assignment and commit for the heads of `phase`, and the recall plan of every head.
 
@@ -111,9 +170,15 @@ def naive_select_slots(
     PHASE_NOW: recall[b, h, s] = PHASE_NOW for changed slots of flagged heads or slots that were empty,
     PHASE_LATER for the other changed slots, 0 elsewhere -- for every head. PHASE_LATER: the phase's heads
     set recall[b, h] = PHASE_LATER where changed, 0 elsewhere; the other heads' entries stay.
-    stats ([2] float64), for rows with r != pad_slot: stats[phase - 1] += entries equal to `phase` afterwards.
+    stats ([2] or [4] float64), for rows with r != pad_slot: stats[phase - 1] += entries equal to `phase` afterwards;
+    with 4 entries also stats[1 + phase] += those of them whose victim op takes the page from a victim entry.
+    A victim cache (victims, victim_age [R, H, V] int32: the logical page each of V entries holds, -1 empty, and its
+    insertion stamp; victim_ops [B, H, k] int32, see victim_op): a phase's head of a row other than pad_slot updates
+    its entries as _victim_moves says and writes victim_ops[b, h] (0 where no slot changes); the other heads' ops
+    stay, as their recall codes do. Not with recall_all.
     """
     check_hysteresis(hysteresis)
+    cached = check_victims(victims, victim_age, victim_ops, slots, recall, recall_all)
     mine = in_phase(heads, phase).tolist()
     flagged = flags.tolist() if phase == PHASE_NOW else None
     k = slots.shape[2]
@@ -127,6 +192,13 @@ def naive_select_slots(
                     scores[b, h, held] = scores[b, h, held] * resident_factor(hysteresis).to(scores.device)
                 new = _slot_delta(old, _top_k(scores[b, h], k))
                 slots[r, h] = torch.tensor(new, dtype=slots.dtype)
+                if cached:
+                    ops, entries, age = ([0] * k, None, None) if r == pad_slot else \
+                        _victim_moves(old, new, victims[r, h].tolist(), victim_age[r, h].tolist())
+                    victim_ops[b, h] = torch.tensor(ops, dtype=torch.int32)
+                    if entries is not None:
+                        victims[r, h] = torch.tensor(entries, dtype=torch.int32)
+                        victim_age[r, h] = torch.tensor(age, dtype=torch.int32)
             changed = [mine[b][h] and n != -1 and (recall_all or n != o) for n, o in zip(new, old)]
             if phase == PHASE_NOW:
                 codes = [(PHASE_NOW if flagged[b][h] or o < 0 else PHASE_LATER) if c else 0 for c, o in zip(changed, old)]
@@ -135,3 +207,6 @@ def naive_select_slots(
                 recall[b, h] = torch.tensor([PHASE_LATER if c else 0 for c in changed], dtype=recall.dtype)
             if stats is not None and r != pad_slot:
                 stats[phase - 1] += int((recall[b, h] == phase).sum())
+                if stats.shape[0] == 4 and cached:
+                    hits = (recall[b, h] == phase) & (unpack_victim_op(victim_ops[b, h])[1] >= 0)
+                    stats[1 + phase] += int(hits.sum())

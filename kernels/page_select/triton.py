@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors
-from .naive import PHASE_NOW, POOLINGS, check_hysteresis, check_phase
+from .naive import PHASE_NOW, POOLINGS, VICTIM_SHIFT, check_hysteresis, check_phase, check_victims
 
 # Sortable int32 key of -inf (see _sort_keys): keys at or below it are -inf (or padding) and select nothing.
 _NEG_INF_KEY = -2139095041
@@ -303,18 +303,56 @@ def _topk_kernel(
 
 
 @triton.jit
+def _victim_moves(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, V, old, new, changed,
+                  VP: tl.constexpr, SHIFT: tl.constexpr):
+    """The packed victim op of each slot of row (r, h) for the change old -> new, and the row's victim entries and
+    stamps updated in place (naive _victim_moves): hits come from their entry, which is freed; the outgoing pages
+    take, in slot order, the entries no hit reads, free ones first, then the oldest, ties by entry."""
+    e = tl.arange(0, VP)
+    e_ok = e < V
+    v_ptrs = vict_ptr + r * sv_r + h * sv_h + e.to(tl.int64) * sv_e
+    a_ptrs = age_ptr + r * sa_r + h * sa_h + e.to(tl.int64) * sa_e
+    held = tl.load(v_ptrs, mask=e_ok, other=-1)
+    age = tl.load(a_ptrs, mask=e_ok, other=-1)
+    hit = changed[:, None] & (held[None, :] == new[:, None]) & (held != -1)[None, :]  # [slot, entry]
+    source = tl.max(tl.where(hit, e[None, :], -1), axis=1)
+    read = tl.max(hit.to(tl.int32), axis=0) > 0
+    elig = e_ok & ~read
+    # rank[e]: eligible entries before e in the order (full, age, entry).
+    full = (held != -1).to(tl.int32)
+    before = (full[None, :] < full[:, None]) | ((full[None, :] == full[:, None]) & (
+        (age[None, :] < age[:, None]) | ((age[None, :] == age[:, None]) & (e[None, :] < e[:, None]))))
+    rank = tl.sum((before & elig[None, :]).to(tl.int32), axis=1)
+    evicting = changed & (old != -1)
+    ev_rank = tl.cumsum(evicting.to(tl.int32), axis=0) - 1
+    to = evicting[:, None] & elig[None, :] & (rank[None, :] == ev_rank[:, None])  # [slot, entry]
+    evict = tl.max(tl.where(to, e[None, :], -1), axis=1)
+    taken = tl.max(to.to(tl.int32), axis=0) > 0
+    clock = tl.max(age, axis=0) + 1
+    tl.store(v_ptrs, tl.where(taken, tl.sum(tl.where(to, old[:, None], 0), axis=0), tl.where(read, -1, held)),
+             mask=e_ok)
+    tl.store(a_ptrs, tl.where(taken, clock + tl.sum(tl.where(to, ev_rank[:, None], 0), axis=0),
+                              tl.where(read, -1, age)), mask=e_ok)
+    return tl.where(changed, (evict + 1) | ((source + 1) << SHIFT), 0)
+
+
+@triton.jit
 def _select_slots_kernel(
     in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr,
-    n, H, K, pad_slot, bonus,
+    vict_ptr, age_ptr, vops_ptr,
+    n, H, K, pad_slot, bonus, V,
     si_b, si_h, si_j,
     st_r, st_h, st_k,
     s_req, sh_b, sh_h, sf_b, sf_h,
     sr_b, sr_h, sr_k,
+    sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
     KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, PHASE: tl.constexpr, WANT: tl.constexpr,
     RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr, HYST: tl.constexpr,
+    VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr,
 ):
     """One program per (row b, KV head h): the last top-k stage, the slot delta against the resident pages,
-    the commit into slots[req_slots[b], h] and the recall codes (see naive_select_slots)."""
+    the commit into slots[req_slots[b], h], the recall codes and, with VICTIMS, the victim ops and entries (see
+    naive_select_slots)."""
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
@@ -326,6 +364,11 @@ def _select_slots_kernel(
     old = tl.load(slot_ptrs, mask=ok, other=-1)
     mine = tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) == WANT
     changed = i < 0
+    vop_ptrs = vops_ptr + b * so_b + h * so_h + i64 * so_k
+    if HIT_STATS:  # another phase's ops count where their codes are this phase's
+        vop = tl.load(vop_ptrs, mask=ok, other=0)
+    else:
+        vop = tl.zeros([KP], tl.int32)
     if mine:
         if HYST and not PACKED_IN:
             _boost_resident(in_ptr, b, h, si_b, si_h, si_j, old, 0, n, bonus)
@@ -350,6 +393,12 @@ def _select_slots_kernel(
             changed = new != -1
         else:
             changed = (new != -1) & (new != old)
+        if VICTIMS:
+            vop = tl.zeros([KP], tl.int32)
+            if r != pad_slot:
+                vop = _victim_moves(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, V, old, new,
+                                    changed, VP, SHIFT)
+            tl.store(vop_ptrs, vop, mask=ok)
     rec_ptrs = recall_ptr + b * sr_b + h * sr_h + i64 * sr_k
     if PHASE == 1:
         flagged = tl.load(flags_ptr + b * sf_b + h * sf_h).to(tl.int32) != 0
@@ -362,6 +411,9 @@ def _select_slots_kernel(
     if STATS:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if r != pad_slot:  # statistics count real rows only
             tl.atomic_add(stats_ptr + (PHASE - 1), tl.sum(((code == PHASE) & ok).to(tl.float64)))
+            if HIT_STATS:
+                hits = (code == PHASE) & ok & ((vop >> SHIFT) > 0)
+                tl.atomic_add(stats_ptr + (1 + PHASE), tl.sum(hits.to(tl.float64)))
 
 
 def select_slots(
@@ -376,12 +428,18 @@ def select_slots(
     stats: torch.Tensor | None = None,
     pad_slot: int = -1,
     hysteresis: float = 0.0,
+    victims: torch.Tensor | None = None,
+    victim_age: torch.Tensor | None = None,
+    victim_ops: torch.Tensor | None = None,
 ) -> None:
     """Rows of up to TOPK_SINGLE pages (rounded up to a power of two) take one launch; longer rows are cut into
     chunks of TOPK_CHUNK pages whose winners a further stage reduces, until one stage covers the rest."""
     check_phase(phase)
     check_hysteresis(hysteresis)
     check_device(scores, slots, req_slots, heads, recall)
+    cached = check_victims(victims, victim_age, victim_ops, slots, recall, recall_all)
+    if cached:
+        check_device(victims, victim_age, victim_ops)
     check_index_vectors(req_slots=req_slots)
     B, H, M = scores.shape
     k = slots.shape[2]
@@ -391,7 +449,7 @@ def select_slots(
         check_device(flags)
         assert flags.shape == (B, H)
     if stats is not None:
-        assert stats.shape == (2,) and stats.dtype == torch.float64 and stats.is_contiguous()
+        assert stats.shape in ((2,), (4,)) and stats.dtype == torch.float64 and stats.is_contiguous()
     if B * H == 0 or k == 0:
         return
     want = int(phase == PHASE_NOW)
@@ -409,12 +467,17 @@ def select_slots(
             num_warps=TOPK_WARPS,
         )
         x, n, packed = cand, n_chunks * kp, True
+    vt, va, vo = (victims, victim_age, victim_ops) if cached else (slots, slots, recall)
     _select_slots_kernel[(B * H,)](
         x, slots, req_slots, heads, heads if flags is None else flags, recall, recall if stats is None else stats,
-        n, H, k, pad_slot, bonus,
+        vt, va, vo,
+        n, H, k, pad_slot, bonus, vt.shape[2],
         *x.stride(), *slots.stride(), req_slots.stride(0), *heads.stride(),
         *(heads.stride() if flags is None else flags.stride()), *recall.stride(),
+        *vt.stride(), *va.stride(), *vo.stride(),
         KP=kp, CHUNK=width, PACKED_IN=packed, PHASE=phase, WANT=want, RECALL_ALL=recall_all,
         STATS=stats is not None, NEG_INF_KEY=_NEG_INF_KEY, HYST=hyst,
+        VICTIMS=cached, VP=max(2, triton.next_power_of_2(vt.shape[2])) if cached else 2,
+        HIT_STATS=cached and stats is not None and stats.shape == (4,), SHIFT=VICTIM_SHIFT,
         num_warps=TOPK_SINGLE_WARPS if width > chunk else TOPK_WARPS,
     )

@@ -11,13 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ..page_select.naive import VICTIM_SHIFT
 from .._utils import capped_grid, check_device, check_index_vectors
+from .naive import check_victim_args
 
 
 @triton.jit
 def _recall_pages_kernel(
-    host_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, req_ptr, spages_ptr, recall_ptr,
-    B, H, K,
+    host_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, req_ptr, spages_ptr, recall_ptr, vops_ptr,
+    B, H, K, victim_base, V,
     s_hp, s_hh, s_hkv, s_ht,
     s_kt, s_kh, s_vt, s_vh,
     spt_r, spt_m,
@@ -25,7 +27,9 @@ def _recall_pages_kernel(
     s_req,
     sg_b, sg_k,
     sr_b, sr_h, sr_k,
-    PHASE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, SB: tl.constexpr,
+    so_b, so_h, so_k,
+    PHASE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, VICTIMS: tl.constexpr,
+    SHIFT: tl.constexpr,
 ):
     """Work item w = (row b, head h, block of SB slots), blocks fastest; programs stride over the B * H * ceil(K/SB)
     items. Entries of other phases carry garbage indices: they are skipped before any of those is read."""
@@ -49,15 +53,34 @@ def _recall_pages_kernel(
                     s = s0 + j
                     r = tl.load(req_ptr + b * s_req).to(tl.int64)
                     page = tl.load(slots_ptr + r * st_r + h * st_h + s * st_k).to(tl.int64)
-                    src = tl.load(pt_ptr + r * spt_r + page * spt_m).to(tl.int64)
                     row0 = tl.load(spages_ptr + b * sg_b + s * sg_k).to(tl.int64) * PAGE
-                    # One [PAGE, D] tile per K and V: both loads are issued before either store, so each item keeps
-                    # the whole 2*PAGE*D chunk in flight over PCIe (wide vector loads, several per thread).
-                    chunk = host_ptr + src * s_hp + h * s_hh + t * s_ht + d
-                    k = tl.load(chunk)
-                    v = tl.load(chunk + s_hkv)
-                    tl.store(k_ptr + (row0 + t) * s_kt + h * s_kh + d, k)
-                    tl.store(v_ptr + (row0 + t) * s_vt + h * s_vh + d, v)
+                    k_dst = k_ptr + (row0 + t) * s_kt + h * s_kh + d
+                    v_dst = v_ptr + (row0 + t) * s_vt + h * s_vh + d
+                    source = -1
+                    if VICTIMS:
+                        op = tl.load(vops_ptr + b * so_b + h * so_h + s * so_k)
+                        evict = (op & ((1 << SHIFT) - 1)) - 1
+                        source = (op >> SHIFT) - 1
+                        if evict >= 0:  # the outgoing chunk to its victim entry, HBM to HBM, before it is overwritten
+                            e0 = (victim_base + r * V + evict) * PAGE
+                            k_out = tl.load(k_dst)
+                            v_out = tl.load(v_dst)
+                            tl.store(k_ptr + (e0 + t) * s_kt + h * s_kh + d, k_out)
+                            tl.store(v_ptr + (e0 + t) * s_vt + h * s_vh + d, v_out)
+                            tl.debug_barrier()  # every thread's read of the slot precedes any write to it
+                    if source >= 0:
+                        e1 = (victim_base + r * V + source) * PAGE
+                        k = tl.load(k_ptr + (e1 + t) * s_kt + h * s_kh + d)
+                        v = tl.load(v_ptr + (e1 + t) * s_vt + h * s_vh + d)
+                    else:
+                        src = tl.load(pt_ptr + r * spt_r + page * spt_m).to(tl.int64)
+                        # One [PAGE, D] tile per K and V: both loads are issued before either store, so each item
+                        # keeps the whole 2*PAGE*D chunk in flight over PCIe (wide vector loads, several per thread).
+                        chunk = host_ptr + src * s_hp + h * s_hh + t * s_ht + d
+                        k = tl.load(chunk)
+                        v = tl.load(chunk + s_hkv)
+                    tl.store(k_dst, k)
+                    tl.store(v_dst, v)
 
 
 def recall_pages(
@@ -73,6 +96,9 @@ def recall_pages(
     page_size: int,
     programs: int = 0,
     slot_block: int = 0,
+    victim_ops: torch.Tensor | None = None,
+    victim_base: int = 0,
+    victim_entries: int = 0,
 ) -> None:
     """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
     page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache.
@@ -83,6 +109,7 @@ def recall_pages(
     entry of the phase (most of them) costs one vector load of its codes, not K dependent byte loads.
     slot_block > 0 (a power of two) sets the work item to (b, h, block of that many slots) instead, whatever the
     programs: smaller blocks spread a row's entries over more programs (benchmarks/kernels.py --recall-blocks).
+    victim_ops, victim_base, victim_entries: the victim cache's moves, as in naive_recall_pages.
     """
     check_device(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall)
     check_index_vectors(req_slots=req_slots)
@@ -92,6 +119,9 @@ def recall_pages(
     assert host_layer.shape[2:] == (2, page_size, D)
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
+    check_victim_args(victim_ops, recall, victim_base, victim_entries, k_cache, page_size, slots.shape[0])
+    if victim_ops is not None:
+        check_device(victim_ops)
     if slot_block < 0 or slot_block & (slot_block - 1):
         raise ValueError(f"slot_block must be 0 or a power of two, got {slot_block!r}")
     if B * H * K == 0:
@@ -99,10 +129,12 @@ def recall_pages(
     sb = slot_block or (triton.next_power_of_2(K) if programs > 0 else 1)
     _recall_pages_kernel[capped_grid(B * H * triton.cdiv(K, sb), programs)](
         host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall,
-        B, H, K,
+        recall if victim_ops is None else victim_ops,
+        B, H, K, victim_base, max(victim_entries, 1),
         host_layer.stride(0), host_layer.stride(1), host_layer.stride(2), host_layer.stride(3),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *page_table.stride(), *slots.stride(), req_slots.stride(0), *slot_pages.stride(), *recall.stride(),
-        PHASE=phase, PAGE=page_size, D=D, SB=sb,
+        *(recall if victim_ops is None else victim_ops).stride(),
+        PHASE=phase, PAGE=page_size, D=D, SB=sb, VICTIMS=victim_ops is not None, SHIFT=VICTIM_SHIFT,
         num_warps=4,
     )

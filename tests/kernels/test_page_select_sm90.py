@@ -15,7 +15,8 @@ from triton.compiler import ASTSource
 from freekv_kernels.page_select import triton as page_select
 
 TYPES = {"in_ptr": "*fp32", "slots_ptr": "*i32", "req_ptr": "*i32", "heads_ptr": "*i1", "flags_ptr": "*i1",
-         "recall_ptr": "*i8", "stats_ptr": "*fp64", "out_ptr": "*i64", "bonus": "fp32"}
+         "recall_ptr": "*i8", "stats_ptr": "*fp64", "out_ptr": "*i64", "bonus": "fp32", "vict_ptr": "*i32",
+         "age_ptr": "*i32", "vops_ptr": "*i32"}
 
 def compile_sm90(kernel, constexprs, num_warps):
     params = inspect.signature(kernel.fn).parameters
@@ -23,10 +24,11 @@ def compile_sm90(kernel, constexprs, num_warps):
     src = ASTSource(kernel, signature, constexprs, {})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
 
-for hyst in (False, True):
+for hyst in (False, True):  # with hysteresis: also with the victim cache and its hit statistics
     common = {"KP": 64, "PACKED_IN": False, "WANT": 1, "NEG_INF_KEY": page_select._NEG_INF_KEY, "HYST": hyst}
-    single = compile_sm90(page_select._select_slots_kernel, {**common, "CHUNK": 1024, "PHASE": 1,
-                                                             "RECALL_ALL": False, "STATS": True}, 8)
+    victims = {"VICTIMS": hyst, "VP": 64, "HIT_STATS": hyst, "SHIFT": 16}
+    single = compile_sm90(page_select._select_slots_kernel, {**common, "CHUNK": 1024, "PHASE": 2,
+                                                             "RECALL_ALL": False, "STATS": True, **victims}, 8)
     staged = compile_sm90(page_select._topk_kernel, {**common, "CHUNK": 512}, 4)
     assert ".entry _select_slots_kernel" in single and ".entry _topk_kernel" in staged
     print("compiled", hyst)

@@ -4,6 +4,7 @@ host page its slot holds; nothing else is written, and entries of other phases a
 import pytest
 import torch
 
+from freekv_kernels.page_select.naive import unpack_victim_op, victim_op
 from freekv_kernels.recall import naive_recall_pages, recall_pages
 from freekv_kernels.testing import assert_close, device
 
@@ -157,3 +158,80 @@ def test_recall_pages_nothing_to_recall(B, programs):
     idx = entries(B, H, 3, 4, 8, P, pages, 1)
     idx[-1].clamp_(max=1)  # codes 0 and 1 only
     check_recall(host_layer, idx, 2, p, pages, extra_rows=3, programs=programs)
+
+
+def victim_ops_for(idx, phase, V, seed):
+    """Per (row, head): each entry of `phase` evicts into a distinct victim entry or none, and takes its page from
+    an entry no item of the head evicts into, or from the host; entries of other phases get garbage ops."""
+    g = torch.Generator().manual_seed(seed)
+    recall = idx[-1].cpu()
+    B, H, K = recall.shape
+    ops = torch.randint(1 << 20, 1 << 30, (B, H, K), dtype=torch.int32, generator=g)
+    for b in range(B):
+        for h in range(H):
+            order = torch.randperm(V, generator=g).tolist()
+            items = (recall[b, h] == phase).nonzero().flatten().tolist()
+            n_ev = min(len(items), V // 2)
+            evict_to, read_from = order[:n_ev], order[n_ev:]
+            for i, s in enumerate(items):
+                ev = evict_to[i] if i < n_ev and torch.rand(1, generator=g) < 0.7 else -1
+                src = read_from[i] if i < len(read_from) and torch.rand(1, generator=g) < 0.5 else -1
+                ops[b, h, s] = victim_op(ev, src)
+    return ops.to(DEV)
+
+
+@pytest.mark.parametrize("programs", [0, 3])
+@pytest.mark.parametrize("phase", [1, 2])
+@pytest.mark.parametrize("H,p", [(1, 16), (3, 32), (8, 16)])
+def test_recall_pages_victims(H, p, phase, programs):
+    """With victim ops: an item's slot chunk goes to its evict entry before the slot is overwritten, and the slot
+    takes its source entry's chunk (as it was before the launch) instead of the host's. Caches start random (the
+    slots hold the pages they evict), victim pages sit after the slot pages."""
+    R, M, P, B, k, V, D = 6, 20, 13, 3, 5, 8, 64
+    host_layer = host_randn(P, H, 2, p, D, dtype=torch.bfloat16)
+    idx = entries(B, H, k, R, M, P, B * k, phase)
+    ops = victim_ops_for(idx, phase, V, seed=H * 10 + p + phase)
+    base = B * k
+    rows = (base + R * V) * p
+    k0 = torch.randn(rows, H, D, dtype=torch.bfloat16)
+    v0 = torch.randn(rows, H, D, dtype=torch.bfloat16)
+    outs = []
+    for fn in (naive_recall_pages, recall_pages):
+        kc, vc = k0.clone().to(DEV), v0.clone().to(DEV)
+        fn(host_layer, kc, vc, *idx, phase, p, programs=programs, victim_ops=ops, victim_base=base, victim_entries=V)
+        outs.append((kc.cpu(), vc.cpu()))
+    # The contract, from the caches as they were.
+    page_table, slots, req_slots, slot_pages, recall = (t.cpu() for t in idx)
+    k_exp, v_exp = k0.clone(), v0.clone()
+    hits = evictions = 0
+    for b, r in enumerate(req_slots.tolist()):
+        for h in range(H):
+            for s in range(k):
+                if int(recall[b, h, s]) != phase:
+                    continue
+                ev, src = (int(x) for x in unpack_victim_op(ops[b, h, s].cpu()))
+                dst = slice(int(slot_pages[b, s]) * p, (int(slot_pages[b, s]) + 1) * p)
+                if ev >= 0:
+                    e = slice((base + r * V + ev) * p, (base + r * V + ev + 1) * p)
+                    k_exp[e, h], v_exp[e, h] = k0[dst, h], v0[dst, h]
+                    evictions += 1
+                if src >= 0:
+                    e = slice((base + r * V + src) * p, (base + r * V + src + 1) * p)
+                    k_exp[dst, h], v_exp[dst, h] = k0[e, h], v0[e, h]
+                    hits += 1
+                else:
+                    hp = int(page_table[r, int(slots[r, h, s])])
+                    k_exp[dst, h], v_exp[dst, h] = host_layer[hp, h, 0].cpu(), host_layer[hp, h, 1].cpu()
+    assert hits and evictions
+    for name, (kc, vc) in zip(("naive", "triton"), outs):
+        assert torch.equal(kc, k_exp) and torch.equal(vc, v_exp), name
+
+
+def test_recall_pages_victim_pages_must_fit():
+    host_layer = host_randn(3, 1, 2, 16, 64, dtype=torch.bfloat16)
+    idx = entries(1, 1, 2, 2, 4, 3, 2, 1)
+    ops = torch.zeros(1, 1, 2, dtype=torch.int32, device=DEV)
+    kc = torch.zeros(4 * 16, 1, 64, dtype=torch.bfloat16, device=DEV)
+    for fn in (naive_recall_pages, recall_pages):
+        with pytest.raises(ValueError, match="victim pages"):
+            fn(host_layer, kc, kc.clone(), *idx, 1, 16, victim_ops=ops, victim_base=2, victim_entries=2)
