@@ -36,6 +36,8 @@ def naive_replay_churn(
     phase: int,
     draws: torch.Tensor,
     rate: float,
+    victims: torch.Tensor | None = None,
+    returns: float = 0.0,
 ) -> None:
     """Replace, in place, the scores [B, H, M] of the heads of `phase` by scores that make select_slots replace about
     `rate` of the head's k = slots.shape[2] slots with pages it does not hold, at random: a benchmark's stand-in for
@@ -45,8 +47,16 @@ def naive_replay_churn(
     `held` of them are in slots[r, h]; u = page_draws(bits of draws[b, h], page). A held candidate scores 1 + u TIE;
     another candidate PROMOTED + u when u < rate k / max(candidates - held, 1), else u TIE; -inf stays. The top k
     are then the promoted pages (about rate k of them) and the held ones, whatever the hysteresis, so about rate k
-    slots change. draws: [B, H] fp32, fresh every step (the engine's replay draws)."""
+    slots change. draws: [B, H] fp32, fresh every step (the engine's replay draws).
+    victims ([R, H, V] int32, the victim cache of select_slots) and returns: of the promoted pages, about `returns`
+    come back from the head's victim entries, as a real model's selection returns to pages it evicted lately. The
+    `returning` candidates (in an entry of victims[r, h], not held) are then promoted when
+    u < returns rate k / max(returning, 1), the others when u < (1 - returns) rate k / max(candidates - held -
+    returning, 1)."""
     check_rate(rate)
+    check_rate(returns)
+    if returns and victims is None:
+        raise ValueError("a return share needs the victim cache the pages return from")
     mine = in_phase(heads, phase)
     k = slots.shape[2]
     seeds = draws.contiguous().view(torch.int32).to(torch.int64) & _M32
@@ -61,8 +71,15 @@ def naive_replay_churn(
             own = slots[r, h].long()
             held[own[own >= 0]] = True
             held &= cand
+            back = torch.zeros_like(cand)
+            if victims is not None:
+                ent = victims[r, h].long()
+                back[ent[ent >= 0]] = True
+            back &= cand & ~held
             u = page_draws(seeds[b, h], pages)
-            promote = u < rate * k / max(int(cand.sum()) - int(held.sum()), 1)
+            n_back = int(back.sum())
+            promote = u < (1 - returns) * rate * k / max(int(cand.sum()) - int(held.sum()) - n_back, 1)
+            promote = torch.where(back, u < returns * rate * k / max(n_back, 1), promote)
             new = torch.where(promote, PROMOTED + u, u * TIE)
             new = torch.where(held, 1.0 + u * TIE, new)
             row.copy_(torch.where(cand, new, row))

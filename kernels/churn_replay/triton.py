@@ -26,13 +26,14 @@ def _page_draws(seed, pages):
 
 @triton.jit
 def _replay_churn_kernel(
-    scores_ptr, slots_ptr, req_ptr, heads_ptr, draws_ptr, rate_k, M, K,
+    scores_ptr, slots_ptr, req_ptr, heads_ptr, draws_ptr, vict_ptr, rate_k, returns, M, K, V,
     ss_b, ss_h, ss_m,
     st_r, st_h, st_k,
     sh_b, sh_h,
     sd_b, sd_h,
+    sv_r, sv_h, sv_e,
     HEADS: tl.constexpr, WANT: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, PROMOTED: tl.constexpr,
-    TIE: tl.constexpr,
+    TIE: tl.constexpr, VICTIMS: tl.constexpr, VP: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -51,14 +52,26 @@ def _replay_churn_kernel(
     for m0 in range(0, M, BLOCK):
         x = tl.load(row + (m0 + i).to(tl.int64) * ss_m, mask=m0 + i < M, other=float("-inf"))
         n += tl.sum((x > float("-inf")).to(tl.int32), axis=0)
-    p = rate_k / tl.maximum(n - held, 1).to(tl.float32)
+    n_back = 0
+    if VICTIMS:  # the returning candidates: in a victim entry, finite, not held
+        e = tl.arange(0, VP)
+        back = tl.load(vict_ptr + r * sv_r + h * sv_h + e * sv_e, mask=e < V, other=-1)
+        back_score = tl.load(row + back.to(tl.int64) * ss_m, mask=back >= 0, other=float("-inf"))
+        is_held = tl.max((back[:, None] == own[None, :]).to(tl.int32), axis=1) > 0
+        back_ok = (back_score > float("-inf")) & ~is_held
+        n_back = tl.sum(back_ok.to(tl.int32), axis=0)
+    p = (1.0 - returns) * rate_k / tl.maximum(n - held - n_back, 1).to(tl.float32)
     for m0 in range(0, M, BLOCK):
         m = m0 + i
         x = tl.load(row + m.to(tl.int64) * ss_m, mask=m < M, other=float("-inf"))
         u = _page_draws(seed, m)
         new = tl.where(u < p, PROMOTED + u, u * TIE)
         tl.store(row + m.to(tl.int64) * ss_m, new, mask=(m < M) & (x > float("-inf")))
-    tl.debug_barrier()  # the held pages' stores below come after every thread's store above
+    tl.debug_barrier()  # the stores below come after every thread's store above
+    if VICTIMS:
+        u = _page_draws(seed, back)
+        p_back = returns * rate_k / tl.maximum(n_back, 1).to(tl.float32)
+        tl.store(row + back.to(tl.int64) * ss_m, tl.where(u < p_back, PROMOTED + u, u * TIE), mask=back_ok)
     tl.store(row + own.to(tl.int64) * ss_m, 1.0 + _page_draws(seed, own) * TIE, mask=own_score > float("-inf"))
 
 
@@ -73,9 +86,14 @@ def replay_churn(
     phase: int,
     draws: torch.Tensor,
     rate: float,
+    victims: torch.Tensor | None = None,
+    returns: float = 0.0,
 ) -> None:
     """See naive_replay_churn."""
     check_rate(rate)
+    check_rate(returns)
+    if returns and victims is None:
+        raise ValueError("a return share needs the victim cache the pages return from")
     check_device(scores, slots, req_slots, draws)
     check_index_vectors(req_slots=req_slots)
     B, H, M = scores.shape
@@ -85,9 +103,13 @@ def replay_churn(
     heads_arg, heads_strides, with_heads, want = _heads_args(heads, phase, req_slots)
     if B * H == 0:
         return
+    vt = slots if victims is None else victims
+    if victims is not None:
+        check_device(victims)
+        assert victims.shape[:2] == slots.shape[:2] and victims.dtype == torch.int32
     _replay_churn_kernel[(B, H)](
-        scores, slots, req_slots, heads_arg, draws, float(rate * K), M, K,
-        *scores.stride(), *slots.stride(), *heads_strides, *draws.stride(),
+        scores, slots, req_slots, heads_arg, draws, vt, float(rate * K), float(returns), M, K, vt.shape[2],
+        *scores.stride(), *slots.stride(), *heads_strides, *draws.stride(), *vt.stride(),
         HEADS=with_heads, WANT=want, KP=triton.next_power_of_2(max(K, 1)), BLOCK=CHURN_BLOCK, PROMOTED=PROMOTED,
-        TIE=TIE, num_warps=4,
+        TIE=TIE, VICTIMS=victims is not None, VP=max(2, triton.next_power_of_2(vt.shape[2])), num_warps=4,
     )

@@ -78,6 +78,55 @@ def test_churn_rate_is_the_share_of_slots_that_change(hysteresis):
     assert changed_share(0.15, hysteresis) == pytest.approx(0.15, abs=0.03)
 
 
+def with_victims(slots, scores, V, seed):
+    """Victim entries per (request slot, head): pages no slot of the head holds, candidates or not, some free."""
+    g = torch.Generator().manual_seed(seed)
+    R, H, _ = slots.shape
+    M = scores.shape[2]
+    victims = torch.full((R, H, V), -1, dtype=torch.int32)
+    for r in range(R):
+        for h in range(H):
+            held = set(slots[r, h].tolist())
+            free = [m for m in torch.randperm(M, generator=g).tolist() if m not in held]
+            n = int(torch.randint(0, V + 1, (1,), generator=g))
+            victims[r, h, :n] = torch.tensor(free[:n], dtype=torch.int32)
+    return victims.to(DEV)
+
+
+@pytest.mark.parametrize("B,H,M,K,V", [(1, 1, 17, 4, 3), (3, 3, 300, 32, 32), (2, 4, 1030, 128, 64)])
+@pytest.mark.parametrize("returns", [0.0, 0.5, 1.0])
+def test_replay_churn_returns_match_reference(B, H, M, K, V, returns):
+    scores, slots, req_slots, heads, draws = make_inputs(B, H, M, K, seed=B * M + K + V)
+    victims = with_victims(slots.cpu(), scores, V, seed=V)
+    ref, out = scores.clone(), scores.clone()
+    naive_replay_churn(ref, slots, req_slots, heads, PHASE_NOW, draws, 0.3, victims, returns)
+    replay_churn(out, slots, req_slots, heads, PHASE_NOW, draws, 0.3, victims, returns)
+    assert_close("scores", ref, out, atol=0, rtol=0)
+
+
+def test_returns_are_the_share_of_victim_hits():
+    """Step after step, replay_churn with a return share and select_slots with a victim cache of one budget: the
+    share of the changed slots that come from a victim entry is about the return share."""
+    B, H, M, K, V = 4, 4, 512, 32, 32
+    g = torch.Generator().manual_seed(2)
+    slots = torch.full((B, H, K), -1, dtype=torch.int32, device=DEV)
+    victims = torch.full((B, H, V), -1, dtype=torch.int32, device=DEV)
+    age = victims.clone()
+    ops = torch.zeros(B, H, K, dtype=torch.int32, device=DEV)
+    req = torch.arange(B, dtype=torch.int32, device=DEV)
+    recall = torch.zeros(B, H, K, dtype=torch.int8, device=DEV)
+    later = torch.zeros(B, H, dtype=torch.bool, device=DEV)
+    for returns in (0.0, 0.5):
+        stats = torch.zeros(4, dtype=torch.float64, device=DEV)
+        for step in range(31):
+            scores = torch.rand(B, H, M, generator=g).to(DEV)
+            draws = torch.rand(B, H, generator=g).to(DEV)
+            replay_churn(scores, slots, req, later, PHASE_LATER, draws, 0.15, victims, returns)
+            naive_select_slots(scores, slots, req, later, PHASE_LATER, None, recall, False,
+                               stats if step > 10 else None, -1, 1.0, victims, age, ops)
+        assert stats[3] / stats[1] == pytest.approx(returns, abs=0.06)
+
+
 def test_bad_rate_refused():
     scores, slots, req_slots, heads, draws = make_inputs(2, 2, 40, 4)
     for bad in (-0.1, 1.5, True, "0.1"):
@@ -85,6 +134,9 @@ def test_bad_rate_refused():
             replay_churn(scores, slots, req_slots, heads, PHASE_NOW, draws, bad)
         with pytest.raises(ValueError, match="churn rate"):
             naive_replay_churn(scores, slots, req_slots, heads, PHASE_NOW, draws, bad)
+    for fn in (replay_churn, naive_replay_churn):
+        with pytest.raises(ValueError, match="victim cache"):
+            fn(scores, slots, req_slots, heads, PHASE_NOW, draws, 0.1, None, 0.5)
 
 
 SM90 = r'''
@@ -96,8 +148,9 @@ from freekv_kernels.churn_replay import triton as churn
 
 kernel = churn._replay_churn_kernel
 types = {"scores_ptr": "*fp32", "slots_ptr": "*i32", "req_ptr": "*i32", "heads_ptr": "*i1", "draws_ptr": "*fp32",
-         "rate_k": "fp32"}
-consts = {"HEADS": True, "WANT": 1, "KP": 64, "BLOCK": churn.CHURN_BLOCK, "PROMOTED": churn.PROMOTED, "TIE": churn.TIE}
+         "vict_ptr": "*i32", "rate_k": "fp32", "returns": "fp32"}
+consts = {"HEADS": True, "WANT": 1, "KP": 64, "BLOCK": churn.CHURN_BLOCK, "PROMOTED": churn.PROMOTED, "TIE": churn.TIE,
+          "VICTIMS": True, "VP": 64}
 sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in inspect.signature(kernel.fn).parameters}
 ptx = triton.compile(ASTSource(kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 print(".entry _replay_churn_kernel" in ptx.asm["ptx"])
