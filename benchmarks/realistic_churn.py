@@ -265,7 +265,7 @@ def counters(engine) -> torch.Tensor:
     """Per layer [L, 3]: flagged (row, KV head) checks, and (page, KV head) chunks recalled before and after
     attention, so far. stats() sums the recall over layers and divides the flags by every check since the engine was
     built (the first steps' fill included); differences of these counters give the steady state per layer."""
-    return torch.cat([engine._stat_sim[:, :1], engine._stat_recall], dim=1).cpu().clone()
+    return torch.cat([engine._stat_sim[:, :1], engine._stat_recall[:, :2]], dim=1).cpu().clone()
 
 
 def summarize(probe: ChurnProbe, engine, before: torch.Tensor, steps: int, rows: int) -> dict:

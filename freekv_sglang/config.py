@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from freekv_kernels.page_select.naive import MAX_VICTIM_ENTRIES
+
 RECALL_MODES = ("delta", "all")
 # Page selectors (freekv_sglang/selectors.py): the servable ones, then the accuracy harness's exact upper bound.
 SERVABLE_SELECTIONS = ("sketch", "rerank", "channels", "means", "quest")
@@ -45,6 +47,12 @@ class FreeKVConfig:
         window (so a decoding request attends to at most sink + budget + window + one partial page).
     sink: the first tokens of every request, always attended.
     window: the most recent full pages, always attended, plus the page being filled.
+    victim: tokens per KV head and request of pages its selection evicted, kept on the GPU beside the slots (0, the
+        default: none). A selection that returns to one of them copies it HBM to HBM instead of recalling it from
+        the host, so only its other new pages cross the link; the oldest evicted page gives way. It costs its size
+        of GPU pages per sparse layer and request, as the budget's slots do, and is never attended. A real model's
+        selection returns often: with one budget of it, 58% of SmolLM2-135M's and 46% of Qwen2.5-Coder-0.5B's
+        recalls would have been such copies (benchmarks/churn.py). A multiple of page_size; not with recall "all".
     page_size: tokens per KV page; the unit of selection, offload and recall.
     tau: correction threshold on the group-mean cosine similarity of adjacent queries.
         0 disables correction (pure speculation), 1 corrects every head every step (no speculation);
@@ -114,6 +122,10 @@ class FreeKVConfig:
         queries nearly uncorrelated (the Llama-3.1-8B shape flags 99% of checks at tau 0.9) or nearly constant (the
         Qwen2.5-7B shape: 0.1%). This replays a real model's rate instead: FreeKV's paper reports 0.04-0.14 at tau
         0.8 and 0.17-0.43 at 0.9 on Llama-3.1-8B, SmolLM2-135M 0.13-0.16 at 0.8 and 0.5-0.8 at 0.9.
+    replay_returns: benchmarks only (None, the default: off), with replay_churn and victim: about this share of the
+        pages replay_churn promotes come back from the head's victim entries (the measured shares above), as a real
+        model's selection returns to pages it evicted lately; replay_churn alone draws new pages at random and so
+        never returns to one.
     replay_churn: benchmarks only (None, the default: off). Each head's selection replaces about this share of its
         budget's pages, at random, instead of the pages its scores rank (scoring still runs, then replay_churn
         replaces the scores): random weights churn unrealistically (random keys trade near-equal pages every step,
@@ -125,6 +137,7 @@ class FreeKVConfig:
     budget: int = 2048
     sink: int = 128
     window: int = 512
+    victim: int = 0
     page_size: int = 32
     tau: float = 0.9
     dense_layers: int = 1
@@ -144,12 +157,13 @@ class FreeKVConfig:
     hysteresis: float | None = None
     replay_correction_rate: float | None = None
     replay_churn: float | None = None
+    replay_returns: float | None = None
 
     def __post_init__(self) -> None:
         p = self.page_size
         if not _is_int(p) or p < 1 or p & (p - 1):
             raise ValueError(f"page_size must be a positive power of two, got {p!r}")
-        for name in ("budget", "sink", "window"):
+        for name in ("budget", "sink", "window", "victim"):
             v = getattr(self, name)
             if not _is_int(v) or v < 0 or v % p:
                 raise ValueError(f"{name} must be a non-negative multiple of page_size={p}, got {v!r}")
@@ -163,6 +177,12 @@ class FreeKVConfig:
             raise ValueError(f"dense_layers must be a non-negative integer, got {self.dense_layers!r}")
         if self.recall not in RECALL_MODES:
             raise ValueError(f"recall must be one of {', '.join(RECALL_MODES)}, got {self.recall!r}")
+        if self.victim and self.recall == "all":
+            raise ValueError("recall 'all' recalls every selected page from the host, so a victim cache saves "
+                             "nothing: drop --kv-victim or use --kv-recall delta")
+        if self.victim_pages > MAX_VICTIM_ENTRIES:
+            raise ValueError(f"victim holds at most {MAX_VICTIM_ENTRIES} pages, got {self.victim_pages}: lower "
+                             f"--kv-victim")
         if self.selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
         if not _is_int(self.rerank_factor) or self.rerank_factor < 0:
@@ -210,7 +230,8 @@ class FreeKVConfig:
                              f"to {self.retrieval if self.retrieval != 'freekv' else 'quest'}: drop hysteresis "
                              f"(--kv-hysteresis 0)")
         for name, replays in (("replay_correction_rate", "FreeKV's correction"),
-                              ("replay_churn", "FreeKV's per-step selection")):
+                              ("replay_churn", "FreeKV's per-step selection"),
+                              ("replay_returns", "FreeKV's returns to evicted pages")):
             v = getattr(self, name)
             if v is None:
                 continue
@@ -219,6 +240,10 @@ class FreeKVConfig:
             if self.retrieval != "freekv":
                 raise ValueError(f"{name} replays {replays}; LouisKV retrieves at semantic boundaries instead: "
                                  f"drop {name}")
+
+        if self.replay_returns is not None and (self.replay_churn is None or not self.victim):
+            raise ValueError("replay_returns (--kv-bench-returns) draws returns to the victim cache's pages among "
+                             "replay_churn's: set --kv-bench-churn and --kv-victim too")
 
     @property
     def selection_hysteresis(self) -> float:
@@ -239,6 +264,10 @@ class FreeKVConfig:
     @property
     def select_pages(self) -> int:
         return self.budget // self.page_size
+
+    @property
+    def victim_pages(self) -> int:
+        return self.victim // self.page_size
 
     @property
     def resident_pages(self) -> int:

@@ -89,8 +89,9 @@ def engine_gpu_bytes(cfg: FreeKVConfig, shape: ModelShape, *, num_slots: int, ma
     L, H, Hq, D, p, k = shape.num_layers, shape.num_kv_heads, shape.num_q_heads, shape.head_dim, cfg.page_size, \
         cfg.select_pages
     sparse = L - cfg.dense_layers
-    pages = 1 + num_slots * cfg.resident_pages
+    pages = 1 + num_slots * (cfg.resident_pages + cfg.victim_pages)
     kv = sparse * pages * p * H * D * 2 * dtype_bytes
+    victims = sparse * num_slots * H * (cfg.victim_pages * 8 + k * 4) if cfg.victim_pages else 0  # entries, stamps, ops
     sketches = sparse * host_pages * p * sketch_bytes_per_token(cfg, H, D, dtype_bytes)  # summaries (+ codes)
     tables = num_slots * (-(-max_context // p) * 4 + L * H * k * 4 + L * Hq * D * dtype_bytes + L + 8
                           + sparse * picks_bytes_per_slot(cfg, H, shape.group, shape.head_dim))
@@ -103,7 +104,7 @@ def engine_gpu_bytes(cfg: FreeKVConfig, shape: ModelShape, *, num_slots: int, ma
     if cfg.retrieval == "louiskv":  # boundary marks and open segments per slot, one scoring scratch (louiskv.py)
         pages = -(-max_context // p)
         louiskv = sparse * num_slots * (pages + H * (D * 4 + 12)) + num_slots * H * pages * cfg.units_per_page * 4
-    return int(kv + sketches + tables + masks + plan + token_lists + louiskv)
+    return int(kv + sketches + tables + masks + plan + token_lists + louiskv + victims)
 
 
 def tsp_engines(cfg: FreeKVConfig, shape: ModelShape, host_pool: HostPool | None = None, *, max_requests: int,
@@ -238,6 +239,15 @@ class FreeKVEngine:
                            for d in self.dense]
         self._recall = [None if d else torch.zeros(R, H, k, dtype=torch.int8, device=self.device)
                         for d in self.dense]
+        # cfg.victim: per sparse layer the victim cache's entries (the logical page each holds, -1 empty) and their
+        # insertion stamps by request slot, and the victim op of every (row, head, slot) recalled this step (by batch
+        # row, written with the recall codes and read by the same recalls).
+        V = cfg.victim_pages if self.retrieval else 0
+        self.victims = [None if d or not V else torch.full((R, H, V), -1, dtype=torch.int32, device=self.device)
+                        for d in self.dense]
+        self._victim_age = [None if t is None else torch.full_like(t, -1) for t in self.victims]
+        self._victim_ops = [None if t is None else torch.zeros(R, H, k, dtype=torch.int32, device=self.device)
+                            for t in self.victims]
         # cfg.replay_correction_rate, cfg.replay_churn (benchmarks): every step's uniform draws per (layer, row, KV
         # head), made by plan(): the correction flags and the churn's seeds.
         self._replay_u = None
@@ -259,8 +269,9 @@ class FreeKVEngine:
         # Per layer, accumulated by query_similarity: flagged (row, KV head) checks, the sum of group-mean
         # cosine similarities of rows with a previous query, and their count.
         self._stat_sim = torch.zeros(L, 3, **z)
-        # Per layer, accumulated by select_slots: (page, head) chunks recalled before attention, and after it.
-        self._stat_recall = torch.zeros(L, 2, **z)
+        # Per layer, accumulated by select_slots: (page, head) chunks put into slots before attention, and after it;
+        # then those of them taken from the victim cache instead of the host.
+        self._stat_recall = torch.zeros(L, 4, **z)
         self._stat_checks = 0  # (row, KV head) checks per sparse layer
         self._stat_steps = 0
 
@@ -291,8 +302,17 @@ class FreeKVEngine:
         self._shared[slot], self._sink_host[slot], self._complete[slot] = 0, [], 0
         self._len[slot] = 0
         self.slot_table[:, slot] = -1
+        self._clear_victims(slot)
         self.has_prev[:, slot] = False
         self._free_slots.append(slot)
+
+    def _clear_victims(self, slot: int, layer: int | None = None) -> None:
+        """Empty a slot's victim cache (a new request must not take back another's pages): every layer, or one."""
+        layers = range(self.shape.num_layers) if layer is None else (layer,)
+        for i in layers:
+            if self.victims[i] is not None:
+                self.victims[i][slot] = -1
+                self._victim_age[i][slot] = -1
 
     def seq_len(self, slot: int) -> int:
         return self._len[slot]
@@ -383,6 +403,7 @@ class FreeKVEngine:
             self.prev_q[layer, slot] = q_last
         self.has_prev[layer, slot] = q_last is not None
         self.slot_table[layer, slot] = -1
+        self._clear_victims(slot, layer)
 
     def _prompt_offload(self, slot: int) -> range:
         """The logical pages of a prompt (from its shared prefix on) that are offloaded at prefill: every full page
@@ -736,12 +757,14 @@ class FreeKVEngine:
         if timer is not None:
             timer.mark(layer, phase, 0)
         scores = self.selector.score(plan, layer, q, heads, phase)
+        victims = self.victims[layer]
+        cache = () if victims is None else (victims, self._victim_age[layer], self._victim_ops[layer][:B])
         if self.cfg.replay_churn is not None:
             ops.replay_churn(scores, self.slot_table[layer], plan.req_slots, heads, phase, self._replay_u[layer, :B],
-                             self.cfg.replay_churn)
+                             self.cfg.replay_churn, victims, self.cfg.replay_returns or 0.0)
         ops.select_slots(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
                          self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
-                         self.pad_slot, self.cfg.selection_hysteresis)
+                         self.pad_slot, self.cfg.selection_hysteresis, *cache)
         if timer is not None:
             timer.mark(layer, phase, 1)
         if phase == PHASE_NOW:
@@ -752,10 +775,14 @@ class FreeKVEngine:
         timer = self.timer
         if timer is not None:
             timer.mark(layer, phase, 2)
+        B = plan.req_slots.shape[0]
+        cache = {} if self.victims[layer] is None else dict(
+            victim_ops=self._victim_ops[layer][:B], victim_base=self.layout.victim_base(self.num_slots),
+            victim_entries=self.cfg.victim_pages)
         self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
-                              self.slot_table[layer], plan.req_slots, plan.slot_pages,
-                              self._recall[layer][:plan.req_slots.shape[0]], phase, self.cfg.page_size,
-                              programs=self.cfg.recall_programs if phase == PHASE_LATER else 0)
+                              self.slot_table[layer], plan.req_slots, plan.slot_pages, self._recall[layer][:B], phase,
+                              self.cfg.page_size, programs=self.cfg.recall_programs if phase == PHASE_LATER else 0,
+                              **cache)
         if timer is not None:
             timer.mark(layer, phase, 3)
 
@@ -789,15 +816,17 @@ class FreeKVEngine:
         """Per sparse layer: correction rate (flagged KV-head checks), mean adjacent-query cosine, and
         recalled bytes (before attention / speculative), counted in pages of one KV head (`recall_page_bytes`
         each: its K and V). The raw totals over the sparse layers too: (row, KV head) checks, the flagged ones,
-        and the pages of one KV head recalled before attention / speculatively (all cumulative since the engine
-        was built). LouisKV counts a boundary as every KV head of its row flagged (so the correction rate is the
+        and the pages of one KV head recalled from the host before attention / speculatively, and those taken from
+        the victim cache (cfg.victim) instead, which cross no link (all cumulative since the engine was built). LouisKV counts a boundary as every KV head of its row flagged (so the correction rate is the
         share of (row, layer) steps that retrieve at a boundary) and its cosine once per row (the mean over all query
         heads). Synchronises: call between steps."""
         layers = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
         checks = max(self._stat_checks, 1)
         chunk = 2 * self.cfg.page_size * self.shape.head_dim * self.k_cache[0].element_size()
         flags, cos, cos_n = self._stat_sim.T.tolist()
-        now, later = self._stat_recall.T.tolist()
+        placed_now, placed_later, hits_now, hits_later = self._stat_recall.T.tolist()
+        now = [a - b for a, b in zip(placed_now, hits_now)]
+        later = [a - b for a, b in zip(placed_later, hits_later)]
         return {
             "steps": self._stat_steps,
             "correction_rate": {layer: flags[layer] / checks for layer in layers},
@@ -809,4 +838,6 @@ class FreeKVEngine:
             "flagged": round(sum(flags[layer] for layer in layers)),
             "recall_pages_now": round(sum(now[layer] for layer in layers)),
             "recall_pages_speculative": round(sum(later[layer] for layer in layers)),
+            "victim_hits_now": round(sum(hits_now[layer] for layer in layers)),
+            "victim_hits_speculative": round(sum(hits_later[layer] for layer in layers)),
         }

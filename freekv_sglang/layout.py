@@ -10,6 +10,9 @@ Logical page j < n_s lives in sink page j; page j >= n_s, while in the window, l
 Page c - n_w leaves the window when token (c + 1) * p arrives and takes its ring entry, so it is
 summarised and offloaded right after the step whose token fills page c (when n % p == 0).
 
+After every slot's run come the victim caches (cfg.victim_pages = V per slot): entry e of slot r in page
+1 + R * resident_pages + r * V + e, R slots in all.
+
 Dense layers give slot r the pages [1 + r * M, 1 + (r + 1) * M): the whole context of M pages.
 The same slot table serves every sparse layer: slot s of head h in layer l holds whatever page the
 selection of (l, h) put there, so the attention row is identical across layers and heads.
@@ -34,6 +37,10 @@ class Layout:
         return self.cfg.resident_pages
 
     def sparse_pool_pages(self, num_slots: int) -> int:
+        return self.victim_base(num_slots) + num_slots * self.cfg.victim_pages
+
+    def victim_base(self, num_slots: int) -> int:
+        """First GPU page of the victim cache in a sparse layer's pool: entry e of slot r is page base + r * V + e."""
         return 1 + num_slots * self.resident
 
     def dense_pool_pages(self, num_slots: int) -> int:

@@ -114,6 +114,10 @@ class SchedulerSeries:
                                     "memory, by phase: before attention (corrections, empty slots) or speculatively "
                                     "after it.", phase=True)
         self.recall_bytes = counter("recall_bytes_total", "Bytes recalled from host memory, by phase.", phase=True)
+        self.victim_hits = counter("victim_hits_total",
+                                   "Pages of one KV head in one layer that a selection took back from the GPU's "
+                                   "victim cache (--kv-victim) instead of recalling them from host memory, by phase.",
+                                   phase=True)
         self.resident_pages = gauge("resident_pages",
                                     "GPU pages held per sparse layer by the engine's active requests (sink, "
                                     "selected, window and the page being filled; each page_size tokens of every KV "
@@ -143,7 +147,8 @@ class SchedulerSeries:
 class EngineMetrics:
     """Feeds one engine's cumulative statistics (FreeKVEngine.stats()) into the scheduler series as deltas."""
 
-    KEYS = ("steps", "checks", "flagged", "recall_pages_now", "recall_pages_speculative")
+    KEYS = ("steps", "checks", "flagged", "recall_pages_now", "recall_pages_speculative", "victim_hits_now",
+            "victim_hits_speculative")
 
     def __init__(self, series: SchedulerSeries):
         self.series = series
@@ -163,9 +168,10 @@ class EngineMetrics:
         if d["checks"]:
             s.correction_rate.set(d["flagged"] / d["checks"])
         page_bytes = int(stats["recall_page_bytes"])
-        for phase, key in zip(PHASES, ("recall_pages_now", "recall_pages_speculative")):
-            s.recall_pages[phase].inc(d[key])
-            s.recall_bytes[phase].inc(d[key] * page_bytes)
+        for phase, key in zip(PHASES, ("now", "speculative")):
+            s.recall_pages[phase].inc(d["recall_pages_" + key])
+            s.recall_bytes[phase].inc(d["recall_pages_" + key] * page_bytes)
+            s.victim_hits[phase].inc(d["victim_hits_" + key])
         s.resident_pages.set(resident_pages)
         if arena_used_pages is not None and arena_pages is not None:
             s.kvstore_used_pages.set(arena_used_pages)

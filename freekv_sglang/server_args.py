@@ -49,6 +49,7 @@ _KNOB_FLAGS = {
     "kv_budget": ("--kv-budget", "budget"),
     "kv_sink": ("--kv-sink", "sink"),
     "kv_window": ("--kv-window", "window"),
+    "kv_victim": ("--kv-victim", "victim"),
     "kv_page_size": ("--kv-page-size", "page_size"),
     "kv_correction_threshold": ("--kv-correction-threshold", "tau"),
     "kv_dense_layers": ("--kv-dense-layers", "dense_layers"),
@@ -67,10 +68,12 @@ _KNOB_FLAGS = {
     "kv_tsp_keep": ("--kv-tsp-keep", "tsp_keep"),
     "kv_bench_correction_rate": ("--kv-bench-correction-rate", "replay_correction_rate"),
     "kv_bench_churn": ("--kv-bench-churn", "replay_churn"),
+    "kv_bench_returns": ("--kv-bench-returns", "replay_returns"),
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
 _FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_selection", "kv_rerank_factor",
-                "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate", "kv_bench_churn")
+                "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate", "kv_bench_churn",
+                "kv_bench_returns")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb", "kvstore_timeout")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb",
@@ -150,6 +153,11 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help=f"first tokens of every request, always attended (default {_DEFAULTS.sink})")
     g.add_argument("--kv-window", type=int, default=None, metavar="TOKENS",
                    help=f"most recent tokens, always attended, at least one page (default {_DEFAULTS.window})")
+    g.add_argument("--kv-victim", type=int, default=None, metavar="TOKENS",
+                   help="tokens per KV head and request of recently evicted pages kept on the GPU, a multiple of "
+                        "--kv-page-size: a selection returning to one copies it on the GPU instead of recalling it "
+                        "from host memory; costs GPU memory like --kv-budget, so fewer requests fit "
+                        f"(default {_DEFAULTS.victim}: none)")
     g.add_argument("--kv-page-size", type=int, default=None, metavar="TOKENS",
                    help="tokens per page, a power of two; the unit of selection, offload and recall. SGLang's "
                         f"--page-size is set to it (default {_DEFAULTS.page_size})")
@@ -216,6 +224,10 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="benchmarks only: each head's selection replaces this share of its budget's pages, at "
                         "random, instead of the pages its scores rank (scoring still runs), to decode a random-weight "
                         "model at a real model's churn (SmolLM2-135M: 0.15 a step); default: off")
+    g.add_argument("--kv-bench-returns", type=float, default=None, metavar="SHARE",
+                   help="benchmarks only, with --kv-bench-churn and --kv-victim: this share of the churned pages "
+                        "returns to pages the head evicted lately (SmolLM2-135M: 0.58 with one budget of "
+                        "--kv-victim); default: off")
     g.add_argument("--kvstore-endpoint", default=None, metavar="URL",
                    help="an already running kvstore daemon (ipc://<path> or tcp://<host>:<port>; a tcp daemon's "
                         "token comes from $FREEKV_KVSTORE_TOKEN). Default: start an embedded daemon with this "

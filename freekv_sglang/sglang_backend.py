@@ -490,8 +490,9 @@ class FreeKVAttnBackend(AttentionBackend):
         st = self._stats()
         rates = list(st["correction_rate"].values())
         logger.info("FreeKV rank %d: %d decode steps, correction rate %.3f (layers %.3f..%.3f), recall %.2f GB "
-                    "before attention + %.2f GB speculative", self.rank, st["steps"], sum(rates) / len(rates),
-                    min(rates), max(rates), st["recall_bytes_now"] / 1e9, st["recall_bytes_speculative"] / 1e9)
+                    "before attention + %.2f GB speculative, victim cache %d + %d pages", self.rank, st["steps"],
+                    sum(rates) / len(rates), min(rates), max(rates), st["recall_bytes_now"] / 1e9,
+                    st["recall_bytes_speculative"] / 1e9, st["victim_hits_now"], st["victim_hits_speculative"])
         if self.radix is not None:
             r = self.radix
             logger.info("FreeKV rank %d radix: %d hits (%d tokens), %d pages exported, %d exports failed, %d matches "

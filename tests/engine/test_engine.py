@@ -234,6 +234,40 @@ def test_hysteresis_matches_oracle_and_recalls_less(selection):
     assert 0 < kept < plain
 
 
+@pytest.mark.parametrize("backend,victim,steps", [("torch", 16, 24), ("torch", 64, 24), ("triton", 32, 10)])
+def test_victim_cache_matches_oracle_and_recalls_less(backend, victim, steps):
+    """A victim cache changes where a returning page comes from, never what is attended: with it the engine still
+    matches the oracle every step and layer, puts the same pages into slots as without it, and takes some of them
+    from the GPU instead of the host."""
+    stats = []
+    for v in (0, victim):
+        torch.manual_seed(23)
+        cfg = FreeKVConfig(selection="means", budget=48, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1,
+                           hysteresis=0.0, victim=v)
+        eng, _ = run_and_check(cfg, H=2, G=3, prompt_lens=[300, 181], steps=steps, backend=backend)
+        stats.append(eng.stats())
+    plain, cached = stats
+    placed = [s["recall_pages_now"] + s["recall_pages_speculative"] + s["victim_hits_now"] +
+              s["victim_hits_speculative"] for s in stats]
+    assert placed[0] == placed[1] and plain["victim_hits_now"] == plain["victim_hits_speculative"] == 0
+    assert cached["victim_hits_now"] > 0 and cached["victim_hits_speculative"] > 0
+    hits = cached["victim_hits_now"] + cached["victim_hits_speculative"]
+    host = [s["recall_bytes_now"] + s["recall_bytes_speculative"] for s in stats]
+    assert host[1] == host[0] - hits * cached["recall_page_bytes"]
+
+
+def test_victim_cache_forgets_a_removed_request():
+    """A request slot taken again starts with an empty victim cache in every layer."""
+    cfg = FreeKVConfig(selection="means", budget=48, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1,
+                       hysteresis=0.0, victim=32)
+    eng, _ = run_and_check(cfg, H=2, G=3, prompt_lens=[300], steps=16)
+    assert any((t >= 0).any() for t in eng.victims if t is not None)
+    slot = 0
+    eng.remove_request(slot)
+    assert all((t[slot] == -1).all() for t in eng.victims if t is not None)
+    assert all((t[slot] == -1).all() for t in eng._victim_age if t is not None)
+
+
 @pytest.mark.parametrize("selection", ["rerank", "sketch", "means"])
 def test_tau_one_selects_with_current_query(selection):
     """tau=1, no hysteresis: after every step the slots of each head hold the top-k of the current query: the

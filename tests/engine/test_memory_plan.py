@@ -30,6 +30,7 @@ def _tensor_bytes(*engines) -> int:
     (FreeKVConfig(selection="sketch", budget=64, sink=16, window=32, page_size=16, dense_layers=1),
      ModelShape(4, 8, 2, 16)),
     (FreeKVConfig(budget=96, sink=32, window=32, page_size=32, dense_layers=2), ModelShape(5, 6, 3, 32)),
+    (FreeKVConfig(budget=96, sink=32, window=32, page_size=32, dense_layers=1, victim=64), ModelShape(5, 6, 3, 32)),
 ])
 def test_engine_reservation_covers_its_tensors(cfg, shape):
     slots, ctx, host = 5, 700, 40

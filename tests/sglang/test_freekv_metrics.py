@@ -69,10 +69,11 @@ assert "prometheus_client" not in sys.modules, "FreeKV imported prometheus_clien
 """
 
 
-def stats(steps, checks, flagged, now, speculative):
+def stats(steps, checks, flagged, now, speculative, hits_now, hits_speculative):
     """What FreeKVEngine.stats() returns (the keys the metrics read, and the rest)."""
     return {"steps": steps, "checks": checks, "flagged": flagged, "recall_pages_now": now,
             "recall_pages_speculative": speculative, "recall_page_bytes": PAGE_BYTES,
+            "victim_hits_now": hits_now, "victim_hits_speculative": hits_speculative,
             "recall_bytes_now": float(now * PAGE_BYTES), "recall_bytes_speculative": float(speculative * PAGE_BYTES),
             "correction_rate": {1: flagged / max(checks, 1)}, "mean_cosine": {1: 0.9}}
 
@@ -134,7 +135,7 @@ def test_series_on_sglang_metrics_endpoint(tmp_path, monkeypatch):
     mp_dir.mkdir()
     rank0, rank1 = {**LABELS, "tp_rank": 0}, {**LABELS, "tp_rank": 1}
     # rank 0: two reports (the second carries the totals); rank 1: one report and three aborted requests
-    s1, s2 = stats(512, 20480, 2048, 300, 5000), stats(1024, 40960, 3072, 420, 9000)
+    s1, s2 = stats(512, 20480, 2048, 300, 5000, 40, 900), stats(1024, 40960, 3072, 420, 9000, 70, 2100)
     # rank 0's engine times its steps (a GPU): two sampled steps; rank 1's does not (step_times None)
     t1 = {"selection": {"before_attention": 0.0004, "speculative": 0.0021},
           "recall": {"before_attention": 0.0009, "speculative": 0.0030}}
@@ -179,6 +180,8 @@ def test_series_on_sglang_metrics_endpoint(tmp_path, monkeypatch):
             key(n + "recall_pages_total", labels, phase="speculative"): st["recall_pages_speculative"],
             key(n + "recall_bytes_total", labels, phase="before_attention"): st["recall_pages_now"] * PAGE_BYTES,
             key(n + "recall_bytes_total", labels, phase="speculative"): st["recall_pages_speculative"] * PAGE_BYTES,
+            key(n + "victim_hits_total", labels, phase="before_attention"): st["victim_hits_now"],
+            key(n + "victim_hits_total", labels, phase="speculative"): st["victim_hits_speculative"],
             key(n + "resident_pages", labels): kw["resident_pages"],
             key(n + "kvstore_used_pages", labels): kw["arena_used_pages"],
             key(n + "kvstore_free_pages", labels): kw["arena_pages"] - kw["arena_used_pages"],
@@ -187,7 +190,7 @@ def test_series_on_sglang_metrics_endpoint(tmp_path, monkeypatch):
         want[key(n + "aborted_requests_total", rank1, reason=reason)] = count
     assert samples == pytest.approx(want)
     counters = ["decode_steps", "kv_head_checks", "kv_head_corrections", "recall_pages", "recall_bytes",
-                "aborted_requests", "kvstore_restarts"]
+                "victim_hits", "aborted_requests", "kvstore_restarts"]
     gauges = ["correction_rate", "resident_pages", "kvstore_used_pages", "kvstore_free_pages"]
     histograms = ["selection_seconds", "recall_seconds"]
     assert types == {**{n + c: "counter" for c in counters}, **{n + g: "gauge" for g in gauges},

@@ -1,5 +1,6 @@
-"""--kv-bench-correction-rate and --kv-bench-churn (benchmarks only): parsed into FreeKVConfig.replay_correction_rate
-and replay_churn, refused naming the flag when out of range or given with LouisKV."""
+"""--kv-bench-correction-rate, --kv-bench-churn and --kv-bench-returns (benchmarks only): parsed into FreeKVConfig's
+replay_correction_rate, replay_churn and replay_returns, refused naming the flag when out of range or given with
+LouisKV; and --kv-victim, the victim cache the returns need."""
 
 import pytest
 
@@ -35,6 +36,21 @@ def test_config_refuses_louiskv_and_out_of_range(field):
     for bad in (True, "0.2", 2.0, float("nan")):
         with pytest.raises(ValueError, match=field):
             FreeKVConfig(**{field: bad})
+
+
+def test_victim_cache_and_returns():
+    s = settings_from_argv(["--kv-retrieval", "freekv", "--kv-victim", "1024", "--kv-bench-churn", "0.15",
+                            "--kv-bench-returns", "0.5"])
+    assert (s.config.victim, s.config.victim_pages, s.config.replay_returns) == (1024, 32, 0.5)
+    assert settings_from_argv(["--kv-retrieval", "freekv"]).config.victim == 0
+    for argv, names in ((["--kv-bench-returns", "0.5", "--kv-bench-churn", "0.15"], "--kv-victim"),
+                        (["--kv-bench-returns", "0.5", "--kv-victim", "1024"], "--kv-bench-churn"),
+                        (["--kv-victim", "1000"], "victim"),
+                        (["--kv-victim", "1024", "--kv-recall", "all"], "--kv-victim")):
+        with pytest.raises(FreeKVArgsError, match=names):
+            settings_from_argv(["--kv-retrieval", "freekv", *argv])
+    with pytest.raises(FreeKVArgsError, match="--kv-bench-returns"):
+        settings_from_argv(["--kv-retrieval", "louiskv", "--kv-bench-returns", "0.5"])
 
 
 def test_the_replay_selection_is_refused_without_the_churn_replay():
