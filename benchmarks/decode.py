@@ -22,6 +22,8 @@ Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args s
   tau1        no speculation (tau 1): every head reselected and recalled before attention
   recall-all  speculation without delta recall (--kv-recall all)
   realistic   a real model's correction and churn replayed (--kv-bench-correction-rate 0.3 --kv-bench-churn 0.15)
+  realistic-victim  the same with a victim cache of 2048 tokens (--kv-victim 2048), half the churn returning to it
+              (--kv-bench-returns 0.5; a real model's share: 0.46-0.58)
 A configuration may add server flags after its name, e.g. --configs "full,freekv,freekv --kv-recall-programs 0".
 --profile-steps N: SGLang's profiler (/start_profile, GPU activity only) over N decode steps of each batch, started
 once the server logs a decode batch with every request of the batch running; benchmarks/trace_summary.py writes
@@ -66,9 +68,13 @@ CONFIGS = {
     # A real model's costs on random weights: the correction rate in the middle of FreeKV's paper's Llama-3.1-8B
     # range at tau 0.9 (0.17-0.43) and SmolLM2-135M's changed share per step with the default selection.
     "realistic": ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.15"],
+    # The same with a victim cache of one budget, and the share of the churn a real model's selection takes back
+    # from such a cache: 0.58 on SmolLM2-135M, 0.46 on Qwen2.5-Coder-0.5B (benchmarks/churn.py, victim_hit_1).
+    "realistic-victim": ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.15",
+                         "--kv-victim", "2048", "--kv-bench-returns", "0.5"],
 }
 STATS = re.compile(r"FreeKV rank 0: (\d+) decode steps, correction rate ([\d.]+) .*recall ([\d.]+) GB before "
-                   r"attention \+ ([\d.]+) GB speculative")
+                   r"attention \+ ([\d.]+) GB speculative(?:, victim cache (\d+) \+ (\d+) pages)?")
 HOST = re.compile(r"(\d+) host pages \(([\d.]+) GB\)")
 KV_ALLOC = re.compile(r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB")
 ROOM = re.compile(r"request slots \(room for (\d+)\)")
@@ -154,7 +160,7 @@ def copy_peak_gbps() -> float:
 class Server(ServerProcess):
     def stats(self) -> tuple | None:
         found = STATS.findall(self.log.read_text(errors="replace"))
-        return tuple(float(x) for x in found[-1]) if found else None
+        return tuple(float(x or 0) for x in found[-1]) if found else None
 
 
 def run_batch(url: str, batch: int, context: int, output_len: int, vocab: int, seed: int) -> dict:
@@ -228,7 +234,8 @@ def batch_figures(ok: list[dict], output_len: int) -> dict:
 
 def changed_share(cell: dict, args: list[str], model: dict) -> float | None:
     """Pages recalled per request, decode step, sparse layer and KV head, over the budget's pages: the selection's
-    churn (speculative and corrected together), from the recalled bytes of the batch's output_len - 1 steps."""
+    churn (speculative and corrected together), from the recalled bytes and the victim cache's pages of the batch's
+    output_len - 1 steps."""
     def flag(name, default):
         return int(args[args.index(name) + 1]) if name in args else default
     if "recall_gb" not in cell or not cell.get("completed"):
@@ -238,25 +245,25 @@ def changed_share(cell: dict, args: list[str], model: dict) -> float | None:
     page_bytes = 2 * page * head_dim * 2  # K and V of one KV head's page, bf16
     slots = cell["completed"] * (cell["output_len"] - 1) * (model["num_hidden_layers"] - dense) * \
         model["num_key_value_heads"] * (budget // page)
-    return round(cell["recall_gb"] * 1e9 / page_bytes / slots, 4)
+    return round((cell["recall_gb"] * 1e9 / page_bytes + cell.get("victim_pages", 0)) / slots, 4)
 
 
 def print_table(result: dict) -> None:
     full = {c["batch"]: c for c in result["cells"] if c["config"] == "full" and "step_ms" in c}
     print(f"\n{result['gpu']}, {result['shape']}, context {result['context']}, {result['output_len']} new tokens; FreeKV {result['freekv_args']}")
-    print(f"{'config':<11} {'batch':>5} {'step ms':>8} {'x full':>7} {'TPOT p50':>9} {'tok/s':>8} {'TTFT s':>7} "
+    print(f"{'config':<16} {'batch':>5} {'step ms':>8} {'x full':>7} {'TPOT p50':>9} {'tok/s':>8} {'TTFT s':>7} "
           f"{'corr':>5} {'changed':>7} {'recall GB/s':>11} {'pool tok':>9} {'GB/req':>7} {'max conc':>8} "
           f"{'ran/queued':>10}")
     for c in result["cells"]:
         if "step_ms" not in c:
-            print(f"{c['config']:<11} error: {c.get('error', c.get('errors'))}")
+            print(f"{c['config']:<16} error: {c.get('error', c.get('errors'))}")
             continue
         ratio = c["step_ms"] / full[c["batch"]]["step_ms"] if c["batch"] in full else float("nan")
         if c.get("decoding_together", c["batch"]) < c["batch"]:
-            print(f"{c['config']:<11} {c['batch']:>5} only {c['decoding_together']} requests decoded together: "
+            print(f"{c['config']:<16} {c['batch']:>5} only {c['decoding_together']} requests decoded together: "
                   "no step of this batch (raise --output-len past the other prompts' prefill)")
             continue
-        print(f"{c['config']:<11} {c['batch']:>5} {c['step_ms']:>8.2f} {ratio:>7.2f} {c['tpot_ms_p50']:>9.2f} "
+        print(f"{c['config']:<16} {c['batch']:>5} {c['step_ms']:>8.2f} {ratio:>7.2f} {c['tpot_ms_p50']:>9.2f} "
               f"{c['output_tok_per_s']:>8.1f} "
               f"{c['ttft_s_p50']:>7.2f} {c.get('correction_rate', float('nan')):>5.2f} "
               f"{c.get('changed_share') or float('nan'):>7.3f} "
@@ -361,10 +368,11 @@ def main() -> None:
                 after = srv.stats()
                 cell.update(scheduler_cell(srv.log, offset))
                 if after and after != before:
-                    b0 = before or (0, 0, 0, 0)
+                    b0 = before or (0,) * 6
                     gb = (after[2] + after[3]) - (b0[2] + b0[3])
                     cell["correction_rate"] = after[1]
                     cell["recall_gb"] = round(gb, 3)
+                    cell["victim_pages"] = int((after[4] + after[5]) - (b0[4] + b0[5]))
                     if cell.get("decode_s"):
                         cell["recall_gbps"] = round(gb / cell["decode_s"], 2)
                     cell["changed_share"] = changed_share({**cell, "output_len": args.output_len}, extra, model_cfg)

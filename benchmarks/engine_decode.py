@@ -36,14 +36,17 @@ freekv-rerank (the two-stage rerank/2 with a 16-channel sketch),
 freekv-means (FreeKV with MeanS selection), louiskv (retrieval at semantic boundaries of clusters and segments),
 freekv-replay (the default with a real model's correction rate 0.3 and churn 0.15 replayed, as decode.py's
 `realistic`), freekv-replay-only (the same replay with selection "replay": no scoring); a FreeKV policy with a
-suffix /hH (e.g. freekv/h1) selects with FreeKVConfig.hysteresis H, /rN runs the speculative recall on N programs.
+suffix /hH (e.g. freekv/h1) selects with FreeKVConfig.hysteresis H, /rN runs the speculative recall on N programs,
+/vT keeps a victim cache of T tokens and /bS (with the replay and /vT) returns that share of the churn to its pages.
 Reported per config, over the timed steps (after --warmup steps that fill the slots):
   retrieval_share     FreeKV: the share of (request, sparse layer, KV head) checks flagged for correction (they
                       select and recall before attention); LouisKV: the share of (request, sparse layer) steps at a
                       semantic boundary (engine.stats() counts a boundary as all heads of the row flagged)
   recall_mb_per_step  K+V bytes recalled host->GPU per step, all requests and layers (before attention / after)
   changed_share       pages recalled per (request, sparse layer, KV head) and step over the budget's pages: the share
-                      of the selection that changes per step (FreeKV: before attention and speculative together)
+                      of the selection that changes per step (FreeKV: before attention and speculative together;
+                      from the host or from the victim cache)
+  victim_hit_share    of those pages, the share taken from the victim cache (policy suffix /vT) instead of the host
   step_ms             median (and mean, p90) time of one step over all requests: the graph's replay, synchronised
                       before and after; the host's prepare_step and the query drift run outside the timed region
 With --probe (the default on CPU; eager steps only, it reads the host arena every layer), also the probe's
@@ -95,7 +98,8 @@ POLICIES = {
     "freekv-replay-only": dict(retrieval="freekv", selection="replay", replay_correction_rate=0.3, replay_churn=0.15),
     "louiskv": dict(retrieval="louiskv"),
 }
-KNOB_SUFFIXES = {"h": ("hysteresis", float), "r": ("recall_programs", int)}
+KNOB_SUFFIXES = {"h": ("hysteresis", float), "r": ("recall_programs", int), "v": ("victim", int),
+                 "b": ("replay_returns", float)}
 
 
 def host_bytes(batch: int, context: int, layers: int, shape: str = "llama8b", dtype_bytes: int = 2) -> int:
@@ -146,8 +150,8 @@ class Structured:
 
 
 def policy_knobs(policy: str) -> dict:
-    """POLICIES[name] for "name", plus FreeKVConfig.hysteresis H for a suffix "/hH" and recall_programs N for
-    "/rN" (e.g. "freekv-replay/r128")."""
+    """POLICIES[name] for "name", plus FreeKVConfig.hysteresis H for a suffix "/hH", recall_programs N for "/rN",
+    victim T tokens for "/vT" and replay_returns S for "/bS" (e.g. "freekv-replay/r128", "freekv-replay/v2048/b0.5")."""
     name, *suffixes = policy.split("/")
     knobs = dict(POLICIES[name])
     for suffix in suffixes:
@@ -280,6 +284,7 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
     page_bytes = after["recall_page_bytes"]
     now = (after["recall_pages_now"] - before["recall_pages_now"]) * page_bytes
     later = (after["recall_pages_speculative"] - before["recall_pages_speculative"]) * page_bytes
+    hits = sum(after[k] - before[k] for k in ("victim_hits_now", "victim_hits_speculative"))
     times.sort()
     row = {"context": context, "batch": batch, "policy": policy, "layers": L, "sparse_layers": L - 1,
            "keys": args.keys, "shape": args.shape, "heads": [HQ, H, D],
@@ -293,7 +298,9 @@ def run_config(args, context: int, batch: int, policy: str, layers: int) -> dict
            "recall_mb_per_step": round((now + later) / n / 1e6, 3),
            "recall_mb_per_step_now": round(now / n / 1e6, 3),
            "recall_mb_per_step_after": round(later / n / 1e6, 3),
-           "changed_share": round((now + later) / page_bytes / (n * batch * (L - 1) * H * cfg.select_pages), 4),
+           "changed_share": round(((now + later) / page_bytes + hits) / (n * batch * (L - 1) * H * cfg.select_pages),
+                                  4),
+           "victim_hit_share": round(hits / max((now + later) / page_bytes + hits, 1), 4),
            "step_ms": round(statistics.median(times), 3), "step_ms_mean": round(statistics.fmean(times), 3),
            "step_ms_p90": round(times[int(0.9 * (n - 1))], 3), "prefill_s": round(prefill_s, 2)}
     row["query_shift_share"] = round(int(queries.shifts - shifts0) / (n * batch), 4)
