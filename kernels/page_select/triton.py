@@ -318,11 +318,9 @@ def _victim_moves(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, V
     source = tl.max(tl.where(hit, e[None, :], -1), axis=1)
     read = tl.max(hit.to(tl.int32), axis=0) > 0
     elig = e_ok & ~read
-    # rank[e]: eligible entries before e in the order (full, age, entry).
-    full = (held != -1).to(tl.int32)
-    before = (full[None, :] < full[:, None]) | ((full[None, :] == full[:, None]) & (
-        (age[None, :] < age[:, None]) | ((age[None, :] == age[:, None]) & (e[None, :] < e[:, None]))))
-    rank = tl.sum((before & elig[None, :]).to(tl.int32), axis=1)
+    # rank[e]: eligible entries before e in the order (full, age, entry), one int64 key each (age + 1 < 2**32).
+    key = ((held != -1).to(tl.int64) << 48) | ((age.to(tl.int64) + 1) << 16) | e.to(tl.int64)
+    rank = tl.sum(((key[None, :] < key[:, None]) & elig[None, :]).to(tl.int32), axis=1)
     evicting = changed & (old != -1)
     ev_rank = tl.cumsum(evicting.to(tl.int32), axis=0) - 1
     to = evicting[:, None] & elig[None, :] & (rank[None, :] == ev_rank[:, None])  # [slot, entry]

@@ -57,17 +57,11 @@ def _recall_pages_kernel(
                     k_dst = k_ptr + (row0 + t) * s_kt + h * s_kh + d
                     v_dst = v_ptr + (row0 + t) * s_vt + h * s_vh + d
                     source = -1
+                    evict = -1
                     if VICTIMS:
                         op = tl.load(vops_ptr + b * so_b + h * so_h + s * so_k)
                         evict = (op & ((1 << SHIFT) - 1)) - 1
                         source = (op >> SHIFT) - 1
-                        if evict >= 0:  # the outgoing chunk to its victim entry, HBM to HBM, before it is overwritten
-                            e0 = (victim_base + r * V + evict) * PAGE
-                            k_out = tl.load(k_dst)
-                            v_out = tl.load(v_dst)
-                            tl.store(k_ptr + (e0 + t) * s_kt + h * s_kh + d, k_out)
-                            tl.store(v_ptr + (e0 + t) * s_vt + h * s_vh + d, v_out)
-                            tl.debug_barrier()  # every thread's read of the slot precedes any write to it
                     if source >= 0:
                         e1 = (victim_base + r * V + source) * PAGE
                         k = tl.load(k_ptr + (e1 + t) * s_kt + h * s_kh + d)
@@ -79,6 +73,15 @@ def _recall_pages_kernel(
                         chunk = host_ptr + src * s_hp + h * s_hh + t * s_ht + d
                         k = tl.load(chunk)
                         v = tl.load(chunk + s_hkv)
+                    if evict >= 0:
+                        # The outgoing chunk to its victim entry, HBM to HBM, while the incoming one is in flight;
+                        # every thread's read of the slot precedes any write to it.
+                        e0 = (victim_base + r * V + evict) * PAGE
+                        k_out = tl.load(k_dst)
+                        v_out = tl.load(v_dst)
+                        tl.store(k_ptr + (e0 + t) * s_kt + h * s_kh + d, k_out)
+                        tl.store(v_ptr + (e0 + t) * s_vt + h * s_vh + d, v_out)
+                        tl.debug_barrier()
                     tl.store(k_dst, k)
                     tl.store(v_dst, v)
 
