@@ -124,7 +124,7 @@ def test_returns_are_the_share_of_victim_hits():
             replay_churn(scores, slots, req, later, PHASE_LATER, draws, 0.15, victims, returns)
             naive_select_slots(scores, slots, req, later, PHASE_LATER, None, recall, False,
                                stats if step > 10 else None, -1, 1.0, victims, age, ops)
-        assert stats[3] / stats[1] == pytest.approx(returns, abs=0.06)
+        assert float(stats[3] / stats[1]) == pytest.approx(returns, abs=0.06)
 
 
 def test_bad_rate_refused():
