@@ -27,6 +27,11 @@ args=(
   --kv-sink 128
   # The most recent tokens, always attended (plus the page being filled).
   --kv-window 512
+  # Tokens per KV head and request of evicted pages kept on the GPU: a selection that returns to one copies it on the
+  # GPU instead of recalling it from host memory (a real model's selection returns to 46-58% of its changed pages
+  # with one budget of it). 0 (default) keeps none; 2048 cut a recall-bound 16 x 32K step by 13% on an H100, at
+  # the GPU memory of a second budget per request (fewer requests fit).
+  --kv-victim 0
   # Tokens per page: the unit of selection, offload and recall. SGLang's --page-size is set to it
   # (passing a different --page-size is refused).
   --kv-page-size 32
@@ -55,12 +60,13 @@ args=(
   # --kv-rerank-factor 2 (with --kv-selection rerank)
   # Benchmarks only, never to serve: --kv-bench-correction-rate R flags each check for correction with probability
   # R instead of by query similarity, and --kv-bench-churn S makes each selection replace a share S of the head's
-  # pages at random (random-weight models have unrealistic query churn; benchmarks/decode.py --configs realistic).
+  # pages at random (random-weight models have unrealistic query churn; benchmarks/decode.py --configs realistic);
+  # --kv-bench-returns B (with --kv-victim) draws a share B of those pages from the evicted ones.
   # --kv-retrieval louiskv instead retrieves only at semantic boundaries (the query's similarity to the previous
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
   # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
   # (--kv-correction-threshold, --kv-recall-programs, --kv-selection, --kv-rerank-factor, --kv-sketch-channels,
-  # --kv-hysteresis, --kv-bench-correction-rate, --kv-bench-churn).
+  # --kv-hysteresis, --kv-bench-correction-rate, --kv-bench-churn, --kv-bench-returns).
   # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
   # --disable-radix-cache (README, LouisKV).
   # --kv-prefill tsp (FastKV's token-selective propagation after layer --kv-tsp-layer, keeping --kv-tsp-keep tokens)

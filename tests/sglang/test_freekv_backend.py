@@ -360,7 +360,7 @@ def _fake_series():
     names = ("decode_steps", "checks", "corrections", "correction_rate", "resident_pages", "kvstore_used_pages",
              "kvstore_free_pages", "aborted_requests")
     return SimpleNamespace(**{n: _Value() for n in names}, recall_pages={p: _Value() for p in PHASES},
-                           recall_bytes={p: _Value() for p in PHASES})
+                           recall_bytes={p: _Value() for p in PHASES}, victim_hits={p: _Value() for p in PHASES})
 
 
 def _arena_used_pages(backend) -> tuple[int, int]:
@@ -412,6 +412,7 @@ def test_metrics_are_fed_where_the_stats_are_logged(daemon, monkeypatch):
     assert (now, spec) == (st["recall_pages_now"], st["recall_pages_speculative"]) and now > 0
     assert series.recall_bytes["before_attention"].value == st["recall_bytes_now"] == now * st["recall_page_bytes"]
     assert series.recall_bytes["speculative"].value == st["recall_bytes_speculative"]
+    assert series.victim_hits["before_attention"].value == st["victim_hits_now"] == 0  # CFG keeps no victim cache
     assert series.resident_pages.value == 2 * CFG.resident_pages
     used, total = _arena_used_pages(backend)  # nothing allocated since step 8 was prepared
     assert (series.kvstore_used_pages.value, series.kvstore_free_pages.value) == (used, total - used)
