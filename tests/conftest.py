@@ -8,6 +8,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# Under pytest-xdist (scripts/test.sh runs a worker per core) each worker's torch gets its share of the cores, so the
+# workers do not oversubscribe them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(autouse=True)
 def _seed():
