@@ -234,17 +234,17 @@ def test_hysteresis_matches_oracle_and_recalls_less(selection):
     assert 0 < kept < plain
 
 
-@pytest.mark.parametrize("backend,victim,steps", [("torch", 16, 24), ("torch", 64, 24), ("triton", 32, 10)])
-def test_victim_cache_matches_oracle_and_recalls_less(backend, victim, steps):
+@pytest.mark.parametrize("victim", [16, 64])
+def test_victim_cache_matches_oracle_and_recalls_less(victim):
     """A victim cache changes where a returning page comes from, never what is attended: with it the engine still
     matches the oracle every step and layer, puts the same pages into slots as without it, and takes some of them
-    from the GPU instead of the host."""
+    from the GPU instead of the host. (The Triton engine equals this one: test_triton_backend_equals_torch_backend.)"""
     stats = []
     for v in (0, victim):
         torch.manual_seed(23)
         cfg = FreeKVConfig(selection="means", budget=48, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1,
                            hysteresis=0.0, victim=v)
-        eng, _ = run_and_check(cfg, H=2, G=3, prompt_lens=[300, 181], steps=steps, backend=backend)
+        eng, _ = run_and_check(cfg, H=2, G=3, prompt_lens=[300, 181], steps=24)
         stats.append(eng.stats())
     plain, cached = stats
     placed = [s["recall_pages_now"] + s["recall_pages_speculative"] + s["victim_hits_now"] +
@@ -668,17 +668,16 @@ def test_head_indptr_matches_the_device_token_lists():
     assert indptr[:-1].tolist() == starts
 
 
-@pytest.mark.parametrize("method,selection,recall,factor", [
-    ("freekv", "rerank", "all", 0), ("freekv", "rerank", "delta", 2), ("freekv", "rerank", "all", 1),
-    ("freekv", "sketch", "delta", 2), ("freekv", "means", "delta", 0),
-    ("freekv", "quest", "delta", 0), ("streaming", "rerank", "delta", 0)])
-def test_triton_backend_equals_torch_backend(method, selection, recall, factor, prefill_alike, decode_alike):
-    """The rerank selection (every page, with the recall-all ablation; the sketch's best 2k or k), the sketch alone,
-    MeanS, and the Quest /
-    StreamingLLM baselines: the Triton kernels and the torch references give the same outputs, slot tables and
-    recall statistics step by step (a padding row included)."""
+@pytest.mark.parametrize("method,selection,recall,factor,victim", [
+    ("freekv", "rerank", "all", 0, 0), ("freekv", "rerank", "delta", 2, 0), ("freekv", "sketch", "delta", 2, 0),
+    ("freekv", "means", "delta", 0, 32), ("freekv", "quest", "delta", 0, 0), ("streaming", "rerank", "delta", 0, 0)])
+def test_triton_backend_equals_torch_backend(method, selection, recall, factor, victim, prefill_alike, decode_alike):
+    """The rerank selection (every page, with the recall-all ablation; the sketch's best 2k), the sketch alone,
+    MeanS with a victim cache, and the Quest / StreamingLLM baselines: the Triton kernels and the torch references
+    give the same outputs, slot tables, victim entries and recall statistics step by step (a padding row
+    included)."""
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, recall=recall,
-                       selection=selection, rerank_factor=factor)
+                       selection=selection, rerank_factor=factor, victim=victim)
     H, G, L, lens = 2, 3, 2, [150, 97]
     engines = [make_engine(cfg, H, G, L, method=method, backend=b) for b in ("torch", "triton")]
     torch.manual_seed(5)
@@ -686,3 +685,6 @@ def test_triton_backend_equals_torch_backend(method, selection, recall, factor, 
     st = decode_alike(engines, slots, 10, device=DEV)
     if method != "streaming":
         assert st["recall_bytes_now"] > 0
+    if victim:  # the stats (hits included) are equal; the entries too, and some pages came back from them
+        assert st["victim_hits_now"] + st["victim_hits_speculative"] > 0
+        assert all(torch.equal(a, b) for a, b in zip(engines[0].victims, engines[1].victims) if a is not None)

@@ -79,12 +79,12 @@ def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5,
     cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall,
                        selection=selection, rerank_factor=FreeKVConfig().rerank_factor if factor is None else factor,
                        retrieval=retrieval, boundary_tau=tau)
-    eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=1024, dtype=torch.float32,
+    eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=512, dtype=torch.float32,
                        device=DEV, backend="triton", method=method, pad_slot=0, dense_outside=True)
     calibrate_synthetic(eng, gaussian_sample(eng))
     rec = recorder(monkeypatch, eng)
     slots = [1, 2]
-    for s, n in zip(slots, [500, 300]):
+    for s, n in zip(slots, [300, 200]):
         eng.add_request(s)
         eng.begin_prefill(s, n)
         for layer in range(1, L):
@@ -210,7 +210,7 @@ def test_plan_is_one_launch(monkeypatch, dense_outside):
     """The step's index tensors, before the first layer, come from one kernel on the compute stream (the dense
     outputs only when the engine runs the dense layers itself)."""
     cfg = FreeKVConfig(selection="sketch", budget=64, sink=16, window=32, page_size=16, dense_layers=1)
-    eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=1024, dtype=torch.float32,
+    eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=512, dtype=torch.float32,
                        device=DEV, backend="triton", dense_outside=dense_outside)
     rec = recorder(monkeypatch, eng)
     s = eng.add_request()

@@ -83,8 +83,9 @@ def setup(G, H, cfg, lens, bs, mode):
     return eng, ta, hist, slots
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("G,H", [(1, 4), (3, 3), (4, 2), (8, 1)])
+# Every GQA group, each attention mode with two of them (on CPU each case interprets SGLang's kernels for seconds).
+@pytest.mark.parametrize("G,H,mode", [(1, 4, "default"), (3, 3, "deterministic"), (4, 2, "default"),
+                                      (8, 1, "deterministic")])
 def test_budget_covering_context_is_bit_identical_to_full_kv_triton(G, H, mode):
     p = 16 if G % 2 else 32
     cfg = FreeKVConfig(budget=32 * p, sink=p, window=2 * p, page_size=p, tau=0.8, dense_layers=1)

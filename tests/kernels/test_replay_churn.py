@@ -64,7 +64,7 @@ def changed_share(rate, hysteresis, steps=40, B=4, H=4, M=512, K=32):
         scores[:, :, :2] = float("-inf")
         draws = torch.rand(B, H, generator=g).to(DEV)
         old = slots.clone()
-        replay_churn(scores, slots, req, later, PHASE_LATER, draws, rate)
+        naive_replay_churn(scores, slots, req, later, PHASE_LATER, draws, rate)  # = the kernel (tested above)
         naive_select_slots(scores, slots, req, later, PHASE_LATER, None, recall, hysteresis=hysteresis)
         if step:  # the first step fills the empty slots
             changed += int((slots != old).sum())
@@ -121,7 +121,7 @@ def test_returns_are_the_share_of_victim_hits():
         for step in range(31):
             scores = torch.rand(B, H, M, generator=g).to(DEV)
             draws = torch.rand(B, H, generator=g).to(DEV)
-            replay_churn(scores, slots, req, later, PHASE_LATER, draws, 0.15, victims, returns)
+            naive_replay_churn(scores, slots, req, later, PHASE_LATER, draws, 0.15, victims, returns)
             naive_select_slots(scores, slots, req, later, PHASE_LATER, None, recall, False,
                                stats if step > 10 else None, -1, 1.0, victims, age, ops)
         assert float(stats[3] / stats[1]) == pytest.approx(returns, abs=0.06)
