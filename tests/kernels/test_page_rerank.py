@@ -71,8 +71,9 @@ def test_offload_writes_the_reference_codes(H, D, p, dtype, byte_major):
     assert torch.equal(out[4], quantize_keys(kc[: p].float().transpose(0, 1), lo, hi))
 
 
-@pytest.mark.parametrize("M,num", [(37, 8), (300, 64), (1500, 256), (20, 32)])
-@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
+# The chunked 1500-page row in one phase only (either phase selects the same way; it interprets for ~35 s on CPU).
+@pytest.mark.parametrize("M,num,phase", [(M, num, phase) for M, num in [(37, 8), (300, 64), (1500, 256), (20, 32)]
+                                         for phase in (PHASE_NOW, PHASE_LATER) if M < 1500 or phase == PHASE_LATER])
 def test_top_pages_matches_reference(M, num, phase):
     """Best first, ties by the lower page (duplicated scores), -1 for -inf and past the row (num > M); rows of
     heads outside the phase unwritten; 1500 pages take a chunked first stage."""
