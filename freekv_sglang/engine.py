@@ -817,8 +817,9 @@ class FreeKVEngine:
         recalled bytes (before attention / speculative), counted in pages of one KV head (`recall_page_bytes`
         each: its K and V). The raw totals over the sparse layers too: (row, KV head) checks, the flagged ones,
         and the pages of one KV head recalled from the host before attention / speculatively, and those taken from
-        the victim cache (cfg.victim) instead, which cross no link (all cumulative since the engine was built). LouisKV counts a boundary as every KV head of its row flagged (so the correction rate is the
-        share of (row, layer) steps that retrieve at a boundary) and its cosine once per row (the mean over all query
+        the victim cache (cfg.victim) instead, which cross no link (all cumulative since the engine was built).
+        LouisKV counts a boundary as every KV head of its row flagged (so the correction rate is the share of
+        (row, layer) steps that retrieve at a boundary) and its cosine once per row (the mean over all query
         heads). Synchronises: call between steps."""
         layers = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
         checks = max(self._stat_checks, 1)

@@ -13,7 +13,8 @@ def check_victim_args(victim_ops: torch.Tensor | None, recall: torch.Tensor, vic
     if victim_ops is None:
         return
     assert victim_ops.shape == recall.shape and victim_ops.dtype == torch.int32
-    if victim_entries < 1 or victim_base < 0 or (victim_base + num_slots * victim_entries) * page_size > k_cache.shape[0]:
+    end = (victim_base + num_slots * victim_entries) * page_size
+    if victim_entries < 1 or victim_base < 0 or end > k_cache.shape[0]:
         raise ValueError(f"victim pages [{victim_base}, +{num_slots} x {victim_entries}) do not fit the GPU pool "
                          f"of {k_cache.shape[0] // page_size} pages")
 
