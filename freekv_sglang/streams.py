@@ -6,21 +6,8 @@ On CPU everything runs in program order and these helpers do nothing.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
-
-# CUDA stream priority (lower is higher) of the critical chain: the decode graph's capture stream
-# (freekv_patches.graph_capture_stream) and the select stream. PyTorch instantiates graphs with per-node priorities,
-# so the block scheduler dispatches the critical chain's CTAs before those of the speculative lanes (priority 0).
-# At equal priority the speculative scoring, launched right after a layer's attention, filled the SMs and held the
-# output projection back ~40 us a layer at 16 x 32K (H100 trace, session 30).
-CRITICAL_PRIORITY = int(os.environ.get("FREEKV_CRITICAL_PRIORITY", "-1"))  # TEMPORARY: A/B switch, to be removed
-
-
-def critical_stream(device: torch.device | int) -> torch.cuda.Stream:
-    """A stream whose kernels the GPU schedules ahead of the speculative lanes'."""
-    return torch.cuda.Stream(device, priority=CRITICAL_PRIORITY)
 
 
 class Streams:
@@ -35,8 +22,8 @@ class Streams:
         self.cuda = device.type == "cuda"
         self._used: set[str] = set()  # the side streams given work since the last join
         if self.cuda:
-            for name in self.NAMES:  # select carries the correction chain, which attention waits for
-                setattr(self, name, critical_stream(device) if name == "select" else torch.cuda.Stream(device))
+            for name in self.NAMES:
+                setattr(self, name, torch.cuda.Stream(device))
 
     def record(self) -> torch.cuda.Event | None:
         if not self.cuda:
