@@ -419,7 +419,7 @@ def test_triton_kernels_match_oracle(tau):
     """The same oracle check with every op from the Triton kernels (interpreter on CPU, CUDA on GPU). Taus 0 and 1
     under Triton: test_replayed_correction_rate_overrides_tau (the same decode with every head, or none, flagged)."""
     cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=16, tau=tau, dense_layers=1)
-    run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=12, L=2, backend="triton", atol=1e-4)
+    run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=8, L=2, backend="triton", atol=1e-4)
 
 
 def test_framework_slots_padding_and_outside_dense_layers():
@@ -630,8 +630,8 @@ def test_replayed_churn_is_the_same_from_the_kernels():
 def test_replay_selection_picks_what_a_scoring_selection_picks_under_the_replay(backend):
     """Selection "replay" (benchmarks) scores nothing, yet under replay_churn it holds exactly the sketch's pages: the
     replay replaces every candidate's score, so only the candidate ranges matter, and those it gets right."""
-    ref, ref_recalled = churn_run(0.3, backend, steps=5, H=2, R=3, prompt=700)
-    out, out_recalled = churn_run(0.3, backend, steps=5, H=2, R=3, prompt=700, selection="replay")
+    ref, ref_recalled = churn_run(0.3, backend, steps=5, H=2, R=3, prompt=400)
+    out, out_recalled = churn_run(0.3, backend, steps=5, H=2, R=3, prompt=400, selection="replay")
     assert torch.equal(ref.slot_table[0].cpu(), out.slot_table[0].cpu())
     assert out_recalled == ref_recalled and out_recalled[-1] > out_recalled[0]
 
@@ -682,7 +682,7 @@ def test_triton_backend_equals_torch_backend(method, selection, recall, factor, 
     engines = [make_engine(cfg, H, G, L, method=method, backend=b) for b in ("torch", "triton")]
     torch.manual_seed(5)
     slots = prefill_alike(engines, lens, device=DEV)
-    st = decode_alike(engines, slots, 10, device=DEV)
+    st = decode_alike(engines, slots, 10 if victim else 6, device=DEV)  # hits need evictions to return first
     if method != "streaming":
         assert st["recall_bytes_now"] > 0
     if victim:  # the stats (hits included) are equal; the entries too, and some pages came back from them

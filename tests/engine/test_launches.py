@@ -84,7 +84,7 @@ def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5,
     calibrate_synthetic(eng, gaussian_sample(eng))
     rec = recorder(monkeypatch, eng)
     slots = [1, 2]
-    for s, n in zip(slots, [300, 200]):
+    for s, n in zip(slots, [200, 140]):
         eng.add_request(s)
         eng.begin_prefill(s, n)
         for layer in range(1, L):
