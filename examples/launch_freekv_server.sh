@@ -45,6 +45,9 @@ args=(
   # GPU programs of the speculative recall, which reads host memory beside the model's GEMMs; each strides
   # over many pages so the recall does not take SMs from the GEMMs (0 = one program per page).
   --kv-recall-programs 32
+  # GPU programs of the channels selection's speculative scoring beside the GEMMs (0 = one per request, KV head and
+  # chunk of pages; not yet measured in a served step, docs/results/session30).
+  --kv-score-programs 0
   # How pages are scored: "channels" (default) as attention mass from 4-bit codes of --kv-sketch-channels key
   # channels (0: 32) that a calibration pass at start-up picks for the model, 16 GPU bytes per token and KV head,
   # accurate where one token of a page matters (a needle) at the cost of MeanS's step (docs/results/session24);
@@ -65,8 +68,8 @@ args=(
   # --kv-retrieval louiskv instead retrieves only at semantic boundaries (the query's similarity to the previous
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
   # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
-  # (--kv-correction-threshold, --kv-recall-programs, --kv-selection, --kv-rerank-factor, --kv-sketch-channels,
-  # --kv-hysteresis, --kv-bench-correction-rate, --kv-bench-churn, --kv-bench-returns).
+  # (--kv-correction-threshold, --kv-recall-programs, --kv-score-programs, --kv-selection, --kv-rerank-factor,
+  # --kv-sketch-channels, --kv-hysteresis, --kv-bench-correction-rate, --kv-bench-churn, --kv-bench-returns).
   # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
   # --disable-radix-cache (README, LouisKV).
   # --kv-prefill tsp (FastKV's token-selective propagation after layer --kv-tsp-layer, keeping --kv-tsp-keep tokens)

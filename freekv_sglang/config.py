@@ -110,6 +110,10 @@ class FreeKVConfig:
     recall_programs: GPU programs of the speculative recall, which reads host memory beside the model's GEMMs
         (each program strides over the pages to recall); 0 launches one per (request, head, slot), which holds
         an SM slot per page through its PCIe round trip. The recall before attention always uses one per page.
+    score_programs: GPU programs of the channels selection's speculative scoring, which runs after a layer's
+        attention beside the model's GEMMs (each program strides over (request, head, chunk of pages) items); 0
+        (default) launches one per item, ~4,000 at 16 x 32K, which queue ahead of the output projection (session 30's
+        trace: it waited ~40 us a layer). The scoring before attention always uses one per item.
     hysteresis: h >= 0: in a head's reselection its resident pages count (1 + h) times their score, so a page
         must hold more than (1 + h) times a resident page's attention mass to displace it. Pages near the top-k's
         edge hold similar mass and trade places on small query changes; every trade is a recall. 0 is the paper's
@@ -143,6 +147,7 @@ class FreeKVConfig:
     dense_layers: int = 1
     recall: str = "delta"
     recall_programs: int = 32
+    score_programs: int = 0
     selection: str = "channels"
     rerank_factor: int = 2
     sketch_channels: int = 0
@@ -201,6 +206,11 @@ class FreeKVConfig:
                              f"replay_churn (--kv-bench-churn); set it, or pick another --kv-selection")
         if not _is_int(self.recall_programs) or self.recall_programs < 0:
             raise ValueError(f"recall_programs must be a non-negative integer, got {self.recall_programs!r}")
+        if not _is_int(self.score_programs) or self.score_programs < 0:
+            raise ValueError(f"score_programs must be a non-negative integer, got {self.score_programs!r}")
+        if self.score_programs and self.selection != "channels":
+            raise ValueError(f"score_programs shapes the 'channels' selection's scoring, not {self.selection!r}'s: "
+                             "drop --kv-score-programs or use --kv-selection channels")
         if self.retrieval not in RETRIEVALS:
             raise ValueError(f"retrieval must be one of {', '.join(RETRIEVALS)}, got {self.retrieval!r}")
         bt = self.boundary_tau

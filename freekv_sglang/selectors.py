@@ -203,7 +203,7 @@ class Channels(Selector):
         e, cal = self.engine, self._check(layer)
         return e.ops.channel_sketch_pages(q, self._codes[layer], cal.channels, cal.step, e.page_table, plan.req_slots,
                                           e.scale, heads, phase, phase == PHASE_LATER, e.cfg.sink_pages,
-                                          plan.cand_end)
+                                          plan.cand_end, e.cfg.score_programs if phase == PHASE_LATER else 0)
 
 
 class Oracle(Selector):

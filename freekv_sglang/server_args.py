@@ -55,6 +55,7 @@ _KNOB_FLAGS = {
     "kv_dense_layers": ("--kv-dense-layers", "dense_layers"),
     "kv_recall": ("--kv-recall", "recall"),
     "kv_recall_programs": ("--kv-recall-programs", "recall_programs"),
+    "kv_score_programs": ("--kv-score-programs", "score_programs"),
     "kv_selection": ("--kv-selection", "selection"),
     "kv_rerank_factor": ("--kv-rerank-factor", "rerank_factor"),
     "kv_sketch_channels": ("--kv-sketch-channels", "sketch_channels"),
@@ -71,9 +72,9 @@ _KNOB_FLAGS = {
     "kv_bench_returns": ("--kv-bench-returns", "replay_returns"),
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
-_FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_selection", "kv_rerank_factor",
-                "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate", "kv_bench_churn",
-                "kv_bench_returns")
+_FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_score_programs", "kv_selection",
+                "kv_rerank_factor", "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate",
+                "kv_bench_churn", "kv_bench_returns")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb", "kvstore_timeout")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb",
@@ -172,6 +173,10 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-recall-programs", type=int, default=None, metavar="N",
                    help="GPU programs of the speculative recall, which runs beside the model's GEMMs; 0 = one per "
                         f"page recalled (default {_DEFAULTS.recall_programs})")
+    g.add_argument("--kv-score-programs", type=int, default=None, metavar="N",
+                   help="GPU programs of the 'channels' selection's speculative scoring, which runs beside the "
+                        "model's GEMMs; 0 = one per (request, KV head, chunk of pages) "
+                        f"(default {_DEFAULTS.score_programs})")
     g.add_argument("--kv-selection", choices=(*SERVABLE_SELECTIONS, *BENCH_SELECTIONS), default=None,
                    help="how pages are scored: 'sketch' scores every page as attention mass from its mid-range "
                         "keys and the 2-bit codes of the channels the query weighs most (head_dim / 4 GPU bytes "

@@ -123,7 +123,8 @@ def test_check_model_refuses_too_many_dense_layers():
         FreeKVConfig(dense_layers=31).check_model(num_layers=30, num_q_heads=9, num_kv_heads=3)
 
 
-@pytest.mark.parametrize("field", ["page_size", "budget", "sink", "window", "dense_layers", "recall_programs"])
+@pytest.mark.parametrize("field", ["page_size", "budget", "sink", "window", "dense_layers", "recall_programs",
+                                   "score_programs"])
 def test_bool_is_not_an_integer(field):
     with pytest.raises(ValueError, match=field):
         FreeKVConfig(**{field: True})
@@ -140,6 +141,16 @@ def test_recall_programs():
     for bad in (-1, 2.0, "8"):
         with pytest.raises(ValueError, match="^recall_programs must be a non-negative integer"):
             FreeKVConfig(recall_programs=bad)
+
+
+def test_score_programs():
+    assert FreeKVConfig().score_programs == 0  # one program per item
+    assert FreeKVConfig(score_programs=132).score_programs == 132
+    for bad in (-1, 2.0, "8"):
+        with pytest.raises(ValueError, match="^score_programs must be a non-negative integer"):
+            FreeKVConfig(score_programs=bad)
+    with pytest.raises(ValueError, match="not 'means'.s: drop --kv-score-programs or use --kv-selection channels"):
+        FreeKVConfig(score_programs=64, selection="means")
 
 
 def test_selection_knobs():

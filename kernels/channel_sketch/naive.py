@@ -98,10 +98,12 @@ def naive_channel_sketch_pages(
     q_by_slot: bool = False,
     cand_start: int = 0,
     cand_end: torch.Tensor | None = None,
+    programs: int = 0,
 ) -> torch.Tensor:
     """scores [B, H, M] of every page in [cand_start, cand_end[b]) from codes [P, H, p, R / 2]: per query head the
     log-sum-exp over the page's tokens of sum_r w_r code_r (channel_weights), a softmax over the pages, the mean
-    over the group; -inf at every other page. Rows of heads outside `phase` stay unwritten (NaN)."""
+    over the group; -inf at every other page. Rows of heads outside `phase` stay unwritten (NaN). `programs` shapes
+    the Triton launch only (the scores do not depend on it)."""
     H = codes.shape[1]
 
     def page_logits(qh: torch.Tensor, h: int, pages: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from .naive import BITS
 @triton.jit
 def _channel_lse_kernel(
     q_ptr, codes_ptr, ch_ptr, step_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, lse_ptr,
-    cand_start, M, scale,
+    cand_start, M, scale, n_heads, n_chunks, n_items,
     sq_b, sq_h, sq_d,
     sc_p, sc_h,
     sch_h, sstep_h,
@@ -27,48 +27,76 @@ def _channel_lse_kernel(
     sl_b, sl_h, sl_c,
     G: tl.constexpr, GP: tl.constexpr, TPR: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
     NP: tl.constexpr, BLOCKS: tl.constexpr, STAGES: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
+    Q_BY_SLOT: tl.constexpr, BITS: tl.constexpr, STRIDED: tl.constexpr,
+):
+    """lse[b, h, c, g] of BLOCKS blocks of NP pages per item (row b, KV head h, chunk of pages), up to the row's
+    candidate end (the pool reads no further). Not STRIDED: a program per item, grid (B, H, chunks). STRIDED: a 1-D grid
+    of programs strides over the items (row-major, chunk fastest), so the launch never queues more programs than it
+    runs at once: a kernel beside the model's GEMMs (the speculative scoring) then leaves them SMs."""
+    if not STRIDED:
+        _channel_lse_item(
+            tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64), tl.program_id(2),
+            q_ptr, codes_ptr, ch_ptr, step_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, lse_ptr, cand_start, M, scale,
+            sq_b, sq_h, sq_d, sc_p, sc_h, sch_h, sstep_h, spt_r, spt_m, s_slot, s_cend, sh_b, sh_h, sl_b, sl_h, sl_c,
+            G, GP, TPR, HALF, PAGE, NP, BLOCKS, STAGES, HEADS, WANT, Q_BY_SLOT, BITS)
+    else:
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            bh = item // n_chunks
+            _channel_lse_item(
+                (bh // n_heads).to(tl.int64), (bh % n_heads).to(tl.int64), item % n_chunks,
+                q_ptr, codes_ptr, ch_ptr, step_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, lse_ptr, cand_start, M,
+                scale, sq_b, sq_h, sq_d, sc_p, sc_h, sch_h, sstep_h, spt_r, spt_m, s_slot, s_cend, sh_b, sh_h, sl_b,
+                sl_h, sl_c, G, GP, TPR, HALF, PAGE, NP, BLOCKS, STAGES, HEADS, WANT, Q_BY_SLOT, BITS)
+
+
+@triton.jit
+def _channel_lse_item(
+    b, h, chunk,
+    q_ptr, codes_ptr, ch_ptr, step_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, lse_ptr,
+    cand_start, M, scale,
+    sq_b, sq_h, sq_d, sc_p, sc_h, sch_h, sstep_h, spt_r, spt_m, s_slot, s_cend, sh_b, sh_h, sl_b, sl_h, sl_c,
+    G: tl.constexpr, GP: tl.constexpr, TPR: tl.constexpr, HALF: tl.constexpr, PAGE: tl.constexpr,
+    NP: tl.constexpr, BLOCKS: tl.constexpr, STAGES: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
     Q_BY_SLOT: tl.constexpr, BITS: tl.constexpr,
 ):
-    """lse[b, h, c, g] of BLOCKS blocks of NP pages, up to the row's candidate end (the pool reads no further). A
-    product row holds TPR consecutive tokens (TPR * HALF code bytes, contiguous) and the weights are block-diagonal
-    [TPR * HALF, TPR * GP], so the product's TPR * GP >= 16 columns are TPR tokens x GP query heads: every column
-    is a logit the log-sum-exp needs. (With the GP columns alone, padded to 16 for the product, three quarters of a
-    4-head group's exponentials were padding, and they took most of the time.) The weights are made once per
-    program and the blocks' loads pipelined."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
-        if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
-            return
-    slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
-    q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
-    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
-    first = tl.program_id(2) * BLOCKS * NP
-    if cand_start + first >= end:
-        return
-    w_lo = _weights(q_row, ch_ptr + h * sch_h, step_ptr + h * sstep_h, scale, sq_h, sq_d, G, GP, TPR, HALF)
-    w_hi = _weights(q_row, ch_ptr + h * sch_h + HALF, step_ptr + h * sstep_h + HALF, scale, sq_h, sq_d, G, GP, TPR,
-                    HALF)
-    ROWS: tl.constexpr = PAGE // TPR  # product rows per page
-    r = tl.arange(0, ROWS)
-    k = tl.arange(0, TPR * HALF)
-    g = tl.arange(0, GP)
-    # A code as fp16 without a conversion: the bits of 1024 + code, minus 1024 (exact).
-    k1024 = tl.full([1, 1], 1024.0, tl.float16)
-    for blk in tl.range(0, BLOCKS, num_stages=STAGES):
-        c = first + blk * NP + tl.arange(0, NP)
-        ok = cand_start + c < end
-        page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0).to(tl.int64)
-        byte = tl.load(codes_ptr + page[:, None, None] * sc_p + h * sc_h + (r * TPR * HALF)[None, :, None]
-                       + k[None, None, :], mask=ok[:, None, None], other=0)
-        byte = tl.reshape(byte, [NP * ROWS, TPR * HALF]).to(tl.int16)
-        acc = tl.dot(((byte & ((1 << BITS) - 1)) | 0x6400).to(tl.float16, bitcast=True) - k1024, w_lo)
-        acc = tl.dot(((byte >> BITS) | 0x6400).to(tl.float16, bitcast=True) - k1024, w_hi, acc)
-        acc = tl.reshape(acc, [NP, PAGE, GP])  # column t * GP + g of row i: token TPR * i + t, head g
-        m = tl.max(acc, axis=1)  # [NP, GP]
-        lse = m + tl.log(tl.sum(tl.exp(acc - m[:, None, :]), axis=1))
-        tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None].to(tl.int64) * sl_c + g[None, :], lse,
-                 mask=ok[:, None] & (g < G)[None, :])
+    """One item of _channel_lse_kernel. A product row holds TPR consecutive tokens (TPR * HALF code bytes,
+    contiguous) and the weights are block-diagonal [TPR * HALF, TPR * GP], so the product's TPR * GP >= 16 columns
+    are TPR tokens x GP query heads: every column is a logit the log-sum-exp needs. (With the GP columns alone, padded
+    to 16 for the product, three quarters of a 4-head group's exponentials were padding, and they took most of the
+    time.) The weights are made once per item and the blocks' loads pipelined. An item of a head outside the phase,
+    or past the row's candidates, writes nothing (a guard, not a return: the strided loop goes on)."""
+    run = cand_start + chunk * BLOCKS * NP < tl.minimum(tl.load(cend_ptr + b * s_cend), M)
+    if HEADS:
+        run = run & (tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) == WANT)
+    if run:
+        slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
+        q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
+        end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
+        first = chunk * BLOCKS * NP
+        w_lo = _weights(q_row, ch_ptr + h * sch_h, step_ptr + h * sstep_h, scale, sq_h, sq_d, G, GP, TPR, HALF)
+        w_hi = _weights(q_row, ch_ptr + h * sch_h + HALF, step_ptr + h * sstep_h + HALF, scale, sq_h, sq_d, G, GP,
+                        TPR, HALF)
+        ROWS: tl.constexpr = PAGE // TPR  # product rows per page
+        r = tl.arange(0, ROWS)
+        k = tl.arange(0, TPR * HALF)
+        g = tl.arange(0, GP)
+        # A code as fp16 without a conversion: the bits of 1024 + code, minus 1024 (exact).
+        k1024 = tl.full([1, 1], 1024.0, tl.float16)
+        for blk in tl.range(0, BLOCKS, num_stages=STAGES):
+            c = first + blk * NP + tl.arange(0, NP)
+            ok = cand_start + c < end
+            page = tl.load(pt_ptr + slot * spt_r + (cand_start + c).to(tl.int64) * spt_m, mask=ok, other=0)
+            page = page.to(tl.int64)
+            byte = tl.load(codes_ptr + page[:, None, None] * sc_p + h * sc_h + (r * TPR * HALF)[None, :, None]
+                           + k[None, None, :], mask=ok[:, None, None], other=0)
+            byte = tl.reshape(byte, [NP * ROWS, TPR * HALF]).to(tl.int16)
+            acc = tl.dot(((byte & ((1 << BITS) - 1)) | 0x6400).to(tl.float16, bitcast=True) - k1024, w_lo)
+            acc = tl.dot(((byte >> BITS) | 0x6400).to(tl.float16, bitcast=True) - k1024, w_hi, acc)
+            acc = tl.reshape(acc, [NP, PAGE, GP])  # column t * GP + g of row i: token TPR * i + t, head g
+            m = tl.max(acc, axis=1)  # [NP, GP]
+            lse = m + tl.log(tl.sum(tl.exp(acc - m[:, None, :]), axis=1))
+            tl.store(lse_ptr + b * sl_b + h * sl_h + c[:, None].to(tl.int64) * sl_c + g[None, :], lse,
+                     mask=ok[:, None] & (g < G)[None, :])
 
 
 @triton.jit
@@ -109,8 +137,10 @@ def channel_sketch_pages(
     q_by_slot: bool = False,
     cand_start: int = 0,
     cand_end: torch.Tensor | None = None,
+    programs: int = 0,
 ) -> torch.Tensor:
-    """See naive_channel_sketch_pages."""
+    """See naive_channel_sketch_pages. programs > 0: that many GPU programs stride over the (row, head, chunk of
+    pages) items instead of one program per item."""
     check_device(q, codes, channels, step, page_table, req_slots)
     check_index_vectors(req_slots=req_slots)
     B, Hq, D = req_slots.shape[0], q.shape[1], q.shape[2]
@@ -133,13 +163,17 @@ def channel_sketch_pages(
     lse = empty(B, H, max(C, 1), gp, dtype=torch.float32, device=q.device)  # scratch
     if C:
         np_ = max(1, CHANNEL_TOKENS // p)
-        _channel_lse_kernel[(B, H, triton.cdiv(C, np_ * CHANNEL_BLOCKS))](
+        chunks = triton.cdiv(C, np_ * CHANNEL_BLOCKS)
+        items = B * H * chunks
+        grid = (min(programs, items),) if programs else (B, H, chunks)
+        _channel_lse_kernel[grid](
             q, codes, channels, step, page_table, req_slots, cand_end, heads_arg, lse,
-            cand_start, M, scale,
+            cand_start, M, scale, H, chunks, items,
             *q.stride(), codes.stride(0), codes.stride(1), channels.stride(0), step.stride(0),
             *page_table.stride(), req_slots.stride(0), cand_end.stride(0), *heads_strides, *lse.stride()[:3],
             G=G, GP=gp, TPR=tpr, HALF=half, PAGE=p, NP=np_, BLOCKS=CHANNEL_BLOCKS, STAGES=CHANNEL_STAGES,
-            HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, BITS=BITS, num_warps=CHANNEL_WARPS,
+            HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, BITS=BITS, STRIDED=bool(programs),
+            num_warps=CHANNEL_WARPS,
         )
     _pool(lse, cand_args, False, heads_args, scores, C, cand_start, G)
     return scores

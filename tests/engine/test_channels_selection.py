@@ -8,6 +8,7 @@ import torch
 
 from freekv_kernels.channel_sketch import quantize_channels
 from freekv_kernels.testing import device
+from freekv_kernels.page_select.naive import PHASE_LATER
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
 
@@ -20,6 +21,27 @@ def make_engine(cfg, H, G, L, backend):
     shape = ModelShape(num_layers=L, num_q_heads=H * G, num_kv_heads=H, head_dim=D)
     return FreeKVEngine(cfg, shape, max_requests=4, max_context=2048, dtype=torch.float32, device=DEV,
                         backend=backend)
+
+
+def test_score_programs_shape_only_the_speculative_scoring(monkeypatch, prefill_alike, decode_alike):
+    """--kv-score-programs reaches the scoring after attention (the phase beside the model's GEMMs); the scoring
+    before attention keeps one program per item. (The kernel's strided grid equals the per-item one:
+    tests/kernels/test_channel_sketch.py.)"""
+    cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="channels",
+                       score_programs=7)
+    eng = make_engine(cfg, 2, 2, 2, "torch")
+    seen = []
+    score = eng.ops.channel_sketch_pages
+
+    def spy(*args, **kwargs):
+        seen.append((args[8], args[12]))  # phase, programs
+        return score(*args, **kwargs)
+
+    monkeypatch.setattr(eng.ops, "channel_sketch_pages", spy)
+    torch.manual_seed(5)
+    decode_alike([eng], prefill_alike([eng], [150, 97], device=DEV), 4, device=DEV)
+    assert {programs for phase, programs in seen if phase == PHASE_LATER} == {7}
+    assert {programs for phase, programs in seen if phase != PHASE_LATER} == {0}
 
 
 def test_prompt_without_calibration_is_refused():

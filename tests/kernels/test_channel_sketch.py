@@ -136,6 +136,27 @@ def test_channel_sketch_pages_matches_reference(G, p, D, R, M, H, phase):
                 assert torch.isclose(out[b, h, start:end].sum(), torch.tensor(1.0))
 
 
+@pytest.mark.parametrize("G,p,M,H,programs", [(3, 16, 150, 2, 1), (8, 32, 100, 1, 3), (4, 16, 150, 3, 10_000)])
+@pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
+def test_strided_programs_score_what_one_program_per_item_scores(G, p, M, H, programs, phase):
+    """A 1-D grid of `programs` striding over the (row, head, chunk of pages) items (fewer programs than items, or
+    more: then one per item) writes the very scores of the grid with a program per item, and the reference's."""
+    torch.manual_seed(4)
+    q, codes, cal, pt, rs, start, cand_end, heads, by_slot = channel_inputs(G, p, 64, 32, M, H, phase)
+    args = [t.to(DEV) for t in (q, codes, cal.channels, cal.step, pt, rs)]
+    ref = naive_channel_sketch_pages(q, codes, cal.channels, cal.step, pt, rs, 0.125, heads, phase, by_slot, start,
+                                     cand_end, programs=programs)
+    with poisoned_outputs():
+        per_item = channel_sketch_pages(*args, 0.125, heads.to(DEV), phase, by_slot, start, cand_end.to(DEV)).cpu()
+    with poisoned_outputs():
+        strided = channel_sketch_pages(*args, 0.125, heads.to(DEV), phase, by_slot, start, cand_end.to(DEV),
+                                       programs=programs).cpu()
+    assert torch.equal(strided.isnan(), per_item.isnan())
+    mine = heads == (phase == PHASE_NOW)
+    assert torch.equal(strided[mine], per_item[mine])
+    assert_close("scores", ref[mine], strided[mine], atol=1e-5, rtol=1e-4)
+
+
 def test_channel_sketch_pages_without_head_mask():
     """heads None: every row and KV head scores."""
     torch.manual_seed(3)
