@@ -41,3 +41,34 @@ def test_summary_of_a_small_trace(tmp_path, capsys):
     assert "GPU span 3.000 ms per step" in out
     assert "       7     1.750  58.3%      1.0  _page_copy_kernel 2.000" in out
     assert "       9     0.500  16.7%      0.5  _fwd_kernel 0.500" in out
+
+
+def test_layer_split_of_a_small_trace(tmp_path, capsys):
+    """benchmarks/trace_layers.py: one sparse layer (the first and last of each step are left out) split into its
+    parts, and the kernel that runs through the idle time before the output projection."""
+    import trace_layers
+
+    def ev(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+    def layer(t):
+        return [ev("qkv_gemm", t, 20), ev("_query_similarity_kernel", t + 22, 5),
+                ev("_select_slots_kernel", t + 30, 10), ev("_recall_pages_kernel", t + 41, 50), ev("BatchPrefillWithPagedKVCacheKernel", t + 100, 90),
+                ev("MergeStatesKernel", t + 190, 4), ev("_channel_lse_kernel", t + 195, 40),
+                ev("_recall_pages_kernel", t + 240, 300),  # speculative: not in the chain
+                ev("o_gemm", t + 230, 15), ev("gateup_gemm", t + 250, 80), ev("down_gemm", t + 335, 40)]
+
+    events = [e for i in range(4) for e in layer(1000 * i)] + [ev("python", 0, 9, cat="python_function")]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    names = dict(qkv="qkv_gemm", oproj="o_gemm", gateup="gateup_gemm", down="down_gemm")
+    rows, seen, overlap = trace_layers.split_layers(trace_layers.load(str(path)), 3, names)
+    assert rows == [dict(layer=1000, qkv=20, chain=73, chain_recall=50, attention=94, idle_before_oproj=36, oproj=15,
+                         gate_up=80, down=40)]
+    assert seen["_channel_lse_kernel"] == 1 and overlap["_channel_lse_kernel"] == 35
+    sys.argv = ["trace_layers.py", str(path), "--layers", "3", "--qkv", "qkv_gemm", "--oproj", "o_gemm", "--gateup",
+                "gateup_gemm", "--down", "down_gemm"]
+    trace_layers.main()
+    out = capsys.readouterr().out
+    assert "1 sparse layers" in out and "idle_before_oproj        36.0     36.0" in out

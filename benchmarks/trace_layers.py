@@ -1,0 +1,83 @@
+"""A served decode step's sparse layer split into its parts, from a profiled trace (decode.py --profile-steps).
+
+    python3 benchmarks/trace_layers.py TRACE.json[.gz] [--layers 32] [--qkv nvjet_sm90_tst_64x16_64x16_4x1] ...
+
+A layer runs from one QKV projection's start to the next. Per layer, on the chain the model's kernels form:
+the QKV projection; FreeKV's correction chain (from the query-similarity kernel's end to attention's start) and the
+recall inside it; attention (FlashInfer's kernel and its merge); the idle time before the output projection; the
+output, gate/up and down projections. Prints each part's median and mean over every sparse layer of the window (the
+first layer, dense, and the last, which runs the LM head, are left out), then the kernels that overlap the idle time
+before the output projection. The GEMMs are named by cuBLAS's kernel choice for the shape (defaults: Llama-3.1-8B
+at 16 requests on an H100 and H200); --qkv, --oproj, --gateup and --down take other name prefixes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import Counter
+
+from trace_summary import load
+
+GPU = ("kernel", "gpu_memcpy")
+PARTS = ("layer", "qkv", "chain", "chain_recall", "attention", "idle_before_oproj", "oproj", "gate_up", "down")
+
+
+def _first(events, pred, after):
+    return next(e for e in events if e["ts"] > after and pred(e["name"]))
+
+
+def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tuple[list[dict], Counter, Counter]:
+    """(per sparse layer {part: µs}, kernels overlapping the idle before the output projection: count, µs)."""
+    ev = sorted((e for e in events if e.get("cat") in GPU), key=lambda e: e["ts"])
+    qkv = [e for e in ev if e["name"].startswith(names["qkv"])]
+    rows, seen, overlap = [], Counter(), Counter()
+    for i in range(len(qkv) - 1):
+        if i % layers in (0, layers - 1):
+            continue
+        t0, t1 = qkv[i]["ts"], qkv[i + 1]["ts"]
+        win = [e for e in ev if t0 <= e["ts"] < t1]
+        sim = _first(win, lambda n: n == "_query_similarity_kernel", t0 - 1)
+        att = _first(win, lambda n: "BatchPrefill" in n or "BatchDecode" in n, sim["ts"])
+        merge = _first(win, lambda n: "MergeStates" in n, att["ts"])
+        oproj = _first(win, lambda n: n.startswith(names["oproj"]), merge["ts"])
+        gate = _first(win, lambda n: n.startswith(names["gateup"]), oproj["ts"])
+        down = _first(win, lambda n: n.startswith(names["down"]), gate["ts"])
+        chain_start, idle = sim["ts"] + sim["dur"], (merge["ts"] + merge["dur"], oproj["ts"])
+        recall = sum(e["dur"] for e in win if e["name"] == "_recall_pages_kernel" and e["ts"] >= chain_start
+                     and e["ts"] + e["dur"] <= att["ts"] + 0.5)
+        rows.append(dict(layer=t1 - t0, qkv=qkv[i]["dur"], chain=att["ts"] - chain_start, chain_recall=recall,
+                         attention=merge["ts"] + merge["dur"] - att["ts"], idle_before_oproj=idle[1] - idle[0],
+                         oproj=oproj["dur"], gate_up=gate["dur"], down=down["dur"]))
+        for e in ev:
+            if e is not merge and e["ts"] < idle[1] and e["ts"] + e["dur"] > idle[0]:
+                seen[e["name"]] += 1
+                overlap[e["name"]] += min(idle[1], e["ts"] + e["dur"]) - max(idle[0], e["ts"])
+    return rows, seen, overlap
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace")
+    ap.add_argument("--layers", type=int, default=32, help="the model's layers")
+    ap.add_argument("--qkv", default="nvjet_sm90_tst_64x16_64x16_4x1")
+    ap.add_argument("--oproj", default="nvjet_sm90_tst_128x16_64x11_4x1")
+    ap.add_argument("--gateup", default="nvjet_sm90_tst_128x16_64x11_2x1")
+    ap.add_argument("--down", default="nvjet_sm90_tst_64x16_64x16_2x1")
+    args = ap.parse_args()
+    names = dict(qkv=args.qkv, oproj=args.oproj, gateup=args.gateup, down=args.down)
+    rows, seen, overlap = split_layers(load(args.trace), args.layers, names)
+    if not rows:
+        raise SystemExit(f"{args.trace}: no sparse layer found (check --layers and the kernel names)")
+    print(f"{len(rows)} sparse layers, µs")
+    print(f"{'part':20s} {'median':>8s} {'mean':>8s}")
+    for part in PARTS:
+        vals = [r[part] for r in rows]
+        print(f"{part:20s} {statistics.median(vals):8.1f} {statistics.mean(vals):8.1f}")
+    print("overlapping the idle before the output projection (per layer: count, µs)")
+    for name, n in seen.most_common(6):
+        print(f"  {n / len(rows):5.2f} {overlap[name] / len(rows):7.1f}  {name[:80]}")
+
+
+if __name__ == "__main__":
+    main()
