@@ -24,6 +24,7 @@ def smollm2():
     return load_smollm2(dtype=torch.float32)
 
 
+@pytest.mark.slow
 def test_smoke_mode_end_to_end(tmp_path, capsys):
     t0 = time.perf_counter()
     assert main(["--smoke", "--taus", "0,1", "--out", str(tmp_path)]) == 0

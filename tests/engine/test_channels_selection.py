@@ -56,6 +56,7 @@ def test_prompt_without_calibration_is_refused():
                         torch.randn(4, D, device=DEV))
 
 
+@pytest.mark.slow
 def test_triton_backend_equals_torch_backend(prefill_alike, decode_alike):
     """Outputs, slot tables and statistics agree step by step (a padding row included; G = 3 pads the kernel's
     query heads), and every offloaded page's codes (prompt pages at prefill, window pages at decode) are

@@ -414,6 +414,7 @@ def test_step_timer_samples_layers_over_the_depth():
     assert StepTimer([1, 2, 3], 8).layers == {1, 2, 3}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tau", [0.6])
 def test_triton_kernels_match_oracle(tau):
     """The same oracle check with every op from the Triton kernels (interpreter on CPU, CUDA on GPU). Taus 0 and 1
@@ -626,6 +627,7 @@ def test_replayed_churn_is_the_same_from_the_kernels():
     assert torch.equal(ref.slot_table[0].cpu(), out.slot_table[0].cpu())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_replay_selection_picks_what_a_scoring_selection_picks_under_the_replay(backend):
     """Selection "replay" (benchmarks) scores nothing, yet under replay_churn it holds exactly the sketch's pages: the
@@ -668,6 +670,7 @@ def test_head_indptr_matches_the_device_token_lists():
     assert indptr[:-1].tolist() == starts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,selection,recall,factor,victim", [
     ("freekv", "rerank", "all", 0, 0), ("freekv", "rerank", "delta", 2, 0), ("freekv", "sketch", "delta", 2, 0),
     ("freekv", "means", "delta", 0, 32), ("freekv", "quest", "delta", 0, 0), ("streaming", "rerank", "delta", 0, 0)])

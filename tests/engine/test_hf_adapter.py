@@ -24,6 +24,7 @@ def passkey_prompt(tok, key: str, filler_repeats: int) -> list[int]:
     return tok(text)["input_ids"]
 
 
+@pytest.mark.slow
 def test_greedy_equals_hf_generate_when_budget_covers_context(smollm2):
     model, tok = smollm2
     prompts = [passkey_prompt(tok, "71432", 6), passkey_prompt(tok, "90210", 14), tok("Once upon a time")["input_ids"]]

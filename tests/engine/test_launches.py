@@ -169,6 +169,7 @@ def test_outside_attention_layer_launches(monkeypatch):
     assert got["select"] == SELECT
 
 
+@pytest.mark.slow
 def test_means_quest_and_streaming_layer_launches(monkeypatch):
     """The rerank (18 launches: the sketch's best candidates rescored), the rerank of every page (no sketch: 3
     launches fewer per selection), MeanS (12 launches), Quest (max pooling: no pooling kernel) and StreamingLLM
@@ -191,6 +192,7 @@ def test_means_quest_and_streaming_layer_launches(monkeypatch):
                                     "_combine_splits_kernel": 1}
 
 
+@pytest.mark.slow
 def test_louiskv_layer_launches(monkeypatch):
     """LouisKV: the trigger replaces the similarity check; before attention the unit scores, selection and recall
     (the kernels exit at once for rows without a boundary); after it the offload and the segment upkeep, nothing

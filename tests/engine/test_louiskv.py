@@ -92,6 +92,7 @@ def test_cluster_prompt_maps_clusters_to_runs_of_pages():
     assert torch.equal(reorder(keys, units.order)[:, 2], keys[units.order[2], 2])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("G,tau,backend", [(1, 0.7, "torch"), (3, 0.0, "torch"), (4, 1.0, "torch"),
                                            (3, 0.7, "triton")])
 def test_every_unit_selected_equals_dense(G, tau, backend):
@@ -180,6 +181,7 @@ def test_partial_budget_finds_a_scattered_cluster():
         assert int((torch.cosine_similarity(held, topic[h], dim=-1) > 0.9).sum()) == 16
 
 
+@pytest.mark.slow
 def test_triton_and_torch_backends_agree_at_a_partial_budget():
     """Queries that hold for a while and jump now and then: some steps are boundaries, most are not."""
     torch.manual_seed(5)

@@ -84,6 +84,7 @@ def setup(G, H, cfg, lens, bs, mode):
 
 
 # Every GQA group, each attention mode with two of them (on CPU each case interprets SGLang's kernels for seconds).
+@pytest.mark.slow
 @pytest.mark.parametrize("G,H,mode", [(1, 4, "default"), (3, 3, "deterministic"), (4, 2, "default"),
                                       (8, 1, "deterministic")])
 def test_budget_covering_context_is_bit_identical_to_full_kv_triton(G, H, mode):
