@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from freekv_kernels.channel_sketch import quantize_channels
-from freekv_kernels.testing import device
 from freekv_kernels.page_select.naive import PHASE_LATER
+from freekv_kernels.testing import device
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
 
