@@ -101,7 +101,7 @@ def test_every_unit_selected_equals_dense(G, tau, backend):
     torch.manual_seed(1)
     H, L = 2, 3
     eng = make_engine(louiskv(tau=tau, segment=16), H, G, L, backend, max_context=512)
-    reqs = prefill([eng], [300, 77], H, G, L)
+    reqs = prefill([eng], [204, 77], H, G, L)
 
     def check(b, layer, outs, q, K, V):
         torch.testing.assert_close(outs[0], dense(q, K, V, G), atol=1e-5, rtol=1e-5)
