@@ -1,8 +1,13 @@
-"""Test helpers for the kernels: device choice, NaN poisoning, one comparison function."""
+"""Test helpers for the kernels: device choice, NaN poisoning, one comparison function, compiling for sm_90 without
+a GPU."""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -37,3 +42,26 @@ def assert_close(name: str, ref: torch.Tensor, out: torch.Tensor, *, atol: float
     else:
         mism = (out.cpu() != ref.cpu()).sum().item()
         assert mism == 0, f"{name}: {mism} of {ref.numel()} elements differ"
+
+
+def compile_sm90(kernel, constexprs: dict, types: dict, num_warps: int) -> str:
+    """PTX of a Triton kernel for sm_90 (an H100), compiled on this machine with no GPU; a parameter named in neither
+    constexprs nor types is an i32. The interpreter that runs the CPU tests accepts code the GPU compiler refuses, so
+    the tests compile each kernel too, in a process without TRITON_INTERPRET (run_without_interpreter)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = inspect.signature(kernel.fn).parameters
+    signature = {p: "constexpr" if p in constexprs else types.get(p, "i32") for p in params}
+    src = ASTSource(kernel, signature, constexprs, {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+
+def run_without_interpreter(code: str) -> list[str]:
+    """The words `code` prints, run in a child Python without TRITON_INTERPRET (which turns kernels into interpreted
+    functions at import); fails with the child's stderr if it does."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.split()

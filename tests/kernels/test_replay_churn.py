@@ -1,15 +1,11 @@
 """replay_churn (benchmarks only) against its torch reference, and the churn it makes select_slots produce."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from freekv_kernels.churn_replay import naive_replay_churn, replay_churn
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW, naive_select_slots
-from freekv_kernels.testing import assert_close, device
+from freekv_kernels.testing import assert_close, device, run_without_interpreter
 
 DEV = device()
 
@@ -140,26 +136,17 @@ def test_bad_rate_refused():
 
 
 SM90 = r'''
-import inspect
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from freekv_kernels.churn_replay import triton as churn
+from freekv_kernels.testing import compile_sm90
 
-kernel = churn._replay_churn_kernel
 types = {"scores_ptr": "*fp32", "slots_ptr": "*i32", "req_ptr": "*i32", "heads_ptr": "*i1", "draws_ptr": "*fp32",
          "vict_ptr": "*i32", "rate_k": "fp32", "returns": "fp32"}
 consts = {"HEADS": True, "WANT": 1, "KP": 64, "BLOCK": churn.CHURN_BLOCK, "PROMOTED": churn.PROMOTED, "TIE": churn.TIE,
           "VICTIMS": True, "VP": 64}
-sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in inspect.signature(kernel.fn).parameters}
-ptx = triton.compile(ASTSource(kernel, sig, consts, {}), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-print(".entry _replay_churn_kernel" in ptx.asm["ptx"])
+print(".entry _replay_churn_kernel" in compile_sm90(churn._replay_churn_kernel, consts, types, 4))
 '''
 
 
 def test_kernel_compiles_for_sm90():
     """The interpreter accepts code the GPU compiler refuses; compile for an H100 here, outside the interpreter."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SM90], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == ["True"]
+    assert run_without_interpreter(SM90) == ["True"]
