@@ -65,14 +65,14 @@ def _channel_lse_item(
     to 16 for the product, three quarters of a 4-head group's exponentials were padding, and they took most of the
     time.) The weights are made once per item and the blocks' loads pipelined. An item of a head outside the phase,
     or past the row's candidates, writes nothing (a guard, not a return: the strided loop goes on)."""
-    run = cand_start + chunk * BLOCKS * NP < tl.minimum(tl.load(cend_ptr + b * s_cend), M)
+    end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
+    first = chunk * BLOCKS * NP
+    run = cand_start + first < end
     if HEADS:
         run = run & (tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) == WANT)
     if run:
         slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
         q_row = q_ptr + (slot if Q_BY_SLOT else b) * sq_b + h * G * sq_h
-        end = tl.minimum(tl.load(cend_ptr + b * s_cend), M)
-        first = chunk * BLOCKS * NP
         w_lo = _weights(q_row, ch_ptr + h * sch_h, step_ptr + h * sstep_h, scale, sq_h, sq_d, G, GP, TPR, HALF)
         w_hi = _weights(q_row, ch_ptr + h * sch_h + HALF, step_ptr + h * sstep_h + HALF, scale, sq_h, sq_d, G, GP,
                         TPR, HALF)
