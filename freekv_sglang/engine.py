@@ -12,13 +12,14 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            (a new request, a context still shorter than the budget); in the same launch the new K/V
            (a sink or window page, never a slot page); record E_q
   select:  wait E_q; for the heads that select now (the other heads' programs exit at once):
-           the selector's scoring with q_i (selectors.py; sketch: sketch_pages, MeanS: score_pages, two
-           launches each; rerank five), select_slots (top-k, delta
-           against the resident slots, commit, recall codes), recall_pages of the changed slots of
-           flagged heads and the empty slots being filled; record E_now
+           the selector's scoring with q_i (selectors.py; channels: its log-sum-exps, one launch; sketch:
+           sketch_pages, MeanS: score_pages, two launches each; rerank five), select_chain (the channels'
+           pooling, the benchmarks' churn replay and select_slots: top-k, delta against the resident slots,
+           commit, recall codes, in one launch), recall_pages of the changed slots of flagged heads and the
+           empty slots being filled; record E_now
   compute: wait E_now; attention over sink | slots | window (an outside kernel: head_token_index,
            which lists each head's tokens straight from the slot table, and the kernel); record E_attn
-  speculate: wait E_attn; the scoring + select_slots with q_i for the remaining heads (speculative, used by
+  speculate: wait E_attn; the scoring + select_chain with q_i for the remaining heads (speculative, used by
            step i+1); record E_spec
   recall:  wait E_spec; recall_pages of every other changed slot; offload_pages summarises and offloads the
            page leaving the window. Layer l's recall runs beside layer l+1's speculative selection.
@@ -49,6 +50,7 @@ from collections.abc import Callable
 
 import torch
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
+from freekv_kernels.select_chain import Replay
 
 from .config import RETRIEVALS, FreeKVConfig
 from .host_pool import HostPool, LayerSlice, LocalHostPool
@@ -756,15 +758,15 @@ class FreeKVEngine:
         timer = self.timer
         if timer is not None:
             timer.mark(layer, phase, 0)
-        scores = self.selector.score(plan, layer, q, heads, phase)
+        scores = self.selector.select_input(plan, layer, q, heads, phase)
         victims = self.victims[layer]
-        cache = () if victims is None else (victims, self._victim_age[layer], self._victim_ops[layer][:B])
-        if self.cfg.replay_churn is not None:
-            ops.replay_churn(scores, self.slot_table[layer], plan.req_slots, heads, phase, self._replay_u[layer, :B],
-                             self.cfg.replay_churn, victims, self.cfg.replay_returns or 0.0)
-        ops.select_slots(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
+        cache = (None, None, None) if victims is None else (victims, self._victim_age[layer],
+                                                            self._victim_ops[layer][:B])
+        replay = None if self.cfg.replay_churn is None else Replay(self._replay_u[layer, :B], self.cfg.replay_churn,
+                                                                   self.cfg.replay_returns or 0.0)
+        ops.select_chain(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
                          self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
-                         self.pad_slot, self.cfg.selection_hysteresis, *cache)
+                         self.pad_slot, self.cfg.selection_hysteresis, *cache, replay=replay)
         if timer is not None:
             timer.mark(layer, phase, 1)
         if phase == PHASE_NOW:

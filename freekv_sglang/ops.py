@@ -13,14 +13,13 @@ _OPS = {
     "pages_to_host": ("page_copy", "pages_to_host"),
     "query_similarity": ("query_similarity", "query_similarity"),
     "score_pages": ("page_select", "score_pages"),
-    "select_slots": ("page_select", "select_slots"),
+    "select_chain": ("select_chain", "select_chain"),  # pooling, churn replay and select_slots in one launch
     "sketch_pages": ("page_rerank", "sketch_pages"),
     "top_pages": ("page_rerank", "top_pages"),
     "rerank_pages": ("page_rerank", "rerank_pages"),
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
     "plan_step": ("plan_step", "plan_step"),
     "channel_sketch_pages": ("channel_sketch", "channel_sketch_pages"),
-    "replay_churn": ("churn_replay", "replay_churn"),  # benchmarks only (FreeKVConfig.replay_churn)
     "tsp_select": ("tsp_select", "tsp_select"),  # FastKV prefill (the HF adapter)
     # LouisKV (freekv_sglang/louiskv.py)
     "kmeans_keys": ("kmeans", "kmeans_keys"),

@@ -2,7 +2,8 @@
 top-k selection.
 
 Each is a thin module over the one engine: it may own per-page sketches (allocated here, written by the engine's
-offload through `codes`) and turns a query into scores [B, H, M] for select_slots; slot commit and recall stay the
+offload through `codes`) and turns a query into scores [B, H, M] for select_slots (or into log-sum-exps that
+select_chain pools); slot commit and recall stay the
 engine's. Candidates are a request's offloaded pages [sink_pages, plan.cand_end). The selectors here are FreeKV's
 (speculation with correction: the base class's trigger); LouisKV (louiskv.py) overrides the trigger, the prompt's
 page order and the unit upkeep after offload.
@@ -15,6 +16,7 @@ from freekv_kernels.channel_sketch import ChannelCalibration, calibrate_channels
 from freekv_kernels.page_rerank import CODE_BITS, empty_codes
 from freekv_kernels.page_rerank.naive import PER_BYTE
 from freekv_kernels.page_select.naive import PHASE_LATER, in_phase
+from freekv_kernels.select_chain import LsePool
 
 from .config import CODE_SELECTIONS, FreeKVConfig
 
@@ -63,6 +65,11 @@ class Selector:
 
     def score(self, plan, layer: int, q: torch.Tensor, heads: torch.Tensor, phase: int) -> torch.Tensor:
         raise NotImplementedError
+
+    def select_input(self, plan, layer: int, q: torch.Tensor, heads: torch.Tensor,
+                     phase: int) -> torch.Tensor | LsePool:
+        """What the engine's select_chain ranks: score's scores, or scores it pools itself (one launch fewer)."""
+        return self.score(plan, layer, q, heads, phase)
 
     def _bound(self, plan, layer, q, heads, phase, pooling) -> torch.Tensor:
         e = self.engine
@@ -199,11 +206,17 @@ class Channels(Selector):
         cal = self._check(layer)
         return cal.channels, cal.lo, cal.inv_step
 
-    def score(self, plan, layer, q, heads, phase):
+    def score(self, plan, layer, q, heads, phase, pool=True):
         e, cal = self.engine, self._check(layer)
         return e.ops.channel_sketch_pages(q, self._codes[layer], cal.channels, cal.step, e.page_table, plan.req_slots,
                                           e.scale, heads, phase, phase == PHASE_LATER, e.cfg.sink_pages,
-                                          plan.cand_end, e.cfg.score_programs if phase == PHASE_LATER else 0)
+                                          plan.cand_end, e.cfg.score_programs if phase == PHASE_LATER else 0, pool)
+
+    def select_input(self, plan, layer, q, heads, phase):
+        """The pages' log-sum-exps: select_chain pools them in its own launch."""
+        e = self.engine
+        return LsePool(self.score(plan, layer, q, heads, phase, pool=False), e.cfg.sink_pages, plan.cand_end,
+                       e.shape.group, e.page_table.shape[1])
 
 
 class Oracle(Selector):

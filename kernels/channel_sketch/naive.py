@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 from freekv_kernels.page_rerank.naive import page_mass_scores
+from freekv_kernels.page_select.naive import in_phase
 
 BITS = 4
 LEVELS = 1 << BITS
@@ -99,19 +100,35 @@ def naive_channel_sketch_pages(
     cand_start: int = 0,
     cand_end: torch.Tensor | None = None,
     programs: int = 0,
+    pool: bool = True,
 ) -> torch.Tensor:
     """scores [B, H, M] of every page in [cand_start, cand_end[b]) from codes [P, H, p, R / 2]: per query head the
     log-sum-exp over the page's tokens of sum_r w_r code_r (channel_weights), a softmax over the pages, the mean
     over the group; -inf at every other page. Rows of heads outside `phase` stay unwritten (NaN). `programs` shapes
-    the Triton launch only (the scores do not depend on it)."""
+    the Triton launch only (the scores do not depend on it).
+    pool False: the log-sum-exps instead, lse [B, H, max(C, 1), GP] (C = M - cand_start candidates, GP the group
+    rounded up to a power of two), lse[b, h, c, g] of page cand_start + c and query head g; NaN past the row's
+    candidates, in the padding heads and in the rows of heads outside `phase` (select_chain pools them)."""
     H = codes.shape[1]
 
     def page_logits(qh: torch.Tensor, h: int, pages: torch.Tensor) -> torch.Tensor:
         w = channel_weights(qh[None], channels[h:h + 1], step[h:h + 1], scale)[0]  # [G, R]
         return torch.einsum("gr,ntr->gnt", w, decode_channels(codes[pages, h]))
 
-    return page_mass_scores(q, H, page_table, req_slots, None, heads, phase, q_by_slot, cand_start, cand_end,
-                            page_logits)
+    if pool:
+        return page_mass_scores(q, H, page_table, req_slots, None, heads, phase, q_by_slot, cand_start, cand_end,
+                                page_logits)
+    B, M, G = req_slots.shape[0], page_table.shape[1], q.shape[1] // H
+    lse = torch.full((B, H, max(M - cand_start, 1), 1 << (G - 1).bit_length()), float("nan"), device=q.device)
+    mine = in_phase(heads, phase)
+    for b, slot in enumerate(req_slots.tolist()):
+        qb = q[slot if q_by_slot else b].float().view(H, G, -1)
+        logical = torch.arange(cand_start, max(cand_start, min(int(cand_end[b]), M)), device=q.device)
+        for h in range(H):
+            if logical.numel() and (mine is None or mine[b, h]):
+                s = page_logits(qb[h], h, page_table[slot, logical].long())
+                lse[b, h, :logical.numel(), :G] = torch.logsumexp(s, dim=-1).T
+    return lse
 
 
 def naive_write_channel_codes(

@@ -138,9 +138,11 @@ def channel_sketch_pages(
     cand_start: int = 0,
     cand_end: torch.Tensor | None = None,
     programs: int = 0,
+    pool: bool = True,
 ) -> torch.Tensor:
     """See naive_channel_sketch_pages. programs > 0: that many GPU programs stride over the (row, head, chunk of
-    pages) items instead of one program per item."""
+    pages) items instead of one program per item. pool False: the log-sum-exps (written up to each row's candidate
+    end) without the pooling launch, for select_chain."""
     check_device(q, codes, channels, step, page_table, req_slots)
     check_index_vectors(req_slots=req_slots)
     B, Hq, D = req_slots.shape[0], q.shape[1], q.shape[2]
@@ -157,10 +159,10 @@ def channel_sketch_pages(
     C, cand_args = _full_scan(req_slots, cand_start, cand_end, M)
     heads_args = _heads_args(heads, phase, req_slots)
     heads_arg, heads_strides, with_heads, want = heads_args
-    scores = empty(B, H, M, dtype=torch.float32, device=q.device)
+    lse = empty(B, H, max(C, 1), gp, dtype=torch.float32, device=q.device)  # scratch when pooled here
+    scores = empty(B, H, M, dtype=torch.float32, device=q.device) if pool else lse
     if B * H == 0:
         return scores
-    lse = empty(B, H, max(C, 1), gp, dtype=torch.float32, device=q.device)  # scratch
     if C:
         np_ = max(1, CHANNEL_TOKENS // p)
         chunks = triton.cdiv(C, np_ * CHANNEL_BLOCKS)
@@ -175,5 +177,6 @@ def channel_sketch_pages(
             HEADS=with_heads, WANT=want, Q_BY_SLOT=q_by_slot, BITS=BITS, STRIDED=bool(programs),
             num_warps=CHANNEL_WARPS,
         )
-    _pool(lse, cand_args, False, heads_args, scores, C, cand_start, G)
+    if pool:
+        _pool(lse, cand_args, False, heads_args, scores, C, cand_start, G)
     return scores

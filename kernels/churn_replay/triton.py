@@ -35,11 +35,24 @@ def _replay_churn_kernel(
     HEADS: tl.constexpr, WANT: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, PROMOTED: tl.constexpr,
     TIE: tl.constexpr, VICTIMS: tl.constexpr, VP: tl.constexpr,
 ):
+    """_replay_row for the heads of the phase."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
             return
+    _replay_row(b, h, scores_ptr, slots_ptr, req_ptr, draws_ptr, vict_ptr, rate_k, returns, M, K, V, ss_b, ss_h, ss_m,
+                st_r, st_h, st_k, sd_b, sd_h, sv_r, sv_h, sv_e, KP, BLOCK, PROMOTED, TIE, VICTIMS, VP)
+
+
+@triton.jit
+def _replay_row(
+    b, h, scores_ptr, slots_ptr, req_ptr, draws_ptr, vict_ptr, rate_k, returns, M, K, V, ss_b, ss_h, ss_m,
+    st_r, st_h, st_k, sd_b, sd_h, sv_r, sv_h, sv_e,
+    KP: tl.constexpr, BLOCK: tl.constexpr, PROMOTED: tl.constexpr, TIE: tl.constexpr, VICTIMS: tl.constexpr,
+    VP: tl.constexpr,
+):
+    """The replay's scores of row b, KV head h, in place (naive_replay_churn)."""
     r = tl.load(req_ptr + b).to(tl.int64)
     row = scores_ptr + b * ss_b + h * ss_h
     seed = tl.load(draws_ptr + b * sd_b + h * sd_h).to(tl.uint32, bitcast=True)

@@ -335,12 +335,22 @@ def _rerank_pool_kernel(
     G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
     CAND_LIST: tl.constexpr,
 ):
-    """scores[b, h]: -inf, then at each candidate page the group mean of its softmax (over candidates) mass."""
+    """scores[b, h]: _pool_row, for the heads of the phase."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
             return
+    _pool_row(b, h, lse_ptr, cand_ptr, cend_ptr, scores_ptr, C, cand_start, M, sl_b, sl_h, sl_c, scd_b, scd_h, scd_c,
+              s_cend, so_b, so_h, so_m, G, GP, BLOCK, CAND_LIST)
+
+
+@triton.jit
+def _pool_row(
+    b, h, lse_ptr, cand_ptr, cend_ptr, scores_ptr, C, cand_start, M, sl_b, sl_h, sl_c, scd_b, scd_h, scd_c, s_cend,
+    so_b, so_h, so_m, G: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, CAND_LIST: tl.constexpr,
+):
+    """scores[b, h]: -inf, then at each candidate page the group mean of its softmax (over candidates) mass."""
     neg_inf = float("-inf")
     row = scores_ptr + b * so_b + h * so_h
     i = tl.arange(0, BLOCK)

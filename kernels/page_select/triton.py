@@ -336,24 +336,37 @@ def _victim_moves(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, V
 
 @triton.jit
 def _select_slots_kernel(
-    in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr,
-    vict_ptr, age_ptr, vops_ptr,
-    n, H, K, pad_slot, bonus, V,
-    si_b, si_h, si_j,
-    st_r, st_h, st_k,
-    s_req, sh_b, sh_h, sf_b, sf_h,
-    sr_b, sr_h, sr_k,
+    H,
+    in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr, vict_ptr, age_ptr, vops_ptr,
+    n, K, pad_slot, bonus, V, si_b, si_h, si_j, st_r, st_h, st_k, s_req, sh_b, sh_h, sf_b, sf_h, sr_b, sr_h, sr_k,
     sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
     KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, PHASE: tl.constexpr, WANT: tl.constexpr,
     RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr, HYST: tl.constexpr,
     VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr,
 ):
-    """One program per (row b, KV head h): the last top-k stage, the slot delta against the resident pages,
-    the commit into slots[req_slots[b], h], the recall codes and, with VICTIMS, the victim ops and entries (see
-    naive_select_slots)."""
+    """One program per (row b, KV head h): _select_row."""
     pid = tl.program_id(0)
-    b = (pid // H).to(tl.int64)
-    h = (pid % H).to(tl.int64)
+    _select_row(
+        (pid // H).to(tl.int64), (pid % H).to(tl.int64),
+        in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr, vict_ptr, age_ptr, vops_ptr,
+        n, K, pad_slot, bonus, V, si_b, si_h, si_j, st_r, st_h, st_k, s_req, sh_b, sh_h, sf_b, sf_h, sr_b, sr_h, sr_k,
+        sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
+        KP, CHUNK, PACKED_IN, PHASE, WANT, RECALL_ALL, STATS, NEG_INF_KEY, HYST, VICTIMS, VP, HIT_STATS, SHIFT)
+
+
+@triton.jit
+def _select_row(
+    b, h,
+    in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr, vict_ptr, age_ptr, vops_ptr,
+    n, K, pad_slot, bonus, V, si_b, si_h, si_j, st_r, st_h, st_k, s_req, sh_b, sh_h, sf_b, sf_h, sr_b, sr_h, sr_k,
+    sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
+    KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, PHASE: tl.constexpr, WANT: tl.constexpr,
+    RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr, HYST: tl.constexpr,
+    VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr,
+):
+    """Row b, KV head h: the last top-k stage, the slot delta against the resident pages, the commit into
+    slots[req_slots[b], h], the recall codes and, with VICTIMS, the victim ops and entries (see naive_select_slots).
+    Also the last stage of select_chain's fused kernel."""
     r = tl.load(req_ptr + b * s_req).to(tl.int64)
     i = tl.arange(0, KP)
     ok = i < K
@@ -432,6 +445,24 @@ def select_slots(
 ) -> None:
     """Rows of up to TOPK_SINGLE pages (rounded up to a power of two) take one launch; longer rows are cut into
     chunks of TOPK_CHUNK pages whose winners a further stage reduces, until one stage covers the rest."""
+    launch = select_launch(scores, slots, req_slots, heads, phase, flags, recall, recall_all, stats, pad_slot,
+                           hysteresis, victims, victim_age, victim_ops)
+    if launch is not None:
+        args, constexprs, num_warps = launch
+        _select_slots_kernel[(req_slots.shape[0] * slots.shape[1],)](slots.shape[1], *args, **constexprs,
+                                                                     num_warps=num_warps)
+
+
+def one_stage(num_pages: int, k: int) -> bool:
+    """Whether select_slots' top-k over rows of num_pages pages for k slots is a single launch."""
+    kp = max(2, triton.next_power_of_2(k))
+    return max(triton.next_power_of_2(max(num_pages, 1)), kp) <= max(TOPK_SINGLE, TOPK_CHUNK, 2 * kp)
+
+
+def select_launch(scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, stats=None, pad_slot=-1,
+                  hysteresis=0.0, victims=None, victim_age=None, victim_ops=None):
+    """select_slots' checks and early top-k stages; then (args, constexprs, num_warps) of its last stage: _select_row's
+    arguments after (b, h), its constexprs and the launch's warps; None when there is nothing to select."""
     check_phase(phase)
     check_hysteresis(hysteresis)
     check_device(scores, slots, req_slots, heads, recall)
@@ -449,7 +480,7 @@ def select_slots(
     if stats is not None:
         assert stats.shape in ((2,), (4,)) and stats.dtype == torch.float64 and stats.is_contiguous()
     if B * H == 0 or k == 0:
-        return
+        return None
     want = int(phase == PHASE_NOW)
     kp = max(2, triton.next_power_of_2(k))  # tl.topk of one element would reduce to a scalar
     chunk = max(TOPK_CHUNK, 2 * kp)  # each stage keeps at most half of its input
@@ -466,16 +497,18 @@ def select_slots(
         )
         x, n, packed = cand, n_chunks * kp, True
     vt, va, vo = (victims, victim_age, victim_ops) if cached else (slots, slots, recall)
-    _select_slots_kernel[(B * H,)](
+    args = (
         x, slots, req_slots, heads, heads if flags is None else flags, recall, recall if stats is None else stats,
         vt, va, vo,
-        n, H, k, pad_slot, bonus, vt.shape[2],
+        n, k, pad_slot, bonus, vt.shape[2],
         *x.stride(), *slots.stride(), req_slots.stride(0), *heads.stride(),
         *(heads.stride() if flags is None else flags.stride()), *recall.stride(),
         *vt.stride(), *va.stride(), *vo.stride(),
+    )
+    constexprs = dict(
         KP=kp, CHUNK=width, PACKED_IN=packed, PHASE=phase, WANT=want, RECALL_ALL=recall_all,
         STATS=stats is not None, NEG_INF_KEY=_NEG_INF_KEY, HYST=hyst,
         VICTIMS=cached, VP=max(2, triton.next_power_of_2(vt.shape[2])) if cached else 2,
         HIT_STATS=cached and stats is not None and stats.shape == (4,), SHIFT=VICTIM_SHIFT,
-        num_warps=TOPK_SINGLE_WARPS if width > chunk else TOPK_WARPS,
     )
+    return args, constexprs, TOPK_SINGLE_WARPS if width > chunk else TOPK_WARPS

@@ -147,12 +147,11 @@ def test_freekv_layer_launches(monkeypatch, recall):
 
 
 def test_channels_layer_launches(monkeypatch):
-    """The default selection, the channel sketch (head dim 32: it codes 32 channels): its log-sum-exps and pooled
-    scores in place of the sketch's; the offload writes the codes of the page leaving the window in its own launch:
-    12 per sparse layer."""
+    """The default selection, the channel sketch (head dim 32: it codes 32 channels): its log-sum-exps, then one
+    launch pools them and selects (select_chain); the offload writes the codes of the page leaving the window in its
+    own launch: 10 per sparse layer."""
     got = count_step(monkeypatch, selection="channels", head_dim=32)
-    channels = {**SELECT, "_channel_lse_kernel": 1}
-    del channels["_sketch_lse_kernel"]
+    channels = {"_channel_lse_kernel": 1, "_select_chain_kernel": 1, "_recall_pages_kernel": 1}
     assert got == {
         "compute": {"_query_similarity_kernel": 1, "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1},
         "select": channels,
