@@ -10,7 +10,7 @@ from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW, select_slots
 from freekv_kernels.page_select.triton import _heads_args, one_stage
 from freekv_kernels.select_chain import LsePool, Replay, naive_select_chain, select_chain
 from freekv_kernels.select_chain.naive import naive_pool_lse
-from freekv_kernels.testing import assert_close, device, poisoned_outputs
+from freekv_kernels.testing import assert_close, device, poisoned_outputs, run_without_interpreter
 from test_channel_sketch import B as SKETCH_B
 from test_channel_sketch import channel_inputs
 
@@ -155,3 +155,28 @@ def test_select_chain_refuses_bad_inputs():
     with pytest.raises(ValueError, match="churn rate"):
         select_chain(LsePool(lse, START, cand_end, 4, 60), slots, req_slots, heads, PHASE_NOW, flags, recall,
                      replay=Replay(draws, 1.5))
+
+
+CHILD = r'''
+from freekv_kernels.page_select import triton as page_select
+from freekv_kernels.select_chain import triton as select_chain
+from freekv_kernels.testing import compile_sm90
+
+TYPES = {"lse_ptr": "*fp32", "cend_ptr": "*i32", "draws_ptr": "*fp32", "rate_k": "fp32", "returns": "fp32",
+         "in_ptr": "*fp32", "slots_ptr": "*i32", "req_ptr": "*i32", "heads_ptr": "*i1", "flags_ptr": "*i1",
+         "recall_ptr": "*i8", "stats_ptr": "*fp64", "bonus": "fp32", "vict_ptr": "*i32", "age_ptr": "*i32",
+         "vops_ptr": "*i32"}
+CONSTEXPRS = {"KP": 64, "CHUNK": 1024, "PACKED_IN": False, "PHASE": 1, "WANT": 1, "RECALL_ALL": False, "STATS": True,
+              "NEG_INF_KEY": page_select._NEG_INF_KEY, "HYST": True, "VICTIMS": True, "VP": 64, "HIT_STATS": True,
+              "SHIFT": 16, "POOL": True, "G": 4, "GP": 4, "POOL_BLOCK": 1024, "REPLAY": True, "R_KP": 64,
+              "R_BLOCK": 1024, "PROMOTED": 1.0e4, "TIE": 1.0 / 1024}
+ptx = compile_sm90(select_chain._select_chain_kernel, CONSTEXPRS, TYPES, 8)
+assert ".entry _select_chain_kernel" in ptx and "bar.sync" in ptx
+print("compiled")
+'''
+
+
+def test_select_chain_kernel_compiles_for_sm90():
+    """The fused kernel with every stage (pooling, replay with the victim cache, hysteresis, statistics) compiles for
+    an H100 with its barriers, in a child process without the interpreter."""
+    assert run_without_interpreter(CHILD) == ["compiled"]
