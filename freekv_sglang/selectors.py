@@ -3,8 +3,8 @@ top-k selection.
 
 Each is a thin module over the one engine: it may own per-page sketches (allocated here, written by the engine's
 offload through `codes`) and turns a query into scores [B, H, M] for select_slots (or into log-sum-exps that
-select_chain pools); slot commit and recall stay the
-engine's. Candidates are a request's offloaded pages [sink_pages, plan.cand_end). The selectors here are FreeKV's
+select_chain pools); slot commit and recall stay the engine's. Candidates are a request's offloaded pages
+[sink_pages, plan.cand_end). The selectors here are FreeKV's
 (speculation with correction: the base class's trigger); LouisKV (louiskv.py) overrides the trigger, the prompt's
 page order and the unit upkeep after offload.
 """
