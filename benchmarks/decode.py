@@ -9,11 +9,13 @@ unless --radix-cache off; the prompts are random, so nothing hits), send one unt
 (--warmup-tokens: the first request otherwise pays Triton's compilation of FreeKV's kernels), and for each
 batch B send B requests of `context` random tokens at once (streamed, greedy, `output_len` new tokens).
 Per cell: the decode step time (the span in which the whole batch decodes, per token), TPOT p50 (which
-also counts stalls while the batch's later requests prefill), output throughput, TTFT p50, and for FreeKV the correction rate and the recall
-GB/s during decode (from the server's FreeKV log lines: recalled bytes / decode seconds), beside the
-host-to-GPU copy peak measured by this script on the same GPU. Also, from each server's start-up lines
-(allocated tensors): its token pool, the GPU KV bytes per decoding request, and the most concurrent requests
-of this context it holds before queueing (FreeKV: the kvstore arena's tokens, at most one per request slot).
+also counts stalls while the batch's later requests prefill), output throughput, TTFT p50, and for FreeKV the
+correction rate, the pages changed per step (recalled or from the victim cache) and the recall GB/s during
+decode (engine_window: the server's FreeKV log lines, cumulative every 16 steps, differenced between two of them
+logged while the whole batch decoded), beside the host-to-GPU copy peak measured by this script on the same GPU.
+Also, from each server's start-up lines (allocated tensors): its token pool, the GPU KV bytes per decoding
+request, and the most concurrent requests of this context it holds before queueing (FreeKV: the kvstore arena's
+tokens, at most one per request slot).
 
 Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args says otherwise):
   full        plain SGLang, full KV on the GPU (the baseline)
@@ -74,7 +76,8 @@ CONFIGS = {
                          "--kv-victim", "2048", "--kv-bench-returns", "0.5"],
 }
 STATS = re.compile(r"FreeKV rank 0: (\d+) decode steps, correction rate ([\d.]+) .*recall ([\d.]+) GB before "
-                   r"attention \+ ([\d.]+) GB speculative(?:, victim cache (\d+) \+ (\d+) pages)?")
+                   r"attention \+ ([\d.]+) GB speculative(?:, victim cache (\d+) \+ (\d+) pages)?"
+                   r"(?:; (\d+) checks, (\d+) flagged, (\d+) \+ (\d+) pages recalled)?")
 HOST = re.compile(r"(\d+) host pages \(([\d.]+) GB\)")
 KV_ALLOC = re.compile(r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB")
 ROOM = re.compile(r"request slots \(room for (\d+)\)")
@@ -115,12 +118,16 @@ def memory_cell(log: str, context: int) -> dict:
     return cell
 
 
+def log_since(log: Path, offset: int) -> str:
+    with open(log, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
+
+
 def scheduler_cell(log: Path, offset: int) -> dict:
     """What SGLang's scheduler logged while a batch ran: the most requests decoding at once, the longest waiting
     queue, whether every decode step replayed a CUDA graph, and how often it retracted requests (KV pool full)."""
-    with open(log, errors="replace") as f:
-        f.seek(offset)
-        text = f.read()
+    text = log_since(log, offset)
     lines = DECODE_LOG.findall(text)
     if not lines:
         return {}
@@ -155,12 +162,6 @@ def copy_peak_gbps() -> float:
     del src, dst
     torch.cuda.empty_cache()
     return best
-
-
-class Server(ServerProcess):
-    def stats(self) -> tuple | None:
-        found = STATS.findall(self.log.read_text(errors="replace"))
-        return tuple(float(x or 0) for x in found[-1]) if found else None
 
 
 def run_batch(url: str, batch: int, context: int, output_len: int, vocab: int, seed: int) -> dict:
@@ -232,20 +233,60 @@ def batch_figures(ok: list[dict], output_len: int) -> dict:
     }
 
 
-def changed_share(cell: dict, args: list[str], model: dict) -> float | None:
-    """Pages recalled per request, decode step, sparse layer and KV head, over the budget's pages: the selection's
-    churn (speculative and corrected together), from the recalled bytes and the victim cache's pages of the batch's
-    output_len - 1 steps."""
-    def flag(name, default):
-        return int(args[args.index(name) + 1]) if name in args else default
-    if "recall_gb" not in cell or not cell.get("completed"):
-        return None
-    budget, page, dense = flag("--kv-budget", 2048), flag("--kv-page-size", 32), flag("--kv-dense-layers", 1)
+STATS_EVERY = 16  # FREEKV_STATS_EVERY of the servers: a 128-step batch spans several stats lines
+
+
+def engine_window(text: str, batch: int) -> dict:
+    """FreeKV's counters while a cell's whole batch decoded, from the cell's log text: of the stats lines (cumulative,
+    every STATS_EVERY steps, exact counts at their end) those logged after a decode line that shows `batch` running
+    requests, the first and the last, differenced. (The last lines before and after the cell would also count a
+    neighbouring cell's steps: stats lines do not fall on a cell's edges.) Per check, one (request, sparse layer,
+    KV head) step, so the few steps with fewer requests (staggered prefills and finishes) weigh as they ran. {}
+    without two such lines."""
+    running, inside = None, []
+    for line in text.splitlines():
+        decode = DECODE_LOG.search(line)
+        if decode:
+            running = int(decode.group(1))
+            continue
+        stats = STATS.search(line)
+        if stats and running == batch and stats.group(7) is not None:
+            inside.append([float(x or 0) for x in stats.groups()])
+    if len(inside) < 2 or inside[-1][6] <= inside[0][6]:
+        return {}
+    d = [b - a for a, b in zip(inside[0], inside[-1])]
+    return {"window_checks": int(d[6]), "correction_rate": round(d[7] / d[6], 4),
+            "recall_pages_per_check": round((d[8] + d[9]) / d[6], 4),
+            "victim_pages_per_check": round((d[4] + d[5]) / d[6], 4)}
+
+
+def page_bytes(model: dict, args: list[str]) -> int:
+    """K and V of one KV head's page, bf16."""
     head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
-    page_bytes = 2 * page * head_dim * 2  # K and V of one KV head's page, bf16
-    slots = cell["completed"] * (cell["output_len"] - 1) * (model["num_hidden_layers"] - dense) * \
-        model["num_key_value_heads"] * (budget // page)
-    return round((cell["recall_gb"] * 1e9 / page_bytes + cell.get("victim_pages", 0)) / slots, 4)
+    return 2 * flag(args, "--kv-page-size", 32) * head_dim * 2
+
+
+def flag(args: list[str], name: str, default: int) -> int:
+    return int(args[args.index(name) + 1]) if name in args else default
+
+
+def changed_share(cell: dict, args: list[str]) -> float | None:
+    """Pages recalled per (request, sparse layer, KV head) step, over the budget's pages: the selection's churn
+    (speculative and corrected together, from the host or the victim cache), from engine_window's counts."""
+    if "recall_pages_per_check" not in cell:
+        return None
+    pages = flag(args, "--kv-budget", 2048) // flag(args, "--kv-page-size", 32)
+    return round((cell["recall_pages_per_check"] + cell["victim_pages_per_check"]) / pages, 4)
+
+
+def recall_gbps(cell: dict, args: list[str], model: dict) -> float | None:
+    """The link's recall bytes per second of decode: engine_window's pages per check x the batch's checks per step
+    / the step time."""
+    if "recall_pages_per_check" not in cell or not cell.get("step_ms"):
+        return None
+    checks = cell["batch"] * (model["num_hidden_layers"] - flag(args, "--kv-dense-layers", 1)) * \
+        model["num_key_value_heads"]
+    return round(cell["recall_pages_per_check"] * checks * page_bytes(model, args) / cell["step_ms"] / 1e6, 2)
 
 
 def print_table(result: dict) -> None:
@@ -267,7 +308,7 @@ def print_table(result: dict) -> None:
               f"{c['output_tok_per_s']:>8.1f} "
               f"{c['ttft_s_p50']:>7.2f} {c.get('correction_rate', float('nan')):>5.2f} "
               f"{c.get('changed_share') or float('nan'):>7.3f} "
-              f"{c.get('recall_gbps', float('nan')):>11.2f} {c.get('gpu_pool_tokens') or 0:>9} "
+              f"{c.get('recall_gbps') or float('nan'):>11.2f} {c.get('gpu_pool_tokens') or 0:>9} "
               f"{c.get('kv_gb_per_request', float('nan')):>7.3f} {c.get('max_concurrent') or 0:>8} "
               f"{str(c.get('max_running', '-')) + '/' + str(c.get('max_queued', '-')):>10}")
 
@@ -329,7 +370,7 @@ def main() -> None:
               "--max-running-requests", str(running), "--chunked-prefill-size", str(args.chunked_prefill)]
     if args.mem_fraction_static != "auto":
         common += ["--mem-fraction-static", args.mem_fraction_static]
-    env = dict(os.environ, FREEKV_STATS_EVERY="64")
+    env = dict(os.environ, FREEKV_STATS_EVERY=str(STATS_EVERY))
     result = {"gpu": gpu, "copy_peak_gbps": round(peak, 1), "shape": args.shape, "context": args.context,
               "radix_cache": args.radix_cache, "prefill_cuda_graph": args.prefill_cuda_graph,
               "output_len": args.output_len, "freekv_args": args.freekv_args, "cells": []}
@@ -339,9 +380,9 @@ def main() -> None:
         log_name = re.sub(r"[^\w.-]+", "_", name)
         subprocess.run(["pkill", "-9", "-f", "sglang.launch_server"], check=False)
         time.sleep(2)
-        srv = Server(name, args.port, ["--model-path", model, "--tokenizer-path", f"{model}/tokenizer",
-                                       "--load-format", "dummy", *common, *extra],
-                     out / f"server-{log_name}.log", env)
+        srv = ServerProcess(name, args.port, ["--model-path", model, "--tokenizer-path", f"{model}/tokenizer",
+                                              "--load-format", "dummy", *common, *extra],
+                            out / f"server-{log_name}.log", env)
         try:
             up = srv.wait(600)
             if args.warmup_tokens:  # long enough to select (past sink + window + budget) and offload
@@ -356,7 +397,7 @@ def main() -> None:
                 b = cap.get("max_concurrent", 0) if b == "max" else b
                 if not b:
                     raise RuntimeError(f"[{name}] --batches max: no concurrency figure in the start-up lines")
-                before, offset = srv.stats(), srv.log.stat().st_size
+                offset = srv.log.stat().st_size
                 trace_dir = out / f"trace-{log_name}-b{b}"
                 if args.profile_steps:
                     profile_when_decoding(srv.url, srv.log, offset, b, args.profile_steps, trace_dir)
@@ -365,17 +406,12 @@ def main() -> None:
                     cell["profile"] = summarize_trace(trace_dir, args.profile_steps,
                                                       out / f"profile-{log_name}-b{b}.txt")
                 time.sleep(0.5)
-                after = srv.stats()
                 cell.update(scheduler_cell(srv.log, offset))
-                if after and after != before:
-                    b0 = before or (0,) * 6
-                    gb = (after[2] + after[3]) - (b0[2] + b0[3])
-                    cell["correction_rate"] = after[1]
-                    cell["recall_gb"] = round(gb, 3)
-                    cell["victim_pages"] = int((after[4] + after[5]) - (b0[4] + b0[5]))
-                    if cell.get("decode_s"):
-                        cell["recall_gbps"] = round(gb / cell["decode_s"], 2)
-                    cell["changed_share"] = changed_share({**cell, "output_len": args.output_len}, extra, model_cfg)
+                window = engine_window(log_since(srv.log, offset), b)
+                if window:
+                    cell.update(window)
+                    cell["recall_gbps"] = recall_gbps(cell, extra, model_cfg)
+                    cell["changed_share"] = changed_share(cell, extra)
                 result["cells"].append(cell)
                 print(json.dumps(cell), flush=True)
                 (out / "decode.json").write_text(json.dumps(result, indent=1))  # partial results survive a kill

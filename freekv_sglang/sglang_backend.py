@@ -489,10 +489,13 @@ class FreeKVAttnBackend(AttentionBackend):
     def _log_stats(self) -> None:
         st = self._stats()
         rates = list(st["correction_rate"].values())
+        # The raw counts too, so that a benchmark can difference two lines exactly (benchmarks/decode.py).
         logger.info("FreeKV rank %d: %d decode steps, correction rate %.3f (layers %.3f..%.3f), recall %.2f GB "
-                    "before attention + %.2f GB speculative, victim cache %d + %d pages", self.rank, st["steps"],
-                    sum(rates) / len(rates), min(rates), max(rates), st["recall_bytes_now"] / 1e9,
-                    st["recall_bytes_speculative"] / 1e9, st["victim_hits_now"], st["victim_hits_speculative"])
+                    "before attention + %.2f GB speculative, victim cache %d + %d pages; %d checks, %d flagged, "
+                    "%d + %d pages recalled", self.rank, st["steps"], sum(rates) / len(rates), min(rates), max(rates),
+                    st["recall_bytes_now"] / 1e9, st["recall_bytes_speculative"] / 1e9, st["victim_hits_now"],
+                    st["victim_hits_speculative"], st["checks"], st["flagged"], st["recall_pages_now"],
+                    st["recall_pages_speculative"])
         if self.radix is not None:
             r = self.radix
             logger.info("FreeKV rank %d radix: %d hits (%d tokens), %d pages exported, %d exports failed, %d matches "

@@ -82,21 +82,64 @@ def test_max_running_requests_leaves_a_slot_for_a_chunked_prompt(given, batches,
     assert decode.max_running_requests(given, batches, context, chunk) == expected
 
 
-def test_changed_share_counts_budget_pages_of_every_request_step_layer_and_head():
-    """The recalled bytes of a batch over its request-steps x sparse layers x KV heads x budget pages, each page one
-    KV head's K and V in bf16; the budget, page size and dense layers come from the server's flags."""
+DECODE = ("[t] Decode batch, #running-req: {}, #token: 9, token usage: 0.50, cuda graph: True, gen throughput "
+          "(token/s): 1.00, #queue-req: 0")
+STATS = ("[t] FreeKV rank 0: {} decode steps, correction rate 0.300 (layers 0.290..0.310), recall {:.2f} GB before "
+         "attention + 0.50 GB speculative, victim cache {} + 20 pages; {} checks, {} flagged, {} + {} pages recalled")
+
+
+def test_the_stats_line_the_server_logs_parses(caplog):
+    """The counts FreeKV's backend logs come back from decode.STATS as logged, raw counts included."""
+    from types import SimpleNamespace
+
+    from freekv_sglang.sglang_backend import FreeKVAttnBackend
+
+    st = {"steps": 64, "correction_rate": {1: 0.25, 2: 0.35}, "recall_bytes_now": 3e9, "recall_bytes_speculative": 5e9,
+          "victim_hits_now": 7, "victim_hits_speculative": 11, "checks": 4096, "flagged": 1229,
+          "recall_pages_now": 183105, "recall_pages_speculative": 305175}
+    with caplog.at_level("INFO", logger="freekv_sglang.sglang_backend"):
+        FreeKVAttnBackend._log_stats(SimpleNamespace(rank=0, radix=None, _metrics=None, _stats=lambda: st))
+    found = decode.STATS.findall(caplog.text)
+    assert [float(x) for x in found[0]] == [64, 0.3, 3.0, 5.0, 7, 11, 4096, 1229, 183105, 305175]
+
+
+def test_engine_window_differences_the_lines_logged_while_the_whole_batch_decoded():
+    """A cell of 4 requests: a stats line logged while 2 decoded (prefills still running) is left out, as is one in
+    the old form without counts; the first and last lines after a decode line showing 4 give the window. A stats
+    line of the cell before (the last one before this cell's text) is not in the text at all."""
+    text = "\n".join([
+        DECODE.format(2), STATS.format(16, 1.0, 0, 100, 30, 400, 500),
+        DECODE.format(4), STATS.format(32, 2.0, 10, 300, 90, 1000, 1400),
+        "[t] FreeKV rank 0: 40 decode steps, correction rate 0.300 (layers 0.290..0.310), recall 2.50 GB before "
+        "attention + 0.50 GB speculative, victim cache 12 + 20 pages",
+        STATS.format(48, 3.0, 30, 556, 166, 1600, 2200), DECODE.format(4),
+        STATS.format(64, 4.0, 50, 812, 245, 2300, 3000), DECODE.format(1)])
+    win = decode.engine_window(text, 4)
+    assert win == {"window_checks": 512, "correction_rate": round(155 / 512, 4),
+                   "recall_pages_per_check": round((1300 + 1600) / 512, 4),
+                   "victim_pages_per_check": round(40 / 512, 4)}
+    assert decode.engine_window(text, 2) == {}  # one line while 2 decoded
+    assert decode.engine_window("\n".join(text.splitlines()[:4]), 4) == {}  # one counted line
+
+
+def test_changed_share_and_recall_rate_per_request_layer_and_head_step():
+    """Changed pages (recalled or from the victim cache) per check over the budget's pages; the recall's bytes per
+    second: pages per check x batch x sparse layers x KV heads x a page's K and V in bf16 / the step time. The
+    budget, page size and dense layers come from the server's flags."""
     llama = {"num_hidden_layers": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096,
              "num_attention_heads": 32}
     qwen = {"num_hidden_layers": 28, "num_key_value_heads": 4, "hidden_size": 3584, "num_attention_heads": 28}
-    slots = 16 * 127 * 31 * 8 * 64  # Llama: 16 requests x 127 steps x 31 sparse layers x 8 heads x 64 pages
-    cell = {"recall_gb": slots * 0.15 * (2 * 32 * 128 * 2) / 1e9, "completed": 16, "output_len": 128}
     flags = ["--kv-budget", "2048", "--kv-page-size", "32"]
-    assert decode.changed_share(cell, flags, llama) == 0.15
-    assert decode.changed_share(cell, [*flags, "--kv-dense-layers", "2"], llama) == round(0.15 * 31 / 30, 4)
-    assert decode.changed_share(cell, ["--kv-budget", "4096", "--kv-page-size", "32"], llama) == 0.075
-    qwen_slots = 16 * 127 * 27 * 4 * 64
-    assert decode.changed_share({**cell, "recall_gb": qwen_slots * 0.2 * 2 * 32 * 128 * 2 / 1e9}, flags, qwen) == 0.2
-    assert decode.changed_share({"completed": 16, "output_len": 128}, flags, llama) is None  # full KV: no recall
+    cell = {"recall_pages_per_check": 4.8, "victim_pages_per_check": 4.8, "batch": 16, "step_ms": 20.0}
+    assert decode.changed_share(cell, flags) == 0.15  # 9.6 of 64 pages
+    assert decode.changed_share(cell, ["--kv-budget", "4096", "--kv-page-size", "32"]) == 0.075
+    assert decode.changed_share({"batch": 16}, flags) is None  # full KV: no window
+    page = 2 * 32 * 128 * 2
+    assert decode.recall_gbps(cell, flags, llama) == round(4.8 * 16 * 31 * 8 * page / 20e-3 / 1e9, 2)
+    assert decode.recall_gbps(cell, [*flags, "--kv-dense-layers", "2"], llama) == round(4.8 * 16 * 30 * 8 * page
+                                                                                         / 20e-3 / 1e9, 2)
+    assert decode.recall_gbps(cell, flags, qwen) == round(4.8 * 16 * 27 * 4 * page / 20e-3 / 1e9, 2)
+    assert decode.recall_gbps({**cell, "step_ms": None}, flags, llama) is None
 
 
 def test_profile_starts_once_the_whole_batch_decodes(tmp_path):
