@@ -11,7 +11,7 @@ batch B send B requests of `context` random tokens at once (streamed, greedy, `o
 Per cell: the decode step time (the span in which the whole batch decodes, per token), TPOT p50 (which
 also counts stalls while the batch's later requests prefill), output throughput, TTFT p50, and for FreeKV the
 correction rate, the pages changed per step (recalled or from the victim cache) and the recall GB/s during
-decode (engine_window: the server's FreeKV log lines, cumulative every 16 steps, differenced between two of them
+decode (engine_window: the server's FreeKV log lines, cumulative every 32 steps, differenced between two of them
 logged while the whole batch decoded), beside the host-to-GPU copy peak measured by this script on the same GPU.
 Also, from each server's start-up lines (allocated tensors): its token pool, the GPU KV bytes per decoding
 request, and the most concurrent requests of this context it holds before queueing (FreeKV: the kvstore arena's
@@ -233,7 +233,8 @@ def batch_figures(ok: list[dict], output_len: int) -> dict:
     }
 
 
-STATS_EVERY = 16  # FREEKV_STATS_EVERY of the servers: a 128-step batch spans several stats lines
+STATS_EVERY = 32  # FREEKV_STATS_EVERY of the servers: each logs after a host sync, so not every step; decode lines
+# come every 40 steps, and a 128-step batch then holds at least two stats lines after its first full decode line
 
 
 def engine_window(text: str, batch: int) -> dict:
