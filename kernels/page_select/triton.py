@@ -453,10 +453,16 @@ def select_slots(
                                                                      num_warps=num_warps)
 
 
+def _width(num_pages: int, kp: int) -> int:
+    """Lanes of a top-k stage over num_pages keys for kp (a power of two) winners."""
+    return max(triton.next_power_of_2(max(num_pages, 1)), kp)
+
+
 def one_stage(num_pages: int, k: int) -> bool:
-    """Whether select_slots' top-k over rows of num_pages pages for k slots is a single launch."""
-    kp = max(2, triton.next_power_of_2(k))
-    return max(triton.next_power_of_2(max(num_pages, 1)), kp) <= max(TOPK_SINGLE, TOPK_CHUNK, 2 * kp)
+    """Whether select_slots' top-k over rows of num_pages pages (or packed winners) for k slots is a single launch:
+    its last stage takes TOPK_SINGLE lanes, or one chunk of an earlier stage."""
+    kp = max(2, triton.next_power_of_2(k))  # tl.topk of one element would reduce to a scalar
+    return _width(num_pages, kp) <= max(TOPK_SINGLE, TOPK_CHUNK, 2 * kp)
 
 
 def select_launch(scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, stats=None, pad_slot=-1,
@@ -486,7 +492,7 @@ def select_launch(scores, slots, req_slots, heads, phase, flags, recall, recall_
     chunk = max(TOPK_CHUNK, 2 * kp)  # each stage keeps at most half of its input
     hyst, bonus = hysteresis > 0, 1.0 + hysteresis  # the launcher passes it as fp32, rounded as resident_factor
     x, n, packed = scores, M, False
-    while (width := max(triton.next_power_of_2(max(n, 1)), kp)) > max(TOPK_SINGLE, chunk):
+    while not one_stage(n, k):
         n_chunks = triton.cdiv(n, chunk)
         cand = torch.empty(B, H, n_chunks * kp, dtype=torch.int64, device=scores.device)  # scratch
         _topk_kernel[(B * H, n_chunks)](
@@ -496,6 +502,7 @@ def select_launch(scores, slots, req_slots, heads, phase, flags, recall, recall_
             num_warps=TOPK_WARPS,
         )
         x, n, packed = cand, n_chunks * kp, True
+    width = _width(n, kp)
     vt, va, vo = (victims, victim_age, victim_ops) if cached else (slots, slots, recall)
     args = (
         x, slots, req_slots, heads, heads if flags is None else flags, recall, recall if stats is None else stats,
