@@ -119,15 +119,16 @@ def memory_cell(log: str, context: int) -> dict:
 
 
 def log_since(log: Path, offset: int) -> str:
+    """A server log past `offset` bytes: what it wrote while one cell ran."""
     with open(log, errors="replace") as f:
         f.seek(offset)
         return f.read()
 
 
-def scheduler_cell(log: Path, offset: int) -> dict:
-    """What SGLang's scheduler logged while a batch ran: the most requests decoding at once, the longest waiting
-    queue, whether every decode step replayed a CUDA graph, and how often it retracted requests (KV pool full)."""
-    text = log_since(log, offset)
+def scheduler_cell(text: str) -> dict:
+    """What SGLang's scheduler logged while a batch ran (text: log_since the cell's start): the most requests
+    decoding at once, the longest waiting queue, whether every decode step replayed a CUDA graph, and how often it
+    retracted requests (KV pool full)."""
     lines = DECODE_LOG.findall(text)
     if not lines:
         return {}
@@ -407,8 +408,9 @@ def main() -> None:
                     cell["profile"] = summarize_trace(trace_dir, args.profile_steps,
                                                       out / f"profile-{log_name}-b{b}.txt")
                 time.sleep(0.5)
-                cell.update(scheduler_cell(srv.log, offset))
-                window = engine_window(log_since(srv.log, offset), b)
+                text = log_since(srv.log, offset)
+                cell.update(scheduler_cell(text))
+                window = engine_window(text, b)
                 if window:
                     cell.update(window)
                     cell["recall_gbps"] = recall_gbps(cell, extra, model_cfg)

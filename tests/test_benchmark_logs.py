@@ -24,7 +24,7 @@ def test_parsers_reproduce_the_recorded_run(config, tmp_path):
     memory = decode.memory_cell(log.read_text(), result["context"] + result["output_len"])
     assert memory == {k: cell[k] for k in memory}
     assert memory["max_concurrent"] == cell["batch"] == (22 if config == "freekv" else 13)
-    sched = decode.scheduler_cell(log, 0)
+    sched = decode.scheduler_cell(log.read_text())
     assert sched == {"max_running": cell["batch"], "max_queued": 0, "cuda_graph": True, "retractions": 0}
 
 
@@ -36,9 +36,9 @@ def test_scheduler_cell_reads_only_after_the_offset(tmp_path):
     offset = log.stat().st_size
     with open(log, "a") as f:
         f.write(line.format(3, "False", 1) + "KV cache pool is full. Retract requests.\n")
-    assert decode.scheduler_cell(log, offset) == {"max_running": 3, "max_queued": 1, "cuda_graph": False,
-                                                  "retractions": 1}
-    assert decode.scheduler_cell(log, log.stat().st_size) == {}
+    assert decode.scheduler_cell(decode.log_since(log, offset)) == {"max_running": 3, "max_queued": 1,
+                                                                    "cuda_graph": False, "retractions": 1}
+    assert decode.scheduler_cell(decode.log_since(log, log.stat().st_size)) == {}
 
 
 def test_batch_figures_flag_a_batch_that_never_decoded_together():
