@@ -15,10 +15,12 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            the selector's scoring with q_i (selectors.py; channels: its log-sum-exps, one launch; sketch:
            sketch_pages, MeanS: score_pages, two launches each; rerank five), select_chain (the channels'
            pooling, the benchmarks' churn replay and select_slots: top-k, delta against the resident slots,
-           commit, recall codes, in one launch), recall_pages of the changed slots of flagged heads and the
-           empty slots being filled; record E_now
-  compute: wait E_now; attention over sink | slots | window (an outside kernel: head_token_index,
-           which lists each head's tokens straight from the slot table, and the kernel); record E_attn
+           commit, recall codes, in one launch); record E_sel; recall_pages of the changed slots of flagged heads
+           and the empty slots being filled; record E_now
+  compute: the engine's own attention over sink | slots | window: wait E_sel; attend_kept, over every page but the
+           slots being recalled, runs beside that recall; wait E_now; attend_recalled merges those slots in.
+           Or an outside kernel (SGLang's --kv-attention backend): wait E_now; head_token_index, which lists each
+           head's tokens straight from the slot table, and the kernel. Record E_attn
   speculate: wait E_attn; the scoring + select_chain with q_i for the remaining heads (speculative, used by
            step i+1); record E_spec
   recall:  wait E_spec; recall_pages of every other changed slot; offload_pages summarises and offloads the
@@ -716,17 +718,25 @@ class FreeKVEngine:
             ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
                                  self.shape.group, self._stat_sim[layer] if self.collect_stats else None, self.pad_slot,
                                  kv=kv)
-        e_q = st.record() if self.retrieval else None
+        e_q = e_sel = e_now = st.record() if self.retrieval else None
         if self.retrieval:
             with st.on("select"):
                 st.wait(e_q)
                 self._select(plan, layer, q, PHASE_NOW, flags)
+                e_sel = st.record()
+                self._recall_phase(plan, layer, PHASE_NOW)
                 e_now = st.record()
-            st.wait(e_now)
+        recall = self._recall[layer][:q.shape[0]]
         if attention is None:
-            out = ops.sparse_decode_attention(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len,
-                                              self.scale, p)
+            # The pages that stay, beside the recall (it writes only the slots coded PHASE_NOW, which this skips);
+            # then the recalled slots merged in.
+            st.wait(e_sel)
+            kept = ops.attend_kept(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, plan.n_sink,
+                                   plan.n_slots, recall, PHASE_NOW, self.scale, p)
+            st.wait(e_now)
+            out = ops.attend_recalled(q, kc, vc, plan.slot_pages, plan.n_slots, recall, PHASE_NOW, self.scale, p, kept)
         else:
+            st.wait(e_now)
             out = attention(q, kc, vc, plan, self.slot_table[layer])
         if self.probe is not None:
             self.probe(layer, plan, q, self.slot_table[layer])
@@ -748,8 +758,8 @@ class FreeKVEngine:
 
     def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
         """Select with q for the heads of `phase` (PHASE_NOW: those with _now_heads set, PHASE_LATER: the others,
-        with q by request slot) and commit their slots; PHASE_NOW also recalls what it recalls (PHASE_LATER's recall
-        is _recall_phase, on the recall stream). Before attention: flagged heads attend with q_i's selection, and so
+        with q by request slot) and commit their slots; _recall_phase then recalls them (PHASE_NOW's on the select
+        stream, PHASE_LATER's on the recall stream). Before attention: flagged heads attend with q_i's selection, and so
         does every head whose selection grew into an empty slot (attention must not miss pages it could hold), so
         those slots are recalled now; the other changed slots (the latter heads' evictions) wait for the recall after
         attention, with the speculative heads'."""
@@ -769,8 +779,6 @@ class FreeKVEngine:
                          self.pad_slot, self.cfg.selection_hysteresis, *cache, replay=replay)
         if timer is not None:
             timer.mark(layer, phase, 1)
-        if phase == PHASE_NOW:
-            self._recall_phase(plan, layer, phase)
 
     def _recall_phase(self, plan: StepPlan, layer: int, phase: int) -> None:
         """Recall the slots that the phase's selection marked in _recall."""

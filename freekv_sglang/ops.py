@@ -17,7 +17,9 @@ _OPS = {
     "sketch_pages": ("page_rerank", "sketch_pages"),
     "top_pages": ("page_rerank", "top_pages"),
     "rerank_pages": ("page_rerank", "rerank_pages"),
-    "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),
+    "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),  # dense layers
+    "attend_kept": ("split_attention", "attend_kept"),  # sparse layers: beside the recall before attention
+    "attend_recalled": ("split_attention", "attend_recalled"),  # and after it
     "plan_step": ("plan_step", "plan_step"),
     "channel_sketch_pages": ("channel_sketch", "channel_sketch_pages"),
     "tsp_select": ("tsp_select", "tsp_select"),  # FastKV prefill (the HF adapter)

@@ -135,11 +135,12 @@ def speculative(select: dict) -> dict:
 @pytest.mark.parametrize("recall", ["delta", "all"])
 def test_freekv_layer_launches(monkeypatch, recall):
     """12 launches per sparse layer with the sketch selection: 3 on the compute stream (similarity with the
-    sketch's byte picks and the KV write, attention and its split combine), 4 on the select stream before attention,
+    sketch's byte picks and the KV write, the attention over the pages that stay, beside the recall, and the one
+    that merges the recalled slots in after it), 4 on the select stream before attention,
     3 on the speculate stream and 2 on the recall stream after it; no torch glue anywhere."""
     got = count_step(monkeypatch, recall=recall)
     assert got == {
-        "compute": {"_query_similarity_kernel": 1, "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1},
+        "compute": {"_query_similarity_kernel": 1, "_attend_kept_kernel": 1, "_attend_recalled_kernel": 1},
         "select": SELECT,
         "speculate": speculative(SELECT),
         "recall": RECALL,
@@ -153,7 +154,7 @@ def test_channels_layer_launches(monkeypatch):
     got = count_step(monkeypatch, selection="channels", head_dim=32)
     channels = {"_channel_lse_kernel": 1, "_select_chain_kernel": 1, "_recall_pages_kernel": 1}
     assert got == {
-        "compute": {"_query_similarity_kernel": 1, "_sparse_decode_attention_kernel": 1, "_combine_splits_kernel": 1},
+        "compute": {"_query_similarity_kernel": 1, "_attend_kept_kernel": 1, "_attend_recalled_kernel": 1},
         "select": channels,
         "speculate": speculative(channels),
         "recall": RECALL,
@@ -187,8 +188,8 @@ def test_means_quest_and_streaming_layer_launches(monkeypatch):
     streaming = count_step(monkeypatch, method="streaming")
     assert "select" not in streaming and "speculate" not in streaming
     assert streaming["recall"] == {"_offload_pages_kernel": 1}
-    assert streaming["compute"] == {"_query_similarity_kernel": 1, "_sparse_decode_attention_kernel": 1,
-                                    "_combine_splits_kernel": 1}
+    assert streaming["compute"] == {"_query_similarity_kernel": 1, "_attend_kept_kernel": 1,
+                                    "_attend_recalled_kernel": 1}
 
 
 @pytest.mark.slow
@@ -198,8 +199,8 @@ def test_louiskv_layer_launches(monkeypatch):
     speculative; no torch glue (so no host sync either: a step stays capturable)."""
     got = count_step(monkeypatch, retrieval="louiskv")
     assert got == {
-        "compute": {"_semantic_boundary_kernel": 1, "_write_kv_kernel": 1, "_sparse_decode_attention_kernel": 1,
-                    "_combine_splits_kernel": 1},
+        "compute": {"_semantic_boundary_kernel": 1, "_write_kv_kernel": 1, "_attend_kept_kernel": 1,
+                    "_attend_recalled_kernel": 1},
         "select": {"_unit_partials_kernel": 1, "_unit_pages_kernel": 1, "_select_slots_kernel": 1,
                    "_recall_pages_kernel": 1},
         "recall": {"_offload_pages_kernel": 1, "_segment_pages_kernel": 1},

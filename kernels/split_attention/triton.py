@@ -1,0 +1,217 @@
+"""Triton kernels for attend_kept / attend_recalled (see docs/kernels.md, section split_attention).
+
+attend_kept, grid (B, H, S): each program takes all G query heads of one KV head over a contiguous range of the
+row's table and skips the slots being recalled; bf16/fp16 inputs go through tensor-core dots with fp32 sums. It reads
+nothing a recall writes, so it runs beside the recall. attend_recalled, grid (B, Hq): each program adds its head's
+recalled pages (a few, or none) to the S partials and normalises; it is all that follows the recall. S depends only
+on shapes, so both grids are fixed and the pair can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .._alloc import empty
+from .._utils import check_device, check_index_vectors, interpret_mode
+from .naive import Partials, check_split_args
+
+_LOG2E = 1.4426950408889634
+# tl.dot needs every dimension >= 16 on GPU: query heads and page tokens are padded (masked) up to this.
+_MIN_DOT = 16
+_MAX_SPLITS = 64
+# attend_kept's programs per SM: several waves, so rows of unequal length and the recall beside it balance out.
+_PROGRAMS_PER_SM = 4
+_CPU_PROGRAMS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(batch: int, heads: int, width: int, device: torch.device) -> int:
+    """Splits per (row, KV head) of attend_kept (shapes only, never data)."""
+    target = _PROGRAMS_PER_SM * _sm_count(device.index) if device.type == "cuda" else _CPU_PROGRAMS
+    splits = max(1, min(width, _MAX_SPLITS, triton.cdiv(target, batch * heads)))
+    return max(1, triton.cdiv(width, triton.cdiv(width, splits)))  # no split without pages in a full row
+
+
+@triton.jit
+def _attend_kept_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, num_pages_ptr, last_len_ptr, n_sink_ptr, n_slots_ptr, recall_ptr, m_ptr, l_ptr,
+    acc_ptr,
+    qk_scale, pages_per_split, phase,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_tb,
+    H: tl.constexpr, K: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, PAGE_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    t = tl.arange(0, PAGE_TILE)
+    g_mask = g < G
+    hq = h * G + g
+    q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    if DOT_F32:  # fp32 inputs, or the interpreter, which mis-multiplies bf16
+        q = q.to(tl.float32)
+
+    n_pages = tl.load(num_pages_ptr + b)
+    last_len = tl.load(last_len_ptr + b)
+    first = tl.load(n_sink_ptr + b)
+    n_slots = tl.load(n_slots_ptr + b)
+    start = split * pages_per_split
+    end = tl.minimum(start + pages_per_split, n_pages)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for i in range(start, end):
+        s_idx = i - first
+        in_slots = (s_idx >= 0) & (s_idx < n_slots)
+        code = tl.load(recall_ptr + (b * H + h) * K + s_idx, mask=in_slots, other=0)
+        if code != phase:  # a slot being recalled is attend_recalled's
+            page = tl.load(table_ptr + b * stride_tb + i).to(tl.int64)
+            t_mask = t < tl.where(i == n_pages - 1, last_len, PAGE_SIZE)
+            rows = page * PAGE_SIZE + t
+            # Masked rows load 0, never stale data (which may be NaN), so their 0 weight times V stays 0.
+            k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=t_mask[:, None], other=0.0)
+            v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=t_mask[:, None], other=0.0)
+            if DOT_F32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every page holds a token
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DOT_F32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+    part = (b * H * G + hq) * NUM_SPLITS + split
+    tl.store(m_ptr + part, m_i, mask=g_mask)
+    tl.store(l_ptr + part, l_i, mask=g_mask)
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _attend_recalled_kernel(
+    q_ptr, k_ptr, v_ptr, slot_pages_ptr, n_slots_ptr, recall_ptr, m_ptr, l_ptr, acc_ptr, o_ptr,
+    qk_scale, phase,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_sb, stride_ob, stride_oh,
+    H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    hq = tl.program_id(1).to(tl.int64)
+    h = hq // G
+    d = tl.arange(0, D)
+    t = tl.arange(0, PAGE_SIZE)
+    q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + d).to(tl.float32)
+
+    # The head's recalled slots, taken lowest first from a register vector (no load per slot that is not one).
+    s_all = tl.arange(0, K_PAD)
+    filled = s_all < tl.minimum(tl.load(n_slots_ptr + b), K)
+    codes = tl.load(recall_ptr + (b * H + h) * K + s_all, mask=filled, other=0)
+    pages = tl.load(slot_pages_ptr + b * stride_sb + s_all, mask=filled, other=0)
+    todo = tl.where(codes == phase, s_all, K_PAD)
+    m_r = tl.full([1], float("-inf"), tl.float32)
+    l_r = tl.zeros([1], tl.float32)
+    acc_r = tl.zeros([D], tl.float32)
+    for _ in range(tl.sum((codes == phase).to(tl.int32))):
+        s = tl.min(todo, 0)
+        todo = tl.where(todo == s, K_PAD, todo)
+        page = tl.sum(tl.where(s_all == s, pages, 0)).to(tl.int64)
+        rows = page * PAGE_SIZE + t
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + d[None, :]).to(tl.float32)
+        v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + d[None, :]).to(tl.float32)
+        sc = tl.sum(k * q[None, :], 1) * qk_scale
+        m_new = tl.maximum(m_r, tl.max(sc, 0))
+        alpha = tl.exp2(m_r - m_new)
+        w = tl.exp2(sc - m_new)
+        l_r = l_r * alpha + tl.sum(w, 0)
+        acc_r = acc_r * alpha + tl.sum(w[:, None] * v, 0)
+        m_r = m_new
+
+    sp = tl.arange(0, SPLITS_PAD)
+    sp_mask = sp < NUM_SPLITS
+    part = (b * tl.num_programs(1) + hq) * NUM_SPLITS + sp
+    m = tl.load(m_ptr + part, mask=sp_mask, other=float("-inf"))
+    l = tl.load(l_ptr + part, mask=sp_mask, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * D + d[None, :], mask=sp_mask[:, None], other=0.0)
+    top = tl.maximum(tl.max(m, 0), tl.max(m_r, 0))
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row with no token: every weight 0, output 0 (not 0/0)
+    w = tl.exp2(m - top)
+    w_r = tl.exp2(m_r - top)
+    total = tl.sum(w * l, 0) + tl.sum(w_r * l_r, 0)
+    out = (tl.sum(w[:, None] * acc, 0) + tl.sum(w_r[:, None] * acc_r[None, :], 0)) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + b * stride_ob + hq * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+
+
+def _check_rows(q: torch.Tensor, *caches: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k_cache", caches[0]), ("v_cache", caches[1])):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {t.stride()}")
+
+
+def attend_kept(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_table: torch.Tensor,
+                row_pages: torch.Tensor, last_page_len: torch.Tensor, n_sink: torch.Tensor, n_slots: torch.Tensor,
+                recall: torch.Tensor, phase: int, scale: float, page_size: int) -> Partials:
+    check_device(q, k_cache, v_cache, row_table, row_pages, last_page_len, n_sink, n_slots, recall)
+    check_index_vectors(row_pages=row_pages, last_page_len=last_page_len, n_sink=n_sink, n_slots=n_slots)
+    group = check_split_args(q, k_cache, recall, row_table.shape[0])
+    _check_rows(q, k_cache, v_cache)
+    if not recall.is_contiguous() or row_table.stride(1) != 1:
+        raise ValueError("recall and the rows of row_table must be contiguous")
+    batch, num_q_heads, head_dim = q.shape
+    heads, width = k_cache.shape[1], row_table.shape[1]
+    splits = num_splits(batch, heads, width, q.device)
+    m = empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    l = empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    acc = empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    if batch:
+        _attend_kept_kernel[(batch, heads, splits)](
+            q, k_cache, v_cache, row_table, row_pages, last_page_len, n_sink, n_slots, recall, m, l, acc,
+            scale * _LOG2E, triton.cdiv(width, splits), phase,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            row_table.stride(0),
+            H=heads, K=recall.shape[2], G=group, G_PAD=max(_MIN_DOT, triton.next_power_of_2(group)), D=head_dim,
+            PAGE_SIZE=page_size, PAGE_TILE=max(_MIN_DOT, page_size), NUM_SPLITS=splits,
+            DOT_F32=q.dtype == torch.float32 or interpret_mode(),
+        )
+    return Partials(m, l, acc)
+
+
+def attend_recalled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pages: torch.Tensor,
+                    n_slots: torch.Tensor, recall: torch.Tensor, phase: int, scale: float, page_size: int,
+                    kept: Partials) -> torch.Tensor:
+    check_device(q, k_cache, v_cache, slot_pages, n_slots, recall, *kept)
+    check_index_vectors(n_slots=n_slots)
+    group = check_split_args(q, k_cache, recall, slot_pages.shape[0])
+    _check_rows(q, k_cache, v_cache)
+    if not recall.is_contiguous() or slot_pages.stride(1) != 1 or slot_pages.shape[1] < recall.shape[2]:
+        raise ValueError(f"slot_pages [B, >= {recall.shape[2]}] and recall must be contiguous rows")
+    batch, num_q_heads, head_dim = q.shape
+    splits = kept.m.shape[2]
+    if kept.m.shape != (batch, num_q_heads, splits) or kept.acc.shape != (batch, num_q_heads, splits, head_dim) \
+            or not all(t.is_contiguous() for t in kept):
+        raise ValueError("kept must be attend_kept's partials of the same q")
+    o = empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    if batch:
+        heads, k = k_cache.shape[1], recall.shape[2]
+        _attend_recalled_kernel[(batch, num_q_heads)](
+            q, k_cache, v_cache, slot_pages, n_slots, recall, *kept, o, scale * _LOG2E, phase,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            slot_pages.stride(0), o.stride(0), o.stride(1),
+            H=heads, K=k, K_PAD=triton.next_power_of_2(k), G=group, D=head_dim, PAGE_SIZE=page_size,
+            NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+        )
+    return o
