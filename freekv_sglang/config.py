@@ -8,6 +8,7 @@ import math
 from freekv_kernels.page_select.naive import MAX_VICTIM_ENTRIES
 
 RECALL_MODES = ("delta", "all")
+ATTENTIONS = ("backend", "split")
 # Page selectors (freekv_sglang/selectors.py): the servable ones, then the accuracy harness's exact upper bound.
 SERVABLE_SELECTIONS = ("sketch", "rerank", "channels", "means", "quest")
 # The selections that score from 2-bit key codes (written at offload, head_dim / 4 GPU bytes per token and KV head).
@@ -114,6 +115,12 @@ class FreeKVConfig:
         attention beside the model's GEMMs (each program strides over (request, head, chunk of pages) items); 0
         (default) launches one per item, ~4,000 at 16 x 32K, which queue ahead of the output projection (session 30's
         trace: it waited ~40 us a layer). The scoring before attention always uses one per item.
+    attention: how a served sparse layer attends. "backend" (default): through the wrapped backend's own decode kernel
+        (FlashInfer's or SGLang's Triton one), one row per (request, KV head), so with a budget that covers the
+        context the answers match a full-KV server token for token; it starts after the recall before attention.
+        "split": FreeKV's own kernels (freekv_kernels.split_attention): the pages that stay are attended beside that
+        recall and the recalled slots merged in after it, so the recall leaves the critical path; rounds as a
+        different kernel does. A backend without a FreeKV row kernel always takes "split".
     hysteresis: h >= 0: in a head's reselection its resident pages count (1 + h) times their score, so a page
         must hold more than (1 + h) times a resident page's attention mass to displace it. Pages near the top-k's
         edge hold similar mass and trade places on small query changes; every trade is a recall. 0 is the paper's
@@ -148,6 +155,7 @@ class FreeKVConfig:
     recall: str = "delta"
     recall_programs: int = 32
     score_programs: int = 0
+    attention: str = "backend"
     selection: str = "channels"
     rerank_factor: int = 2
     sketch_channels: int = 0
@@ -206,6 +214,8 @@ class FreeKVConfig:
                              f"replay_churn (--kv-bench-churn); set it, or pick another --kv-selection")
         if not _is_int(self.recall_programs) or self.recall_programs < 0:
             raise ValueError(f"recall_programs must be a non-negative integer, got {self.recall_programs!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if not _is_int(self.score_programs) or self.score_programs < 0:
             raise ValueError(f"score_programs must be a non-negative integer, got {self.score_programs!r}")
         if self.score_programs and self.selection != "channels":

@@ -23,8 +23,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .config import (BENCH_SELECTIONS, DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS, PREFILLS, RECALL_MODES,
-                     SERVABLE_SELECTIONS, FreeKVConfig)
+from .config import (ATTENTIONS, BENCH_SELECTIONS, DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS, PREFILLS,
+                     RECALL_MODES, SERVABLE_SELECTIONS, FreeKVConfig)
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
 ENV_FREEKV_ARGS = "FREEKV_ARGS"
@@ -56,6 +56,7 @@ _KNOB_FLAGS = {
     "kv_recall": ("--kv-recall", "recall"),
     "kv_recall_programs": ("--kv-recall-programs", "recall_programs"),
     "kv_score_programs": ("--kv-score-programs", "score_programs"),
+    "kv_attention": ("--kv-attention", "attention"),
     "kv_selection": ("--kv-selection", "selection"),
     "kv_rerank_factor": ("--kv-rerank-factor", "rerank_factor"),
     "kv_sketch_channels": ("--kv-sketch-channels", "sketch_channels"),
@@ -177,6 +178,11 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="GPU programs of the 'channels' selection's speculative scoring, which runs beside the "
                         "model's GEMMs; 0 = one per (request, KV head, chunk of pages) "
                         f"(default {_DEFAULTS.score_programs})")
+    g.add_argument("--kv-attention", choices=ATTENTIONS, default=None,
+                   help="sparse layers' attention: 'backend' through the attention backend's decode kernel (exact "
+                        "as full KV when the budget covers the context; waits for the correction's recall), "
+                        "'split' through FreeKV's own kernels, which attend to the pages that stay beside that "
+                        f"recall (default {_DEFAULTS.attention})")
     g.add_argument("--kv-selection", choices=(*SERVABLE_SELECTIONS, *BENCH_SELECTIONS), default=None,
                    help="how pages are scored: 'sketch' scores every page as attention mass from its mid-range "
                         "keys and the 2-bit codes of the channels the query weighs most (head_dim / 4 GPU bytes "

@@ -150,14 +150,16 @@ class FreeKVAttnBackend(AttentionBackend):
             raise RuntimeError("FreeKV joins its side streams through ModelRunner.capture_tail_hooks (sglang 0.5.16); "
                                "this SGLang has none")
         tail_hooks.append(self._join_after_forward)
-        # Sparse layers attend through the wrapped backend's own decode kernel (FlashInfer's or SGLang's Triton
-        # one), one row per (request, KV head), so they round as the server's full attention does.
+        # With --kv-attention backend, sparse layers attend through the wrapped backend's own decode kernel
+        # (FlashInfer's or SGLang's Triton one), one row per (request, KV head), so they round as the server's full
+        # attention does; else through the engine's split kernels (cfg.attention).
         # The late engine's rows hold other lengths, so it plans its own.
         self.head_attention = self.late_head_attention = None
         head_cls = None
-        if type(inner).__name__ == "FlashInferAttnBackend":
+        backend = type(inner).__name__ if cfg.attention == "backend" else None
+        if backend == "FlashInferAttnBackend":
             from .flashinfer_attention import FlashInferHeadAttention as head_cls
-        elif type(inner).__name__ == "TritonAttnBackend":
+        elif backend == "TritonAttnBackend":
             from .triton_attention import TritonHeadAttention as head_cls
         if head_cls is not None:
             self.head_attention = head_cls(inner, cfg, Hq, H, shape.head_dim, self.engine.num_slots, runner.device)
@@ -656,6 +658,9 @@ class FreeKVAttnBackend(AttentionBackend):
                                "(no attention sinks, logit capping or custom scaling)")
         s = self.shape
         k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
+        if head is None and (getattr(layer, "k_scale", None) is not None or getattr(layer, "v_scale", None) is not None):
+            raise RuntimeError(f"layer {lid}: FreeKV's own attention kernels take no KV scales; serve a scaled KV "
+                               "cache with --kv-attention backend and the flashinfer or triton attention backend")
         attention = None if head is None else functools.partial(head.attend, layer)
         o = eng.attend(plan, local, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention)
         if lid == self.last_layer and not _capturing():

@@ -44,6 +44,7 @@ def test_freekv_settings_reach_server_args(prepare):
     want = FreeKVConfig(budget=1024, sink=64, window=256, page_size=64, tau=0.8, dense_layers=2, recall="all",
                         recall_programs=64, selection="means", rerank_factor=8)
     assert prepare([*FREEKV, "--kv-score-programs", "132"])._freekv.config.score_programs == 132
+    assert prepare([*FREEKV, "--kv-attention", "split"])._freekv.config.attention == "split"
     assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0,
                                               kvstore_timeout_s=12.5)
     assert sa.page_size == 64
