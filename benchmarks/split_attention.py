@@ -1,0 +1,140 @@
+"""The sparse layer's attention kernels alone, on a GPU: the served path of --kv-attention backend (head_token_index
+then FlashInfer's decode over one-head rows) against --kv-attention split (attend_kept, attend_recalled), each
+timed as a CUDA graph replay (median), at the Llama-3.1-8B shape (32 query heads over 8 KV heads, head dim 128,
+bf16), page 32, budget 2048 (64 slots), sink 128, window 512. A share of the (row, KV head) pairs recalls a share
+of its slots before attention; attend_kept reads the other pages (beside that recall in a served step), so what
+follows the recall is attend_recalled alone. The HBM floor is the bytes of K and V read at the peak of a device
+copy measured in the same run. Prints a table and writes JSON.
+
+python benchmarks/split_attention.py --batches 1,4,16 --out results/split_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+from freekv_kernels.split_attention import attend_kept, attend_recalled
+from freekv_kernels.token_index import head_token_index
+
+HQ, H, D, P, DTYPE = 32, 8, 128, 32, torch.bfloat16
+SINK, SLOTS, WINDOW = 4, 64, 17  # pages: 128 tokens, the 2048-token budget, 512 tokens and the page being filled
+WIDTH = SINK + SLOTS + WINDOW
+
+
+def replay_ms(run, repeats: int) -> float:
+    """Median CUDA-event time of a graph replay of run()."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    times = []
+    for _ in range(repeats + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[3:])
+
+
+def copy_peak_gbps(repeats: int) -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (replay_ms(lambda: dst.copy_(src), repeats) * 1e-3) / 1e9
+
+
+def case(batch: int, flagged: float, changed: float, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    pages = batch * WIDTH + 1
+    k_cache = torch.randn(pages * P, H, D, generator=gen).to(DTYPE).cuda()
+    v_cache = torch.randn(pages * P, H, D, generator=gen).to(DTYPE).cuda()
+    q = torch.randn(batch, HQ, D, generator=gen).to(DTYPE).cuda()
+    row_table = (1 + torch.arange(batch * WIDTH, dtype=torch.int32).view(batch, WIDTH)).cuda()
+    full = lambda v: torch.full((batch,), v, dtype=torch.int32, device="cuda")  # noqa: E731
+    slot_pages = row_table[:, SINK:SINK + SLOTS].contiguous()
+    recall = torch.zeros(batch, H, SLOTS, dtype=torch.int8)
+    heads = torch.rand(batch, H, generator=gen) < flagged
+    recall[heads] = (torch.rand(int(heads.sum()), SLOTS, generator=gen) < changed).to(torch.int8)
+    tokens = WIDTH * P  # every page full
+    slots = torch.arange(SLOTS, dtype=torch.int32).repeat(batch, H, 1).cuda()  # logical page of each slot
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, row_table=row_table, row_pages=full(WIDTH),
+                last_page_len=full(P), n_sink=full(SINK), n_slots=full(SLOTS), slot_pages=slot_pages,
+                recall=recall.cuda(), slots=slots, req_slots=torch.arange(batch, dtype=torch.int32, device="cuda"),
+                row_tokens=full(tokens), row_start=torch.arange(0, batch * tokens, tokens, dtype=torch.int32,
+                                                                 device="cuda"), tokens=tokens)
+
+
+def flashinfer_path(c: dict, batch: int):
+    """head_token_index then FlashInfer's decode, planned as FreeKV's FlashInfer path plans (tensor cores at G 4)."""
+    import flashinfer
+
+    n, tokens = batch * H, c["tokens"]
+    indices = torch.empty(n * tokens, dtype=torch.int32, device="cuda")
+    indptr = torch.arange(0, (n + 1) * tokens, tokens, dtype=torch.int32)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+                                                            "NHD", use_tensor_cores=True)
+    head_token_index(c["slots"], c["req_slots"], c["row_table"], c["n_sink"], c["n_slots"], c["slot_pages"],
+                     c["row_tokens"], c["row_start"], P, indices)
+    wrapper.plan(indptr, indices, torch.ones(n, dtype=torch.int32), HQ // H, 1, D, 1, data_type=DTYPE,
+                 q_data_type=DTYPE)
+    kv = (c["k_cache"].view(-1, 1, 1, D), c["v_cache"].view(-1, 1, 1, D))
+
+    def run():
+        head_token_index(c["slots"], c["req_slots"], c["row_table"], c["n_sink"], c["n_slots"], c["slot_pages"],
+                         c["row_tokens"], c["row_start"], P, indices)
+        return wrapper.forward(c["q"].view(n, HQ // H, D), kv, sm_scale=D ** -0.5).view(batch, HQ, D)
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--flagged", type=float, default=0.3, help="share of (row, KV head) pairs that recall")
+    ap.add_argument("--changed", type=float, default=0.15, help="share of a recalling pair's slots it recalls")
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--out", default="results/split_attention.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/split_attention.py needs a CUDA device")
+    peak = copy_peak_gbps(args.repeats)
+    scale = D ** -0.5
+    rows = []
+    print(f"{torch.cuda.get_device_name()}  copy peak {peak:.0f} GB/s  flagged {args.flagged}  changed {args.changed}")
+    print(f"{'batch':>5} {'KV MB':>7} {'floor us':>8} {'flashinfer':>10} {'kept':>7} {'recalled':>8} "
+          f"{'split':>7} {'max err':>8}")
+    for batch in map(int, args.batches.split(",")):
+        c = case(batch, args.flagged, args.changed, seed=batch)
+        kept_args = (c["q"], c["k_cache"], c["v_cache"], c["row_table"], c["row_pages"], c["last_page_len"],
+                     c["n_sink"], c["n_slots"], c["recall"], 1, scale, P)
+        parts = attend_kept(*kept_args)
+        recalled = lambda parts: attend_recalled(c["q"], c["k_cache"], c["v_cache"], c["slot_pages"],  # noqa: E731
+                                                 c["n_slots"], c["recall"], 1, scale, P, parts)
+        fi = flashinfer_path(c, batch)
+        err = (fi().float() - recalled(parts).float()).abs().max().item()
+        kv_bytes = batch * H * WIDTH * P * D * 2 * DTYPE.itemsize
+        row = dict(batch=batch, kv_mb=kv_bytes / 1e6, floor_us=kv_bytes / peak / 1e3,
+                   flashinfer_us=1e3 * replay_ms(fi, args.repeats),
+                   kept_us=1e3 * replay_ms(lambda: attend_kept(*kept_args), args.repeats),
+                   recalled_us=1e3 * replay_ms(lambda: recalled(parts), args.repeats),
+                   split_us=1e3 * replay_ms(lambda: recalled(attend_kept(*kept_args)), args.repeats), max_err=err)
+        rows.append(row)
+        print(f"{batch:>5} {row['kv_mb']:>7.1f} {row['floor_us']:>8.1f} {row['flashinfer_us']:>10.1f} "
+              f"{row['kept_us']:>7.1f} {row['recalled_us']:>8.1f} {row['split_us']:>7.1f} {err:>8.4f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_peak_gbps": peak, "args": vars(args),
+                               "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
