@@ -16,6 +16,8 @@ import json
 import statistics
 from pathlib import Path
 
+import importlib
+
 import torch
 from freekv_kernels.split_attention import attend_kept, attend_recalled
 from freekv_kernels.token_index import head_token_index
@@ -102,6 +104,8 @@ def main() -> None:
     ap.add_argument("--flagged", type=float, default=0.3, help="share of (row, KV head) pairs that recall")
     ap.add_argument("--changed", type=float, default=0.15, help="share of a recalling pair's slots it recalls")
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--recalled-shapes", default="",
+                    help="also time attend_recalled with other (tokens per iteration x warps), e.g. 32x4,128x8")
     ap.add_argument("--out", default="results/split_attention.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -127,6 +131,12 @@ def main() -> None:
                    kept_us=1e3 * replay_ms(lambda: attend_kept(*kept_args), args.repeats),
                    recalled_us=1e3 * replay_ms(lambda: recalled(parts), args.repeats),
                    split_us=1e3 * replay_ms(lambda: recalled(attend_kept(*kept_args)), args.repeats), max_err=err)
+        kernel = importlib.import_module("freekv_kernels.split_attention.triton")
+        for shape in filter(None, args.recalled_shapes.split(",")):
+            kernel._RECALLED_BLOCK, kernel._RECALLED_WARPS = map(int, shape.split("x"))
+            row[f"recalled_us_{shape}"] = 1e3 * replay_ms(lambda: recalled(parts), args.repeats)
+            print(f"      attend_recalled {shape}: {row[f'recalled_us_{shape}']:.1f} us")
+        kernel._RECALLED_BLOCK, kernel._RECALLED_WARPS = 64, 4
         rows.append(row)
         print(f"{batch:>5} {row['kv_mb']:>7.1f} {row['floor_us']:>8.1f} {row['flashinfer_us']:>10.1f} "
               f"{row['kept_us']:>7.1f} {row['recalled_us']:>8.1f} {row['split_us']:>7.1f} {err:>8.4f}")

@@ -26,6 +26,9 @@ _MAX_SPLITS = 64
 # attend_kept's programs per SM: several waves, so rows of unequal length and the recall beside it balance out.
 _PROGRAMS_PER_SM = 4
 _CPU_PROGRAMS = 16
+# attend_recalled's tokens per iteration: a few recalled pages loaded at once, not one page's round trip after another.
+_RECALLED_BLOCK = 64
+_RECALLED_WARPS = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,7 +111,7 @@ def _attend_recalled_kernel(
     qk_scale, phase,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_sb, stride_ob, stride_oh,
     H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1).to(tl.int64)
@@ -117,28 +120,32 @@ def _attend_recalled_kernel(
     t = tl.arange(0, PAGE_SIZE)
     q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + d).to(tl.float32)
 
-    # The head's recalled slots, taken lowest first from a register vector (no load per slot that is not one).
+    # The head's recalled slots in slot order, BLOCK // PAGE_SIZE pages per iteration: token r of a block belongs to
+    # the (j + r // PAGE_SIZE)-th recalled slot, found by its rank among them (no load per slot that is not one).
     s_all = tl.arange(0, K_PAD)
     filled = s_all < tl.minimum(tl.load(n_slots_ptr + b), K)
     codes = tl.load(recall_ptr + (b * H + h) * K + s_all, mask=filled, other=0)
     pages = tl.load(slot_pages_ptr + b * stride_sb + s_all, mask=filled, other=0)
-    todo = tl.where(codes == phase, s_all, K_PAD)
+    mine = (codes == phase) & filled
+    rank = tl.cumsum(mine.to(tl.int32), 0) - 1
+    n_rec = tl.sum(mine.to(tl.int32), 0)
+    r = tl.arange(0, BLOCK)
     m_r = tl.full([1], float("-inf"), tl.float32)
     l_r = tl.zeros([1], tl.float32)
     acc_r = tl.zeros([D], tl.float32)
-    for _ in range(tl.sum((codes == phase).to(tl.int32))):
-        s = tl.min(todo, 0)
-        todo = tl.where(todo == s, K_PAD, todo)
-        page = tl.sum(tl.where(s_all == s, pages, 0)).to(tl.int64)
-        rows = page * PAGE_SIZE + t
-        k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + d[None, :]).to(tl.float32)
-        v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + d[None, :]).to(tl.float32)
-        sc = tl.sum(k * q[None, :], 1) * qk_scale
-        m_new = tl.maximum(m_r, tl.max(sc, 0))
+    for j in range(0, n_rec, BLOCK // PAGE_SIZE):
+        nth = j + r // PAGE_SIZE
+        valid = nth < n_rec
+        page = tl.sum(tl.where((rank[None, :] == nth[:, None]) & mine[None, :], pages[None, :], 0), 1).to(tl.int64)
+        rows = page * PAGE_SIZE + r % PAGE_SIZE
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
+        sc = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_r, tl.max(sc, 0))  # finite: the block holds a recalled page
         alpha = tl.exp2(m_r - m_new)
         w = tl.exp2(sc - m_new)
         l_r = l_r * alpha + tl.sum(w, 0)
-        acc_r = acc_r * alpha + tl.sum(w[:, None] * v, 0)
+        acc_r = acc_r * alpha + tl.sum(w[:, None] * v.to(tl.float32), 0)
         m_r = m_new
 
     sp = tl.arange(0, SPLITS_PAD)
@@ -212,6 +219,7 @@ def attend_recalled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             slot_pages.stride(0), o.stride(0), o.stride(1),
             H=heads, K=k, K_PAD=triton.next_power_of_2(k), G=group, D=head_dim, PAGE_SIZE=page_size,
-            NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+            BLOCK=max(_RECALLED_BLOCK, page_size), NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+            num_warps=_RECALLED_WARPS,
         )
     return o

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 def test_graph_replay_equals_eager(tau, retrieval, prefill_alike):
     H, G, D, L, bs = 2, 4, 64, 3, 4
     cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=tau, dense_layers=1, retrieval=retrieval,
-                       boundary_tau=tau)
+                       boundary_tau=tau, selection="sketch")
     shape = ModelShape(L, H * G, H, D)
     engines = [FreeKVEngine(cfg, shape, max_requests=bs, max_context=2048, dtype=torch.bfloat16, device="cuda",
                             backend="triton") for _ in range(2)]
@@ -64,7 +64,7 @@ def test_graph_replay_equals_eager(tau, retrieval, prefill_alike):
 def test_step_timing_inside_a_graph(prefill_alike):
     """With step timing on, a replayed graph re-records the timing events: every step's times are its own."""
     H, G, D, L, bs = 2, 4, 64, 3, 2
-    cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=1.0, dense_layers=1)
+    cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=1.0, dense_layers=1, selection="sketch")
     e = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=bs, max_context=2048, dtype=torch.bfloat16,
                      device="cuda", backend="triton")
     assert e.enable_step_timing() and e.step_times() is None  # nothing ran yet
@@ -102,7 +102,7 @@ def test_step_timing_of_sampled_layers(prefill_alike):
     """A timer over one of two sparse layers (the deeper: the middle of [1, 2]) scales its times by two, and records
     nothing in the other layer."""
     H, G, D, L = 2, 4, 64, 3
-    cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=1.0, dense_layers=1)
+    cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=1.0, dense_layers=1, selection="sketch")
     e = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=1, max_context=2048, dtype=torch.bfloat16,
                      device="cuda", backend="triton")
     assert e.enable_step_timing(sample_layers=1) and e.timer.layers == {2} and e.timer.scale == 2

@@ -109,7 +109,7 @@ def setup(G, H, cfg, lens, bs, mode=MODES["default"]):
 @pytest.mark.parametrize("G,H", [(1, 4), (3, 3), (4, 2), (8, 1)])
 def test_budget_covering_context_is_bit_identical_to_full_kv_flashinfer(G, H, graph, mode):
     p = 16 if G % 2 else 32
-    cfg = FreeKVConfig(budget=96 * p, sink=p, window=2 * p, page_size=p, tau=0.8, dense_layers=1)
+    cfg = FreeKVConfig(budget=96 * p, sink=p, window=2 * p, page_size=p, tau=0.8, dense_layers=1, selection="sketch")
     lens = [5, 3 * p + 1, 700, 1201, 33]
     bs = len(lens) + 1  # one padding row, as in a captured bucket
     eng, fi, hist, slots = setup(G, H, cfg, lens, bs, MODES[mode])
@@ -134,7 +134,7 @@ def test_budget_covering_context_is_bit_identical_to_full_kv_flashinfer(G, H, gr
 
 def test_past_the_budget_it_matches_the_engine_kernel_and_replays_in_a_graph():
     G, H = 4, 2
-    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1)
+    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1, selection="sketch")
     lens, bs = [900, 1500, 333], 4
     eng, fi, hist, slots = setup(G, H, cfg, lens, bs)
     # A twin engine with the same history attends with its own split-K kernel.

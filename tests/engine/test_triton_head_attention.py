@@ -89,7 +89,7 @@ def setup(G, H, cfg, lens, bs, mode):
                                       (8, 1, "deterministic")])
 def test_budget_covering_context_is_bit_identical_to_full_kv_triton(G, H, mode):
     p = 16 if G % 2 else 32
-    cfg = FreeKVConfig(budget=32 * p, sink=p, window=2 * p, page_size=p, tau=0.8, dense_layers=1)
+    cfg = FreeKVConfig(budget=32 * p, sink=p, window=2 * p, page_size=p, tau=0.8, dense_layers=1, selection="sketch")
     lens = [5, 3 * p - 2, 300, 33]  # the second fills a page and starts one
     bs = len(lens) + 1  # one padding row, as in a captured bucket
     eng, ta, hist, slots = setup(G, H, cfg, lens, bs, mode)
@@ -112,7 +112,7 @@ def test_budget_covering_context_is_bit_identical_to_full_kv_triton(G, H, mode):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_past_the_budget_it_matches_the_engine_kernel(mode):
     G, H = 4, 2
-    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1)
+    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1, selection="sketch")
     lens, bs = [700, 1100, 333], 4
     eng, ta, hist, slots = setup(G, H, cfg, lens, bs, mode)
     twin = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=bs, max_context=2048, dtype=DT, device=DEV,
