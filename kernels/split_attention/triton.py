@@ -2,8 +2,9 @@
 
 attend_kept, grid (B, H, S): each program takes all G query heads of one KV head over a contiguous range of the
 row's table and skips the slots being recalled; bf16/fp16 inputs go through tensor-core dots with fp32 sums. It reads
-nothing a recall writes, so it runs beside the recall. attend_recalled, grid (B, Hq): each program adds its head's
-recalled pages (a few, or none) to the S partials and normalises; it is all that follows the recall. S depends only
+nothing a recall writes, so it runs beside the recall. attend_recalled, grid (B, H): each program attends the G query
+heads to its head's recalled pages (a few, or none), merges them with the S partials and normalises; it is all that
+follows the recall. S depends only
 on shapes, so both grids are fixed and the pair can be captured in a CUDA graph.
 """
 
@@ -110,15 +111,18 @@ def _attend_recalled_kernel(
     q_ptr, k_ptr, v_ptr, slot_pages_ptr, n_slots_ptr, recall_ptr, m_ptr, l_ptr, acc_ptr, o_ptr,
     qk_scale, phase,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_sb, stride_ob, stride_oh,
-    H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    hq = tl.program_id(1).to(tl.int64)
-    h = hq // G
+    h = tl.program_id(1).to(tl.int64)
+    g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
-    t = tl.arange(0, PAGE_SIZE)
-    q = tl.load(q_ptr + b * stride_qb + hq * stride_qh + d).to(tl.float32)
+    g_mask = g < G
+    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
 
     # The head's recalled slots in slot order, BLOCK // PAGE_SIZE pages per iteration: token r of a block belongs to
     # the (j + r // PAGE_SIZE)-th recalled slot, found by its rank among them (no load per slot that is not one).
@@ -130,9 +134,9 @@ def _attend_recalled_kernel(
     rank = tl.cumsum(mine.to(tl.int32), 0) - 1
     n_rec = tl.sum(mine.to(tl.int32), 0)
     r = tl.arange(0, BLOCK)
-    m_r = tl.full([1], float("-inf"), tl.float32)
-    l_r = tl.zeros([1], tl.float32)
-    acc_r = tl.zeros([D], tl.float32)
+    m_r = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_r = tl.zeros([G_PAD], tl.float32)
+    acc_r = tl.zeros([G_PAD, D], tl.float32)
     for j in range(0, n_rec, BLOCK // PAGE_SIZE):
         nth = j + r // PAGE_SIZE
         valid = nth < n_rec
@@ -140,27 +144,42 @@ def _attend_recalled_kernel(
         rows = page * PAGE_SIZE + r % PAGE_SIZE
         k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
-        sc = tl.where(valid, tl.sum(k.to(tl.float32) * q[None, :], 1) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_r, tl.max(sc, 0))  # finite: the block holds a recalled page
+        if DOT_F32:
+            sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_r, tl.max(sc, 1))  # finite: the block holds a recalled page
         alpha = tl.exp2(m_r - m_new)
-        w = tl.exp2(sc - m_new)
-        l_r = l_r * alpha + tl.sum(w, 0)
-        acc_r = acc_r * alpha + tl.sum(w[:, None] * v.to(tl.float32), 0)
+        w = tl.exp2(sc - m_new[:, None])
+        l_r = l_r * alpha + tl.sum(w, 1)
+        if DOT_F32:
+            pv = tl.dot(w, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(w.to(v.dtype), v)
+        acc_r = acc_r * alpha[:, None] + pv
         m_r = m_new
 
+    # Each query head of the group: its recalled partial merged with its S kept ones, normalised.
     sp = tl.arange(0, SPLITS_PAD)
     sp_mask = sp < NUM_SPLITS
-    part = (b * tl.num_programs(1) + hq) * NUM_SPLITS + sp
-    m = tl.load(m_ptr + part, mask=sp_mask, other=float("-inf"))
-    l = tl.load(l_ptr + part, mask=sp_mask, other=0.0)
-    acc = tl.load(acc_ptr + part[:, None] * D + d[None, :], mask=sp_mask[:, None], other=0.0)
-    top = tl.maximum(tl.max(m, 0), tl.max(m_r, 0))
-    top = tl.where(top == float("-inf"), 0.0, top)  # a row with no token: every weight 0, output 0 (not 0/0)
-    w = tl.exp2(m - top)
-    w_r = tl.exp2(m_r - top)
-    total = tl.sum(w * l, 0) + tl.sum(w_r * l_r, 0)
-    out = (tl.sum(w[:, None] * acc, 0) + tl.sum(w_r[:, None] * acc_r[None, :], 0)) / tl.where(total > 0, total, 1.0)
-    tl.store(o_ptr + b * stride_ob + hq * stride_oh + d, out.to(o_ptr.dtype.element_ty))
+    for gi in tl.static_range(G):
+        hq = h * G + gi
+        part = (b * H * G + hq) * NUM_SPLITS + sp
+        m = tl.load(m_ptr + part, mask=sp_mask, other=float("-inf"))
+        l = tl.load(l_ptr + part, mask=sp_mask, other=0.0)
+        acc = tl.load(acc_ptr + part[:, None] * D + d[None, :], mask=sp_mask[:, None], other=0.0)
+        mine_g = g == gi
+        mr = tl.sum(tl.where(mine_g, m_r, 0.0), 0)
+        lr = tl.sum(tl.where(mine_g, l_r, 0.0), 0)
+        ar = tl.sum(tl.where(mine_g[:, None], acc_r, 0.0), 0)
+        top = tl.maximum(tl.max(m, 0), mr)
+        top = tl.where(top == float("-inf"), 0.0, top)  # a row with no token: every weight 0, output 0 (not 0/0)
+        w = tl.exp2(m - top)
+        wr = tl.exp2(mr - top)
+        total = tl.sum(w * l, 0) + wr * lr
+        out = (tl.sum(w[:, None] * acc, 0) + wr * ar) / tl.where(total > 0, total, 1.0)
+        tl.store(o_ptr + b * stride_ob + hq * stride_oh + d, out.to(o_ptr.dtype.element_ty))
 
 
 def _check_rows(q: torch.Tensor, *caches: torch.Tensor) -> None:
@@ -214,12 +233,13 @@ def attend_recalled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     o = empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     if batch:
         heads, k = k_cache.shape[1], recall.shape[2]
-        _attend_recalled_kernel[(batch, num_q_heads)](
+        _attend_recalled_kernel[(batch, heads)](
             q, k_cache, v_cache, slot_pages, n_slots, recall, *kept, o, scale * _LOG2E, phase,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             slot_pages.stride(0), o.stride(0), o.stride(1),
-            H=heads, K=k, K_PAD=triton.next_power_of_2(k), G=group, D=head_dim, PAGE_SIZE=page_size,
-            BLOCK=max(_RECALLED_BLOCK, page_size), NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+            H=heads, K=k, K_PAD=triton.next_power_of_2(k), G=group, G_PAD=max(_MIN_DOT, triton.next_power_of_2(group)),
+            D=head_dim, PAGE_SIZE=page_size, BLOCK=max(_RECALLED_BLOCK, page_size), NUM_SPLITS=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits), DOT_F32=q.dtype == torch.float32 or interpret_mode(),
             num_warps=_RECALLED_WARPS,
         )
     return o
