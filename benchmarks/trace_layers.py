@@ -4,10 +4,11 @@
 
 A layer runs from one QKV projection's start to the next. Per layer, on the chain the model's kernels form:
 the QKV projection; FreeKV's correction chain (from the query-similarity kernel's end to attention's start) and the
-recall inside it; attention (FlashInfer's kernel and its merge); the idle time before the output projection; the
-output, gate/up and down projections. Prints each part's median and mean over every sparse layer of the window (the
-first layer, dense, and the last, which runs the LM head, are left out), then the kernels that overlap the idle time
-before the output projection. The GEMMs are named by cuBLAS's kernel choice for the shape (defaults: Llama-3.1-8B
+recall inside it; attention (FlashInfer's kernel and its merge, or with --kv-attention split from attend_kept's start
+to attend_recalled's end, the recall before attention running beside attend_kept; `recalled` is attend_recalled alone,
+0 for FlashInfer); the idle time before the output projection; the output, gate/up and down projections. Prints each
+part's median and mean over every sparse layer of the window (the first layer, dense, and the last, which runs the LM
+head, are left out), then the kernels that overlap the idle time before the output projection. The GEMMs are named by cuBLAS's kernel choice for the shape (defaults: Llama-3.1-8B
 at 16 requests on an H100 and H200); --qkv, --oproj, --gateup and --down take other name prefixes.
 """
 
@@ -20,7 +21,8 @@ from collections import Counter
 from trace_summary import load
 
 GPU = ("kernel", "gpu_memcpy")
-PARTS = ("layer", "qkv", "chain", "chain_recall", "attention", "idle_before_oproj", "oproj", "gate_up", "down")
+PARTS = ("layer", "qkv", "chain", "chain_recall", "attention", "recalled", "idle_before_oproj", "oproj", "gate_up",
+         "down")
 
 
 def _first(events, pred, after):
@@ -38,17 +40,20 @@ def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tupl
         t0, t1 = qkv[i]["ts"], qkv[i + 1]["ts"]
         win = [e for e in ev if t0 <= e["ts"] < t1]
         sim = _first(win, lambda n: n == "_query_similarity_kernel", t0 - 1)
-        att = _first(win, lambda n: "BatchPrefill" in n or "BatchDecode" in n, sim["ts"])
-        merge = _first(win, lambda n: "MergeStates" in n, att["ts"])
+        att = _first(win, lambda n: "BatchPrefill" in n or "BatchDecode" in n or n == "_attend_kept_kernel",
+                     sim["ts"])
+        split = att["name"] == "_attend_kept_kernel"
+        merge = _first(win, lambda n: n == "_attend_recalled_kernel" if split else "MergeStates" in n, att["ts"])
         oproj = _first(win, lambda n: n.startswith(names["oproj"]), merge["ts"])
         gate = _first(win, lambda n: n.startswith(names["gateup"]), oproj["ts"])
         down = _first(win, lambda n: n.startswith(names["down"]), gate["ts"])
         chain_start, idle = sim["ts"] + sim["dur"], (merge["ts"] + merge["dur"], oproj["ts"])
         recall = sum(e["dur"] for e in win if e["name"] == "_recall_pages_kernel" and e["ts"] >= chain_start
-                     and e["ts"] + e["dur"] <= att["ts"] + 0.5)
+                     and e["ts"] + e["dur"] <= (merge if split else att)["ts"] + 0.5)
         rows.append(dict(layer=t1 - t0, qkv=qkv[i]["dur"], chain=att["ts"] - chain_start, chain_recall=recall,
-                         attention=merge["ts"] + merge["dur"] - att["ts"], idle_before_oproj=idle[1] - idle[0],
-                         oproj=oproj["dur"], gate_up=gate["dur"], down=down["dur"]))
+                         attention=merge["ts"] + merge["dur"] - att["ts"], recalled=merge["dur"] if split else 0,
+                         idle_before_oproj=idle[1] - idle[0], oproj=oproj["dur"], gate_up=gate["dur"],
+                         down=down["dur"]))
         for e in ev:
             if e is not merge and e["ts"] < idle[1] and e["ts"] + e["dur"] > idle[0]:
                 seen[e["name"]] += 1

@@ -658,7 +658,8 @@ class FreeKVAttnBackend(AttentionBackend):
                                "(no attention sinks, logit capping or custom scaling)")
         s = self.shape
         k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
-        if head is None and (getattr(layer, "k_scale", None) is not None or getattr(layer, "v_scale", None) is not None):
+        scaled = getattr(layer, "k_scale", None) is not None or getattr(layer, "v_scale", None) is not None
+        if head is None and scaled:
             raise RuntimeError(f"layer {lid}: FreeKV's own attention kernels take no KV scales; serve a scaled KV "
                                "cache with --kv-attention backend and the flashinfer or triton attention backend")
         attention = None if head is None else functools.partial(head.attend, layer)

@@ -64,11 +64,25 @@ def test_layer_split_of_a_small_trace(tmp_path, capsys):
         json.dump({"traceEvents": events}, f)
     names = dict(qkv="qkv_gemm", oproj="o_gemm", gateup="gateup_gemm", down="down_gemm")
     rows, seen, overlap = trace_layers.split_layers(trace_layers.load(str(path)), 3, names)
-    assert rows == [dict(layer=1000, qkv=20, chain=73, chain_recall=50, attention=94, idle_before_oproj=36, oproj=15,
-                         gate_up=80, down=40)]
+    assert rows == [dict(layer=1000, qkv=20, chain=73, chain_recall=50, attention=94, recalled=0, idle_before_oproj=36,
+                         oproj=15, gate_up=80, down=40)]
     assert seen["_channel_lse_kernel"] == 1 and overlap["_channel_lse_kernel"] == 35
     sys.argv = ["trace_layers.py", str(path), "--layers", "3", "--qkv", "qkv_gemm", "--oproj", "o_gemm", "--gateup",
                 "gateup_gemm", "--down", "down_gemm"]
     trace_layers.main()
     out = capsys.readouterr().out
     assert "1 sparse layers" in out and "idle_before_oproj        36.0     36.0" in out
+
+    def split_layer(t):  # --kv-attention split: attend_kept beside the recall, then attend_recalled
+        return [ev("qkv_gemm", t, 20), ev("_query_similarity_kernel", t + 22, 5),
+                ev("_select_chain_kernel", t + 30, 10),
+                ev("_recall_pages_kernel", t + 41, 50), ev("_attend_kept_kernel", t + 41, 70),
+                ev("_attend_recalled_kernel", t + 115, 8), ev("_channel_lse_kernel", t + 124, 40),
+                ev("_recall_pages_kernel", t + 170, 300), ev("o_gemm", t + 160, 15), ev("gateup_gemm", t + 180, 80),
+                ev("down_gemm", t + 265, 40)]
+
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": [e for i in range(4) for e in split_layer(1000 * i)]}, f)
+    rows, _, _ = trace_layers.split_layers(trace_layers.load(str(path)), 3, names)
+    assert rows == [dict(layer=1000, qkv=20, chain=14, chain_recall=50, attention=82, recalled=8, idle_before_oproj=37,
+                         oproj=15, gate_up=80, down=40)]
