@@ -119,8 +119,9 @@ class FreeKVConfig:
         (FlashInfer's or SGLang's Triton one), one row per (request, KV head), so with a budget that covers the
         context the answers match a full-KV server token for token; it starts after the recall before attention.
         "split": FreeKV's own kernels (freekv_kernels.split_attention): the pages that stay are attended beside that
-        recall and the recalled slots merged in after it, so the recall leaves the critical path; rounds as a
-        different kernel does. A backend without a FreeKV row kernel always takes "split".
+        recall and the recalled slots merged in after it; rounds as a different kernel does. Not faster yet at 16 x
+        32K on an H200 (session 32): beside the recall, that attention shares HBM and SMs with the step's other work.
+        A backend without a FreeKV row kernel always takes "split".
     hysteresis: h >= 0: in a head's reselection its resident pages count (1 + h) times their score, so a page
         must hold more than (1 + h) times a resident page's attention mass to displace it. Pages near the top-k's
         edge hold similar mass and trade places on small query changes; every trade is a recall. 0 is the paper's
