@@ -48,6 +48,10 @@ args=(
   # GPU programs of the channels selection's speculative scoring beside the GEMMs (0 = one per request, KV head and
   # chunk of pages; not yet measured in a served step, docs/results/session30).
   --kv-score-programs 0
+  # Sparse layers' attention: "backend" (default) through the attention backend's decode kernel, exact as full KV when
+  # the budget covers the context; "split" through FreeKV's own kernels beside the correction's recall (no faster
+  # yet, docs/results/session32).
+  --kv-attention backend
   # How pages are scored: "channels" (default) as attention mass from 4-bit codes of --kv-sketch-channels key
   # channels (0: 32) that a calibration pass at start-up picks for the model, 16 GPU bytes per token and KV head,
   # accurate where one token of a page matters (a needle) at the cost of MeanS's step (docs/results/session24);

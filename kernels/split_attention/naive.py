@@ -29,14 +29,22 @@ def check_split_args(q: torch.Tensor, k_cache: torch.Tensor, recall: torch.Tenso
     return num_q_heads // heads
 
 
-def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple:
-    """(m, l, acc) of q [D] over k, v [N, D] in the log2 domain."""
-    if k.shape[0] == 0:
-        return float("-inf"), 0.0, torch.zeros_like(q, dtype=torch.float32)
-    s = (k.float() @ q.float()) * (scale * _LOG2E)
-    m = s.max()
-    w = torch.exp2(s - m)
-    return m, w.sum(), w @ v.float()
+def _partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float) -> tuple:
+    """(m, l, acc) [Hq], [Hq], [Hq, D] of one row's query heads q [Hq, D] over the tokens k, v [N, H, D] that
+    keep [H, N] marks for each KV head, in the log2 domain (a head with none: -inf, 0, 0)."""
+    group = q.shape[0] // k.shape[1]
+    keep = keep.repeat_interleave(group, 0)  # [Hq, N]
+    kq, vq = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)  # [N, Hq, D]
+    s = torch.einsum("hd,nhd->hn", q.float(), kq) * (scale * _LOG2E)
+    s = s.masked_fill(~keep, float("-inf"))
+    m = s.max(1).values if s.shape[1] else torch.full((q.shape[0],), float("-inf"), device=q.device)
+    w = torch.exp2(s - torch.where(m == float("-inf"), 0.0, m)[:, None]).masked_fill(~keep, 0.0)
+    vq = vq.masked_fill(~keep.T[:, :, None], 0.0)  # what is not kept is never read, NaN or not
+    return m, w.sum(1), torch.einsum("hn,nhd->hd", w, vq)
+
+
+def _page_rows(pages: torch.Tensor, page_size: int, n_tokens: int) -> torch.Tensor:
+    return (pages.long()[:, None] * page_size + torch.arange(page_size, device=pages.device)).flatten()[:n_tokens]
 
 
 def naive_attend_kept(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_table: torch.Tensor,
@@ -46,22 +54,21 @@ def naive_attend_kept(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """The partials of each (row b, query head hq) over the pages row_table[b, :row_pages[b]] (the last holding
     last_page_len[b] tokens), without the selection slots s < n_slots[b] (table entry n_sink[b] + s) of KV head
     hq // G whose recall[b, h, s] == phase: those are being recalled and read only by attend_recalled. One split."""
-    group = check_split_args(q, k_cache, recall, row_table.shape[0])
+    check_split_args(q, k_cache, recall, row_table.shape[0])
     batch, num_q_heads, head_dim = q.shape
     p, k = page_size, recall.shape[2]
     m = torch.full((batch, num_q_heads, 1), float("-inf"), dtype=torch.float32, device=q.device)
     l = torch.zeros_like(m)
     acc = torch.zeros(batch, num_q_heads, 1, head_dim, dtype=torch.float32, device=q.device)
-    offsets = torch.arange(p, device=q.device)
     for b in range(batch):
         n, first, filled = int(row_pages[b]), int(n_sink[b]), min(int(n_slots[b]), k)
-        for h in range(k_cache.shape[1]):
-            keep = [i for i in range(n) if not (first <= i < first + filled and int(recall[b, h, i - first]) == phase)]
-            rows = [row_table[b, i].long() * p + offsets[: int(last_page_len[b]) if i == n - 1 else p] for i in keep]
-            rows = torch.cat(rows) if rows else offsets[:0]
-            for hq in range(h * group, (h + 1) * group):
-                m[b, hq, 0], l[b, hq, 0], acc[b, hq, 0] = _partial(q[b, hq], k_cache[rows, h], v_cache[rows, h],
-                                                                   scale)
+        if n == 0:
+            continue
+        rows = _page_rows(row_table[b, :n], p, (n - 1) * p + int(last_page_len[b]))
+        keep = torch.ones(k_cache.shape[1], n, dtype=torch.bool, device=q.device)  # per (head, page)
+        keep[:, first:first + filled] = recall[b, :, :filled] != phase
+        keep = keep.repeat_interleave(p, 1)[:, :rows.shape[0]]
+        m[b, :, 0], l[b, :, 0], acc[b, :, 0] = _partials(q[b], k_cache[rows], v_cache[rows], keep, scale)
     return Partials(m, l, acc)
 
 
@@ -71,23 +78,20 @@ def naive_attend_recalled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     """o [B, Hq, D] in q's dtype: the softmax attention of each (row b, query head hq) over the tokens of `kept`
     (attend_kept's partials) and the full pages slot_pages[b, s] of the slots s < n_slots[b] of KV head hq // G with
     recall[b, h, s] == phase. A row with no token outputs zeros."""
-    group = check_split_args(q, k_cache, recall, slot_pages.shape[0])
+    check_split_args(q, k_cache, recall, slot_pages.shape[0])
     p = page_size
     o = torch.zeros_like(q)
-    offsets = torch.arange(p, device=q.device)
     for b in range(q.shape[0]):
-        for hq in range(q.shape[1]):
-            h = hq // group
-            slots = (recall[b, h, :int(n_slots[b])] == phase).nonzero().flatten().tolist()
-            rows = [slot_pages[b, s].long() * p + offsets for s in slots]
-            rows = torch.cat(rows) if rows else offsets[:0]
-            m_r, l_r, acc_r = _partial(q[b, hq], k_cache[rows, h], v_cache[rows, h], scale)
-            m = torch.cat([kept.m[b, hq], torch.tensor([m_r], dtype=torch.float32, device=q.device)])
-            l = torch.cat([kept.l[b, hq], torch.tensor([l_r], dtype=torch.float32, device=q.device)])
-            acc = torch.cat([kept.acc[b, hq], acc_r[None]])
-            top = m.max()
-            if top == float("-inf"):
-                continue
-            w = torch.exp2(m - top)
-            o[b, hq] = ((w @ acc) / (w @ l)).to(q.dtype)
+        filled = min(int(n_slots[b]), recall.shape[2])
+        rows = _page_rows(slot_pages[b, :filled], p, filled * p)
+        keep = (recall[b, :, :filled] == phase).repeat_interleave(p, 1)
+        m_r, l_r, acc_r = _partials(q[b], k_cache[rows], v_cache[rows], keep, scale)
+        m = torch.cat([kept.m[b], m_r[:, None]], 1)  # [Hq, S + 1]
+        l = torch.cat([kept.l[b], l_r[:, None]], 1)
+        acc = torch.cat([kept.acc[b], acc_r[:, None]], 1)
+        top = m.max(1).values
+        w = torch.exp2(m - torch.where(top == float("-inf"), 0.0, top)[:, None])
+        total = (w * l).sum(1)
+        out = (w[:, :, None] * acc).sum(1) / torch.where(total > 0, total, 1.0)[:, None]
+        o[b] = out.to(q.dtype)
     return o

@@ -79,8 +79,7 @@ def full_attention(a):
                                          a["last_page_len"], a["scale"], a["page_size"])
 
 
-@pytest.mark.parametrize("page_size,head_dim", [(16, 64), (32, 128)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page_size,head_dim,dtype", [(16, 64, torch.bfloat16), (32, 128, torch.float32)])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 def test_split_equals_full_attention(group, dtype, page_size, head_dim):
     """attend_kept on the caches before the recall (a recalled page read there would bring NaN), attend_recalled after
