@@ -10,20 +10,15 @@ on shapes, so both grids are fixed and the pair can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors, interpret_mode
+from ..sparse_attention.triton import _LOG2E, _MAX_SPLITS, _MIN_DOT, _sm_count
 from .naive import Partials, check_split_args
 
-_LOG2E = 1.4426950408889634
-# tl.dot needs every dimension >= 16 on GPU: query heads and page tokens are padded (masked) up to this.
-_MIN_DOT = 16
-_MAX_SPLITS = 64
 # attend_kept's programs per SM: several waves, so rows of unequal length and the recall beside it balance out.
 _PROGRAMS_PER_SM = 4
 _CPU_PROGRAMS = 16
@@ -32,16 +27,30 @@ _RECALLED_BLOCK = 64
 _RECALLED_WARPS = 4
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def num_splits(batch: int, heads: int, width: int, device: torch.device) -> int:
     """Splits per (row, KV head) of attend_kept (shapes only, never data)."""
     target = _PROGRAMS_PER_SM * _sm_count(device.index) if device.type == "cuda" else _CPU_PROGRAMS
     splits = max(1, min(width, _MAX_SPLITS, triton.cdiv(target, batch * heads)))
     return max(1, triton.cdiv(width, triton.cdiv(width, splits)))  # no split without pages in a full row
+
+
+@triton.jit
+def _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr):
+    """One block of tokens k, v [T, D] (valid [T]; at least one) into the running (m, l, acc) of the query rows q
+    [G_PAD, D]: fp32 "ieee" dots for fp32 inputs and the interpreter, which mis-multiplies bf16; tensor cores else."""
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the block holds a token
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    if DOT_F32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
 
 
 @triton.jit
@@ -62,7 +71,7 @@ def _attend_kept_kernel(
     g_mask = g < G
     hq = h * G + g
     q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
-    if DOT_F32:  # fp32 inputs, or the interpreter, which mis-multiplies bf16
+    if DOT_F32:
         q = q.to(tl.float32)
 
     n_pages = tl.load(num_pages_ptr + b)
@@ -85,21 +94,7 @@ def _attend_kept_kernel(
             # Masked rows load 0, never stale data (which may be NaN), so their 0 weight times V stays 0.
             k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=t_mask[:, None], other=0.0)
             v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=t_mask[:, None], other=0.0)
-            if DOT_F32:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(t_mask[None, :], s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every page holds a token
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if DOT_F32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _online_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, DOT_F32)
     part = (b * H * G + hq) * NUM_SPLITS + split
     tl.store(m_ptr + part, m_i, mask=g_mask)
     tl.store(l_ptr + part, l_i, mask=g_mask)
@@ -144,21 +139,7 @@ def _attend_recalled_kernel(
         rows = page * PAGE_SIZE + r % PAGE_SIZE
         k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=valid[:, None], other=0.0)
-        if DOT_F32:
-            sc = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            sc = tl.dot(q, tl.trans(k))
-        sc = tl.where(valid[None, :], sc * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_r, tl.max(sc, 1))  # finite: the block holds a recalled page
-        alpha = tl.exp2(m_r - m_new)
-        w = tl.exp2(sc - m_new[:, None])
-        l_r = l_r * alpha + tl.sum(w, 1)
-        if DOT_F32:
-            pv = tl.dot(w, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(w.to(v.dtype), v)
-        acc_r = acc_r * alpha[:, None] + pv
-        m_r = m_new
+        m_r, l_r, acc_r = _online_block(q, k, v, valid, m_r, l_r, acc_r, qk_scale, DOT_F32)
 
     # Each query head of the group: its recalled partial merged with its S kept ones, normalised.
     sp = tl.arange(0, SPLITS_PAD)
