@@ -231,7 +231,26 @@ def batch_figures(ok: list[dict], output_len: int) -> dict:
         # TPOT p50 counts the stalls while later requests of the batch prefill; this is the pure decode step.
         "step_ms": round(1000 * decode_s / max(output_len - 1, 1), 3),
         "output_tok_per_s": round(len(ok) * (output_len - 1) / max(decode_s, 1e-9), 1),
+        **step_timeline(ok, last_first),
     }
+
+
+def step_timeline(ok: list[dict], last_first: float) -> dict:
+    """The decode span step by step, from the token stamps: step k ends at the k-th token each request receives
+    after the last first token; its length is the median over requests of that token's gap to the one before (the
+    span's start for k = 1). step_ms is the mean, so a few slow steps (the first one's recall of every selection,
+    host syncs) move it where the median does not. {} without stamps."""
+    if not all("stamps_s" in r for r in ok):
+        return {}
+    runs = [[last_first] + [t for t in r["stamps_s"] if t > last_first] for r in ok]
+    steps = min(len(s) for s in runs) - 1
+    if steps < 1:
+        return {}
+    gaps = [1000 * statistics.median(s[k] - s[k - 1] for s in runs) for k in range(1, steps + 1)]
+    slowest = sorted(range(steps), key=lambda k: -gaps[k])[:5]
+    return {"step_ms_p50": round(statistics.median(gaps), 3), "first_step_ms": round(gaps[0], 3),
+            "slowest_steps": [[k + 1, round(gaps[k], 2)] for k in sorted(slowest)],
+            "step_gaps_ms": [round(g, 2) for g in gaps]}
 
 
 STATS_EVERY = 32  # FREEKV_STATS_EVERY of the servers: each logs after a host sync, so not every step; decode lines
@@ -294,7 +313,7 @@ def recall_gbps(cell: dict, args: list[str], model: dict) -> float | None:
 def print_table(result: dict) -> None:
     full = {c["batch"]: c for c in result["cells"] if c["config"] == "full" and "step_ms" in c}
     print(f"\n{result['gpu']}, {result['shape']}, context {result['context']}, {result['output_len']} new tokens; FreeKV {result['freekv_args']}")
-    print(f"{'config':<16} {'batch':>5} {'step ms':>8} {'x full':>7} {'TPOT p50':>9} {'tok/s':>8} {'TTFT s':>7} "
+    print(f"{'config':<16} {'batch':>5} {'step ms':>8} {'x full':>7} {'p50 ms':>7} {'1st ms':>7} {'TPOT p50':>9} {'tok/s':>8} {'TTFT s':>7} "
           f"{'corr':>5} {'changed':>7} {'recall GB/s':>11} {'pool tok':>9} {'GB/req':>7} {'max conc':>8} "
           f"{'ran/queued':>10}")
     for c in result["cells"]:
@@ -306,7 +325,9 @@ def print_table(result: dict) -> None:
             print(f"{c['config']:<16} {c['batch']:>5} only {c['decoding_together']} requests decoded together: "
                   "no step of this batch (raise --output-len past the other prompts' prefill)")
             continue
-        print(f"{c['config']:<16} {c['batch']:>5} {c['step_ms']:>8.2f} {ratio:>7.2f} {c['tpot_ms_p50']:>9.2f} "
+        print(f"{c['config']:<16} {c['batch']:>5} {c['step_ms']:>8.2f} {ratio:>7.2f} "
+              f"{c.get('step_ms_p50', float('nan')):>7.2f} {c.get('first_step_ms', float('nan')):>7.1f} "
+              f"{c['tpot_ms_p50']:>9.2f} "
               f"{c['output_tok_per_s']:>8.1f} "
               f"{c['ttft_s_p50']:>7.2f} {c.get('correction_rate', float('nan')):>5.2f} "
               f"{c.get('changed_share') or float('nan'):>7.3f} "

@@ -45,7 +45,7 @@ def one_request(url: str, ids: list[int], output_len: int, timeout: float) -> di
     ttft = stamps[0] - t0
     tpot = (stamps[-1] - stamps[0]) / max(tokens - 1, 1)
     return {"ok": True, "ttft_s": ttft, "tpot_s": tpot, "latency_s": stamps[-1] - t0, "tokens": tokens,
-            "cached_tokens": cached}
+            "cached_tokens": cached, "stamps_s": [s - t0 for s in stamps]}
 
 
 def main() -> None:

@@ -54,6 +54,27 @@ def test_batch_figures_flag_a_batch_that_never_decoded_together():
     assert together["decode_s"] == round(10.0 + 1.3 - 10.1, 3) and together["ttft_s_p50"] == 9.95
 
 
+def test_step_timeline_finds_the_slow_steps_the_mean_hides():
+    """Two requests decode 6 steps together once the later one's first token is out at 2.0 s: step 1 takes 50 ms
+    (every selection recalled), step 4 20 ms, the others 10 ms. The earlier request's first token (at 1.0 s, before
+    the span) belongs to no step; its step tokens arrive 1 ms after the later request's."""
+    def req(first, lag=0.0):
+        stamps, t = [first], 2.0 + lag
+        for gap in (0.050, 0.010, 0.010, 0.020, 0.010, 0.010):
+            t += gap
+            stamps.append(t)
+        return {"ttft_s": first, "latency_s": stamps[-1], "tpot_s": (stamps[-1] - first) / 6, "stamps_s": stamps}
+
+    fig = decode.batch_figures([req(2.0), req(1.0, lag=0.001)], 7)
+    assert fig["decoding_together"] == 2 and fig["step_ms"] == round(1000 * 0.111 / 6, 3)
+    # The median of the two requests' gaps: step 1 is 50 and 51 ms, the others equal.
+    assert fig["step_gaps_ms"] == [50.5, 10.0, 10.0, 20.0, 10.0, 10.0]
+    assert fig["first_step_ms"] == 50.5 and fig["step_ms_p50"] == 10.0
+    assert fig["slowest_steps"][:2] == [[1, 50.5], [2, 10.0]] and [4, 20.0] in fig["slowest_steps"]
+    assert len(fig["slowest_steps"]) == 5
+    assert "step_ms_p50" not in decode.batch_figures([{k: v for k, v in req(2.0).items() if k != "stamps_s"}], 7)
+
+
 def test_memory_cell_counts_a_lone_requests_summaries(tmp_path):
     """The 128K FreeKV server of the sixth session: one request slot plus the padding slot, and page summaries for
     the whole 24 GB arena. Without the summaries' size in its line the engine's bytes are split over both slots;
