@@ -234,13 +234,14 @@ class KVStoreHostPool:
             return False
         return True
 
-    def retain_chain(self, keys, pages) -> bool:
+    def retain_chain(self, keys, pages, parent: bytes | None = None) -> bool:
         """Retain pages[i] under keys[i] as one chain (RETAIN_CHAIN: every page-aligned prefix for one page id per
-        key); False when the daemon cannot be used or refuses (the prefix is then not cached)."""
+        key), keys[0] linked to the retained key parent if given; False when the daemon cannot be used or refuses
+        (the prefix is then not cached)."""
         if self.state != "up":
             return False
         try:
-            self.client.retain_chain(keys, pages)
+            self.client.retain_chain(keys, pages, parent=parent)
         except KVStoreError as e:
             if not self._failed(e):
                 logger.warning("FreeKV: kvstore RETAIN_CHAIN at %s failed: %s", self.endpoint, e)

@@ -99,7 +99,11 @@ class PrefixSharing:
         # reads that staging page (equal bytes) instead of staging a copy from the arena.
         self._inflight: dict[int, tuple[int, int]] = {}
         self._slot_prefix: dict[int, list[int]] = {}
+        # slot -> (its request's generation, pages retained, the last one's key): a request's later exports (each
+        # prefill chunk, its finish) hash and retain only their new pages, linked to that key.
+        self._tail: dict[int, tuple[int, int, bytes]] = {}
         self.hits = self.hit_tokens = self.exported_pages = self.export_failures = 0
+        self.export_s = 0.0  # time the scheduler spent in export (its syncs, hashing and RETAIN_CHAIN)
         self.cut_matches = self.cut_pages = 0  # matches pinned short of the arena's hit for lack of staging room
         self.deferred_matches = 0  # matches that waited for staging room instead
         self.ranking = False  # inside the scheduling policy's ranking of the waiting queue (tree matches only)
@@ -227,6 +231,13 @@ class PrefixSharing:
         """A request's prompt was prefilled up to kv_len (after any chunk, or complete), or the request finished:
         retain its first kv_len tokens' full pages (every layer, summaries included) under their chain keys. Returns
         the pages newly exported (0 when its host pages are lost, or they were exported already)."""
+        t0 = time.perf_counter()
+        try:
+            return self._export(req, kv_len)
+        finally:
+            self.export_s += time.perf_counter() - t0
+
+    def _export(self, req: Any, kv_len: int) -> int:
         b, eng, p = self.backend, self.backend.engine, self.page_size
         slot = getattr(req, "req_pool_idx", None)
         if (slot is None or not eng.is_active(slot) or slot in b._lost
@@ -261,11 +272,19 @@ class PrefixSharing:
         return self._retain(req, slot, pages, done, staged)
 
     def _retain(self, req: Any, slot: int, pages: list[int], done: int, staged) -> int:
-        """Retain a slot's exported pages (whole in the arena) under the chain keys of req's tokens."""
-        b, num_pages = self.backend, len(pages)
-        tokens = (req.origin_input_ids + req.output_ids)[:num_pages * self.page_size]
-        if not b.host.retain_chain(self.keys(tokens, getattr(req, "extra_key", None)), pages):
-            return 0
+        """Retain a slot's exported pages (whole in the arena) under the chain keys of req's tokens: only the pages
+        past `done` when its earlier pages are retained under this request's chain, else the whole chain."""
+        b, p, num_pages = self.backend, self.page_size, len(pages)
+        gen, tail, keys = b._generation.get(slot), self._tail.pop(slot, None), None
+        if done and tail is not None and tail[:2] == (gen, done):
+            keys = prefix_keys(_tokens(req, done * p, num_pages * p), p, parent=tail[2])
+            if not b.host.retain_chain(keys, pages[done:], parent=tail[2]):
+                keys = None  # the daemon does not hold that key any more (or failed): the whole chain, once
+        if keys is None:
+            keys = self.keys(_tokens(req, 0, num_pages * p), getattr(req, "extra_key", None))
+            if not b.host.retain_chain(keys, pages):
+                return 0
+        self._tail[slot] = (gen, num_pages, keys[-1])
         if staged is not None:  # its own staging pages (past a hit's prefix) now hold retained pages
             rows = staged[1]
             for j in range(max(done, len(self._slot_prefix.get(slot, ()))), num_pages):
@@ -347,6 +366,12 @@ class PrefixSharing:
             if entry is not None and entry[0] == page:
                 keep[page] = -1 - hp
         self.backend.staging.release(slot, keep)
+
+
+def _tokens(req: Any, lo: int, hi: int) -> list[int]:
+    """Tokens [lo, hi) of a request's prompt followed by its output, without joining the whole of both."""
+    n = len(req.origin_input_ids)
+    return list(req.origin_input_ids[lo:min(hi, n)]) + list(req.output_ids[max(lo - n, 0):max(hi - n, 0)])
 
 
 def prefix_fill_index(engine: Any, fill: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -500,9 +500,10 @@ class FreeKVAttnBackend(AttentionBackend):
                     st["recall_pages_speculative"])
         if self.radix is not None:
             r = self.radix
-            logger.info("FreeKV rank %d radix: %d hits (%d tokens), %d pages exported, %d exports failed, %d matches "
-                        "deferred for staging room, %d cut to it (%d pages short)", self.rank, r.hits, r.hit_tokens,
-                        r.exported_pages, r.export_failures, r.deferred_matches, r.cut_matches, r.cut_pages)
+            logger.info("FreeKV rank %d radix: %d hits (%d tokens), %d pages exported in %.3f s, %d exports failed, "
+                        "%d matches deferred for staging room, %d cut to it (%d pages short)", self.rank, r.hits,
+                        r.hit_tokens, r.exported_pages, r.export_s, r.export_failures, r.deferred_matches,
+                        r.cut_matches, r.cut_pages)
         if self._metrics is not None:
             eng, host = self.engine, self.engine.host
             active = sum(1 for slot in range(eng.num_slots) if eng.is_active(slot))

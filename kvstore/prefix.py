@@ -15,7 +15,11 @@ import numpy as np
 KEY_BYTES = 16
 
 
-def prefix_keys(token_ids: Sequence[int] | np.ndarray, page_size: int, *, namespace: bytes = b"") -> list[bytes]:
+def prefix_keys(token_ids: Sequence[int] | np.ndarray, page_size: int, *, namespace: bytes = b"",
+                parent: bytes | None = None) -> list[bytes]:
+    """The keys of token_ids' full pages. parent: the key of the page just before token_ids[0], to continue a chain
+    from it (its namespace is in it, so namespace must stay empty); the keys equal those of the whole sequence's
+    later pages."""
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
     tokens = np.asarray(token_ids)
@@ -23,7 +27,12 @@ def prefix_keys(token_ids: Sequence[int] | np.ndarray, page_size: int, *, namesp
         raise ValueError(f"token_ids must be a 1-D sequence of integers, got shape {tokens.shape} of {tokens.dtype}")
     data = tokens.astype("<i8", copy=False).tobytes()
     page = page_size * 8
-    key = hashlib.blake2b(bytes(namespace), digest_size=KEY_BYTES, person=b"freekv-prefix").digest()
+    if parent is None:
+        key = hashlib.blake2b(bytes(namespace), digest_size=KEY_BYTES, person=b"freekv-prefix").digest()
+    elif namespace or len(parent) != KEY_BYTES:
+        raise ValueError(f"parent must be a {KEY_BYTES}-byte key and comes without a namespace")
+    else:
+        key = bytes(parent)
     keys = []
     for start in range(0, len(tokens) // page_size * page, page):
         key = hashlib.blake2b(key + data[start : start + page], digest_size=KEY_BYTES).digest()

@@ -24,10 +24,20 @@ def test_equal_prefixes_give_equal_keys():
     assert prefix_keys([], 16) == [] and prefix_keys([1, 2], 16) == []
 
 
-@pytest.mark.parametrize("tokens, page_size", [([1], 0), ([1], True), ([[1, 2]], 1), ([1.5], 1)])
-def test_prefix_keys_refuse_bad_input(tokens, page_size):
+def test_a_chain_continued_from_its_parent_key_equals_the_whole_chain():
+    tokens = list(range(7, 7 + 16 * 9 + 5))
+    whole = prefix_keys(tokens, 16, namespace=b"m")
+    for done in (1, 4, 8):
+        assert prefix_keys(tokens[16 * done:], 16, parent=whole[done - 1]) == whole[done:]
+    assert prefix_keys(tokens[16 * 4:], 16, parent=prefix_keys(tokens, 16)[3]) != whole[4:]  # another namespace
+
+
+@pytest.mark.parametrize("tokens, page_size, kw", [([1], 0, {}), ([1], True, {}), ([[1, 2]], 1, {}), ([1.5], 1, {}),
+                                                   ([1], 1, dict(parent=b"short")),
+                                                   ([1], 1, dict(parent=bytes(16), namespace=b"m"))])
+def test_prefix_keys_refuse_bad_input(tokens, page_size, kw):
     with pytest.raises(ValueError):
-        prefix_keys(tokens, page_size)
+        prefix_keys(tokens, page_size, **kw)
 
 
 def test_default_liveness_bound_is_within_five_seconds():

@@ -237,10 +237,14 @@ def test_a_chunked_prompt_is_shared_chunk_by_chunk_while_it_prefills(daemon):
     tokens = list(range(5000, 5150))  # 150 tokens: 9 full pages and a partial one, in chunks of 40 (2.5 pages)
     a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
     exported = radix.exported_pages
+    sent, retain = [], backend.host.retain_chain  # (keys, linked to a parent) of each RETAIN_CHAIN
+    backend.host.retain_chain = lambda keys, pages, parent=None: (sent.append((len(keys), parent is not None)),
+                                                                  retain(keys, pages, parent))[1]
     for full in (2, 5):
         prefill_chunk(backend, [a], 40)
         stash(cache, a, req_a)
         assert radix.exported_pages == exported + full  # its full pages so far, the staged sink page included
+    assert sent == [(2, False), (3, True)]  # the second chunk hashes and retains its 3 new pages only
     assert cache.total_size() == 5 * P and runner.token_to_kv_pool.staging.pages(1)  # A is still in prefill
 
     # B shares 4.5 pages of A's prompt: admitted now, it hits the 4 full pages A's first chunks exported.
@@ -255,10 +259,14 @@ def test_a_chunked_prompt_is_shared_chunk_by_chunk_while_it_prefills(daemon):
     assert b.n == b.prompt and eng._shared[2] == 4
     stash(cache, a, req_a)
     assert radix.exported_pages == exported + 7
+    # A key of A's chain released behind its back (as the daemon would evict it): the next export cannot link to it
+    # and retains the whole chain again.
+    assert backend.host.client.release(radix.keys(tokens[:7 * P], None)[-1])
     prefill_chunk(backend, [a], 40)  # A's last chunk
     assert a.n == a.prompt
     prefilled(cache, a, req_a)
     assert radix.exported_pages == exported + 9  # only the rest: each full page of A exported once
+    assert sent[2:] == [(2, True), (2, True), (9, False)]  # the third chunk linked; the last refused, then whole
     # One chain of A's pages, B's pin its first four; A holds its 10 pages (its sink page once), B its 3 own.
     index, pages = backend.host.client.lookup_longest(radix.keys(tokens[:9 * P], None))
     assert index == 8 and pages == (eng._sink_host[1] + eng._host_pages[1])[:9] and pages[:4] == list(pin.pages)
