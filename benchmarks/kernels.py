@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import statistics
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from freekv_kernels.offload import naive_offload_pages, offload_pages
 from freekv_kernels.recall import naive_recall_pages, recall_pages
 
 from freekv_sglang.config import DEFAULT_SKETCH_CHANNELS
+from gpu_timing import graph_replay_ms, time_ms
 
 DEVICE = torch.device("cuda")
 GiB = 1 << 30
@@ -51,25 +51,6 @@ SLOTS = 64  # selection slots per (row, head): a 2048-token budget
 
 def pinned_empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(*shape, dtype=dtype, pin_memory=True)
-
-
-def time_ms(fn: Callable[[int], object], repeats: int, warmup: int, hide_launch: bool = False) -> float:
-    """Median of `repeats` CUDA-event timings of fn(i) (i: the iteration, to vary inputs), after `warmup` calls.
-
-    hide_launch: the GPU spins (~100 us) while the host launches fn, so the start event fires just before fn's
-    kernels run: GPU time without the host's launch latency."""
-    times = []
-    for i in range(warmup + repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if hide_launch:
-            torch.cuda._sleep(200_000)
-        start.record()
-        fn(i)
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def gbps(nbytes: int, ms: float) -> float:
@@ -240,20 +221,6 @@ def bench_offload(host_layer: torch.Tensor, sizes: list[int], peak: float, repea
         print(f"{n:>8} {row['bytes'] / 2**20:>8.0f} {row['ms']:>9.3f} {row['gbps']:>8.1f} {row['pct_peak']:>6.1f}% "
               f"{row['gpu_ms']:>9.3f} {row['gpu_gbps']:>9.1f} {row['gpu_pct_peak']:>6.1f}%")
     return rows
-
-
-def graph_replay_ms(run: Callable[[], object], repeats: int) -> float:
-    """Capture one call of `run` in a CUDA graph and time its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return time_ms(lambda i: graph.replay(), repeats, warmup=3)
 
 
 def bench_select(

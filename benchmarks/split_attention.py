@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import importlib
@@ -21,38 +20,17 @@ import importlib
 import torch
 from freekv_kernels.split_attention import attend_kept, attend_recalled
 from freekv_kernels.token_index import head_token_index
+from gpu_timing import graph_replay_ms
 
 HQ, H, D, P, DTYPE = 32, 8, 128, 32, torch.bfloat16
 SINK, SLOTS, WINDOW = 4, 64, 17  # pages: 128 tokens, the 2048-token budget, 512 tokens and the page being filled
 WIDTH = SINK + SLOTS + WINDOW
 
 
-def replay_ms(run, repeats: int) -> float:
-    """Median CUDA-event time of a graph replay of run()."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    times = []
-    for _ in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[3:])
-
-
 def copy_peak_gbps(repeats: int) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / (replay_ms(lambda: dst.copy_(src), repeats) * 1e-3) / 1e9
+    return 2 * src.numel() / (graph_replay_ms(lambda: dst.copy_(src), repeats) * 1e-3) / 1e9
 
 
 def case(batch: int, flagged: float, changed: float, seed: int):
@@ -127,14 +105,14 @@ def main() -> None:
         err = (fi().float() - recalled(parts).float()).abs().max().item()
         kv_bytes = batch * H * WIDTH * P * D * 2 * DTYPE.itemsize
         row = dict(batch=batch, kv_mb=kv_bytes / 1e6, floor_us=kv_bytes / peak / 1e3,
-                   flashinfer_us=1e3 * replay_ms(fi, args.repeats),
-                   kept_us=1e3 * replay_ms(lambda: attend_kept(*kept_args), args.repeats),
-                   recalled_us=1e3 * replay_ms(lambda: recalled(parts), args.repeats),
-                   split_us=1e3 * replay_ms(lambda: recalled(attend_kept(*kept_args)), args.repeats), max_err=err)
+                   flashinfer_us=1e3 * graph_replay_ms(fi, args.repeats),
+                   kept_us=1e3 * graph_replay_ms(lambda: attend_kept(*kept_args), args.repeats),
+                   recalled_us=1e3 * graph_replay_ms(lambda: recalled(parts), args.repeats),
+                   split_us=1e3 * graph_replay_ms(lambda: recalled(attend_kept(*kept_args)), args.repeats), max_err=err)
         kernel = importlib.import_module("freekv_kernels.split_attention.triton")
         for shape in filter(None, args.recalled_shapes.split(",")):
             kernel._RECALLED_BLOCK, kernel._RECALLED_WARPS = map(int, shape.split("x"))
-            row[f"recalled_us_{shape}"] = 1e3 * replay_ms(lambda: recalled(parts), args.repeats)
+            row[f"recalled_us_{shape}"] = 1e3 * graph_replay_ms(lambda: recalled(parts), args.repeats)
             print(f"      attend_recalled {shape}: {row[f'recalled_us_{shape}']:.1f} us")
         kernel._RECALLED_BLOCK, kernel._RECALLED_WARPS = 64, 4
         rows.append(row)
