@@ -143,6 +143,8 @@ class PrefixSharing:
         req.__dict__.pop("_freekv_defer", None)
         p = self.page_size
         keys = self.keys(token_ids[:max_tokens // p * p], getattr(req, "extra_key", None))
+        if len(keys) > len(req.__dict__.get("_freekv_match_keys", ())):
+            req._freekv_match_keys = keys  # its prompt's export continues them instead of hashing the prompt again
         hit = self._lookup(keys)
         # Staging holds each host page once per batch: only pages not staged or pinned yet cost room.
         room, fits = self._stage_room(), 0
@@ -281,7 +283,7 @@ class PrefixSharing:
             if not b.host.retain_chain(keys, pages[done:], parent=tail[2]):
                 keys = None  # the daemon does not hold that key any more (or failed): the whole chain, once
         if keys is None:
-            keys = self.keys(_tokens(req, 0, num_pages * p), getattr(req, "extra_key", None))
+            keys = self._chain_keys(req, num_pages)
             if not b.host.retain_chain(keys, pages):
                 return 0
         self._tail[slot] = (gen, num_pages, keys[-1])
@@ -292,6 +294,14 @@ class PrefixSharing:
         self._summarised.update(pages)
         self.exported_pages += num_pages - done
         return num_pages - done
+
+    def _chain_keys(self, req: Any, num_pages: int) -> list[bytes]:
+        """The keys of req's first num_pages pages: those its match hashed (the same tokens: its prompt, or a
+        retracted request's prompt and output), continued past them."""
+        p, known = self.page_size, req.__dict__.get("_freekv_match_keys", ())[:num_pages]
+        if not known:
+            return self.keys(_tokens(req, 0, num_pages * p), getattr(req, "extra_key", None))
+        return list(known) + prefix_keys(_tokens(req, len(known) * p, num_pages * p), p, parent=known[-1])
 
     def load_dense(self, req: Any, start: int, locs: torch.Tensor) -> None:
         """Write the dense layers' K/V of req's pinned prefix, tokens [start, start + len(locs)), from the arena into

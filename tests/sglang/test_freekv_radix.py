@@ -187,7 +187,7 @@ def arena_pages(backend):
 
 @pytest.mark.parametrize("chunk", [1000, 24])
 @pytest.mark.parametrize("export_at", ["finish", "prefill"])
-def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon, chunk, export_at):
+def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon, chunk, export_at, monkeypatch):
     backend, runner = make_backend(daemon)
     cache, staging = make_cache(runner), runner.token_to_kv_pool.staging
     runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
@@ -225,9 +225,17 @@ def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon
     b.n = b.prompt
     ref, ref_slots = reference_engine([b])
     decode(backend, [b], 12, ref, ref_slots)
+    # B's export continues the keys its match hashed (5 full pages of its 96 tokens but the last) with its sixth page.
+    hashed, keys_of = [], radix.prefix_keys
+    monkeypatch.setattr(radix, "prefix_keys", lambda t, *a, **k: hashed.append(len(t)) or keys_of(t, *a, **k))
+    prefilled(cache, b, req_b)
+    assert hashed == [P] and len(req_b._freekv_match_keys) == 5
+    monkeypatch.undo()
+    assert backend.host.client.lookup_longest(backend.radix.keys(b_tokens, None))[0] == 5
+    assert backend.radix.exported_pages == exported + 5 + 3  # B's 3 pages past its shared prefix
     if export_at == "prefill":  # A's pages were exported at its prefill: finishing adds none
         finish(cache, backend, runner, a, req_a)
-        assert backend.radix.exported_pages == exported + 5
+        assert backend.radix.exported_pages == exported + 8
 
 
 def test_a_chunked_prompt_is_shared_chunk_by_chunk_while_it_prefills(daemon):
