@@ -27,22 +27,24 @@ def smollm2():
 @pytest.mark.slow
 def test_smoke_mode_end_to_end(tmp_path, capsys):
     t0 = time.perf_counter()
-    assert main(["--smoke", "--taus", "0,1", "--out", str(tmp_path)]) == 0
+    # tau 1 (every head reselected every step) makes the harness's correction rate exactly 1. Pure speculation
+    # (tau 0) is checked against the engine's oracle in test_engine.py (test_replayed_correction_rate_overrides_tau);
+    # here it would double the run.
+    assert main(["--smoke", "--taus", "1", "--out", str(tmp_path)]) == 0
     dt = time.perf_counter() - t0
     print(capsys.readouterr().out)
     print(f"smoke run: {dt:.1f} s")
     summary = json.loads((tmp_path / "summary.json").read_text())
     cells = {(s["method"], s["budget"]): s for s in summary["scores"]}
-    methods = parse_methods("oracle,channels,sketch,rerank,means,quest,streaming", [0, 1])
+    methods = parse_methods("oracle,channels,sketch,rerank,means,quest,streaming", [1])
     expected = {("dense", None)} | {(m.name, 256) for m in methods}
     assert set(cells) == expected  # every method produced a scored row
     assert all(c["samples"] == 4 and c["task"] == "passkey" and c["length"] == 1024 for c in cells.values())
     assert cells[("dense", None)]["score"] >= 0.9
     stats = {s["method"]: s for s in summary["engine_stats"]}
     for name in ("channels", "sketch", "rerank"):
-        assert stats[f"{name}(tau=0)"]["mean_correction_rate"] == 0
         assert stats[f"{name}(tau=1)"]["mean_correction_rate"] == pytest.approx(1)
-    assert all(0 < c <= 1 for c in stats["means(tau=0)"]["mean_cosine"])  # measured whether or not it flags
+    assert all(0 < c <= 1 for c in stats["means(tau=1)"]["mean_cosine"])  # measured whether or not it flags
     # The oracle selects by the very mass the diagnostics measure: it always holds the top page and covers the
     # most mass; every selecting method is diagnosed, streaming is not.
     diag = {d["method"]: d for d in summary["selection"]}
@@ -54,7 +56,7 @@ def test_smoke_mode_end_to_end(tmp_path, capsys):
     assert "### Score (exact match; 95% Wilson interval)" in table and "hit / mass" in table
     # A rerun resumes: nothing left to run, the same records.
     n = len((tmp_path / "records.jsonl").read_text().splitlines())
-    assert main(["--smoke", "--taus", "0,1", "--out", str(tmp_path)]) == 0
+    assert main(["--smoke", "--taus", "1", "--out", str(tmp_path)]) == 0
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == n
 
 
