@@ -127,6 +127,8 @@ def _build(tp: Any, value: Any, where: str) -> Any:
             if not all(type(v) is int and v in _INT64 for v in value):
                 raise InvalidMessage(f"{where} must hold 64-bit integers only")
             return value
+        if elem in _SCALARS and all(type(v) is elem for v in value):
+            return value  # a chain's keys in one pass; a bad element is named by the loop below
         return [_build(elem, v, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is int:
         if type(value) is not int or value not in _INT64:

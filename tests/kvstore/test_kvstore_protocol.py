@@ -112,6 +112,9 @@ def _body(**fields) -> bytes:
         (protocol.AllocRequest, _body(request_ids=[1], counts=[-1]), InvalidArgument, ">= 0"),
         (protocol.RetainRequest, _body(keys=["text"], pages=[[1]]), InvalidMessage, "must be bytes"),
         (protocol.RetainRequest, _body(keys=[b""], pages=[[1]]), InvalidArgument, "1..64 bytes"),
+        # A chain's keys are checked in one pass; the first that is not bytes is named.
+        (protocol.RetainChainRequest, _body(keys=[b"a", b"b", 7, b"d"], pages=[1, 2, 3, 4]), InvalidMessage,
+         r"keys\[2\] must be bytes"),
         (protocol.LookupRequest, _body(keys=[b"k"], request_id=1.5), InvalidMessage, "64-bit integer"),
         (protocol.StatsRequest, _body(check=1), InvalidMessage, "must be bool"),
         (protocol.PingRequest, msgpack.packb({1: 2}, strict_types=False), ProtocolError, "not one valid msgpack"),
