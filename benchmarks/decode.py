@@ -8,10 +8,11 @@ For each server configuration: build a random-weight model of the shape (scripts
 unless --radix-cache off; the prompts are random, so nothing hits), send one untimed warm-up request
 (--warmup-tokens: the first request otherwise pays Triton's compilation of FreeKV's kernels), and for each
 batch B send B requests of `context` random tokens at once (streamed, greedy, `output_len` new tokens).
-Per cell: the decode step time (the span in which the whole batch decodes, per token), TPOT p50 (which
-also counts stalls while the batch's later requests prefill), output throughput, TTFT p50, and for FreeKV the
-correction rate, the pages changed per step (recalled or from the victim cache) and the recall GB/s during
-decode (engine_window: the server's FreeKV log lines, cumulative every 32 steps, differenced between two of them
+Per cell: the decode step time (the span in which the whole batch decodes, per token), its median step and its
+first step (from the token stamps: the mean also carries one-off steps, the first decode step's and the finishing
+one's), TPOT p50 (which also counts stalls while the batch's later requests prefill), output throughput, TTFT p50,
+and for FreeKV the correction rate, the pages changed per step (recalled or from the victim cache) and the recall
+GB/s during decode (engine_window: the server's FreeKV log lines, cumulative every 32 steps, differenced between two of them
 logged while the whole batch decoded), beside the host-to-GPU copy peak measured by this script on the same GPU.
 Also, from each server's start-up lines (allocated tensors): its token pool, the GPU KV bytes per decoding
 request, and the most concurrent requests of this context it holds before queueing (FreeKV: the kvstore arena's
