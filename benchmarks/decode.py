@@ -12,8 +12,8 @@ Per cell: the decode step time (the span in which the whole batch decodes, per t
 first step (from the token stamps: the mean also carries one-off steps, the first decode step's and the finishing
 one's), TPOT p50 (which also counts stalls while the batch's later requests prefill), output throughput, TTFT p50,
 and for FreeKV the correction rate, the pages changed per step (recalled or from the victim cache) and the recall
-GB/s during decode (engine_window: the server's FreeKV log lines, cumulative every 32 steps, differenced between two of them
-logged while the whole batch decoded), beside the host-to-GPU copy peak measured by this script on the same GPU.
+GB/s during decode (engine_window: the server's FreeKV log lines, cumulative every 32 steps, differenced between two
+of them logged while the whole batch decoded), beside the host-to-GPU copy peak measured by this script on the same GPU.
 Also, from each server's start-up lines (allocated tensors): its token pool, the GPU KV bytes per decoding
 request, and the most concurrent requests of this context it holds before queueing (FreeKV: the kvstore arena's
 tokens, at most one per request slot).
