@@ -314,7 +314,8 @@ def recall_gbps(cell: dict, args: list[str], model: dict) -> float | None:
 def print_table(result: dict) -> None:
     full = {c["batch"]: c for c in result["cells"] if c["config"] == "full" and "step_ms" in c}
     print(f"\n{result['gpu']}, {result['shape']}, context {result['context']}, {result['output_len']} new tokens; FreeKV {result['freekv_args']}")
-    print(f"{'config':<16} {'batch':>5} {'step ms':>8} {'x full':>7} {'p50 ms':>7} {'1st ms':>7} {'TPOT p50':>9} {'tok/s':>8} {'TTFT s':>7} "
+    print(f"{'config':<16} {'batch':>5} {'step ms':>8} {'x full':>7} {'p50 ms':>7} {'1st ms':>7} {'TPOT p50':>9} "
+          f"{'tok/s':>8} {'TTFT s':>7} "
           f"{'corr':>5} {'changed':>7} {'recall GB/s':>11} {'pool tok':>9} {'GB/req':>7} {'max conc':>8} "
           f"{'ran/queued':>10}")
     for c in result["cells"]:

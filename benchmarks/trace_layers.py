@@ -8,8 +8,9 @@ recall inside it; attention (FlashInfer's kernel and its merge, or with --kv-att
 to attend_recalled's end, the recall before attention running beside attend_kept; `recalled` is attend_recalled alone,
 0 for FlashInfer); the idle time before the output projection; the output, gate/up and down projections. Prints each
 part's median and mean over every sparse layer of the window (the first layer, dense, and the last, which runs the LM
-head, are left out), then the kernels that overlap the idle time before the output projection. The GEMMs are named by cuBLAS's kernel choice for the shape (defaults: Llama-3.1-8B
-at 16 requests on an H100 and H200); --qkv, --oproj, --gateup and --down take other name prefixes.
+head, are left out), then the kernels that overlap the idle time before the output projection. The GEMMs are named
+by cuBLAS's kernel choice for the shape (defaults: Llama-3.1-8B at 16 requests on an H100 and H200); --qkv, --oproj,
+--gateup and --down take other name prefixes.
 """
 
 from __future__ import annotations

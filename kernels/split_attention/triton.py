@@ -4,8 +4,7 @@ attend_kept, grid (B, H, S): each program takes all G query heads of one KV head
 row's table and skips the slots being recalled; bf16/fp16 inputs go through tensor-core dots with fp32 sums. It reads
 nothing a recall writes, so it runs beside the recall. attend_recalled, grid (B, H): each program attends the G query
 heads to its head's recalled pages (a few, or none), merges them with the S partials and normalises; it is all that
-follows the recall. S depends only
-on shapes, so both grids are fixed and the pair can be captured in a CUDA graph.
+follows the recall. S depends only on shapes, so both grids are fixed and the pair can be captured in a CUDA graph.
 """
 
 from __future__ import annotations

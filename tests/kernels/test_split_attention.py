@@ -133,7 +133,8 @@ import importlib
 from freekv_kernels.testing import compile_sm90
 m = importlib.import_module("freekv_kernels.split_attention.triton")
 T = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "table_ptr": "*i32",
-     "num_pages_ptr": "*i32", "last_len_ptr": "*i32", "n_sink_ptr": "*i32", "n_slots_ptr": "*i32", "recall_ptr": "*i8", "slot_pages_ptr": "*i32",
+     "num_pages_ptr": "*i32", "last_len_ptr": "*i32", "n_sink_ptr": "*i32", "n_slots_ptr": "*i32", "recall_ptr": "*i8",
+     "slot_pages_ptr": "*i32",
      "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "qk_scale": "fp32"}
 kept = compile_sm90(m._attend_kept_kernel, {"H": 8, "K": 64, "G": 4, "G_PAD": 16, "D": 128, "PAGE_SIZE": 32,
                     "PAGE_TILE": 32, "NUM_SPLITS": 5, "DOT_F32": False}, T, 4)
