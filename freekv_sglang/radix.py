@@ -99,9 +99,6 @@ class PrefixSharing:
         # reads that staging page (equal bytes) instead of staging a copy from the arena.
         self._inflight: dict[int, tuple[int, int]] = {}
         self._slot_prefix: dict[int, list[int]] = {}
-        # slot -> (its request's generation, pages retained, the last one's key): a request's later exports (each
-        # prefill chunk, its finish) hash and retain only their new pages, linked to that key.
-        self._tail: dict[int, tuple[int, int, bytes]] = {}
         self.hits = self.hit_tokens = self.exported_pages = self.export_failures = 0
         self.export_s = 0.0  # time the scheduler spent in export (its syncs, hashing and RETAIN_CHAIN)
         self.cut_matches = self.cut_pages = 0  # matches pinned short of the arena's hit for lack of staging room
@@ -143,8 +140,7 @@ class PrefixSharing:
         req.__dict__.pop("_freekv_defer", None)
         p = self.page_size
         keys = self.keys(token_ids[:max_tokens // p * p], getattr(req, "extra_key", None))
-        if len(keys) > len(req.__dict__.get("_freekv_match_keys", ())):
-            req._freekv_match_keys = keys  # its prompt's export continues them instead of hashing the prompt again
+        self._remember_keys(req, keys)
         hit = self._lookup(keys)
         # Staging holds each host page once per batch: only pages not staged or pinned yet cost room.
         room, fits = self._stage_room(), 0
@@ -274,19 +270,14 @@ class PrefixSharing:
         return self._retain(req, slot, pages, done, staged)
 
     def _retain(self, req: Any, slot: int, pages: list[int], done: int, staged) -> int:
-        """Retain a slot's exported pages (whole in the arena) under the chain keys of req's tokens: only the pages
-        past `done` when its earlier pages are retained under this request's chain, else the whole chain."""
-        b, p, num_pages = self.backend, self.page_size, len(pages)
-        gen, tail, keys = b._generation.get(slot), self._tail.pop(slot, None), None
-        if done and tail is not None and tail[:2] == (gen, done):
-            keys = prefix_keys(_tokens(req, done * p, num_pages * p), p, parent=tail[2])
-            if not b.host.retain_chain(keys, pages[done:], parent=tail[2]):
-                keys = None  # the daemon does not hold that key any more (or failed): the whole chain, once
-        if keys is None:
-            keys = self._chain_keys(req, num_pages)
+        """Retain a slot's exported pages (whole in the arena) under the chain keys of req's tokens: the pages past
+        `done` linked to the key of page done - 1 (retained by an earlier export or the hit it started from), or the
+        whole chain when the daemon does not hold that key (or refuses)."""
+        b, num_pages = self.backend, len(pages)
+        keys = self._chain_keys(req, num_pages)
+        if not (done and b.host.retain_chain(keys[done:], pages[done:], parent=keys[done - 1])):
             if not b.host.retain_chain(keys, pages):
                 return 0
-        self._tail[slot] = (gen, num_pages, keys[-1])
         if staged is not None:  # its own staging pages (past a hit's prefix) now hold retained pages
             rows = staged[1]
             for j in range(max(done, len(self._slot_prefix.get(slot, ()))), num_pages):
@@ -296,12 +287,21 @@ class PrefixSharing:
         return num_pages - done
 
     def _chain_keys(self, req: Any, num_pages: int) -> list[bytes]:
-        """The keys of req's first num_pages pages: those its match hashed (the same tokens: its prompt, or a
-        retracted request's prompt and output), continued past them."""
-        p, known = self.page_size, req.__dict__.get("_freekv_match_keys", ())[:num_pages]
+        """The keys of req's first num_pages pages: those its match or an earlier export hashed (keys depend on the
+        tokens alone: its prompt, or a retracted request's prompt and output), continued past them."""
+        p, known = self.page_size, req.__dict__.get("_freekv_keys", ())[:num_pages]
         if not known:
-            return self.keys(_tokens(req, 0, num_pages * p), getattr(req, "extra_key", None))
-        return list(known) + prefix_keys(_tokens(req, len(known) * p, num_pages * p), p, parent=known[-1])
+            keys = self.keys(_tokens(req, 0, num_pages * p), getattr(req, "extra_key", None))
+        else:
+            keys = list(known) + prefix_keys(_tokens(req, len(known) * p, num_pages * p), p, parent=known[-1])
+        self._remember_keys(req, keys)
+        return keys
+
+    @staticmethod
+    def _remember_keys(req: Any, keys: list[bytes]) -> None:
+        """Keep the longest chain hashed for req, so its later exports hash only their new pages."""
+        if len(keys) > len(req.__dict__.get("_freekv_keys", ())):
+            req._freekv_keys = keys
 
     def load_dense(self, req: Any, start: int, locs: torch.Tensor) -> None:
         """Write the dense layers' K/V of req's pinned prefix, tokens [start, start + len(locs)), from the arena into

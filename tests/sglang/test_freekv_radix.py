@@ -229,7 +229,7 @@ def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon
     hashed, keys_of = [], radix.prefix_keys
     monkeypatch.setattr(radix, "prefix_keys", lambda t, *a, **k: hashed.append(len(t)) or keys_of(t, *a, **k))
     prefilled(cache, b, req_b)
-    assert hashed == [P] and len(req_b._freekv_match_keys) == 5
+    assert hashed == [P] and len(req_b._freekv_keys) == 6
     monkeypatch.undo()
     assert backend.host.client.lookup_longest(backend.radix.keys(b_tokens, None))[0] == 5
     assert backend.radix.exported_pages == exported + 5 + 3  # B's 3 pages past its shared prefix
