@@ -640,6 +640,60 @@ class FreeKVEngine:
             v = v_src.view(-1, p, H, D)[src].flatten(0, 1)
             self._offload_prompt(slot, layer, k, v, pages)
 
+    @property
+    def fills_at_prefill(self) -> bool:
+        """Whether fill_slots selects anything: speculative retrieval only (LouisKV selects at its boundaries)."""
+        return self.retrieval and self.selector.speculative
+
+    def fill_slots(self, slots: list[int],
+                   staged: tuple[Callable[[int], tuple[torch.Tensor, torch.Tensor]], torch.Tensor] | None = None
+                   ) -> None:
+        """Select every KV head's pages of prompts just stored (prefill_layer, store_staged) with the query their
+        prefill left in prev_q (q_last), and fill their slots with them: the first decode step then starts as every
+        later one does, from the pages chosen one step earlier, its correction checking q_1 against q_last. Without
+        it that step recalls each head's whole budget from the host before attention. Counts no recall in stats().
+
+        staged: where the prompts' pages still are on the GPU, (kv, pages): kv(layer) gives a sparse layer's outside
+        paged cache k, v [T, H, D], pages [len(slots), W] int64 the staging page of each slot's logical pages
+        [0, W); the slots are filled HBM to HBM from there. None: they are recalled from the host arena.
+        Call after the prompts' offloads are in (end_step) and with every slot's prev_q seeded; a no-op unless
+        fills_at_prefill."""
+        if not slots or not self.fills_at_prefill:
+            return
+        for s in slots:
+            self._check_slot(s)
+        B, p, H, D = len(slots), self.cfg.page_size, self.shape.num_kv_heads, self.shape.head_dim
+        if staged is not None and tuple(staged[1].shape[:1]) != (B,):
+            raise ValueError(f"staged pages must hold one row per slot ({B}), got {tuple(staged[1].shape)}")
+        host = torch.tensor([slots, [self._len[s] + 1 for s in slots]], dtype=torch.int32)
+        self._step_slots[:B].copy_(host[0], non_blocking=True)
+        self._step_lens[:B].copy_(host[1], non_blocking=True)
+        plan = self.plan(B)  # the first decode step's candidates; that step plans again
+        rows = plan.req_slots.long()
+        if staged is not None:
+            head = torch.arange(H, device=self.device)[None, :, None]
+        for layer in range(self.shape.num_layers):
+            if self.dense[layer]:
+                continue
+            heads = self._now_heads[layer][:B].fill_(True)
+            recall = self._recall[layer][:B]
+            q = self.prev_q[layer][rows]
+            self.ops.select_chain(self.selector.fill_input(plan, layer, q, heads, PHASE_NOW), self.slot_table[layer],
+                                  plan.req_slots, heads, PHASE_NOW, heads, recall, self.cfg.recall == "all", None,
+                                  self.pad_slot)
+            if staged is None:
+                self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer],
+                                      self.page_table, self.slot_table[layer], plan.req_slots, plan.slot_pages, recall,
+                                      PHASE_NOW, p)
+                continue
+            # Every filled (row, head, slot) from its staging page; empty ones write engine page 0, the dummy.
+            logical = self.slot_table[layer][rows]  # [B, H, k]
+            filled = logical >= 0
+            src = torch.where(filled, staged[1].gather(1, logical.clamp(min=0).flatten(1).long()).view_as(logical), 0)
+            dst = torch.where(filled, plan.slot_pages[:, None, :].long(), 0)
+            for out, buf in zip((self.k_cache[layer], self.v_cache[layer]), staged[0](layer)):
+                out.view(-1, p, H, D)[dst, :, head] = buf.view(-1, p, H, D)[src, :, head]
+
     # ---- decode ------------------------------------------------------------------------------
 
     def begin_step(self, slots: list[int], pad_to: int | None = None) -> StepPlan:

@@ -175,6 +175,7 @@ class FreeKVModel:
             for layer in range(eng.shape.num_layers):
                 eng.prefill_layer(slot, layer, cache.k[first + layer], cache.v[first + layer],
                                   cache.q_last[first + layer])
+            eng.fill_slots([slot])  # as the server does at the end of a prefill (from its staging pages there)
         return slot
 
     def remove_request(self, slot: int) -> None:

@@ -71,6 +71,11 @@ class Selector:
         """What the engine's select_chain ranks: score's scores, or scores it pools itself (one launch fewer)."""
         return self.score(plan, layer, q, heads, phase)
 
+    def fill_input(self, plan, layer: int, q: torch.Tensor, heads: torch.Tensor,
+                   phase: int) -> torch.Tensor | LsePool:
+        """select_input for engine.fill_slots, whose query no similarity check has seen."""
+        return self.select_input(plan, layer, q, heads, phase)
+
     def _bound(self, plan, layer, q, heads, phase, pooling) -> torch.Tensor:
         e = self.engine
         return e.ops.score_pages(q, e.summaries[layer], e.page_table, plan.req_slots, e.cfg.sink_pages, plan.cand_end,
@@ -127,20 +132,24 @@ class Rerank(Selector):
     def codes(self, layer):
         return self._codes[layer]
 
-    def score(self, plan, layer, q, heads, phase):
+    def fill_input(self, plan, layer, q, heads, phase):
+        return self.score(plan, layer, q, heads, phase, fresh=True)
+
+    def score(self, plan, layer, q, heads, phase, fresh=False):
         e = self.engine
         by_slot, start = phase == PHASE_LATER, e.cfg.sink_pages
         cand = None  # rerank_factor 0: every candidate page
         if e.cfg.rerank_factor:
-            cand = e.ops.top_pages(self._sketch(plan, layer, q, heads, phase), e.cfg.rerank_pages, heads, phase)
+            cand = e.ops.top_pages(self._sketch(plan, layer, q, heads, phase, fresh), e.cfg.rerank_pages, heads, phase)
         return e.ops.rerank_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots, cand,
                                   e.scale, heads, phase, by_slot, start, plan.cand_end)
 
-    def _sketch(self, plan, layer, q, heads, phase):
+    def _sketch(self, plan, layer, q, heads, phase, fresh=False):
+        """fresh: q's sketch picks are not in picks(layer) (no similarity check saw q): the kernel makes its own."""
         e = self.engine
         return e.ops.sketch_pages(q, e.summaries[layer], self._codes[layer], e.page_table, plan.req_slots, e.scale,
                                   e.cfg.sketch_bytes(e.shape.head_dim), heads, phase, phase == PHASE_LATER,
-                                  e.cfg.sink_pages, plan.cand_end, self.picks(layer))
+                                  e.cfg.sink_pages, plan.cand_end, None if fresh else self.picks(layer))
 
 
 class Sketch(Rerank):
@@ -149,8 +158,8 @@ class Sketch(Rerank):
 
     name = "sketch"
 
-    def score(self, plan, layer, q, heads, phase):
-        return self._sketch(plan, layer, q, heads, phase)
+    def score(self, plan, layer, q, heads, phase, fresh=False):
+        return self._sketch(plan, layer, q, heads, phase, fresh)
 
 
 class Channels(Selector):

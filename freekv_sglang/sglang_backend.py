@@ -39,6 +39,7 @@ from .engine import FreeKVEngine, ModelShape, merged_stats, tsp_engines
 from .kvstore_pool import HostPagesUnavailable, KVStoreHostPool, stable_client_id
 from .radix import PrefixSharing, fill_prefix_staging, namespace_of, prefix_fill_index
 from .server_args import host_page_bytes, host_page_capacity
+from .streams import StepMarks
 from .tsp_propagation import causal_attention, pick
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,13 @@ class StagedPrefill:
     whole: list[tuple[int, torch.Tensor]]
     dense_rows: torch.Tensor | None = None  # radix export in the forward: the dense layers' token rows to copy
     dense_dst: torch.Tensor | None = None  # and their host pages (one per page_size rows)
+    # Prompts this batch completes with their host pages: the batch row of each one's last token (its query seeds
+    # the first decode step's correction), their slots, and for engine.fill_slots the staging page of each of their
+    # logical pages [C, W].
+    last_rows: torch.Tensor | None = None
+    last_slots: torch.Tensor | None = None
+    fill: list[int] = dataclasses.field(default_factory=list)
+    fill_pages: torch.Tensor | None = None
 
 
 def _capturing() -> bool:
@@ -179,6 +187,8 @@ class FreeKVAttnBackend(AttentionBackend):
         self._prefix_fill: list[tuple[int, int]] = []  # (staging page, host page) of hit prefixes to fill per layer
         self._prefix_index: tuple[torch.Tensor, torch.Tensor] | None = None  # their device indices (prefix_fill_index)
         self._steps = 0
+        # Radix sharing: where each decode step began, for exports that wait only for the steps that wrote their pages.
+        self.step_marks = StepMarks(self.engine.streams.record)
         self._metrics = metrics.engine_metrics()  # None unless SGLang exports this scheduler's metrics
         if self._metrics is not None:
             # Before SGLang captures its decode graphs; a few layers only: every timed layer costs ~12 us a step.
@@ -239,6 +249,7 @@ class FreeKVAttnBackend(AttentionBackend):
             self._generation.pop(slot, None)
             self._lost.pop(slot, None)
             self._forward_export.pop(slot, None)
+            self.step_marks.forget(slot)
         self._freed.clear()
 
     def _engines(self) -> list[FreeKVEngine]:
@@ -298,6 +309,8 @@ class FreeKVAttnBackend(AttentionBackend):
         lists: dict[str, list[int]] = {k: [] for k in ("map_slot", "map_col", "map_page", "off_src", "off_dst",
                                                          "res_src", "res_dst")}
         completed, whole, dense_export = [], [], []
+        last: list[tuple[int, int, list[int]]] = []  # (batch row of the last token, slot, staging pages)
+        row = 0
         for slot, a, n, fin, gen, pin in zip(slots, fb.extend_prefix_lens_cpu, fb.seq_lens_cpu[:raw_bs].tolist(),
                                              done, gens, pins):
             if pin is not None and pin.tokens != a:
@@ -313,6 +326,7 @@ class FreeKVAttnBackend(AttentionBackend):
                 self._unstage(slot)
                 self._lost.pop(slot, None)
                 self._forward_export.pop(slot, None)
+                self.step_marks.forget(slot)
                 self._tsp_drop.pop(slot, None)
                 eng.add_request(slot, owner=None if pin is None else pin.owner)
                 if self.late is not None:
@@ -332,6 +346,7 @@ class FreeKVAttnBackend(AttentionBackend):
                 lists["map_slot"].append(slot)
                 lists["map_col"].append(j * p)
                 lists["map_page"].append(page)
+            row += n - a
             if fin:
                 completed.append(slot)
             if self.late is not None:
@@ -349,6 +364,7 @@ class FreeKVAttnBackend(AttentionBackend):
                     lists["off_src"].append(staged[j])
                     lists["off_dst"].append(eng.host_page(slot, j))
             if fin:
+                last.append((row - 1, slot, staged))
                 c = (n - 1) // p
                 for j in range(c + 1):
                     if j < cfg.sink_pages or j >= c - cfg.window_pages:
@@ -365,6 +381,15 @@ class FreeKVAttnBackend(AttentionBackend):
         whole = [(slot, torch.tensor(staged, dtype=torch.int32).to(dev, non_blocking=True)) for slot, staged in whole]
         self._extend = StagedPrefill(t["off_src"], t["off_dst"], torch.ones_like(t["off_src"], dtype=torch.bool),
                                      t["res_src"].long(), t["res_dst"].long(), completed, whole)
+        if last:
+            ext = self._extend
+            ext.last_rows, ext.last_slots = (torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
+                                             for x in zip(*[(r, slot) for r, slot, _ in last]))
+            if eng.fills_at_prefill:
+                ext.fill = [slot for _, slot, _ in last]
+                width = max(len(staged) for _, _, staged in last)
+                ext.fill_pages = torch.tensor([staged + [0] * (width - len(staged)) for _, _, staged in last],
+                                              dtype=torch.int64).to(dev, non_blocking=True)
         if dense_export:
             self._extend.dense_rows = torch.cat([self.req_pool.req_to_token[slot, first * p:(first + len(pages)) * p]
                                                  for slot, first, pages in dense_export]).to(dev, torch.int64)
@@ -467,6 +492,8 @@ class FreeKVAttnBackend(AttentionBackend):
                 raise RuntimeError(f"request slot {slot} reached decode though its host pages are lost "
                                    f"({self._lost[slot]}): freekv_patches' scheduler hook did not take it out")
         pad = [1] * (fb.batch_size - raw_bs)
+        if self.radix is not None:
+            self.step_marks.begin(slots, lens)
         for eng, head in self._heads():  # the first engine first: the late one writes into its host pages
             if eng is self.late:
                 lens = [n - self._tsp_drop[slot] for slot, n in zip(slots, lens)]
@@ -575,6 +602,10 @@ class FreeKVAttnBackend(AttentionBackend):
             o = self.inner.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
         ext = self._extend
         if ext is not None:
+            if ext.last_rows is not None:  # the completed prompts' last queries, as prefill_layer's q_last
+                s = self.shape
+                self.engine.prev_q[lid][ext.last_slots] = q.reshape(-1, s.num_q_heads, s.head_dim)[ext.last_rows]
+                self.engine.has_prev[lid][ext.last_slots] = True
             kb, vb = self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid)
             self.engine.store_staged(lid, kb, vb, ext.offload_src, ext.offload_dst, ext.offload_valid,
                                      ext.resident_src, ext.resident_dst)
@@ -583,6 +614,11 @@ class FreeKVAttnBackend(AttentionBackend):
             if lid == self.split - 1:  # the first engine's last layer (the model's, without TSP)
                 # Join the offloads before staging pages are reused or the engine decodes these prompts.
                 self.engine.end_step()
+                # Their slots, from the staging pages, before those are released: the first decode step then recalls
+                # only what its correction changes.
+                pool = self.pool
+                self.engine.fill_slots(ext.fill, staged=(lambda i: (pool.get_key_buffer(i), pool.get_value_buffer(i)),
+                                                         ext.fill_pages))
                 if self.engine.device.type == "cuda" and any(s in self._forward_export for s in ext.completed):
                     done = torch.cuda.Event()
                     done.record()

@@ -142,6 +142,10 @@ class Request:
         self.locs = rp.req_to_token[slot].long()
         self.k = [torch.randn(n, H, D) for _ in range(L)]
         self.v = [torch.randn(n, H, D) for _ in range(L)]
+        self.q = [torch.randn(n, HQ, D) for _ in range(L)]
+
+    def chunk_q(self, layer: int, a: int, b: int) -> torch.Tensor:
+        return self.q[layer][a:b].reshape(b - a, HQ * D)
 
 
 def extend_batch(reqs, chunk: int):
@@ -167,7 +171,8 @@ def extend_once(backend, reqs, chunk: int):
     for layer in layers():
         rows = torch.cat([r.k[layer.layer_id][a:b] for r, (a, b) in zip(reqs, ranges)])
         v = torch.cat([r.v[layer.layer_id][a:b] for r, (a, b) in zip(reqs, ranges)])
-        backend.forward_extend(torch.randn(len(rows), HQ * D), rows.reshape(len(rows), -1),
+        q = torch.cat([r.chunk_q(layer.layer_id, a, b) for r, (a, b) in zip(reqs, ranges)])
+        backend.forward_extend(q, rows.reshape(len(rows), -1),
                                v.reshape(len(rows), -1), layer, fb)
     for lid, read in inner.prefix_reads:
         want = torch.cat([r.k[lid][:a] for r, (a, _) in zip(reqs, ranges)])
@@ -200,6 +205,8 @@ def decode_batch(reqs, pad_to=None):
 
 
 def reference_engine(reqs, cfg=CFG):
+    """An engine given each whole prompt, its last query and its slots filled from the host (the backend fills them
+    from staging)."""
     shape = ModelShape(L, HQ, H, D)
     eng = FreeKVEngine(cfg, shape, max_requests=len(reqs), max_context=CTX, dtype=torch.float32, device="cpu")
     slots = []
@@ -207,9 +214,26 @@ def reference_engine(reqs, cfg=CFG):
         s = eng.add_request()
         eng.begin_prefill(s, r.prompt)
         for layer in range(L):
-            eng.prefill_layer(s, layer, r.k[layer], r.v[layer])
+            eng.prefill_layer(s, layer, r.k[layer], r.v[layer], r.q[layer][-1])
         slots.append(s)
+    eng.fill_slots(slots)
     return eng, slots
+
+
+def assert_filled_alike(eng, slots, ref, ref_slots):
+    """The prefill left the same pages in the same slots of every sparse layer as the reference engine's fill, with
+    the same bytes, and the same last queries."""
+    p, lay = eng.cfg.page_size, eng.layout
+    for layer in range(CFG.dense_layers, L):
+        assert torch.equal(eng.prev_q[layer, slots], ref.prev_q[layer, ref_slots])
+        assert eng.has_prev[layer, slots].all()
+        for s, r in zip(slots, ref_slots):
+            table = eng.slot_table[layer, s]
+            assert torch.equal(table, ref.slot_table[layer, r]) and (table >= 0).any()
+            for h, i in (table >= 0).nonzero().tolist():
+                a, b = (lay.sparse_base(x) + CFG.sink_pages + i for x in (s, r))
+                for mine, theirs in ((eng.k_cache, ref.k_cache), (eng.v_cache, ref.v_cache)):
+                    assert torch.equal(mine[layer][a * p:(a + 1) * p, h], theirs[layer][b * p:(b + 1) * p, h])
 
 
 @pytest.mark.parametrize("chunk", [1000, 37, 16])
@@ -220,6 +244,7 @@ def test_chunked_prefill_stages_then_decodes_like_the_engine(daemon, chunk):
     prefill(backend, reqs, chunk)
     assert pool.staging.free_pages == STAGING  # every prompt completed: its staging pages are back
     ref, ref_slots = reference_engine(reqs)
+    assert_filled_alike(backend.engine, [3, 5], ref, ref_slots)
     lay = layers()
     for step in range(20):
         fb = decode_batch(reqs, pad_to=4 if step % 2 else None)  # odd steps: a padded replay view

@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_freekv_backend import (CFG, CTX, HQ, STAGING, TOKENS, D, H, L, P, Inner, Request, decode_batch, extend_batch,
-                                 layers, make_pool, reference_engine)
+from test_freekv_backend import (CFG, CTX, HQ, STAGING, TOKENS, D, H, L, P, Inner, Request, assert_filled_alike,
+                                 decode_batch, extend_batch, layers, make_pool, reference_engine)
 
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
@@ -105,7 +105,8 @@ def prefill_chunk(backend, reqs, chunk, pins=None):
     for layer in layers():
         k = torch.cat([r.k[layer.layer_id][a:b] for r, (a, b) in zip(reqs, ranges)])
         v = torch.cat([r.v[layer.layer_id][a:b] for r, (a, b) in zip(reqs, ranges)])
-        backend.forward_extend(torch.randn(len(k), HQ * D), k.reshape(len(k), -1), v.reshape(len(k), -1), layer, fb)
+        q = torch.cat([r.chunk_q(layer.layer_id, a, b) for r, (a, b) in zip(reqs, ranges)])
+        backend.forward_extend(q, k.reshape(len(k), -1), v.reshape(len(k), -1), layer, fb)
     for lid, read in backend.inner.prefix_reads:  # every layer's prefix reads see the prompt's keys
         torch.testing.assert_close(read, torch.cat([r.k[lid][:a] for r, (a, _) in zip(reqs, ranges)]), atol=0, rtol=0)
     for r, (_, b) in zip(reqs, ranges):
@@ -224,6 +225,7 @@ def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon
     assert eng.page_table[2, CFG.sink_pages:3].tolist() == list(pin.pages[CFG.sink_pages:])
     b.n = b.prompt
     ref, ref_slots = reference_engine([b])
+    assert_filled_alike(eng, [2], ref, ref_slots)  # its slots filled from staging, the shared prefix's pages too
     decode(backend, [b], 12, ref, ref_slots)
     # B's export continues the keys its match hashed (5 full pages of its 96 tokens but the last) with its sixth page.
     hashed, keys_of = [], radix.prefix_keys

@@ -38,6 +38,9 @@ def tsp_prefill(backend, reqs, g):
     lay = layers()
     for layer in lay[:2]:
         q = torch.randn(n, HQ * D, generator=g)
+        ends = torch.tensor([r.prompt for r in reqs]).cumsum(0) - 1
+        for r, end in zip(reqs, ends.tolist()):  # each prompt's last query, for the reference's prefill_layer
+            r.q[layer.layer_id][-1] = q[end].view(HQ, D)
         k = torch.cat([r.k[layer.layer_id] for r in reqs])
         v = torch.cat([r.v[layer.layer_id] for r in reqs])
         backend.forward_extend(q, k.reshape(n, -1), v.reshape(n, -1), layer, fb)
@@ -85,10 +88,11 @@ def test_tsp_prefill_propagates_then_decodes_like_fastkvs_two_engines(daemon):
         late.add_request(s)
         early.begin_prefill(s, r.prompt)
         for layer in range(2):
-            early.prefill_layer(s, layer, r.k[layer], r.v[layer])
+            early.prefill_layer(s, layer, r.k[layer], r.v[layer], r.q[layer][-1])
         late.begin_prefill(s, len(kk))
         late.prefill_layer(s, 0, kk, vv)
         slots.append(s)
+    early.fill_slots(slots)  # as the backend fills the first engine's slots from staging (not the later engine's)
     lay = layers()
     for step in range(24):
         fb = decode_batch(reqs, pad_to=4 if step % 2 else None)
