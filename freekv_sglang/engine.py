@@ -662,7 +662,7 @@ class FreeKVEngine:
             return
         for s in slots:
             self._check_slot(s)
-        B, p, H, D = len(slots), self.cfg.page_size, self.shape.num_kv_heads, self.shape.head_dim
+        B, p = len(slots), self.cfg.page_size
         if staged is not None and tuple(staged[1].shape[:1]) != (B,):
             raise ValueError(f"staged pages must hold one row per slot ({B}), got {tuple(staged[1].shape)}")
         host = torch.tensor([slots, [self._len[s] + 1 for s in slots]], dtype=torch.int32)
@@ -670,8 +670,6 @@ class FreeKVEngine:
         self._step_lens[:B].copy_(host[1], non_blocking=True)
         plan = self.plan(B)  # the first decode step's candidates; that step plans again
         rows = plan.req_slots.long()
-        if staged is not None:
-            head = torch.arange(H, device=self.device)[None, :, None]
         for layer in range(self.shape.num_layers):
             if self.dense[layer]:
                 continue
@@ -686,13 +684,8 @@ class FreeKVEngine:
                                       self.page_table, self.slot_table[layer], plan.req_slots, plan.slot_pages, recall,
                                       PHASE_NOW, p)
                 continue
-            # Every filled (row, head, slot) from its staging page; empty ones write engine page 0, the dummy.
-            logical = self.slot_table[layer][rows]  # [B, H, k]
-            filled = logical >= 0
-            src = torch.where(filled, staged[1].gather(1, logical.clamp(min=0).flatten(1).long()).view_as(logical), 0)
-            dst = torch.where(filled, plan.slot_pages[:, None, :].long(), 0)
-            for out, buf in zip((self.k_cache[layer], self.v_cache[layer]), staged[0](layer)):
-                out.view(-1, p, H, D)[dst, :, head] = buf.view(-1, p, H, D)[src, :, head]
+            self.ops.staged_to_slots(*staged[0](layer), staged[1], self.slot_table[layer], plan.req_slots,
+                                     plan.slot_pages, self.k_cache[layer], self.v_cache[layer], p)
 
     # ---- decode ------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ _OPS = {
     "recall_pages": ("recall", "recall_pages"),
     "pages_from_host": ("page_copy", "pages_from_host"),  # whole prompts: radix prefix sharing
     "pages_to_host": ("page_copy", "pages_to_host"),
+    "staged_to_slots": ("page_copy", "staged_to_slots"),  # engine.fill_slots: a prefill's slots from its staging
     "query_similarity": ("query_similarity", "query_similarity"),
     "score_pages": ("page_select", "score_pages"),
     "select_chain": ("select_chain", "select_chain"),  # pooling, churn replay and select_slots in one launch

@@ -24,3 +24,20 @@ def naive_pages_to_host(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, ho
     idx = rows.long().to(k.device)
     for i, src in enumerate((k, v)):
         host_layer[dst, :, i] = src[idx].view(-1, p, H, D).transpose(1, 2).to("cpu", host_layer.dtype)
+
+
+def naive_staged_to_slots(src_k: torch.Tensor, src_v: torch.Tensor, stage_pages: torch.Tensor, slots: torch.Tensor,
+                          req_slots: torch.Tensor, slot_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          page_size: int) -> None:
+    """Fill selection slots from pages still staged on the GPU (NHD src_k / src_v [T, H, D]): for every row b, head h
+    and slot s whose logical page j = slots[req_slots[b], h, s] is not -1, rows slot_pages[b, s] * p .. + p of head h
+    of k / v take rows stage_pages[b, j] * p .. + p of head h of src_k / src_v. stage_pages [B, W], slots [R, H, n],
+    slot_pages [B, n]."""
+    p = page_size
+    t = torch.arange(p, device=k.device)
+    for b, r in enumerate(req_slots.tolist()):
+        for h, s in (slots[r] >= 0).nonzero().tolist():
+            src = int(stage_pages[b, int(slots[r, h, s])]) * p + t
+            dst = int(slot_pages[b, s]) * p + t
+            k[dst, h] = src_k[src, h].to(k.dtype)
+            v[dst, h] = src_v[src, h].to(v.dtype)

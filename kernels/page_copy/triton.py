@@ -1,4 +1,5 @@
-"""Page copies between the HND host arena and NHD token rows on the GPU, one zero-copy kernel each way.
+"""Page copies between the HND host arena and NHD token rows on the GPU, one zero-copy kernel each way, and from
+staging pages into selection slots, GPU to GPU.
 
 On CUDA the arena is pinned (or cudaHostRegister'ed) host memory that the kernels dereference over UVA, like
 recall_pages: a page of one KV head is one contiguous host chunk per K and V, read or written in one PCIe transfer,
@@ -82,3 +83,64 @@ def pages_to_host(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, host_lay
                   host_pages: torch.Tensor) -> None:
     """See naive_pages_to_host. Asynchronous on the current stream: synchronise before the host reads the pages."""
     _copy(host_layer, host_pages, k, v, rows, to_host=True)
+
+
+@triton.jit
+def _staged_to_slots_kernel(
+    sk_ptr, sv_ptr, stage_ptr, slots_ptr, req_ptr, slot_pages_ptr, k_ptr, v_ptr,
+    H, D, N,
+    s_skt, s_skh, s_svt, s_svh, s_stage, s_sr, s_sh, s_sp,
+    s_kt, s_kh, s_vt, s_vh,
+    PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (row b * N + slot s, head h): copies the [PAGE, D] tile of K and of V of the slot's logical page from
+    its staging page, or nothing for an empty slot."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    b = i // N
+    s = i % N
+    r = tl.load(req_ptr + b).to(tl.int64)
+    j = tl.load(slots_ptr + r * s_sr + h * s_sh + s)
+    if j >= 0:
+        src = tl.load(stage_ptr + b * s_stage + j).to(tl.int64) * PAGE
+        dst = tl.load(slot_pages_ptr + b * s_sp + s).to(tl.int64) * PAGE
+        t = tl.arange(0, PAGE).to(tl.int64)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = d < D
+        kt = tl.load(sk_ptr + (src + t) * s_skt + h * s_skh + d, mask=mask)
+        vt = tl.load(sv_ptr + (src + t) * s_svt + h * s_svh + d, mask=mask)
+        tl.store(k_ptr + (dst + t) * s_kt + h * s_kh + d, kt.to(k_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + (dst + t) * s_vt + h * s_vh + d, vt.to(v_ptr.dtype.element_ty), mask=mask)
+
+
+def staged_to_slots(src_k: torch.Tensor, src_v: torch.Tensor, stage_pages: torch.Tensor, slots: torch.Tensor,
+                    req_slots: torch.Tensor, slot_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    page_size: int) -> None:
+    """See naive_staged_to_slots. One launch, asynchronous on the current stream."""
+    check_device(src_k, src_v, stage_pages, slots, req_slots, slot_pages, k, v)
+    check_index_vectors(req_slots=req_slots)
+    B, N = slot_pages.shape
+    H, D = k.shape[1:]
+    p = page_size
+    if p & (p - 1):
+        raise ValueError(f"page size {p} must be a power of two")
+    for name, t in (("src_k", src_k), ("src_v", src_v), ("k", k), ("v", v)):
+        if t.dim() != 3 or t.shape[1:] != (H, D) or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be [T, {H}, {D}] with a contiguous head dim, got {tuple(t.shape)}")
+    if slots.dim() != 3 or slots.shape[1:] != (H, N) or slots.stride(-1) != 1:
+        raise ValueError(f"slots must be [R, {H}, {N}] (contiguous slots), got {tuple(slots.shape)}")
+    if stage_pages.dim() != 2 or stage_pages.shape[0] != B or req_slots.numel() != B or stage_pages.stride(-1) != 1:
+        raise ValueError(f"stage_pages [{B}, W] and req_slots [{B}] must hold one row per slot_pages row, got "
+                         f"{tuple(stage_pages.shape)} and {tuple(req_slots.shape)}")
+    if slot_pages.stride(-1) != 1:
+        raise ValueError("slot_pages must have contiguous columns")
+    if B * N == 0:
+        return
+    _staged_to_slots_kernel[(B * N, H)](
+        src_k, src_v, stage_pages, slots, req_slots, slot_pages, k, v,
+        H, D, N,
+        src_k.stride(0), src_k.stride(1), src_v.stride(0), src_v.stride(1), stage_pages.stride(0),
+        slots.stride(0), slots.stride(1), slot_pages.stride(0),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        PAGE=p, BLOCK_D=triton.next_power_of_2(D), num_warps=4,
+    )

@@ -1,10 +1,12 @@
 """pages_from_host / pages_to_host against their torch references: whole pages of every KV head between the HND host
-arena and NHD token rows anywhere in a buffer; nothing else is written."""
+arena and NHD token rows anywhere in a buffer; staged_to_slots: staging pages into selection slots, GPU to GPU.
+Nothing else is written."""
 
 import pytest
 import torch
 
-from freekv_kernels.page_copy import naive_pages_from_host, naive_pages_to_host, pages_from_host, pages_to_host
+from freekv_kernels.page_copy import (naive_pages_from_host, naive_pages_to_host, naive_staged_to_slots,
+                                      pages_from_host, pages_to_host, staged_to_slots)
 from freekv_kernels.testing import assert_close, device
 
 DEV = device()
@@ -87,3 +89,48 @@ def test_bad_shapes_are_refused():
         pages_from_host(host, pages, k, k.clone(), torch.arange(31, device=DEV))
     with pytest.raises(ValueError, match="disagree"):
         pages_from_host(host, pages, torch.zeros(64, 3, 64, device=DEV), k, torch.arange(32, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,D,p", SHAPES)
+def test_staged_to_slots_fills_exactly_the_held_slots(H, D, p, dtype):
+    """Rows of three request slots (one twice over, in a batch of padding-like order), some slots empty: each held
+    slot's tile comes from its staging page, head by head; every other row of the slot buffer stays poisoned."""
+    g = torch.Generator().manual_seed(H * 100 + D + p)
+    R, N, W, B = 5, 4, 6, 3
+    req = torch.tensor([3, 0, 4], dtype=torch.int32)
+    slots = torch.randint(-1, W, (R, H, N), generator=g, dtype=torch.int32)
+    slots[3, 0] = -1  # a head with nothing selected
+    stage = torch.stack([torch.randperm(2 * W, generator=g)[:W] for _ in range(B)]).int()  # [B, W]
+    slot_pages = (torch.randperm(B * N + 2, generator=g)[:B * N] + 1).view(B, N).int()  # page 0 untouched
+    T, Ts = (B * N + 3) * p, 2 * W * p
+    src_k, src_v = (torch.randn(Ts, H, D, generator=g).to(dtype) for _ in range(2))
+    ref_k, ref_v = (torch.full((T, H, D), float("nan"), dtype=dtype) for _ in range(2))
+    naive_staged_to_slots(src_k, src_v, stage, slots, req, slot_pages, ref_k, ref_v, p)
+    k, v = (torch.full((T, H, D), float("nan"), dtype=dtype, device=DEV) for _ in range(2))
+    staged_to_slots(src_k.to(DEV), src_v.to(DEV), stage.to(DEV), slots.to(DEV), req.to(DEV), slot_pages.to(DEV), k, v,
+                    p)
+    held = torch.zeros(T, H, dtype=torch.bool)
+    for b, r in enumerate(req.tolist()):
+        for h, s in (slots[r] >= 0).nonzero().tolist():
+            held[int(slot_pages[b, s]) * p:(int(slot_pages[b, s]) + 1) * p, h] = True
+    assert held.any() and not held.all()
+    for name, ref, out in (("k", ref_k, k.cpu()), ("v", ref_v, v.cpu())):
+        assert_close(name, ref[held], out[held], atol=0, rtol=0)
+        assert torch.isnan(out[~held]).all(), f"{name}: a row of an empty slot (or of no slot) was written"
+    # The reference itself: slot 1 of row 2's head 0 holds logical page j, token p - 1.
+    j = int(slots[4, 0, 1])
+    if j >= 0:
+        assert torch.equal(ref_k[int(slot_pages[2, 1]) * p + p - 1, 0], src_k[int(stage[2, j]) * p + p - 1, 0])
+
+
+def test_staged_to_slots_refuses_disagreeing_shapes():
+    k = torch.zeros(64, 2, 64, device=DEV)
+    req = torch.zeros(2, dtype=torch.int32, device=DEV)
+    stage = torch.zeros(2, 3, dtype=torch.int32, device=DEV)
+    slot_pages = torch.zeros(2, 4, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="slots must be"):
+        staged_to_slots(k, k, stage, torch.zeros(3, 2, 5, dtype=torch.int32, device=DEV), req, slot_pages, k, k, 16)
+    with pytest.raises(ValueError, match="one row per"):
+        staged_to_slots(k, k, stage[:1], torch.zeros(3, 2, 4, dtype=torch.int32, device=DEV), req, slot_pages, k, k,
+                        16)
