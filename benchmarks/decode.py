@@ -227,6 +227,7 @@ def batch_figures(ok: list[dict], output_len: int) -> dict:
     return {
         "tpot_ms_p50": round(1000 * statistics.median(r["tpot_s"] for r in ok), 3),
         "ttft_s_p50": round(statistics.median(r["ttft_s"] for r in ok), 3),
+        **ttft_spread([r["ttft_s"] for r in ok]),
         "decode_s": round(decode_s, 3),
         "decoding_together": sum(r["latency_s"] > last_first for r in ok),
         # TPOT p50 counts the stalls while later requests of the batch prefill; this is the pure decode step.
@@ -234,6 +235,15 @@ def batch_figures(ok: list[dict], output_len: int) -> dict:
         "output_tok_per_s": round(len(ok) * (output_len - 1) / max(decode_s, 1e-9), 1),
         **step_timeline(ok, last_first),
     }
+
+
+def ttft_spread(ttfts: list[float]) -> dict:
+    """Prompts sent at once prefill one after another: the first request's TTFT is the server's delay before it starts
+    (queueing, hashing, any one-time work) plus one prefill, and the median gap between consecutive TTFTs is one
+    prefill. The median TTFT mixes both."""
+    t = sorted(ttfts)
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    return {"ttft_first_s": round(t[0], 3), "ttft_gap_s": round(statistics.median(gaps), 3) if gaps else None}
 
 
 def step_timeline(ok: list[dict], last_first: float) -> dict:
@@ -315,7 +325,7 @@ def print_table(result: dict) -> None:
     full = {c["batch"]: c for c in result["cells"] if c["config"] == "full" and "step_ms" in c}
     print(f"\n{result['gpu']}, {result['shape']}, context {result['context']}, {result['output_len']} new tokens; FreeKV {result['freekv_args']}")
     print(f"{'config':<16} {'batch':>5} {'step ms':>8} {'x full':>7} {'p50 ms':>7} {'1st ms':>7} {'TPOT p50':>9} "
-          f"{'tok/s':>8} {'TTFT s':>7} "
+          f"{'tok/s':>8} {'TTFT s':>7} {'1st s':>6} {'gap s':>6} "
           f"{'corr':>5} {'changed':>7} {'recall GB/s':>11} {'pool tok':>9} {'GB/req':>7} {'max conc':>8} "
           f"{'ran/queued':>10}")
     for c in result["cells"]:
@@ -331,7 +341,8 @@ def print_table(result: dict) -> None:
               f"{c.get('step_ms_p50', float('nan')):>7.2f} {c.get('first_step_ms', float('nan')):>7.1f} "
               f"{c['tpot_ms_p50']:>9.2f} "
               f"{c['output_tok_per_s']:>8.1f} "
-              f"{c['ttft_s_p50']:>7.2f} {c.get('correction_rate', float('nan')):>5.2f} "
+              f"{c['ttft_s_p50']:>7.2f} {c.get('ttft_first_s', float('nan')):>6.2f} "
+              f"{c.get('ttft_gap_s') or float('nan'):>6.3f} {c.get('correction_rate', float('nan')):>5.2f} "
               f"{c.get('changed_share') or float('nan'):>7.3f} "
               f"{c.get('recall_gbps') or float('nan'):>11.2f} {c.get('gpu_pool_tokens') or 0:>9} "
               f"{c.get('kv_gb_per_request', float('nan')):>7.3f} {c.get('max_concurrent') or 0:>8} "

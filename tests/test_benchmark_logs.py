@@ -52,6 +52,9 @@ def test_batch_figures_flag_a_batch_that_never_decoded_together():
     together = decode.batch_figures([req(9.8), req(9.9), req(10.0, 1.3), req(10.1, 1.2)], 128)
     assert together["decoding_together"] == 4
     assert together["decode_s"] == round(10.0 + 1.3 - 10.1, 3) and together["ttft_s_p50"] == 9.95
+    # The first prefill began late (5 s of queueing), then one prefill each ~1.2 s: the median TTFT hides which.
+    late = decode.batch_figures([req(t) for t in (6.2, 8.6, 7.4, 9.9)], 128)
+    assert late["ttft_first_s"] == 6.2 and late["ttft_gap_s"] == 1.2 and late["ttft_s_p50"] == 8.0
 
 
 def test_step_timeline_finds_the_slow_steps_the_mean_hides():
