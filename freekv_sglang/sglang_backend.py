@@ -656,8 +656,10 @@ class FreeKVAttnBackend(AttentionBackend):
                 if local == 0:
                     late.begin_prefill(slot, m)
                     self._tsp_drop[slot] = n - m
-                late.prefill_layer(slot, local, k3[rows], v3[rows])
+                late.prefill_layer(slot, local, k3[rows], v3[rows], q3[start + m - 1])  # the prompt's last token
             start += m
+        if local == late.shape.num_layers - 1:  # the later layers' slots too, from the host (no staging here)
+            late.fill_slots([slot for slot, _ in self._tsp_rows if slot not in self._lost])
         return out.reshape(-1, s.num_q_heads * s.head_dim)
 
     def _reads_chunk_from_pool(self) -> bool:

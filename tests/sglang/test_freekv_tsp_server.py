@@ -20,7 +20,7 @@ from test_freekv_backend import CFG, CTX, D, H, HQ, L, Request, daemon, decode_b
     make_backend  # noqa: F401 (daemon: the module's fixture)
 from freekv_sglang.sglang_backend import on_request_freed
 
-TSP = dataclasses.replace(CFG, prefill="tsp", tsp_layer=1, tsp_keep=40)  # layer 0 dense, 1 the TSP layer, 2 later
+TSP = dataclasses.replace(CFG, prefill="tsp", tsp_layer=1, tsp_keep=100)  # layer 0 dense, 1 the TSP layer, 2 later
 
 
 def causal(q, k, v):
@@ -30,8 +30,8 @@ def causal(q, k, v):
 
 
 def tsp_prefill(backend, reqs, g):
-    """One extend batch of whole prompts through every layer; returns each prompt's propagated positions and the later
-    layer's K/V of them."""
+    """One extend batch of whole prompts through every layer; returns each prompt's propagated positions, the later
+    layer's K/V of them and its last query there."""
     fb, _ = extend_batch(reqs, 10_000)
     backend.init_forward_metadata(fb)
     n = sum(r.prompt for r in reqs)
@@ -61,21 +61,22 @@ def tsp_prefill(backend, reqs, g):
     m = sum(len(idx) for idx in kept)
     q = torch.randn(m, HQ * D, generator=g)
     out = backend.forward_extend(q, torch.cat(late_k).reshape(m, -1), torch.cat(late_v).reshape(m, -1), lay[2], fb)
-    start = 0
+    start, late_q = 0, []
     for kk, vv in zip(late_k, late_v):  # each prompt's propagated tokens attend causally among themselves
         rows = slice(start, start + len(kk))
         torch.testing.assert_close(out[rows].view(-1, HQ, D), causal(q[rows].view(-1, HQ, D), kk, vv))
+        late_q.append(q[start + len(kk) - 1].view(HQ, D))  # the last propagated token's: the prompt's last
         start += len(kk)
     for r in reqs:
         r.n = r.prompt
-    return kept, late_k, late_v
+    return kept, late_k, late_v, late_q
 
 
 def test_tsp_prefill_propagates_then_decodes_like_fastkvs_two_engines(daemon):
     backend, runner = make_backend(daemon, cfg=TSP, tsp=Propagation())
     g = torch.Generator().manual_seed(0)
     reqs = [Request(runner, 3, 150), Request(runner, 5, 30)]  # the second propagates whole
-    kept, late_k, late_v = tsp_prefill(backend, reqs, g)
+    kept, late_k, late_v, late_q = tsp_prefill(backend, reqs, g)
     assert [len(x) for x in kept] == [TSP.tsp_keep, 30]
     assert backend.engine.seq_len(3) == 150 and backend.late.seq_len(3) == TSP.tsp_keep
     assert runner.token_to_kv_pool.staging.free_pages == 40  # the prompts completed: staging released
@@ -83,16 +84,21 @@ def test_tsp_prefill_propagates_then_decodes_like_fastkvs_two_engines(daemon):
     early, late = tsp_engines(TSP, ModelShape(L, HQ, H, D), max_requests=2, max_context=CTX, dtype=torch.float32,
                               device="cpu", backend="torch")
     slots = []
-    for r, kk, vv in zip(reqs, late_k, late_v):
+    for r, kk, vv, ql in zip(reqs, late_k, late_v, late_q):
         s = early.add_request()
         late.add_request(s)
         early.begin_prefill(s, r.prompt)
         for layer in range(2):
             early.prefill_layer(s, layer, r.k[layer], r.v[layer], r.q[layer][-1])
         late.begin_prefill(s, len(kk))
-        late.prefill_layer(s, 0, kk, vv)
+        late.prefill_layer(s, 0, kk, vv, ql)
         slots.append(s)
-    early.fill_slots(slots)  # as the backend fills the first engine's slots from staging (not the later engine's)
+    early.fill_slots(slots)  # as the backend fills the first engine's slots from staging, the later one's from the host
+    late.fill_slots(slots)
+    for mine, ref in ((backend.engine, early), (backend.late, late)):  # the same pages and last queries, both engines
+        assert (ref.slot_table[:, slots] >= 0).any()
+        assert torch.equal(mine.slot_table[:, [3, 5]], ref.slot_table[:, slots])
+        assert torch.equal(mine.prev_q[:, [3, 5]], ref.prev_q[:, slots])
     lay = layers()
     for step in range(24):
         fb = decode_batch(reqs, pad_to=4 if step % 2 else None)
@@ -119,9 +125,9 @@ def test_tsp_prefill_propagates_then_decodes_like_fastkvs_two_engines(daemon):
     assert not backend.engine.is_active(3) and not backend.late.is_active(3) and 3 not in backend._tsp_drop
     for layer in lay:
         backend.forward_decode(torch.randn(1, HQ * D), torch.randn(1, H * D), torch.randn(1, H * D), layer, fb)
-    new = Request(runner, 3, 90)
+    new = Request(runner, 3, 130)
     tsp_prefill(backend, [new], g)
-    assert backend.late.seq_len(3) == TSP.tsp_keep and backend._tsp_drop[3] == 90 - TSP.tsp_keep
+    assert backend.late.seq_len(3) == TSP.tsp_keep and backend._tsp_drop[3] == 130 - TSP.tsp_keep
 
 
 def test_tsp_refuses_a_chunked_prompt_and_a_missing_layer_hook(daemon):
