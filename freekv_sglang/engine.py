@@ -669,13 +669,12 @@ class FreeKVEngine:
         self._step_slots[:B].copy_(host[0], non_blocking=True)
         self._step_lens[:B].copy_(host[1], non_blocking=True)
         plan = self.plan(B)  # the first decode step's candidates; that step plans again
-        rows = plan.req_slots.long()
+        queries = self.prev_q[:, plan.req_slots.long()]  # [L, B, Hq, D]
+        heads = torch.ones(B, self.shape.num_kv_heads, dtype=torch.bool, device=self.device)  # every head selects
         for layer in range(self.shape.num_layers):
             if self.dense[layer]:
                 continue
-            heads = self._now_heads[layer][:B].fill_(True)
-            recall = self._recall[layer][:B]
-            q = self.prev_q[layer][rows]
+            recall, q = self._recall[layer][:B], queries[layer]
             self.ops.select_chain(self.selector.fill_input(plan, layer, q, heads, PHASE_NOW), self.slot_table[layer],
                                   plan.req_slots, heads, PHASE_NOW, heads, recall, self.cfg.recall == "all", None,
                                   self.pad_slot)
