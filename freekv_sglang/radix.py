@@ -101,7 +101,6 @@ class PrefixSharing:
         self._slot_prefix: dict[int, list[int]] = {}
         self.hits = self.hit_tokens = self.exported_pages = self.export_failures = 0
         self.export_s = 0.0  # time the scheduler spent in export (its syncs, hashing and RETAIN_CHAIN)
-        self._stream: torch.cuda.Stream | None = None  # _export_stream
         self.cut_matches = self.cut_pages = 0  # matches pinned short of the arena's hit for lack of staging room
         self.deferred_matches = 0  # matches that waited for staging room instead
         self.ranking = False  # inside the scheduling policy's ranking of the waiting queue (tree matches only)
@@ -259,37 +258,16 @@ class PrefixSharing:
             pool = b.pool
             staged = (lambda layer: (pool.get_key_buffer(layer), pool.get_value_buffer(layer)),
                       self.prefix_staging(slot) + b.staging.pages(slot))
-        # A decoding request's pages: on a side stream that waits for the steps that wrote them, not for the step the
-        # overlap scheduler launched since (it writes none of them: its token lands past them, and the window page it
-        # offloads is complete, the bytes this export writes). Without such a mark, after the whole device.
-        mark = None if staged is not None or eng.device.type != "cuda" else b.step_marks.written_by(slot, num_pages * p)
-        if mark is None and eng.device.type == "cuda" and staged is None:
-            torch.cuda.synchronize(eng.device)
-        stream = self._export_stream(mark)
         try:
-            with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
-                pages = eng.export_prefix(slot, num_pages, staged)
-                self._export_dense(slot, pages, done)
+            pages = eng.export_prefix(slot, num_pages, staged)
         except HostPagesUnavailable as e:
             # No host pages for its sink (arena full, daemon refusing): the prompt is not shared, the request goes on;
             # the tree's matches are cut to what the arena retained.
             self.export_failures += 1
             logger.warning("FreeKV: a prompt of %d pages is not shared: %s", num_pages, e)
             return 0
-        if stream is not None:
-            stream.synchronize()  # the pages whole in the arena before they are retained
-        elif eng.device.type == "cuda":
-            torch.cuda.synchronize(eng.device)
+        self._export_dense(slot, pages, done)
         return self._retain(req, slot, pages, done, staged)
-
-    def _export_stream(self, mark) -> torch.cuda.Stream | None:
-        """The stream of exports that wait for a mark (made waiting for it), else None: the caller's stream."""
-        if mark is None:
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.backend.engine.device)
-        self._stream.wait_event(mark)
-        return self._stream
 
     def _retain(self, req: Any, slot: int, pages: list[int], done: int, staged) -> int:
         """Retain a slot's exported pages (whole in the arena) under the chain keys of req's tokens: the pages past
@@ -349,6 +327,8 @@ class PrefixSharing:
             if eng.dense[layer]:
                 eng.ops.pages_to_host(pool.get_key_buffer(layer), pool.get_value_buffer(layer), rows,
                                       eng.host.arena[:, layer], dst)
+        if eng.device.type == "cuda":  # export_prefix's pages and these in the arena before they are retained
+            torch.cuda.synchronize(eng.device)
 
     # ---- forward side --------------------------------------------------------------------------
 

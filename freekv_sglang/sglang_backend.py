@@ -39,7 +39,6 @@ from .engine import FreeKVEngine, ModelShape, merged_stats, tsp_engines
 from .kvstore_pool import HostPagesUnavailable, KVStoreHostPool, stable_client_id
 from .radix import PrefixSharing, fill_prefix_staging, namespace_of, prefix_fill_index
 from .server_args import host_page_bytes, host_page_capacity
-from .streams import StepMarks
 from .tsp_propagation import causal_attention, pick
 
 logger = logging.getLogger(__name__)
@@ -187,8 +186,6 @@ class FreeKVAttnBackend(AttentionBackend):
         self._prefix_fill: list[tuple[int, int]] = []  # (staging page, host page) of hit prefixes to fill per layer
         self._prefix_index: tuple[torch.Tensor, torch.Tensor] | None = None  # their device indices (prefix_fill_index)
         self._steps = 0
-        # Radix sharing: where each decode step began, for exports that wait only for the steps that wrote their pages.
-        self.step_marks = StepMarks(self.engine.streams.record)
         self._metrics = metrics.engine_metrics()  # None unless SGLang exports this scheduler's metrics
         if self._metrics is not None:
             # Before SGLang captures its decode graphs; a few layers only: every timed layer costs ~12 us a step.
@@ -249,7 +246,6 @@ class FreeKVAttnBackend(AttentionBackend):
             self._generation.pop(slot, None)
             self._lost.pop(slot, None)
             self._forward_export.pop(slot, None)
-            self.step_marks.forget(slot)
         self._freed.clear()
 
     def _engines(self) -> list[FreeKVEngine]:
@@ -326,7 +322,6 @@ class FreeKVAttnBackend(AttentionBackend):
                 self._unstage(slot)
                 self._lost.pop(slot, None)
                 self._forward_export.pop(slot, None)
-                self.step_marks.forget(slot)
                 self._tsp_drop.pop(slot, None)
                 eng.add_request(slot, owner=None if pin is None else pin.owner)
                 if self.late is not None:
@@ -492,8 +487,6 @@ class FreeKVAttnBackend(AttentionBackend):
                 raise RuntimeError(f"request slot {slot} reached decode though its host pages are lost "
                                    f"({self._lost[slot]}): freekv_patches' scheduler hook did not take it out")
         pad = [1] * (fb.batch_size - raw_bs)
-        if self.radix is not None:
-            self.step_marks.begin(slots, lens)
         for eng, head in self._heads():  # the first engine first: the late one writes into its host pages
             if eng is self.late:
                 lens = [n - self._tsp_drop[slot] for slot, n in zip(slots, lens)]

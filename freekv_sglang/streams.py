@@ -5,9 +5,7 @@ On CPU everything runs in program order and these helpers do nothing.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-from collections.abc import Callable
 
 import torch
 
@@ -97,46 +95,3 @@ class StepTimer:
             sel, rec = out.get(phase, (0.0, 0.0))
             out[phase] = (sel + start.elapsed_time(selected) / 1e3, rec + recalling.elapsed_time(recalled) / 1e3)
         return {phase: (sel * self.scale, rec * self.scale) for phase, (sel, rec) in out.items()}
-
-
-class StepMarks:
-    """Where each decode step began on the forward stream (an event recorded before its work is queued) and the steps
-    each request slot decoded in, so that a host-side reader of a slot's first tokens (the radix export at a finish)
-    waits for the steps that wrote them and not for the step the overlap scheduler launched since. record() makes
-    the mark (None: nothing to wait on, e.g. on CPU)."""
-
-    def __init__(self, record: Callable[[], object | None], keep: int = 64):
-        self._record, self._keep = record, keep
-        self._marks: collections.OrderedDict[int, object] = collections.OrderedDict()  # step -> its start mark
-        self._slots: dict[int, tuple[int, int, int]] = {}  # slot -> (its first step, its last, its length then)
-        self._step = 0
-
-    def begin(self, slots: list[int], lens: list[int]) -> None:
-        """A decode step starts: slots[i] grows to lens[i] tokens (writing token lens[i] - 1)."""
-        mark = self._record()
-        if mark is not None:
-            self._marks[self._step] = mark
-            while len(self._marks) > self._keep:
-                self._marks.popitem(last=False)
-        for slot, n in zip(slots, lens):
-            self._slots[slot] = (self._slots.get(slot, (self._step,))[0], self._step, n)
-        self._step += 1
-
-    def forget(self, slot: int) -> None:
-        """The slot holds a new request (or none)."""
-        self._slots.pop(slot, None)
-
-    def written_by(self, slot: int, tokens: int):
-        """A mark after which the work of every step that wrote the slot's first `tokens` tokens is done (the
-        prefill's too: it precedes the slot's first step), or None when no mark is known to follow it: the slot
-        never decoded, or its writer is the last step begun. A step the slot sat out makes the answer later, never
-        earlier."""
-        entry = self._slots.get(slot)
-        if entry is None:
-            return None
-        first, last, n = entry
-        writer = max(first, last - (n - tokens))  # the last step wrote token n - 1
-        for step, mark in self._marks.items():
-            if step > writer:
-                return mark
-        return None
