@@ -596,8 +596,8 @@ class FreeKVAttnBackend(AttentionBackend):
         ext = self._extend
         if ext is not None:
             if ext.last_rows is not None:  # the completed prompts' last queries, as prefill_layer's q_last
-                s = self.shape
-                self.engine.prev_q[lid][ext.last_slots] = q.reshape(-1, s.num_q_heads, s.head_dim)[ext.last_rows]
+                s, prev = self.shape, self.engine.prev_q[lid]  # in the KV cache's dtype, as the decode step keeps it
+                prev[ext.last_slots] = q.reshape(-1, s.num_q_heads, s.head_dim)[ext.last_rows].to(prev.dtype)
                 self.engine.has_prev[lid][ext.last_slots] = True
             kb, vb = self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid)
             self.engine.store_staged(lid, kb, vb, ext.offload_src, ext.offload_dst, ext.offload_valid,

@@ -481,3 +481,18 @@ def test_a_staged_layer_bounds_its_writes_by_its_staging_rows(monkeypatch):
     assert seen == [(STAGING + 1) * P, 64 + P]
     rows = torch.arange((STAGING - 1) * P, STAGING * P)
     assert torch.equal(pool.k_buffer[1][rows], k) and torch.equal(pool.v_buffer[0][loc], v)
+
+
+def test_the_last_query_is_seeded_in_the_engines_dtype(daemon, monkeypatch):
+    """prev_q is kept in the KV cache's dtype (an FP8 cache's, under SGLang): the extend's last query is cast into it,
+    where an index put of another dtype would raise."""
+    backend, runner = make_backend(daemon)
+    eng = backend.engine
+    eng.prev_q = eng.prev_q.to(torch.bfloat16)  # stands for a KV cache dtype other than the query's
+    monkeypatch.setattr(eng, "fill_slots", lambda *a, **k: None)  # its kernels take the engine's one dtype
+    reqs = [Request(runner, 2, 70), Request(runner, 4, 45)]
+    prefill(backend, reqs, 32)
+    for layer in range(CFG.dense_layers, L):
+        for r in reqs:
+            assert torch.equal(eng.prev_q[layer, r.slot], r.q[layer][-1].to(torch.bfloat16))
+    assert eng.has_prev[CFG.dense_layers:, [2, 4]].all() and not eng.has_prev[:CFG.dense_layers].any()
