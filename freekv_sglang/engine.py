@@ -665,9 +665,7 @@ class FreeKVEngine:
         B, p = len(slots), self.cfg.page_size
         if staged is not None and tuple(staged[1].shape[:1]) != (B,):
             raise ValueError(f"staged pages must hold one row per slot ({B}), got {tuple(staged[1].shape)}")
-        host = torch.tensor([slots, [self._len[s] + 1 for s in slots]], dtype=torch.int32)
-        self._step_slots[:B].copy_(host[0], non_blocking=True)
-        self._step_lens[:B].copy_(host[1], non_blocking=True)
+        self._upload_step(slots, [self._len[s] + 1 for s in slots])
         plan = self.plan(B)  # the first decode step's candidates; that step plans again
         queries = self.prev_q[:, plan.req_slots.long()]  # [L, B, Hq, D]
         heads = torch.ones(B, self.shape.num_kv_heads, dtype=torch.bool, device=self.device)  # every head selects
@@ -730,11 +728,15 @@ class FreeKVEngine:
             raise ValueError(f"pad_to={pad_to} must lie in [{len(slots)}, {self.num_slots}]")
         if len(slots) + pad > self._step_slots.shape[0]:
             raise ValueError(f"batch of {len(slots) + pad} rows exceeds {self._step_slots.shape[0]}")
-        host = torch.tensor([slots + [self.pad_slot] * pad, lens_out + [1] * pad], dtype=torch.int32)
-        self._step_slots[:host.shape[1]].copy_(host[0], non_blocking=True)
-        self._step_lens[:host.shape[1]].copy_(host[1], non_blocking=True)
+        self._upload_step(slots + [self.pad_slot] * pad, lens_out + [1] * pad)
         self._stat_checks += len(slots) * self.shape.num_kv_heads
         self._stat_steps += 1
+
+    def _upload_step(self, slots: list[int], lens: list[int]) -> None:
+        """The first len(slots) rows of the static step buffers: request slots and their lengths after the step."""
+        host = torch.tensor([slots, lens], dtype=torch.int32)
+        self._step_slots[:len(slots)].copy_(host[0], non_blocking=True)
+        self._step_lens[:len(slots)].copy_(host[1], non_blocking=True)
 
     def attend(self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                attention: Attention | None = None) -> torch.Tensor:

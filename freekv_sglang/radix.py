@@ -255,9 +255,7 @@ class PrefixSharing:
                 # to be done (under the overlap scheduler it is still running): its staging and dense slots, and
                 # store_staged's offload of its pages, must be written before they are read and retained.
                 torch.cuda.synchronize(eng.device)
-            pool = b.pool
-            staged = (lambda layer: (pool.get_key_buffer(layer), pool.get_value_buffer(layer)),
-                      self.prefix_staging(slot) + b.staging.pages(slot))
+            staged = (b.layer_kv, self.prefix_staging(slot) + b.staging.pages(slot))
         try:
             pages = eng.export_prefix(slot, num_pages, staged)
         except HostPagesUnavailable as e:

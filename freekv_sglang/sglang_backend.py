@@ -599,7 +599,7 @@ class FreeKVAttnBackend(AttentionBackend):
                 s, prev = self.shape, self.engine.prev_q[lid]  # in the KV cache's dtype, as the decode step keeps it
                 prev[ext.last_slots] = q.reshape(-1, s.num_q_heads, s.head_dim)[ext.last_rows].to(prev.dtype)
                 self.engine.has_prev[lid][ext.last_slots] = True
-            kb, vb = self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid)
+            kb, vb = self.layer_kv(lid)
             self.engine.store_staged(lid, kb, vb, ext.offload_src, ext.offload_dst, ext.offload_valid,
                                      ext.resident_src, ext.resident_dst)
             for slot, staged in ext.whole:  # LouisKV: the prompt's clusters, now that all its keys are in
@@ -609,9 +609,7 @@ class FreeKVAttnBackend(AttentionBackend):
                 self.engine.end_step()
                 # Their slots, from the staging pages, before those are released: the first decode step then recalls
                 # only what its correction changes.
-                pool = self.pool
-                self.engine.fill_slots(ext.fill, staged=(lambda i: (pool.get_key_buffer(i), pool.get_value_buffer(i)),
-                                                         ext.fill_pages))
+                self.engine.fill_slots(ext.fill, staged=(self.layer_kv, ext.fill_pages))
                 if self.engine.device.type == "cuda" and any(s in self._forward_export for s in ext.completed):
                     done = torch.cuda.Event()
                     done.record()
@@ -622,6 +620,10 @@ class FreeKVAttnBackend(AttentionBackend):
                     self._unstage(slot)
                 self._extend = None
         return o
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """SGLang's pool buffers K, V [T, H, D] of a model layer: a sparse layer's rows are its staging pages."""
+        return self.pool.get_key_buffer(layer), self.pool.get_value_buffer(layer)
 
     def _pick_propagated(self, q, k) -> None:
         """The TSP layer: per prompt of the batch, the tokens that propagate past it (tsp_propagation.pick), handed to
