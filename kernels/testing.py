@@ -65,3 +65,22 @@ def run_without_interpreter(code: str) -> list[str]:
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout.split()
+
+
+def compiled_variants() -> dict[str, int]:
+    """Per Triton kernel of these ops (module.name), how many compiled variants this process holds, every device."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    counts = {}
+    pkg = importlib.import_module(__package__)
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if not info.ispkg:
+            continue
+        mod = importlib.import_module(f"{__package__}.{info.name}.triton")
+        for name, fn in vars(mod).items():
+            if isinstance(fn, JITFunction):  # device_caches: device -> (kernel cache, ...)
+                counts[f"{info.name}.{name}"] = sum(len(entry[0]) for entry in fn.device_caches.values())
+    return counts

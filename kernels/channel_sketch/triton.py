@@ -15,7 +15,7 @@ from ..page_select.triton import _heads_args
 from .naive import BITS
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_items"])
 def _channel_lse_kernel(
     q_ptr, codes_ptr, ch_ptr, step_ptr, pt_ptr, slots_ptr, cend_ptr, heads_ptr, lse_ptr,
     cand_start, M, scale, n_heads, n_chunks, n_items,

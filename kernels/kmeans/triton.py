@@ -19,7 +19,7 @@ UPDATE_TOKENS = 16  # LouisKV's clusters average 16 keys
 UPDATE_WARPS = 2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _kmeans_assign_kernel(
     keys_ptr, ops_ptr, assign_ptr, N, C,
     sk_h, sk_n, sk_d,

@@ -17,7 +17,7 @@ from ..channel_sketch.naive import LEVELS as CHANNEL_LEVELS
 from ..page_rerank.naive import CODE_BITS, LEVELS, PER_BYTE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N"])
 def _offload_pages_kernel(
     k_ptr,
     v_ptr,

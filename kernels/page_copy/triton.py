@@ -85,7 +85,7 @@ def pages_to_host(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, host_lay
     _copy(host_layer, host_pages, k, v, rows, to_host=True)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_stage"])
 def _staged_to_slots_kernel(
     sk_ptr, sv_ptr, stage_ptr, slots_ptr, req_ptr, slot_pages_ptr, k_ptr, v_ptr,
     H, D, N,

@@ -33,7 +33,7 @@ def _row_geometry(n, P: tl.constexpr, NS: tl.constexpr, K: tl.constexpr, NW: tl.
     return n_sink, n_slots, win_start, row_pages, (row_pages - 1) * P + (n - 1) % P + 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _plan_step_kernel(req_ptr, lens_ptr, pt_ptr, sparse_loc_ptr, row_ptr, row_pages_ptr, row_tokens_ptr,
                       row_start_ptr, n_sink_ptr, n_slots_ptr, lpl_ptr, cand_end_ptr, slot_pages_ptr, off_src_ptr,
                       off_dst_ptr, off_valid_ptr, dense_loc_ptr, dense_ptr, dense_pages_ptr, B, M, pad_slot,

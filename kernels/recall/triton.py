@@ -16,7 +16,7 @@ from .._utils import capped_grid, check_device, check_index_vectors
 from .naive import check_victim_args
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _recall_pages_kernel(
     host_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, req_ptr, spages_ptr, recall_ptr, vops_ptr,
     B, H, K, victim_base, V,

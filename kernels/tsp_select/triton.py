@@ -45,7 +45,7 @@ def _logits(q_ptr, k_ptr, h, j, n_keys, W, G, scale, sq_w, sq_h, sk_n, sk_h,
     return s * scale, w, row_ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "W", "T"])
 def _tsp_stats_kernel(q_ptr, k_ptr, mx_ptr, sm_ptr, n, W, G, T, scale, sq_w, sq_h, sk_n, sk_h,
                       D: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
                       UPCAST: tl.constexpr):
@@ -65,7 +65,7 @@ def _tsp_stats_kernel(q_ptr, k_ptr, mx_ptr, sm_ptr, n, W, G, T, scale, sq_w, sq_
     tl.store(sm_ptr + out, l, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "W"])
 def _tsp_scores_kernel(q_ptr, k_ptr, lse_ptr, scores_ptr, P, H, W, G, scale, inv_hq, sq_w, sq_h, sk_n, sk_h,
                        D: tl.constexpr, RP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
                        UPCAST: tl.constexpr):

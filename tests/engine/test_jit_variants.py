@@ -1,0 +1,108 @@
+"""A prompt's path through the engine compiles nothing new once the server has warmed up: Triton compiles a kernel again
+for each new pattern of its integer arguments (1, divisible by 16), so a count that varies with the request or the
+batch must not be specialised (freekv_kernels docstring). GPU only: the CPU interprets the kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from freekv_sglang.calibration import calibrate_synthetic, gaussian_sample
+from freekv_sglang.config import FreeKVConfig
+from freekv_sglang.engine import FreeKVEngine, ModelShape
+from freekv_kernels.testing import compiled_variants
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled variants exist on a GPU only")
+
+D, L, H, G, P = 64, 3, 2, 4, 16
+CFG = FreeKVConfig(budget=256, sink=32, window=64, page_size=P, dense_layers=1)
+STAGING = 512  # staging pages: SGLang's buffer has one size for the server's life
+
+
+def engine(cfg):
+    e = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=4, max_context=4096, dtype=torch.bfloat16,
+                     device="cuda", dense_outside=True)
+    calibrate_synthetic(e, gaussian_sample(e))
+    return e
+
+
+def kv(n):
+    return torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16)
+
+
+def staged_batch(e, lens):
+    """The SGLang path (FreeKVAttnBackend's extend): prompts staged in a paged buffer, each sparse layer's pages
+    offloaded from there (store_staged, or store_staged_prompt for a whole-prompt policy), the last queries seeded,
+    the slots filled from staging."""
+    cfg, slots, rows = e.cfg, [], []
+    buf = [(kv(STAGING * P), kv(STAGING * P)) for _ in range(L)]
+    free = torch.randperm(STAGING).tolist()
+    for n in lens:
+        s = e.add_request()
+        e.stage_prefill(s, n)
+        slots.append(s)
+        rows.append([free.pop() for _ in range(-(-n // P))])
+    off_src, off_dst, res_src, res_dst = [], [], [], []
+    for s, n, staged in zip(slots, lens, rows):
+        off_src += staged[cfg.sink_pages:n // P]
+        off_dst += [e.host_page(s, j) for j in range(cfg.sink_pages, n // P)]
+        c = (n - 1) // P
+        keep = [j for j in range(c + 1) if j < cfg.sink_pages or j >= c - cfg.window_pages]
+        res_src += [staged[j] for j in keep]
+        res_dst += [e.layout.resident_page(s, j) for j in keep]
+    t = {k: torch.tensor(v, dtype=torch.int32, device="cuda") for k, v in
+         dict(off_src=off_src, off_dst=off_dst, res_src=res_src, res_dst=res_dst).items()}
+    for layer in range(L):
+        if e.dense[layer]:
+            continue
+        k, v = buf[layer]
+        if e.selector.needs_whole_prompt:
+            for s, staged in zip(slots, rows):
+                e.store_staged_prompt(layer, s, k, v, torch.tensor(staged, dtype=torch.int32, device="cuda"))
+        else:
+            e.store_staged(layer, k, v, t["off_src"], t["off_dst"], torch.ones_like(t["off_src"], dtype=torch.bool),
+                           t["res_src"].long(), t["res_dst"].long())
+        e.prev_q[layer][slots] = torch.randn(len(slots), H * G, D, device="cuda").to(e.prev_q.dtype)
+        e.has_prev[layer][slots] = True
+    e.end_step()
+    width = max(map(len, rows))
+    pages = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64, device="cuda")
+    e.fill_slots(slots, staged=(lambda layer: buf[layer], pages))
+    return slots
+
+
+def harness_batch(e, lens):
+    """The HF harness's path: each prompt's layers through prefill_layer, the slots filled from the host."""
+    slots = []
+    for n in lens:
+        s = e.add_request()
+        e.begin_prefill(s, n)
+        for layer in range(L):
+            if not e.dense[layer]:
+                e.prefill_layer(s, layer, kv(n), kv(n), torch.randn(H * G, D, device="cuda", dtype=torch.bfloat16))
+        slots.append(s)
+    e.end_step()
+    e.fill_slots(slots)
+    return slots
+
+
+def serve(e, lens):
+    for path in (staged_batch, harness_batch):
+        for s in path(e, lens):
+            e.remove_request(s)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("policy", [dict(selection="channels"), dict(selection="means"), dict(selection="sketch"),
+                                    dict(selection="rerank"), dict(retrieval="louiskv", selection="means")])
+def test_new_prompt_sizes_and_batches_compile_nothing(policy):
+    """Warm up on one prompt whose counts are all multiples of 16 (as SGLang's warm-up request is one prompt), then
+    serve a batch of three prompts of other sizes (page counts 62, 49, 94: none a multiple of 16, none 1)."""
+    e = engine(dataclasses.replace(CFG, **policy))
+    serve(e, [1024])
+    warm = compiled_variants()
+    serve(e, [1000, 777, 1500])
+    new = {k: (warm[k], n) for k, n in compiled_variants().items() if n != warm[k]}
+    assert new == {}, f"compiled again for the new sizes (variants before, after): {new}"
