@@ -31,6 +31,10 @@ A configuration may add server flags after its name, e.g. --configs "full,freekv
 --profile-steps N: SGLang's profiler (/start_profile, GPU activity only) over N decode steps of each batch, started
 once the server logs a decode batch with every request of the batch running; benchmarks/trace_summary.py writes
 profile-CONFIG-bB.txt from the trace: kernels by total time and each GPU stream's busy time per step.
+--profile-prefill: the same profiler, CPU and GPU with Python stacks, over the first forward of each 1-request batch
+(its prefill): prefill-CONFIG.txt.
+Each server compiles Triton kernels into a cache directory of its own; `jit` lists the kernels it compiled while a
+timed batch ran (none once the warm-up compiled what serving needs: a compilation on a request's path delays it).
 Random weights make adjacent queries nearly uncorrelated, so at tau 0.9 almost every head is flagged;
 tau0 and tau1 bracket what a real model's correction rate gives. Random keys also churn unrealistically: without
 hysteresis near-equal pages trade places every step, with it (the default) almost none do, where SmolLM2's real
@@ -52,6 +56,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -192,14 +197,23 @@ def profile_when_decoding(url: str, log: Path, offset: int, batch: int, steps: i
             with open(log, errors="replace") as f:
                 f.seek(offset)
                 if any(int(n) >= batch for n in DECODE_LINE.findall(f.read())):
-                    body = {"output_dir": str(trace_dir), "num_steps": steps, "activities": ["GPU"]}
-                    urllib.request.urlopen(urllib.request.Request(url + "/start_profile", json.dumps(body).encode(),
-                                                                  {"Content-Type": "application/json"}), timeout=60)
+                    start_profile(url, trace_dir, steps, ["GPU"])
                     return
             time.sleep(0.2)
     t = threading.Thread(target=watch, daemon=True)
     t.start()
     return t
+
+
+def start_profile(url: str, trace_dir: Path, steps: int, activities: list[str], with_stack: bool = False) -> None:
+    body = {"output_dir": str(trace_dir), "num_steps": steps, "activities": activities, "with_stack": with_stack}
+    urllib.request.urlopen(urllib.request.Request(url + "/start_profile", json.dumps(body).encode(),
+                                                  {"Content-Type": "application/json"}), timeout=60)
+
+
+def triton_kernels(cache: Path) -> set[str]:
+    """The compiled kernels in a Triton cache directory, as <entry>/<kernel name>: one entry per variant."""
+    return {f"{f.parent.name}/{f.stem}" for f in cache.glob("*/*.json") if not f.name.startswith("__grp__")}
 
 
 def summarize_trace(trace_dir: Path, steps: int, out: Path, wait_s: float = 120) -> str:
@@ -347,6 +361,10 @@ def print_table(result: dict) -> None:
               f"{c.get('recall_gbps') or float('nan'):>11.2f} {c.get('gpu_pool_tokens') or 0:>9} "
               f"{c.get('kv_gb_per_request', float('nan')):>7.3f} {c.get('max_concurrent') or 0:>8} "
               f"{str(c.get('max_running', '-')) + '/' + str(c.get('max_queued', '-')):>10}")
+    for c in result["cells"]:
+        if c.get("jit"):
+            print(f"{c['config']} batch {c['batch']}: Triton compiled {len(c['jit'])} kernels while it ran: "
+                  f"{', '.join(k.split('/')[-1] for k in c['jit'])}")
 
 
 def main() -> None:
@@ -376,6 +394,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=30010)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many decode steps of each batch (see above); 0: no profile")
+    ap.add_argument("--profile-prefill", action="store_true", help="profile each 1-request batch's prefill (above)")
     ap.add_argument("--out", default="results/decode")
     args = ap.parse_args()
     out = Path(args.out)
@@ -416,9 +435,10 @@ def main() -> None:
         log_name = re.sub(r"[^\w.-]+", "_", name)
         subprocess.run(["pkill", "-9", "-f", "sglang.launch_server"], check=False)
         time.sleep(2)
+        cache = Path(tempfile.mkdtemp(prefix=f"triton-{log_name}-"))
         srv = ServerProcess(name, args.port, ["--model-path", model, "--tokenizer-path", f"{model}/tokenizer",
                                               "--load-format", "dummy", *common, *extra],
-                            out / f"server-{log_name}.log", env)
+                            out / f"server-{log_name}.log", dict(env, TRITON_CACHE_DIR=str(cache)))
         try:
             up = srv.wait(600)
             if args.warmup_tokens:  # long enough to select (past sink + window + budget) and offload
@@ -437,7 +457,14 @@ def main() -> None:
                 trace_dir = out / f"trace-{log_name}-b{b}"
                 if args.profile_steps:
                     profile_when_decoding(srv.url, srv.log, offset, b, args.profile_steps, trace_dir)
+                prefill_dir = out / f"trace-prefill-{log_name}"
+                if args.profile_prefill and b == 1:
+                    start_profile(srv.url, prefill_dir, 1, ["CPU", "GPU"], with_stack=True)
+                compiled = triton_kernels(cache)
                 cell = {"config": name, **run_batch(srv.url, b, args.context, args.output_len, vocab, seed=b), **cap}
+                cell["jit"] = sorted(triton_kernels(cache) - compiled)
+                if args.profile_prefill and b == 1:
+                    cell["prefill_profile"] = summarize_trace(prefill_dir, 1, out / f"prefill-{log_name}.txt")
                 if args.profile_steps:
                     cell["profile"] = summarize_trace(trace_dir, args.profile_steps,
                                                       out / f"profile-{log_name}-b{b}.txt")

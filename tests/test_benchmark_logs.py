@@ -202,4 +202,17 @@ def test_profile_starts_once_the_whole_batch_decodes(tmp_path):
         t.join(10)
     finally:
         srv.shutdown()
-    assert posts == [("/start_profile", {"output_dir": str(tmp_path / "tr"), "num_steps": 16, "activities": ["GPU"]})]
+    assert posts == [("/start_profile", {"output_dir": str(tmp_path / "tr"), "num_steps": 16, "activities": ["GPU"],
+                                       "with_stack": False})]
+
+
+def test_triton_kernels_lists_one_entry_per_compiled_variant(tmp_path):
+    """`jit` column: a Triton cache directory holds a folder per compiled variant with the kernel's metadata json
+    (besides a __grp__ json and the binaries); two variants of one kernel count twice."""
+    for entry, files in {"A1": ["_offload_pages_kernel.json", "__grp___offload_pages_kernel.json",
+                                "_offload_pages_kernel.cubin"],
+                         "B2": ["_offload_pages_kernel.json"], "C3": ["_plan_step_kernel.ttir"]}.items():
+        (tmp_path / entry).mkdir()
+        for f in files:
+            (tmp_path / entry / f).write_text("{}")
+    assert decode.triton_kernels(tmp_path) == {"A1/_offload_pages_kernel", "B2/_offload_pages_kernel"}
