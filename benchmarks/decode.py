@@ -31,8 +31,9 @@ A configuration may add server flags after its name, e.g. --configs "full,freekv
 --profile-steps N: SGLang's profiler (/start_profile, GPU activity only) over N decode steps of each batch, started
 once the server logs a decode batch with every request of the batch running; benchmarks/trace_summary.py writes
 profile-CONFIG-bB.txt from the trace: kernels by total time and each GPU stream's busy time per step.
---profile-prefill: the same profiler, CPU and GPU with Python stacks, over the first forward of each 1-request batch
-(its prefill): prefill-CONFIG.txt.
+--profile-first N: the same profiler, CPU and GPU with Python stacks, from the moment each batch is sent over its first
+N forwards (the scheduler's wait for the requests, their matching and the first prefills): first-CONFIG-bB.txt. It
+slows the host, so that batch's TTFT is not a measurement.
 Each server compiles Triton kernels into a cache directory of its own; `jit` lists the kernels it compiled while a
 timed batch ran (none once the warm-up compiled what serving needs: a compilation on a request's path delays it).
 Random weights make adjacent queries nearly uncorrelated, so at tau 0.9 almost every head is flagged;
@@ -216,7 +217,7 @@ def triton_kernels(cache: Path) -> set[str]:
     return {f"{f.parent.name}/{f.stem}" for f in cache.glob("*/*.json") if not f.name.startswith("__grp__")}
 
 
-def summarize_trace(trace_dir: Path, steps: int, out: Path, wait_s: float = 120) -> str:
+def summarize_trace(trace_dir: Path, steps: int, out: Path, wait_s: float = 120, top: int = 25) -> str:
     """trace_summary.py over the trace the profiler writes after its last step."""
     t0 = time.time()
     while time.time() - t0 < wait_s:
@@ -224,7 +225,7 @@ def summarize_trace(trace_dir: Path, steps: int, out: Path, wait_s: float = 120)
         if traces:
             time.sleep(5)  # written after the file appears
             r = subprocess.run([sys.executable, str(ROOT / "benchmarks/trace_summary.py"), str(traces[-1]),
-                                "--steps", str(steps)], capture_output=True, text=True)
+                                "--steps", str(steps), "--top", str(top)], capture_output=True, text=True)
             out.write_text(r.stdout + r.stderr)
             return str(out)
         time.sleep(2)
@@ -394,7 +395,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=30010)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many decode steps of each batch (see above); 0: no profile")
-    ap.add_argument("--profile-prefill", action="store_true", help="profile each 1-request batch's prefill (above)")
+    ap.add_argument("--profile-first", type=int, default=0,
+                    help="profile each batch's first N forwards from its sending (see above); 0: no profile")
     ap.add_argument("--out", default="results/decode")
     args = ap.parse_args()
     out = Path(args.out)
@@ -457,14 +459,15 @@ def main() -> None:
                 trace_dir = out / f"trace-{log_name}-b{b}"
                 if args.profile_steps:
                     profile_when_decoding(srv.url, srv.log, offset, b, args.profile_steps, trace_dir)
-                prefill_dir = out / f"trace-prefill-{log_name}"
-                if args.profile_prefill and b == 1:
-                    start_profile(srv.url, prefill_dir, 1, ["CPU", "GPU"], with_stack=True)
+                first_dir = out / f"trace-first-{log_name}-b{b}"
+                if args.profile_first:
+                    start_profile(srv.url, first_dir, args.profile_first, ["CPU", "GPU"], with_stack=True)
                 compiled = triton_kernels(cache)
                 cell = {"config": name, **run_batch(srv.url, b, args.context, args.output_len, vocab, seed=b), **cap}
                 cell["jit"] = sorted(triton_kernels(cache) - compiled)
-                if args.profile_prefill and b == 1:
-                    cell["prefill_profile"] = summarize_trace(prefill_dir, 1, out / f"prefill-{log_name}.txt")
+                if args.profile_first:
+                    cell["first_profile"] = summarize_trace(first_dir, 1, out / f"first-{log_name}-b{b}.txt",
+                                                            top=40)
                 if args.profile_steps:
                     cell["profile"] = summarize_trace(trace_dir, args.profile_steps,
                                                       out / f"profile-{log_name}-b{b}.txt")

@@ -3,7 +3,8 @@
     python3 benchmarks/trace_summary.py TRACE.json[.gz] [--top 25] [--match freekv,sglang/srt]
 
 Prints, over the trace's window: the span of CPU and GPU activity, GPU busy time (kernels and copies merged), the
-kernels and copies by total time, the CUDA runtime calls that block (synchronize, blocking copies) by total time,
+kernels and copies by total time, the CUDA runtime calls that block (synchronize, blocking copies) by total time and
+by the innermost --match Python function they ran in (traces recorded with_stack),
 and the Python functions (traces recorded with_stack) whose file matches --match by inclusive time. Inclusive times
 of nested calls overlap, so read the Python table top-down, as a profile's call tree.
 Then, per GPU stream: its busy time (its kernels and copies merged), its share of the GPU span, and its kernels by
@@ -45,6 +46,21 @@ def table(title: str, totals: dict[str, list[float]], top: int) -> None:
         print(f"{ms:9.2f} {int(n):6d}  {name[:150]}")
 
 
+def blocking_callers(blocking: list[dict], python: list[dict]) -> dict[str, list[float]]:
+    """Blocking calls summed by the innermost Python function (of those given) that encloses each on its thread."""
+    by_tid: dict = defaultdict(list)
+    for f in python:
+        by_tid[f.get("tid")].append(f)
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in blocking:
+        around = [f for f in by_tid[e.get("tid")] if f["ts"] <= e["ts"] and e["ts"] + e["dur"] <= f["ts"] + f["dur"]]
+        caller = min(around, key=lambda f: f["dur"])["name"] if around else "(no Python caller recorded)"
+        row = sums[f"{e['name']} in {caller}"]
+        row[0] += e["dur"] / 1e3
+        row[1] += 1
+    return sums
+
+
 def streams(gpu: list[dict], steps: int, top: int) -> None:
     """Per stream: busy (merged) and kernel totals, per step."""
     by: dict = defaultdict(list)
@@ -82,6 +98,7 @@ def main() -> None:
         print(f"GPU activity starts {start:.2f} ms into the CPU window and ends {end:.2f} ms before its end")
     sums: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     keys = [k for k in args.match.split(",") if k]
+    picked: dict[str, list[dict]] = defaultdict(list)
     for e in events:
         cat, name = e.get("cat", ""), e["name"]
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
@@ -92,11 +109,15 @@ def main() -> None:
             group = "python"
         else:
             continue
+        picked[group].append(e)
         row = sums[group][name]
         row[0] += e["dur"] / 1e3
         row[1] += 1
     table("GPU kernels and copies", sums["gpu"], args.top)
     table("CUDA runtime calls that may block", sums["blocking"], args.top)
+    if picked["python"]:
+        table("... by the innermost Python function they ran in", blocking_callers(picked["blocking"],
+                                                                                  picked["python"]), args.top)
     table(f"Python functions in {args.match} (inclusive)", sums["python"], args.top)
     if gpu:
         streams(gpu, max(args.steps, 1), args.stream_top)

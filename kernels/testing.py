@@ -67,8 +67,9 @@ def run_without_interpreter(code: str) -> list[str]:
     return run.stdout.split()
 
 
-def compiled_variants() -> dict[str, int]:
-    """Per Triton kernel of these ops (module.name), how many compiled variants this process holds, every device."""
+def compiled_variants() -> dict[str, set[str]]:
+    """Per Triton kernel of these ops (module.name), the keys of the variants this process compiled (each names the
+    arguments' specialisation), every device."""
     import importlib
     import pkgutil
 
@@ -82,5 +83,5 @@ def compiled_variants() -> dict[str, int]:
         mod = importlib.import_module(f"{__package__}.{info.name}.triton")
         for name, fn in vars(mod).items():
             if isinstance(fn, JITFunction):  # device_caches: device -> (kernel cache, ...)
-                counts[f"{info.name}.{name}"] = sum(len(entry[0]) for entry in fn.device_caches.values())
+                counts[f"{info.name}.{name}"] = {str(key) for entry in fn.device_caches.values() for key in entry[0]}
     return counts

@@ -37,6 +37,8 @@ def test_summary_of_a_small_trace(tmp_path, capsys):
     assert "    4.00      2  _page_copy_kernel" in out and "    1.00      1  _fwd_kernel" in out
     assert "    3.00      1  cudaDeviceSynchronize" in out and "cudaLaunchKernel" not in out
     assert "   10.00      1  freekv_sglang/radix.py(1): export" in out and "other/lib.py" not in out
+    # The sync ran inside export (other/lib.py also encloses it, but does not match --match).
+    assert "    3.00      1  cudaDeviceSynchronize in freekv_sglang/radix.py(1): export" in out
     # Per stream and per step (2 steps): stream 7 busy 3.5 ms of the 6 ms span, stream 9 1 ms (0.5 per step).
     assert "GPU span 3.000 ms per step" in out
     assert "       7     1.750  58.3%      1.0  _page_copy_kernel 2.000" in out
