@@ -409,6 +409,14 @@ class FreeKVEngine:
         self.slot_table[layer, slot] = -1
         self._clear_victims(slot, layer)
 
+    def seed_last_queries(self, layer: int, slots: torch.Tensor, q: torch.Tensor) -> None:
+        """prefill_layer's q_last for prompts stored from an outside cache (store_staged): slots [B] int64 on the
+        device, q [B, Hq, D] their last queries, kept in prev_q's dtype (the KV cache's). Queues device work only:
+        an index put of a Python scalar (has_prev[layer][slots] = True) copies the value to the device and waits for
+        the stream, which in an extend made every layer wait for the one before (session 35)."""
+        self.prev_q[layer].index_copy_(0, slots, q.to(self.prev_q.dtype))
+        self.has_prev[layer].index_fill_(0, slots, True)
+
     def _prompt_offload(self, slot: int) -> range:
         """The logical pages of a prompt (from its shared prefix on) that are offloaded at prefill: every full page
         past the sink and before the window the first decode step holds."""

@@ -596,9 +596,9 @@ class FreeKVAttnBackend(AttentionBackend):
         ext = self._extend
         if ext is not None:
             if ext.last_rows is not None:  # the completed prompts' last queries, as prefill_layer's q_last
-                s, prev = self.shape, self.engine.prev_q[lid]  # in the KV cache's dtype, as the decode step keeps it
-                prev[ext.last_slots] = q.reshape(-1, s.num_q_heads, s.head_dim)[ext.last_rows].to(prev.dtype)
-                self.engine.has_prev[lid][ext.last_slots] = True
+                s = self.shape
+                self.engine.seed_last_queries(lid, ext.last_slots,
+                                              q.reshape(-1, s.num_q_heads, s.head_dim)[ext.last_rows])
             kb, vb = self.layer_kv(lid)
             self.engine.store_staged(lid, kb, vb, ext.offload_src, ext.offload_dst, ext.offload_valid,
                                      ext.resident_src, ext.resident_dst)

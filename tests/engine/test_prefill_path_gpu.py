@@ -1,9 +1,15 @@
-"""A prompt's path through the engine compiles nothing new once the server has warmed up: Triton compiles a kernel again
-for each new pattern of its integer arguments (1, divisible by 16), so a count that varies with the request or the
-batch must not be specialised (freekv_kernels docstring). GPU only: the CPU interprets the kernels."""
+"""A prompt's path through the engine as the server takes it, on the GPU (the CPU interprets the kernels and has no
+stream to wait for):
+- it compiles nothing new once the server has warmed up: Triton compiles a kernel again for each new pattern of its
+  integer arguments (1, divisible by 16), so a count that varies with the request or the batch must not be
+  specialised (freekv_kernels docstring);
+- the SGLang path's per-layer work (offload, resident copies, last queries) and the fill queue device work without
+  waiting for the device: a wait in an extend's layer lets the GPU idle while the host prepares the next layer, and
+  makes SGLang's overlap scheduler answer the previous prompt only after this one's prefill."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -32,7 +38,7 @@ def kv(n):
     return torch.randn(n, H, D, device="cuda", dtype=torch.bfloat16)
 
 
-def staged_batch(e, lens):
+def staged_batch(e, lens, sync_checked=False):
     """The SGLang path (FreeKVAttnBackend's extend): prompts staged in a paged buffer, each sparse layer's pages
     offloaded from there (store_staged, or store_staged_prompt for a whole-prompt policy), the last queries seeded,
     the slots filled from staging."""
@@ -54,23 +60,40 @@ def staged_batch(e, lens):
         res_dst += [e.layout.resident_page(s, j) for j in keep]
     t = {k: torch.tensor(v, dtype=torch.int32, device="cuda") for k, v in
          dict(off_src=off_src, off_dst=off_dst, res_src=res_src, res_dst=res_dst).items()}
+    t["slots"] = torch.tensor(slots, dtype=torch.int64, device="cuda")
+    t["rows"] = [torch.tensor(r, dtype=torch.int32, device="cuda") for r in rows]  # as _prepare_extend uploads them
+    width = max(map(len, rows))
+    t["pages"] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    with no_device_waits() if sync_checked else contextlib.nullcontext():
+        staged_layers(e, slots, buf, t)
+    return slots
+
+
+@contextlib.contextmanager
+def no_device_waits():
+    """torch raises at any operation that waits for the device (sync debug mode "error")."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def staged_layers(e, slots, buf, t):
     for layer in range(L):
         if e.dense[layer]:
             continue
         k, v = buf[layer]
         if e.selector.needs_whole_prompt:
-            for s, staged in zip(slots, rows):
-                e.store_staged_prompt(layer, s, k, v, torch.tensor(staged, dtype=torch.int32, device="cuda"))
+            for s, staged in zip(slots, t["rows"]):
+                e.store_staged_prompt(layer, s, k, v, staged)
         else:
             e.store_staged(layer, k, v, t["off_src"], t["off_dst"], torch.ones_like(t["off_src"], dtype=torch.bool),
                            t["res_src"].long(), t["res_dst"].long())
-        e.prev_q[layer][slots] = torch.randn(len(slots), H * G, D, device="cuda").to(e.prev_q.dtype)
-        e.has_prev[layer][slots] = True
+        e.seed_last_queries(layer, t["slots"], torch.randn(len(slots), H * G, D, device="cuda"))
     e.end_step()
-    width = max(map(len, rows))
-    pages = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64, device="cuda")
-    e.fill_slots(slots, staged=(lambda layer: buf[layer], pages))
-    return slots
+    e.fill_slots(slots, staged=(lambda layer: buf[layer], t["pages"]))
 
 
 def harness_batch(e, lens):
@@ -95,8 +118,11 @@ def serve(e, lens):
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("policy", [dict(selection="channels"), dict(selection="means"), dict(selection="sketch"),
-                                    dict(selection="rerank"), dict(retrieval="louiskv", selection="means")])
+POLICIES = {"channels": dict(selection="channels"), "means": dict(selection="means"), "sketch": dict(selection="sketch"),
+            "rerank": dict(selection="rerank"), "louiskv": dict(retrieval="louiskv", selection="means")}
+
+
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 def test_new_prompt_sizes_and_batches_compile_nothing(policy):
     """Warm up on one prompt whose counts are all multiples of 16 (as SGLang's warm-up request is one prompt), then
     serve a batch of three prompts of other sizes (page counts 62, 49, 94: none a multiple of 16, none 1)."""
@@ -106,3 +132,14 @@ def test_new_prompt_sizes_and_batches_compile_nothing(policy):
     serve(e, [1000, 777, 1500])
     new = {k: sorted(keys - warm[k]) for k, keys in compiled_variants().items() if keys - warm[k]}
     assert not new, f"compiled again for the new sizes: {sorted(new)}; their new keys: {str(new)[:4000]}"
+
+
+@pytest.mark.parametrize("selection", ["channels", "means", "sketch", "rerank"])
+def test_the_staged_path_never_waits_for_the_device(selection):
+    """Under torch's sync debug mode "error": every layer's store, the last queries' seeding, the join and the fill of
+    a batch of prompts (compiled first, so no launch compiles). Speculative retrieval; LouisKV's whole-prompt
+    clustering is not checked here."""
+    e = engine(dataclasses.replace(CFG, selection=selection))
+    serve(e, [1000, 777, 1500])
+    for s in staged_batch(e, [1000, 777, 1500], sync_checked=True):
+        e.remove_request(s)
