@@ -124,10 +124,14 @@ POLICIES = {"channels": dict(selection="channels"), "means": dict(selection="mea
 
 @pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
 def test_new_prompt_sizes_and_batches_compile_nothing(policy):
-    """Warm up on one prompt whose counts are all multiples of 16 (as SGLang's warm-up request is one prompt), then
-    serve a batch of three prompts of other sizes (page counts 62, 49, 94: none a multiple of 16, none 1)."""
+    """Warm up as a server does: one prompt whose counts are all multiples of 16 (SGLang's warm-up request) and the
+    step plan of each batch size a decode graph captures (plan_step's rows per program follow the batch: 1, 2, 4);
+    then serve a batch of three prompts of other sizes (page counts 62, 49, 94: none a multiple of 16, none 1)."""
     e = engine(dataclasses.replace(CFG, **policy))
     serve(e, [1024])
+    for b in (1, 2, 4):  # SGLang's decode CUDA-graph capture plans every captured batch size at start-up
+        e.plan(b)
+    torch.cuda.synchronize()
     warm = compiled_variants()
     serve(e, [1000, 777, 1500])
     new = {k: sorted(keys - warm[k]) for k, keys in compiled_variants().items() if keys - warm[k]}
