@@ -405,7 +405,7 @@ class FreeKVEngine:
         self._offload_prompt(slot, layer, k[lo:lo + len(offload) * p], v[lo:lo + len(offload) * p], offload)
         if q_last is not None:
             self.prev_q[layer, slot] = q_last
-        self.has_prev[layer, slot] = q_last is not None
+        self.has_prev[layer, slot].fill_(q_last is not None)  # not `= bool`: copying a host scalar waits for the device
         self.slot_table[layer, slot] = -1
         self._clear_victims(slot, layer)
 

@@ -96,15 +96,19 @@ def staged_layers(e, slots, buf, t):
     e.fill_slots(slots, staged=(lambda layer: buf[layer], t["pages"]))
 
 
-def harness_batch(e, lens):
-    """The HF harness's path: each prompt's layers through prefill_layer, the slots filled from the host."""
+def harness_batch(e, lens, sync_checked=False):
+    """The HF harness's path (and --kv-prefill tsp's later layers): each prompt's layers through prefill_layer, the
+    slots filled from the host."""
     slots = []
     for n in lens:
         s = e.add_request()
         e.begin_prefill(s, n)
-        for layer in range(L):
-            if not e.dense[layer]:
-                e.prefill_layer(s, layer, kv(n), kv(n), torch.randn(H * G, D, device="cuda", dtype=torch.bfloat16))
+        data = [(kv(n), kv(n), torch.randn(H * G, D, device="cuda", dtype=torch.bfloat16)) for _ in range(L)]
+        torch.cuda.synchronize()
+        with no_device_waits() if sync_checked else contextlib.nullcontext():
+            for layer in range(L):
+                if not e.dense[layer]:
+                    e.prefill_layer(s, layer, *data[layer])
         slots.append(s)
     e.end_step()
     e.fill_slots(slots)
@@ -141,9 +145,10 @@ def test_new_prompt_sizes_and_batches_compile_nothing(policy):
 @pytest.mark.parametrize("selection", ["channels", "means", "sketch", "rerank"])
 def test_the_staged_path_never_waits_for_the_device(selection):
     """Under torch's sync debug mode "error": every layer's store, the last queries' seeding, the join and the fill of
-    a batch of prompts (compiled first, so no launch compiles). Speculative retrieval; LouisKV's whole-prompt
-    clustering is not checked here."""
+    a batch of prompts (compiled first, so no launch compiles); and every prompt layer through prefill_layer.
+    Speculative retrieval; LouisKV's whole-prompt clustering is not checked here."""
     e = engine(dataclasses.replace(CFG, selection=selection))
     serve(e, [1000, 777, 1500])
-    for s in staged_batch(e, [1000, 777, 1500], sync_checked=True):
-        e.remove_request(s)
+    for path in (staged_batch, harness_batch):
+        for s in path(e, [1000, 777, 1500], sync_checked=True):
+            e.remove_request(s)
