@@ -10,5 +10,5 @@ Tensor conventions shared by every op:
 Compilation: Triton compiles a kernel again for each new pattern of its integer arguments (equal to 1, divisible by
 16). Arguments that vary with a request or a batch outside a CUDA graph (prompt tokens and pages, rows of a prefill,
 the staged pages' width) are declared do_not_specialize, so the server compiles them at its warm-up and never on a
-request's path (a 32K prompt after a 4K warm-up waited 1.3 s for two compilations, session 35).
+request's path (tests/engine/test_prefill_path_gpu.py).
 """
