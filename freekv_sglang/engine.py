@@ -59,7 +59,7 @@ from .host_pool import HostPool, LayerSlice, LocalHostPool
 from .layout import Layout, StepPlan
 from .ops import load_ops
 from .selectors import CandidateKeys, make_selector, picks_bytes_per_slot, sketch_bytes_per_token
-from .streams import StepTimer, Streams
+from .streams import StepTimer, Streams, upload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -490,12 +490,11 @@ class FreeKVEngine:
                 gpu = [j for j in todo if j < s]
                 src_pages = [staged[1][j] for j in gpu]
             H, D = self.shape.num_kv_heads, self.shape.head_dim
-            i32 = dict(dtype=torch.int32, device=self.device)
-            src = torch.tensor(src_pages, **i32)
-            dst = torch.tensor([pages[j] for j in gpu], **i32)
+            src = upload(src_pages, torch.int32, self.device)
+            dst = upload([pages[j] for j in gpu], torch.int32, self.device)
             valid = torch.ones(len(gpu), dtype=torch.bool, device=self.device)
             rows = self.page_rows([self.layout.dense_base(slot) + j for j in todo])
-            host_rows = torch.tensor([pages[j] for j in todo], **i32)
+            host_rows = upload([pages[j] for j in todo], torch.int32, self.device)
             for layer in range(self.shape.num_layers):
                 kc, vc = self.k_cache[layer], self.v_cache[layer]
                 if self.dense[layer]:
@@ -555,11 +554,10 @@ class FreeKVEngine:
         c = (num_tokens - 1) // p
         res = [j for j in range(P) if j < s or j >= c - cfg.window_pages]
         H, D = self.shape.num_kv_heads, self.shape.head_dim
-        i32 = dict(dtype=torch.int32, device=self.device)
-        sparse = (torch.tensor([prefix[j] for j in res], **i32), self.page_rows([self.layout.resident_page(slot, j)
-                                                                                for j in res]))
-        dense = (torch.tensor(prefix, **i32), self.page_rows(range(self.layout.dense_base(slot),
-                                                                   self.layout.dense_base(slot) + P)))
+        sparse = (upload([prefix[j] for j in res], torch.int32, self.device),
+                  self.page_rows([self.layout.resident_page(slot, j) for j in res]))
+        dense = (upload(prefix, torch.int32, self.device),
+                 self.page_rows(range(self.layout.dense_base(slot), self.layout.dense_base(slot) + P)))
         for layer in range(self.shape.num_layers):
             if self.dense[layer] and self.dense_outside:
                 continue
@@ -571,8 +569,7 @@ class FreeKVEngine:
         """The token rows [len(pages) * page_size] of whole pages of a paged [T, H, D] cache, on the engine's device
         (pages: a sequence, or an int64 tensor already there)."""
         p = self.cfg.page_size
-        first = pages if isinstance(pages, torch.Tensor) else \
-            torch.tensor([int(x) for x in pages], dtype=torch.int64, device=self.device)
+        first = pages if isinstance(pages, torch.Tensor) else upload([int(x) for x in pages], torch.int64, self.device)
         return (first[:, None] * p + torch.arange(p, device=self.device)).flatten()
 
     def load_prefix_summaries(self, host_pages: list[int]) -> None:

@@ -10,6 +10,12 @@ import contextlib
 import torch
 
 
+def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor, queued without waiting: torch.tensor(values, device=...) copies and then
+    waits for the stream, i.e. for every kernel queued before it (in a server, the forward in flight)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 class Streams:
     """compute: the caller's stream. select: selection and correction recall (on the critical path of
     flagged heads). speculate: the speculative selection after attention. recall: speculative recall, summaries

@@ -20,6 +20,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from .ops import load_ops
+from .streams import upload
 from .tsp_propagation import causal_attention, pick
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace when the wrapped backend has none (Triton)
@@ -139,8 +140,7 @@ class TSPAttnBackend(AttentionBackend):
             drops = [n - m for (_, n), m in zip(self._rows, self._kept)]
             for slot, d in zip(slots, drops):
                 self._drop[slot] = d
-            self.drop[torch.tensor(slots, device=self.device)] = torch.tensor(drops, dtype=torch.int32,
-                                                                              device=self.device)
+            self.drop[upload(slots, torch.int64, self.device)] = upload(drops, torch.int32, self.device)
         return out.reshape(-1, self.Hq * self.D)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
