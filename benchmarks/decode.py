@@ -30,7 +30,9 @@ Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args s
 A configuration may add server flags after its name, e.g. --configs "full,freekv,freekv --kv-recall-programs 0".
 --profile-steps N: SGLang's profiler (/start_profile, GPU activity only) over N decode steps of each batch, started
 once the server logs a decode batch with every request of the batch running; benchmarks/trace_summary.py writes
-profile-CONFIG-bB.txt from the trace: kernels by total time and each GPU stream's busy time per step.
+profile-CONFIG-bB.txt from the trace: kernels by total time and each GPU stream's busy time per step. With
+--profile-cpu also CPU activity with Python stacks, which slows the host: the blocking calls by caller show whether a
+step's host preparation waits for the device.
 --profile-first N: the same profiler, CPU and GPU with Python stacks, from the moment each batch is sent over its first
 N forwards (the scheduler's wait for the requests, their matching and the first prefills): first-CONFIG-bB.txt. It
 slows the host, so that batch's TTFT is not a measurement.
@@ -189,7 +191,7 @@ DECODE_LINE = re.compile(r"Decode batch[^#\n]*#running-req: (\d+)")
 
 
 def profile_when_decoding(url: str, log: Path, offset: int, batch: int, steps: int, trace_dir: Path,
-                          timeout: float = 1800) -> threading.Thread:
+                          timeout: float = 1800, cpu: bool = False) -> threading.Thread:
     """A thread that starts SGLang's profiler for `steps` steps once the log (past offset) shows a decode batch
     with `batch` requests running: the profiler then sees the batch's decode, not its prefills."""
     def watch():
@@ -198,7 +200,7 @@ def profile_when_decoding(url: str, log: Path, offset: int, batch: int, steps: i
             with open(log, errors="replace") as f:
                 f.seek(offset)
                 if any(int(n) >= batch for n in DECODE_LINE.findall(f.read())):
-                    start_profile(url, trace_dir, steps, ["GPU"])
+                    start_profile(url, trace_dir, steps, ["CPU", "GPU"] if cpu else ["GPU"], with_stack=cpu)
                     return
             time.sleep(0.2)
     t = threading.Thread(target=watch, daemon=True)
@@ -395,6 +397,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=30010)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many decode steps of each batch (see above); 0: no profile")
+    ap.add_argument("--profile-cpu", action="store_true",
+                    help="--profile-steps records CPU activity with Python stacks too (host waits, by caller)")
     ap.add_argument("--profile-first", type=int, default=0,
                     help="profile each batch's first N forwards from its sending (see above); 0: no profile")
     ap.add_argument("--out", default="results/decode")
@@ -458,7 +462,8 @@ def main() -> None:
                 offset = srv.log.stat().st_size
                 trace_dir = out / f"trace-{log_name}-b{b}"
                 if args.profile_steps:
-                    profile_when_decoding(srv.url, srv.log, offset, b, args.profile_steps, trace_dir)
+                    profile_when_decoding(srv.url, srv.log, offset, b, args.profile_steps, trace_dir,
+                                          cpu=args.profile_cpu)
                 first_dir = out / f"trace-first-{log_name}-b{b}"
                 if args.profile_first:
                     start_profile(srv.url, first_dir, args.profile_first, ["CPU", "GPU"], with_stack=True)
