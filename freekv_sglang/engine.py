@@ -586,7 +586,7 @@ class FreeKVEngine:
             return
         H, D, p = self.shape.num_kv_heads, self.shape.head_dim, self.cfg.page_size
         i32 = dict(dtype=torch.int32, device=self.device)
-        src, dst = torch.arange(len(pages), **i32), torch.tensor(pages, **i32)
+        src, dst = torch.arange(len(pages), **i32), upload(pages, torch.int32, self.device)
         valid = torch.ones(len(pages), dtype=torch.bool, device=self.device)
         rows = self.page_rows(range(len(pages)))
         k, v = (torch.empty(len(pages) * p, H, D, dtype=self.dtype, device=self.device) for _ in range(2))

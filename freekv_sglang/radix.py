@@ -44,6 +44,7 @@ import torch
 from freekv_kvstore import prefix_keys
 
 from .kvstore_pool import HostPagesUnavailable
+from .streams import upload
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +308,7 @@ class PrefixSharing:
         server) gets its dense layers back without recomputing them."""
         pin, p = req._freekv_prefix_pin, self.page_size
         eng, pool = self.backend.engine, self.backend.pool
-        pages = torch.tensor(pin.pages[start // p:(start + len(locs)) // p], dtype=torch.int32, device=eng.device)
+        pages = upload(pin.pages[start // p:(start + len(locs)) // p], torch.int32, eng.device)
         for layer in range(eng.shape.num_layers):
             if eng.dense[layer]:
                 eng.ops.pages_from_host(eng.host.arena[:, layer], pages, pool.get_key_buffer(layer),
@@ -320,7 +321,7 @@ class PrefixSharing:
         if first >= len(pages):
             return
         rows = self.backend.req_pool.req_to_token[slot, first * p:len(pages) * p].to(eng.device, torch.int64)
-        dst = torch.tensor(pages[first:], dtype=torch.int32, device=eng.device)
+        dst = upload(pages[first:], torch.int32, eng.device)
         for layer in range(eng.shape.num_layers):
             if eng.dense[layer]:
                 eng.ops.pages_to_host(pool.get_key_buffer(layer), pool.get_value_buffer(layer), rows,
