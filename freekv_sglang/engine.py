@@ -480,41 +480,49 @@ class FreeKVEngine:
         them to the engine's GPU pages) and store_staged offloaded its full pages past the sink as chunks filled, so
         only the sink pages are written. The caller makes sure the staging pages hold their chunks (their forward is
         done)."""
-        cfg, p, s = self.cfg, self.cfg.page_size, self.cfg.sink_pages
-        n = self._len[slot]
         if staged is not None and not self.dense_outside:
             raise ValueError("a staged prompt's dense layers are the caller's: export from staging needs dense_outside")
         pages = self.export_pages(slot, num_pages)
-        todo = range(self._complete[slot], num_pages)
-        if todo:
-            self.streams.join()  # the offloads queued on the side streams are in before these writes
+        self.write_exports([(slot, num_pages, pages)], staged)
+        return list(pages)
+
+    def write_exports(self, items: list[tuple[int, int, list[int]]], staged=None) -> None:
+        """export_prefix's arena writes for (slot, num_pages, its export_pages) items, one launch a layer for all of
+        them: requests that finish together are exported together. staged: as export_prefix's, for one item."""
+        cfg, p, s = self.cfg, self.cfg.page_size, self.cfg.sink_pages
+        src_pages, dst_pages, dense_pages, host_rows = [], [], [], []
+        for slot, num_pages, pages in items:
+            todo = range(self._complete[slot], num_pages)
             if staged is None:
-                c = (n - 1) // p
+                c = (self._len[slot] - 1) // p
                 gpu = [j for j in todo if j < s or j >= c - cfg.window_pages]  # the others are offloaded already
-                src_pages = [self.layout.resident_page(slot, j) for j in gpu]
+                src_pages += [self.layout.resident_page(slot, j) for j in gpu]
             else:
                 gpu = [j for j in todo if j < s]
-                src_pages = [staged[1][j] for j in gpu]
-            H, D = self.shape.num_kv_heads, self.shape.head_dim
-            src = upload(src_pages, torch.int32, self.device)
-            dst = upload([pages[j] for j in gpu], torch.int32, self.device)
-            valid = torch.ones(len(gpu), dtype=torch.bool, device=self.device)
-            rows = self.page_rows([self.layout.dense_base(slot) + j for j in todo])
-            host_rows = upload([pages[j] for j in todo], torch.int32, self.device)
-            for layer in range(self.shape.num_layers):
-                kc, vc = self.k_cache[layer], self.v_cache[layer]
-                if self.dense[layer]:
-                    if not self.dense_outside:
-                        self.ops.pages_to_host(kc.view(-1, H, D), vc.view(-1, H, D), rows, self.host.arena[:, layer],
-                                               host_rows)
-                elif gpu:
-                    if staged is not None:
-                        kc, vc = staged[0](layer)
-                    self._offload(layer, kc, vc, src, dst, valid, PREFILL_OFFLOAD_PROGRAMS)
-            if self.device.type == "cuda" and not self.dense_outside:
-                torch.cuda.synchronize(self.device)  # the arena is read next by other requests (and the CPU)
-            self._complete[slot] = num_pages
-        return list(pages)
+                src_pages += [staged[1][j] for j in gpu]
+            dst_pages += [pages[j] for j in gpu]
+            dense_pages += [self.layout.dense_base(slot) + j for j in todo]
+            host_rows += [pages[j] for j in todo]
+        if not dense_pages:
+            return
+        self.streams.join()  # the offloads queued on the side streams are in before these writes
+        H, D = self.shape.num_kv_heads, self.shape.head_dim
+        src, dst = upload(src_pages, torch.int32, self.device), upload(dst_pages, torch.int32, self.device)
+        valid = torch.ones(len(src_pages), dtype=torch.bool, device=self.device)
+        rows, host = self.page_rows(dense_pages), upload(host_rows, torch.int32, self.device)
+        for layer in range(self.shape.num_layers):
+            kc, vc = self.k_cache[layer], self.v_cache[layer]
+            if self.dense[layer]:
+                if not self.dense_outside:
+                    self.ops.pages_to_host(kc.view(-1, H, D), vc.view(-1, H, D), rows, self.host.arena[:, layer], host)
+            elif src_pages:
+                if staged is not None:
+                    kc, vc = staged[0](layer)
+                self._offload(layer, kc, vc, src, dst, valid, PREFILL_OFFLOAD_PROGRAMS)
+        if self.device.type == "cuda" and not self.dense_outside:
+            torch.cuda.synchronize(self.device)  # the arena is read next by other requests (and the CPU)
+        for slot, num_pages, _ in items:
+            self._complete[slot] = max(self._complete[slot], num_pages)
 
     def export_pages(self, slot: int, num_pages: int) -> list[int]:
         """The host pages of a slot's full logical pages [0, num_pages), the sink's taken from the host pool now if it

@@ -8,7 +8,8 @@ a hit needs the arena's (every layer's bytes) and token slots holding its dense 
 - Export (the radix cache's cache_unfinished_req after each prefill chunk and once a prompt's prefill completed, and
   cache_finished_req; patches/_radix_cache.py): the request's full pages so far go to the arena with their summaries
   (FreeKVEngine.export_prefix; a prompt still in prefill from its staging pages) and the dense layers' slices from
-  SGLang's pool, and are retained as a chain, one key per page.
+  SGLang's pool, and are retained as a chain, one key per page. The requests one step finishes are exported together
+  once SGLang has processed that step's results (batched_exports).
 - Match (match_prefix with a request): the arena's longest retained prefix of the request's tokens, whose pages are
   pinned for the request at once (LOOKUP with a pending owner id, which the engine takes as the request's owner), so
   no eviction can take them before the prefill. The radix match is cut to it or, where the tree lacks it, its dense
@@ -72,6 +73,18 @@ class PrefixPin:
     tokens: int
 
 
+@dataclasses.dataclass(frozen=True)
+class _Export:
+    """A finished request's export waiting for the end of batched_exports: its full pages [0, num_pages) to complete
+    and retain (those before done are), and SGLang's token rows of the new ones, read when it finished."""
+
+    req: Any
+    slot: int
+    num_pages: int
+    done: int
+    dense_rows: torch.Tensor
+
+
 # What a retained page holds, in its keys: pages retained before the dense layers' slices were exported (format 1)
 # must not be loaded into the dense layers by a newer server on the same arena.
 PAGE_FORMAT = 2
@@ -105,6 +118,8 @@ class PrefixSharing:
         self.cut_matches = self.cut_pages = 0  # matches pinned short of the arena's hit for lack of staging room
         self.deferred_matches = 0  # matches that waited for staging room instead
         self.ranking = False  # inside the scheduling policy's ranking of the waiting queue (tree matches only)
+        # Inside batched_exports: finished requests' exports, written together when it ends.
+        self._deferred: list[_Export] | None = None
         self._warm_page_copies()
 
     def _warm_page_copies(self) -> None:
@@ -229,12 +244,35 @@ class PrefixSharing:
     def export(self, req: Any, kv_len: int) -> int:
         """A request's prompt was prefilled up to kv_len (after any chunk, or complete), or the request finished:
         retain its first kv_len tokens' full pages (every layer, summaries included) under their chain keys. Returns
-        the pages newly exported (0 when its host pages are lost, or they were exported already)."""
+        the pages newly exported (0 when its host pages are lost, or they were exported already, or inside
+        batched_exports, which exports them when it ends)."""
         t0 = time.perf_counter()
         try:
             return self._export(req, kv_len)
         finally:
             self.export_s += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def batched_exports(self) -> Iterator[None]:
+        """SGLang's processing of a step's results (patches/scheduler_process_batch_result): the requests it finishes
+        are exported together when it returns, after the step's tokens went out: one launch a layer for all of them
+        and one device synchronisation, where each finishing request took its own (16 requests finishing on one
+        step held the last token for ~80 ms). Their slots stay theirs until the next step's preparation frees them;
+        the dense layers' token rows are read when each finishes (SGLang may give the slot's row to a new request
+        first)."""
+        if self._deferred is not None:
+            yield
+            return
+        self._deferred = []
+        try:
+            yield
+        finally:
+            jobs, self._deferred = self._deferred, None
+            t0 = time.perf_counter()
+            try:
+                self._export_together(jobs)
+            finally:
+                self.export_s += time.perf_counter() - t0
 
     def _export(self, req: Any, kv_len: int) -> int:
         b, eng, p = self.backend, self.backend.engine, self.page_size
@@ -257,16 +295,39 @@ class PrefixSharing:
                 # store_staged's offload of its pages, must be written before they are read and retained.
                 torch.cuda.synchronize(eng.device)
             staged = (b.layer_kv, self.prefix_staging(slot) + b.staging.pages(slot))
+        elif self._deferred is not None:
+            self._chain_keys(req, num_pages)  # from its tokens now: the export retains when the batch ends
+            self._deferred = [job for job in self._deferred if job.slot != slot]  # a later export of it covers it
+            self._deferred.append(_Export(req, slot, num_pages, done, self._dense_rows(slot, done, num_pages)))
+            return 0
         try:
             pages = eng.export_prefix(slot, num_pages, staged)
         except HostPagesUnavailable as e:
-            # No host pages for its sink (arena full, daemon refusing): the prompt is not shared, the request goes on;
-            # the tree's matches are cut to what the arena retained.
-            self.export_failures += 1
-            logger.warning("FreeKV: a prompt of %d pages is not shared: %s", num_pages, e)
+            self._unshared(num_pages, e)
             return 0
-        self._export_dense(slot, pages, done)
+        self._write_dense(self._dense_rows(slot, done, num_pages), pages[done:])
         return self._retain(req, slot, pages, done, staged)
+
+    def _unshared(self, num_pages: int, e: HostPagesUnavailable) -> None:
+        # No host pages for its sink (arena full, daemon refusing): the prompt is not shared, the request goes on; the
+        # tree's matches are cut to what the arena retained.
+        self.export_failures += 1
+        logger.warning("FreeKV: a prompt of %d pages is not shared: %s", num_pages, e)
+
+    def _export_together(self, jobs: list[_Export]) -> None:
+        eng, ready = self.backend.engine, []
+        for job in jobs:
+            try:
+                ready.append((job, eng.export_pages(job.slot, job.num_pages)))
+            except HostPagesUnavailable as e:
+                self._unshared(job.num_pages, e)
+        if not ready:
+            return
+        eng.write_exports([(job.slot, job.num_pages, pages) for job, pages in ready])
+        self._write_dense(torch.cat([job.dense_rows for job, _ in ready]),
+                          [hp for job, pages in ready for hp in pages[job.done:]])
+        for job, pages in ready:
+            self._retain(job.req, job.slot, pages, job.done, None)
 
     def _retain(self, req: Any, slot: int, pages: list[int], done: int, staged) -> int:
         """Retain a slot's exported pages (whole in the arena) under the chain keys of req's tokens: the pages past
@@ -314,18 +375,21 @@ class PrefixSharing:
                 eng.ops.pages_from_host(eng.host.arena[:, layer], pages, pool.get_key_buffer(layer),
                                         pool.get_value_buffer(layer), locs.to(eng.device, torch.int64))
 
-    def _export_dense(self, slot: int, pages: list[int], first: int) -> None:
-        """Copy the dense layers' K/V of a slot's logical pages [first, len(pages)) from SGLang's token pool into their
-        host pages (the engine does not hold dense layers under SGLang), so a retained prefix is whole."""
-        p, eng, pool = self.page_size, self.backend.engine, self.backend.pool
-        if first >= len(pages):
-            return
-        rows = self.backend.req_pool.req_to_token[slot, first * p:len(pages) * p].to(eng.device, torch.int64)
-        dst = upload(pages[first:], torch.int32, eng.device)
-        for layer in range(eng.shape.num_layers):
-            if eng.dense[layer]:
-                eng.ops.pages_to_host(pool.get_key_buffer(layer), pool.get_value_buffer(layer), rows,
-                                      eng.host.arena[:, layer], dst)
+    def _dense_rows(self, slot: int, first: int, num_pages: int) -> torch.Tensor:
+        """SGLang's token rows of a slot's logical pages [first, num_pages), on the device."""
+        p, eng = self.page_size, self.backend.engine
+        return self.backend.req_pool.req_to_token[slot, first * p:num_pages * p].to(eng.device, torch.int64)
+
+    def _write_dense(self, rows: torch.Tensor, pages: list[int]) -> None:
+        """Copy the dense layers' K/V at SGLang's token rows into host pages (one per page of rows): the engine does
+        not hold dense layers under SGLang, and a retained prefix must be whole."""
+        eng, pool = self.backend.engine, self.backend.pool
+        if pages:
+            dst = upload(pages, torch.int32, eng.device)
+            for layer in range(eng.shape.num_layers):
+                if eng.dense[layer]:
+                    eng.ops.pages_to_host(pool.get_key_buffer(layer), pool.get_value_buffer(layer), rows,
+                                          eng.host.arena[:, layer], dst)
         if eng.device.type == "cuda":  # export_prefix's pages and these in the arena before they are retained
             torch.cuda.synchronize(eng.device)
 

@@ -31,6 +31,7 @@ _SEAM_MODULES = (
     "engine_launch_scheduler_processes",
     "scheduler_metrics_collector",
     "scheduler_update_running_batch",
+    "scheduler_process_batch_result",
     "scheduler_get_new_batch_prefill",
     "schedule_policy_calc_priority",
     "prefill_adder_add_one_req",

@@ -8,7 +8,7 @@ shared prefix (sparse layers' prefix staged from the arena, the dense layer's re
 then decodes exactly as an engine fed its whole prompt. A chunked prompt is exported chunk by chunk, so a request
 admitted while it still prefills hits its chunks; one aborted mid-prefill leaves them retained. A pin the scheduler
 did not admit is let go; a restarted backend with the same model and port re-attaches its arena (the client id is not
-the pid)."""
+the pid). Requests one step finishes are exported together, as they would be one by one."""
 
 from __future__ import annotations
 
@@ -539,3 +539,58 @@ def test_a_full_arena_at_export_leaves_the_prompt_unshared_and_the_request_runni
     assert len(match(cache, req_b).device_indices) == 0  # the tree's match is cut to the arena's (none)
     finish(cache, backend, runner, a, req_a)  # with room again, the export at finish shares it
     assert radix.exported_pages == exported + 6
+
+
+def finish_two(daemon, port, together):
+    """Two requests prefilled and decoded past a sixth full page each (the prefill's forward wrote five), then
+    finished, in one step's results when together (through the process_batch_result seam). Returns the
+    backend, the requests and the sparse layers of the offload launches their exports made."""
+    torch.manual_seed(7)
+    backend, runner = make_backend(daemon, port=port)
+    cache = make_cache(runner)
+    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
+    rs = [Request(runner, slot, 90) for slot in (1, 2)]
+    reqs = [sglang_req(name, list(range(first, first + 90))) for name, first in (("a", 100), ("b", 300))]
+    run_prefill(backend, rs, 1000)
+    for r, req in zip(rs, reqs):
+        prefilled(cache, r, req)  # their five full prompt pages retained
+    decode(backend, rs, 10)
+    eng, calls = backend.engine, []
+    offload = eng._offload
+    eng._offload = lambda layer, *a, **k: calls.append(layer) or offload(layer, *a, **k)
+    exported = backend.radix.exported_pages
+
+    def process_results(scheduler, batch, result):  # SGLang's processing of the step that finishes both
+        for r, req in zip(rs, reqs):
+            finish(cache, backend, runner, r, req)
+        if together:  # nothing written or retained before the step's results are processed
+            assert backend.radix.exported_pages == exported and not calls
+
+    if together:
+        from freekv_patches import scheduler_process_batch_result as seam
+
+        seam.hook(process_results, None, None, None)
+    else:
+        process_results(None, None, None)
+    assert backend.radix.exported_pages == exported + 2
+    assert [eng._complete[r.slot] for r in rs] == [6, 6]  # complete in the arena: a later export writes none again
+    return backend, reqs, calls
+
+
+def test_requests_finishing_in_one_step_are_exported_together(daemon):
+    """One offload launch a sparse layer for both requests instead of one each, and the arena then holds for each the
+    chain and the bytes (every layer, the page summaries too) that exporting them one by one retains."""
+    apart, reqs, calls_apart = finish_two(daemon, 30011, together=False)
+    together, _, calls_together = finish_two(daemon, 30012, together=True)
+    sparse = [layer for layer in range(L) if layer >= CFG.dense_layers]
+    assert calls_apart == sparse * 2 and calls_together == sparse
+    for req in reqs:
+        tokens = list(req.origin_input_ids) + [7] * 10
+        hits = [b.host.client.lookup_longest(b.radix.keys(tokens, None)) for b in (apart, together)]
+        assert hits[0][0] == hits[1][0] == 5  # the sixth key (its index) is the last retained
+        (_, pages_apart), (_, pages_together) = hits
+        assert len(pages_apart) == len(pages_together) == 6
+        assert torch.equal(apart.host.arena[list(pages_apart)], together.host.arena[list(pages_together)])
+        for layer in sparse:
+            assert torch.equal(apart.engine.summaries[layer][list(pages_apart)],
+                               together.engine.summaries[layer][list(pages_together)])
