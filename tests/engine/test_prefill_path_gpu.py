@@ -152,3 +152,18 @@ def test_the_staged_path_never_waits_for_the_device(selection):
     for path in (staged_batch, harness_batch):
         for s in path(e, [1000, 777, 1500], sync_checked=True):
             e.remove_request(s)
+
+
+def test_a_decode_steps_host_preparation_never_waits_for_the_device():
+    """prepare_step (the request's next host page included, every page_size steps) and the step plan run on the host
+    while SGLang's overlap scheduler has the previous step in flight: under sync debug mode "error"."""
+    e = engine(CFG)
+    slots = harness_batch(e, [1000, 777])
+    for _ in range(P + 1):  # crosses a page boundary of each request: its page table grows
+        e.prepare_step(slots, pad_to=4)
+        e.plan(4)
+    torch.cuda.synchronize()
+    with no_device_waits():
+        for _ in range(P + 1):
+            e.prepare_step(slots, pad_to=4)
+            e.plan(4)
