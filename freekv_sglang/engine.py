@@ -247,7 +247,7 @@ class FreeKVEngine:
         # insertion stamps by request slot, and the victim op of every (row, head, slot) recalled this step (by batch
         # row, written with the recall codes and read by the same recalls).
         # One block per kind over the sparse layers, viewed per layer: a request's removal clears its row of every
-        # layer in one launch (64 launches on the Llama shape were ~3 ms of host time per finished request).
+        # layer in one launch (62 on the Llama shape, most of ~3 ms of host time per finished request).
         V = cfg.victim_pages if self.retrieval else 0
         sparse = [layer for layer, d in enumerate(self.dense) if not d]
         self._victim_blocks = [torch.full((len(sparse), R, H, V), -1, dtype=torch.int32, device=self.device)
