@@ -360,7 +360,7 @@ class FreeKVEngine:
 
     def _upload_page_table(self, updates: list[tuple[int, int, int]]) -> None:
         if updates:
-            idx = torch.tensor(updates, dtype=torch.int64).to(self.device, non_blocking=True)
+            idx = upload(updates, torch.int64, self.device)
             self.page_table[idx[:, 0], idx[:, 1]] = idx[:, 2].int()
 
     # ---- prefill -----------------------------------------------------------------------------

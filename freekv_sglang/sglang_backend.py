@@ -39,6 +39,7 @@ from .engine import FreeKVEngine, ModelShape, merged_stats, tsp_engines
 from .kvstore_pool import HostPagesUnavailable, KVStoreHostPool, stable_client_id
 from .radix import PrefixSharing, fill_prefix_staging, namespace_of, prefix_fill_index
 from .server_args import host_page_bytes, host_page_capacity
+from .streams import upload
 from .tsp_propagation import causal_attention, pick
 
 logger = logging.getLogger(__name__)
@@ -368,28 +369,27 @@ class FreeKVAttnBackend(AttentionBackend):
                 if self.radix is not None:
                     self._export_in_forward(slot, n, staged, lists, dense_export)
         dev = eng.device
-        t = {k: torch.tensor(v, dtype=torch.int32).to(dev, non_blocking=True) for k, v in lists.items()}
+        t = {k: upload(v, torch.int32, dev) for k, v in lists.items()}
         self._prefix_index = prefix_fill_index(eng, self._prefix_fill)
         if lists["map_slot"]:
             locs = self.req_pool.req_to_token[t["map_slot"].long(), t["map_col"].long()]
             self.pool.page_map[(locs // p).long()] = t["map_page"]
-        whole = [(slot, torch.tensor(staged, dtype=torch.int32).to(dev, non_blocking=True)) for slot, staged in whole]
+        whole = [(slot, upload(staged, torch.int32, dev)) for slot, staged in whole]
         self._extend = StagedPrefill(t["off_src"], t["off_dst"], torch.ones_like(t["off_src"], dtype=torch.bool),
                                      t["res_src"].long(), t["res_dst"].long(), completed, whole)
         if last:
             ext = self._extend
-            ext.last_rows, ext.last_slots = (torch.tensor(x, dtype=torch.int64).to(dev, non_blocking=True)
+            ext.last_rows, ext.last_slots = (upload(x, torch.int64, dev)
                                              for x in zip(*[(r, slot) for r, slot, _ in last]))
             if eng.fills_at_prefill:
                 ext.fill = [slot for _, slot, _ in last]
                 width = max(len(staged) for _, _, staged in last)
-                ext.fill_pages = torch.tensor([staged + [0] * (width - len(staged)) for _, _, staged in last],
-                                              dtype=torch.int64).to(dev, non_blocking=True)
+                ext.fill_pages = upload([staged + [0] * (width - len(staged)) for _, _, staged in last], torch.int64,
+                                        dev)
         if dense_export:
             self._extend.dense_rows = torch.cat([self.req_pool.req_to_token[slot, first * p:(first + len(pages)) * p]
                                                  for slot, first, pages in dense_export]).to(dev, torch.int64)
-            self._extend.dense_dst = torch.tensor([hp for _, _, pages in dense_export for hp in pages],
-                                                  dtype=torch.int32).to(dev, non_blocking=True)
+            self._extend.dense_dst = upload([hp for _, _, pages in dense_export for hp in pages], torch.int32, dev)
 
     def _export_in_forward(self, slot: int, n: int, staged: list[int], lists: dict[str, list[int]],
                            dense_export: list[tuple[int, int, list[int]]]) -> None:

@@ -75,7 +75,7 @@ def compiled_variants() -> dict[str, set[str]]:
 
     from triton.runtime.jit import JITFunction
 
-    counts = {}
+    variants = {}
     pkg = importlib.import_module(__package__)
     for info in pkgutil.iter_modules(pkg.__path__):
         if not info.ispkg:
@@ -83,5 +83,5 @@ def compiled_variants() -> dict[str, set[str]]:
         mod = importlib.import_module(f"{__package__}.{info.name}.triton")
         for name, fn in vars(mod).items():
             if isinstance(fn, JITFunction):  # device_caches: device -> (kernel cache, ...)
-                counts[f"{info.name}.{name}"] = {str(key) for entry in fn.device_caches.values() for key in entry[0]}
-    return counts
+                variants[f"{info.name}.{name}"] = {str(key) for entry in fn.device_caches.values() for key in entry[0]}
+    return variants
