@@ -1,0 +1,101 @@
+"""select_chain alone on a GPU, stage by stage: where a served layer's selection time goes. At the Llama-3.1-8B
+attention shape (8 KV heads, groups of 4), 32K context (1,000 candidate pages of 32 tokens), budget 2048 (64 slots),
+one call per layer timed as the replay of a CUDA graph of 32 calls (a step's sparse layers), per call:
+
+  select       select_slots over given page scores (no hysteresis, no victim cache)
+  +hyst        with the default hysteresis (resident pages' scores boosted first)
+  +victims     and the victim cache (--kv-victim 2048: 64 entries a head)
+  +pool        scores pooled from the channel sketch's per-page log-sum-exps first: the served chain
+  +replay      and the realistic benchmark's churn replay (benchmarks only)
+
+for the heads that select before attention (a share --flagged of them, PHASE_NOW) and for every head (the
+speculative phase). The slots start full. Only the replay changes them from call to call (its draws differ per call
+of the 32, as the engine's differ per step), as in decode.py's realistic configs; without it the selection settles
+after the first call, so the earlier columns are the stages' costs when nothing changes. Prints a table and writes JSON.
+
+python benchmarks/select_chain.py --batches 1,16 --out results/select_chain.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW, select_slots
+from freekv_kernels.select_chain import LsePool, Replay, select_chain
+from gpu_timing import graph_replay_ms
+
+H, G, GP, PAGES, K, V = 8, 4, 4, 1000, 64, 64
+HYSTERESIS = 1.0  # freekv_sglang.config.DEFAULT_HYSTERESIS
+STAGES = ("select", "+hyst", "+victims", "+pool", "+replay")
+
+
+def case(batch: int, flagged: float, seed: int, dev: str = "cuda") -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    lse = torch.randn(batch, H, PAGES, GP, generator=gen).to(dev)
+    resident = torch.stack([torch.randperm(PAGES, generator=gen)[:K] for _ in range(batch * H)]).view(batch, H, K)
+    now = torch.rand(batch, H, generator=gen) < flagged
+    return dict(lse=lse, scores=torch.rand(batch, H, PAGES, generator=gen).to(dev), resident=resident.int().to(dev),
+                now=now.to(dev), req_slots=torch.arange(batch, dtype=torch.int32, device=dev),
+                cand_end=torch.full((batch,), PAGES, dtype=torch.int32, device=dev),
+                draws=torch.rand(32, batch, H, generator=gen).to(dev))
+
+
+def chain(c: dict, stage: str, phase: int, churn: float, returns: float):
+    """One layer's selection as the engine calls it, up to `stage`, on state of its own."""
+    batch = c["req_slots"].shape[0]
+    upto, dev = STAGES.index(stage), c["lse"].device
+    slots = c["resident"].clone()
+    recall = torch.zeros(batch, H, K, dtype=torch.int8, device=dev)
+    victims = torch.full((batch, H, V), -1, dtype=torch.int32, device=dev) if upto >= 2 else None
+    age = torch.full_like(victims, -1) if victims is not None else None
+    ops = torch.zeros(batch, H, K, dtype=torch.int32, device=dev) if victims is not None else None
+    hyst = HYSTERESIS if upto >= 1 else 0.0
+    heads = c["now"]
+
+    def run(i: int):
+        replay = Replay(c["draws"][i], churn, returns) if upto >= 4 else None
+        scores = LsePool(c["lse"], 0, c["cand_end"], G, PAGES) if upto >= 3 else c["scores"]
+        if upto == 0:
+            return select_slots(scores, slots, c["req_slots"], heads, phase, heads, recall)
+        return select_chain(scores, slots, c["req_slots"], heads, phase, heads, recall, hysteresis=hyst,
+                            victims=victims, victim_age=age, victim_ops=ops, replay=replay)
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--flagged", type=float, default=0.3, help="share of (row, KV head) pairs selecting before attention")
+    ap.add_argument("--churn", type=float, default=0.15, help="the replay's changed share of the budget")
+    ap.add_argument("--returns", type=float, default=0.5, help="the replay's share of the churn from the victim cache")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--out", default="results/select_chain.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/select_chain.py needs a CUDA device")
+    print(f"{torch.cuda.get_device_name()}: select_chain per call (graph of 32), {H} KV heads x group {G}, "
+          f"{PAGES} pages, {K} slots, flagged {args.flagged}, churn {args.churn}, returns {args.returns}")
+    print(f"{'batch':>5} {'phase':>12} " + " ".join(f"{s:>9}" for s in STAGES))
+    rows = []
+    for batch in map(int, args.batches.split(",")):
+        c = case(batch, args.flagged, seed=batch)
+        # PHASE_LATER selects the heads not flagged; flag none so that every head selects, as in the speculation.
+        for phase, name in ((PHASE_NOW, "before attn"), (PHASE_LATER, "speculative")):
+            if phase == PHASE_LATER:
+                c = dict(c, now=torch.zeros_like(c["now"]))
+            row = dict(batch=batch, phase=name)
+            for stage in STAGES:
+                run = chain(c, stage, phase, args.churn, args.returns)
+                row[stage] = 1e3 * graph_replay_ms(lambda: [run(i) for i in range(32)], args.repeats) / 32
+            rows.append(row)
+            print(f"{batch:>5} {name:>12} " + " ".join(f"{row[s]:>9.1f}" for s in STAGES))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
