@@ -181,7 +181,7 @@ def main() -> None:
 
             # Attention only, over the selection the last step left in the slot tables.
             plan = eng.plan(B)
-            attn_ms = graph_time(lambda: [fi.attend(meta, q[i], eng.k_cache[i], eng.v_cache[i], plan, eng.slot_table[i])
+            attn_ms = graph_time(lambda: [fi.attend(meta, q[i], eng.k_cache[i], eng.v_cache[i], plan, eng.slot_table[i])()
                                           for i in range(1, L)])
 
             # Torch profiler over one eager step: kernel count and GPU time by kernel.

@@ -74,9 +74,10 @@ class ModelShape:
         return self.num_q_heads // self.num_kv_heads
 
 
-# An outside attention kernel for sparse layers: (q, k_cache, v_cache, plan, slots) -> output, where slots is
-# the layer's slot table [R, H, k] (see FreeKVEngine.attend).
-Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, torch.Tensor], torch.Tensor]
+# An outside attention kernel for sparse layers, in two calls: (q, k_cache, v_cache, plan, slots) does what needs only
+# the layer's slot table [R, H, k] (the token lists) and returns the call that attends, () -> output. The engine makes
+# the first beside the recall before attention and the second after it (see FreeKVEngine.attend).
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, torch.Tensor], Callable[[], torch.Tensor]]
 
 # The retrieval policies of cfg.retrieval (FreeKV: selection by cfg.selection, speculative with correction; LouisKV:
 # retrieval at semantic boundaries) and StreamingLLM-style dropping (sink + window only, nothing selected).
@@ -761,9 +762,10 @@ class FreeKVEngine:
                attention: Attention | None = None) -> torch.Tensor:
         """Store this step's K/V [B, H, D] and return the attention output [B, Hq, D] for q [B, Hq, D].
 
-        attention: for a sparse layer, an outside kernel called as attention(q, k_cache, v_cache, plan, slots)
-        instead of the engine's own, slots being the layer's slot table [R, H, k] (the logical page each
-        selection slot of a request's head holds, -1 if empty). SGLang's FlashInfer wrapper uses it so FreeKV
+        attention: for a sparse layer, an outside kernel (engine.Attention) instead of the engine's own: called as
+        attention(q, k_cache, v_cache, plan, slots) once the selection before attention has committed, beside its
+        recall, slots being the layer's slot table [R, H, k] (the logical page each selection slot of a request's
+        head holds, -1 if empty); the call it returns attends after that recall. SGLang's FlashInfer wrapper uses it so FreeKV
         attention rounds exactly as the server's full attention does: freekv_kernels.token_index lists each
         head's tokens from it in logical order (the request's whole context in order when every page is
         selected)."""
@@ -803,8 +805,12 @@ class FreeKVEngine:
             st.wait(e_now)
             out = ops.attend_recalled(q, kc, vc, plan.slot_pages, plan.n_slots, recall, PHASE_NOW, self.scale, p, kept)
         else:
+            # The slot table is final once the selection has committed: the token lists (and q's layout) are made
+            # beside the recall, which writes only pages, and the kernel attends after it.
+            st.wait(e_sel)
+            finish = attention(q, kc, vc, plan, self.slot_table[layer])
             st.wait(e_now)
-            out = attention(q, kc, vc, plan, self.slot_table[layer])
+            out = finish()
         if self.probe is not None:
             self.probe(layer, plan, q, self.slot_table[layer])
         e_attn = e_spec = st.record()

@@ -14,6 +14,8 @@ per layer on the device inside the step, so a captured step replays with the cur
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .config import FreeKVConfig
@@ -67,11 +69,17 @@ class FlashInferHeadAttention(HeadRows):
         self.current = wrapper
 
     def attend(self, layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
-               slots: torch.Tensor) -> torch.Tensor:
-        """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table."""
+               slots: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table. The token lists
+        and the one-head rows of q (a copy when a batch's rows are strided) are made now, beside the recall before
+        attention; the returned call attends."""
         self.list_tokens(plan, slots)
-        B, D = q.shape[0], self.D
-        o = self.current.forward(q.reshape(B * self.H, self.G, D), (k_cache.view(-1, 1, 1, D), v_cache.view(-1, 1, 1, D)),
-                                 sm_scale=layer.scaling, logits_soft_cap=layer.logit_cap,
-                                 k_scale=layer.k_scale_float, v_scale=layer.v_scale_float)
-        return o.view(B, self.H * self.G, D)
+        B, D, wrapper = q.shape[0], self.D, self.current
+        rows = q.reshape(B * self.H, self.G, D)
+
+        def finish() -> torch.Tensor:
+            o = wrapper.forward(rows, (k_cache.view(-1, 1, 1, D), v_cache.view(-1, 1, 1, D)), sm_scale=layer.scaling,
+                                logits_soft_cap=layer.logit_cap, k_scale=layer.k_scale_float,
+                                v_scale=layer.v_scale_float)
+            return o.view(B, self.H * self.G, D)
+        return finish

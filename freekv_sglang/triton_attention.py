@@ -18,6 +18,8 @@ buffers of this batch (its [bs, H * G, splits, D] viewed as [bs * H, G, splits, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 
@@ -60,17 +62,22 @@ class TritonHeadAttention(HeadRows):
             )
 
     def attend(self, layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
-               slots: torch.Tensor) -> torch.Tensor:
-        """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table."""
+               slots: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table. The token lists
+        and the one-head rows of q are made now, beside the recall before attention; the returned call attends."""
         self.list_tokens(plan, slots)
         B, D, n = q.shape[0], self.D, q.shape[0] * self.H
-        meta, inner = self.inner.forward_metadata, self.inner
-        logits = meta.attn_logits[:B].view(n, self.G, inner.max_kv_splits, D)
-        lse = meta.attn_lse[:B].view(n, self.G, inner.max_kv_splits)
-        o = torch.empty(n, self.G, D, dtype=q.dtype, device=q.device)
-        scaled = layer.k_scale is not None and layer.v_scale is not None  # as SGLang's forward_decode
-        k_scale, v_scale = (layer.k_scale_float, layer.v_scale_float) if scaled else (1.0, 1.0)
-        self._decode(q.reshape(n, self.G, D), k_cache.view(-1, 1, D), v_cache.view(-1, 1, D), o,
-                     self.indptr[:n + 1], self.indices, logits, lse, self.num_kv_splits[:n], inner.max_kv_splits,
-                     layer.scaling, k_scale, v_scale, use_pdl=inner.use_pdl)
-        return o.view(B, self.H * self.G, D)
+        rows = q.reshape(n, self.G, D)
+
+        def finish() -> torch.Tensor:
+            meta, inner = self.inner.forward_metadata, self.inner
+            logits = meta.attn_logits[:B].view(n, self.G, inner.max_kv_splits, D)
+            lse = meta.attn_lse[:B].view(n, self.G, inner.max_kv_splits)
+            o = torch.empty(n, self.G, D, dtype=q.dtype, device=q.device)
+            scaled = layer.k_scale is not None and layer.v_scale is not None  # as SGLang's forward_decode
+            k_scale, v_scale = (layer.k_scale_float, layer.v_scale_float) if scaled else (1.0, 1.0)
+            self._decode(rows, k_cache.view(-1, 1, D), v_cache.view(-1, 1, D), o, self.indptr[:n + 1], self.indices,
+                         logits, lse, self.num_kv_splits[:n], inner.max_kv_splits, layer.scaling, k_scale, v_scale,
+                         use_pdl=inner.use_pdl)
+            return o.view(B, self.H * self.G, D)
+        return finish

@@ -466,7 +466,8 @@ def test_framework_slots_padding_and_outside_dense_layers():
 
 def head_major_attention(cfg, H, G, order_log=None, triton_lists=True):
     """An outside attention kernel as SGLang's FlashInfer path uses it: every (row, KV head) is a request
-    with one KV head over the flat token list of head_token_index, attended in list order."""
+    with one KV head over the flat token list of head_token_index (written by the first call, as the engine's
+    selection has committed), attended in list order by the call it returns (after the recall)."""
 
     def attend(q, kc, vc, plan, slots):
         D_ = q.shape[-1]
@@ -475,19 +476,22 @@ def head_major_attention(cfg, H, G, order_log=None, triton_lists=True):
         (head_token_index if triton_lists else naive_head_token_index)(
             slots, plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots, plan.slot_pages, plan.row_tokens,
             plan.row_start, cfg.page_size, out_idx)
-        k_flat, v_flat = kc.reshape(-1, D_), vc.reshape(-1, D_)
-        o, pos = torch.empty_like(q), 0
-        for b, nb in enumerate(n):
-            for h in range(H):
-                rows = out_idx[pos:pos + nb].long()
-                pos += nb
-                if order_log is not None:
-                    order_log.append((b, h, rows))
-                qh = q[b, h * G:(h + 1) * G].double()
-                w = torch.softmax(qh @ k_flat[rows].double().T / math.sqrt(D_), dim=-1)
-                o[b, h * G:(h + 1) * G] = (w @ v_flat[rows].double()).to(q.dtype)
-        assert pos == sum(n) * H
-        return o
+
+        def finish():
+            k_flat, v_flat = kc.reshape(-1, D_), vc.reshape(-1, D_)
+            o, pos = torch.empty_like(q), 0
+            for b, nb in enumerate(n):
+                for h in range(H):
+                    rows = out_idx[pos:pos + nb].long()
+                    pos += nb
+                    if order_log is not None:
+                        order_log.append((b, h, rows))
+                    qh = q[b, h * G:(h + 1) * G].double()
+                    w = torch.softmax(qh @ k_flat[rows].double().T / math.sqrt(D_), dim=-1)
+                    o[b, h * G:(h + 1) * G] = (w @ v_flat[rows].double()).to(q.dtype)
+            assert pos == sum(n) * H
+            return o
+        return finish
 
     return attend
 
