@@ -110,7 +110,12 @@ class FreeKVConfig:
     kmeans_iters: Lloyd iterations of LouisKV's prompt clustering (the paper gives none; ours).
     recall_programs: GPU programs of the speculative recall, which reads host memory beside the model's GEMMs
         (each program strides over the pages to recall); 0 launches one per (request, head, slot), which holds
-        an SM slot per page through its PCIe round trip. The recall before attention always uses one per page.
+        an SM slot per page through its PCIe round trip.
+    recall_block: slots per GPU program of the recall before attention (0 or a power of two). 0 (default): one
+        program per (request, head, slot), ~8,000 at 16 requests and budget 2048 with a few hundred pages to recall;
+        they run in several waves, each waiting on a PCIe round trip. B: one program per block of B slots, which
+        recalls its block's pages one after another (session 36's trace: 81 us a layer at 16 requests for ~1.5 MB
+        from the host; to be measured with --kv-recall-block).
     score_programs: GPU programs of the channels selection's speculative scoring, which runs after a layer's
         attention beside the model's GEMMs (each program strides over (request, head, chunk of pages) items); 0
         (default) launches one per item, ~4,000 at 16 x 32K, which queue ahead of the output projection (session 30's
@@ -155,6 +160,7 @@ class FreeKVConfig:
     dense_layers: int = 1
     recall: str = "delta"
     recall_programs: int = 32
+    recall_block: int = 0
     score_programs: int = 0
     attention: str = "backend"
     selection: str = "channels"
@@ -215,6 +221,8 @@ class FreeKVConfig:
                              f"replay_churn (--kv-bench-churn); set it, or pick another --kv-selection")
         if not _is_int(self.recall_programs) or self.recall_programs < 0:
             raise ValueError(f"recall_programs must be a non-negative integer, got {self.recall_programs!r}")
+        if not _is_int(self.recall_block) or self.recall_block < 0 or self.recall_block & (self.recall_block - 1):
+            raise ValueError(f"recall_block must be 0 or a power of two, got {self.recall_block!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if not _is_int(self.score_programs) or self.score_programs < 0:

@@ -865,6 +865,7 @@ class FreeKVEngine:
         self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
                               self.slot_table[layer], plan.req_slots, plan.slot_pages, self._recall[layer][:B], phase,
                               self.cfg.page_size, programs=self.cfg.recall_programs if phase == PHASE_LATER else 0,
+                              slot_block=0 if phase == PHASE_LATER else self.cfg.recall_block,
                               **cache)
         if timer is not None:
             timer.mark(layer, phase, 3)

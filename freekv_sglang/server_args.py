@@ -55,6 +55,7 @@ _KNOB_FLAGS = {
     "kv_dense_layers": ("--kv-dense-layers", "dense_layers"),
     "kv_recall": ("--kv-recall", "recall"),
     "kv_recall_programs": ("--kv-recall-programs", "recall_programs"),
+    "kv_recall_block": ("--kv-recall-block", "recall_block"),
     "kv_score_programs": ("--kv-score-programs", "score_programs"),
     "kv_attention": ("--kv-attention", "attention"),
     "kv_selection": ("--kv-selection", "selection"),
@@ -174,6 +175,9 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-recall-programs", type=int, default=None, metavar="N",
                    help="GPU programs of the speculative recall, which runs beside the model's GEMMs; 0 = one per "
                         f"page recalled (default {_DEFAULTS.recall_programs})")
+    g.add_argument("--kv-recall-block", type=int, default=None, metavar="B",
+                   help="slots per GPU program of the recall before attention (0 or a power of two); 0 = one "
+                        f"program per (request, KV head, slot) (default {_DEFAULTS.recall_block})")
     g.add_argument("--kv-score-programs", type=int, default=None, metavar="N",
                    help="GPU programs of the 'channels' selection's speculative scoring, which runs beside the "
                         "model's GEMMs; 0 = one per (request, KV head, chunk of pages) "

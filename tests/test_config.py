@@ -124,7 +124,7 @@ def test_check_model_refuses_too_many_dense_layers():
 
 
 @pytest.mark.parametrize("field", ["page_size", "budget", "sink", "window", "dense_layers", "recall_programs",
-                                   "score_programs"])
+                                   "recall_block", "score_programs"])
 def test_bool_is_not_an_integer(field):
     with pytest.raises(ValueError, match=field):
         FreeKVConfig(**{field: True})
@@ -141,6 +141,14 @@ def test_recall_programs():
     for bad in (-1, 2.0, "8"):
         with pytest.raises(ValueError, match="^recall_programs must be a non-negative integer"):
             FreeKVConfig(recall_programs=bad)
+
+
+def test_recall_block():
+    assert FreeKVConfig().recall_block == 0  # one program per slot
+    assert FreeKVConfig(recall_block=8).recall_block == 8
+    for bad in (-1, 3, 2.0, "8"):
+        with pytest.raises(ValueError, match="^recall_block must be 0 or a power of two"):
+            FreeKVConfig(recall_block=bad)
 
 
 def test_score_programs():

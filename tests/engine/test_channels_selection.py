@@ -44,6 +44,27 @@ def test_score_programs_shape_only_the_speculative_scoring(monkeypatch, prefill_
     assert {programs for phase, programs in seen if phase != PHASE_LATER} == {0}
 
 
+def test_recall_block_shapes_only_the_recall_before_attention(monkeypatch, prefill_alike, decode_alike):
+    """--kv-recall-block reaches the recall before attention; the speculative recall keeps its capped programs and
+    whole-row items. (Blocked and per-slot launches recall alike: tests/kernels/test_recall.py.)"""
+    cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="channels",
+                       recall_block=4)
+    eng = make_engine(cfg, 2, 2, 2, "torch")
+    seen = []
+    recall = eng.ops.recall_pages
+
+    def spy(*args, **kwargs):
+        seen.append((args[8], kwargs.get("programs", 0), kwargs.get("slot_block", 0)))  # phase, programs, block
+        return recall(*args, **kwargs)
+
+    monkeypatch.setattr(eng.ops, "recall_pages", spy)
+    torch.manual_seed(5)
+    decode_alike([eng], prefill_alike([eng], [150, 97], device=DEV), 4, device=DEV)
+    later = {(programs, block) for phase, programs, block in seen if phase == PHASE_LATER}
+    assert later == {(cfg.recall_programs, 0)}
+    assert {(programs, block) for phase, programs, block in seen if phase != PHASE_LATER} == {(0, 4)}
+
+
 def test_prompt_without_calibration_is_refused():
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, dense_layers=1, selection="channels")
     e = make_engine(cfg, 2, 2, 2, "torch")

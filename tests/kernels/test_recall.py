@@ -180,10 +180,11 @@ def victim_ops_for(idx, phase, V, seed):
     return ops.to(DEV)
 
 
-@pytest.mark.parametrize("programs", [0, 3])
+# (0, 4): the recall before attention under --kv-recall-block 4
+@pytest.mark.parametrize("programs,slot_block", [(0, 0), (3, 0), (0, 4)])
 @pytest.mark.parametrize("phase", [1, 2])
 @pytest.mark.parametrize("H,p", [(1, 16), (3, 32), (8, 16)])
-def test_recall_pages_victims(H, p, phase, programs):
+def test_recall_pages_victims(H, p, phase, programs, slot_block):
     """With victim ops: an item's slot chunk goes to its evict entry before the slot is overwritten, and the slot
     takes its source entry's chunk (as it was before the launch) instead of the host's. Caches start random (the
     slots hold the pages they evict), victim pages sit after the slot pages."""
@@ -198,7 +199,8 @@ def test_recall_pages_victims(H, p, phase, programs):
     outs = []
     for fn in (naive_recall_pages, recall_pages):
         kc, vc = k0.clone().to(DEV), v0.clone().to(DEV)
-        fn(host_layer, kc, vc, *idx, phase, p, programs=programs, victim_ops=ops, victim_base=base, victim_entries=V)
+        fn(host_layer, kc, vc, *idx, phase, p, programs=programs, slot_block=slot_block, victim_ops=ops,
+           victim_base=base, victim_entries=V)
         outs.append((kc.cpu(), vc.cpu()))
     # The contract, from the caches as they were.
     page_table, slots, req_slots, slot_pages, recall = (t.cpu() for t in idx)

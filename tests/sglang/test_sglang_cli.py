@@ -44,6 +44,7 @@ def test_freekv_settings_reach_server_args(prepare):
     want = FreeKVConfig(budget=1024, sink=64, window=256, page_size=64, tau=0.8, dense_layers=2, recall="all",
                         recall_programs=64, selection="means", rerank_factor=8)
     assert prepare([*FREEKV, "--kv-score-programs", "132"])._freekv.config.score_programs == 132
+    assert prepare([*FREEKV, "--kv-recall-block", "8"])._freekv.config.recall_block == 8
     assert prepare([*FREEKV, "--kv-attention", "split"])._freekv.config.attention == "split"
     assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0,
                                               kvstore_timeout_s=12.5)
@@ -107,6 +108,7 @@ REFUSED = [
     (["--kv-dense-layers", "-1"], "--kv-dense-layers"),
     (["--kv-recall-programs", "-1"], "--kv-recall-programs"),
     (["--kv-score-programs", "-1"], "--kv-score-programs"),
+    (["--kv-recall-block", "6"], "--kv-recall-block"),
     (["--kv-rerank-factor", "-1"], "--kv-rerank-factor"),
     (["--kvstore-arena-gb", "0"], "--kvstore-arena-gb"),
     (["--kvstore-timeout", "1"], "--kvstore-timeout"),  # shorter than an embedded daemon's restart
