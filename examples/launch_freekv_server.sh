@@ -45,6 +45,9 @@ args=(
   # GPU programs of the speculative recall, which reads host memory beside the model's GEMMs; each strides
   # over many pages so the recall does not take SMs from the GEMMs (0 = one program per page).
   --kv-recall-programs 32
+  # Slots per GPU program of the recall before attention (0 = one program per request, KV head and slot; B blocks of
+  # B slots, each recalled one page after another; not yet measured in a served step, docs/results/session36).
+  --kv-recall-block 0
   # GPU programs of the channels selection's speculative scoring beside the GEMMs (0 = one per request, KV head and
   # chunk of pages; not yet measured in a served step, docs/results/session30).
   --kv-score-programs 0
