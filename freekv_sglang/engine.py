@@ -47,6 +47,7 @@ the recall stream), so the caching allocator never hands a block to one stream w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -765,9 +766,9 @@ class FreeKVEngine:
         attention: for a sparse layer, an outside kernel (engine.Attention) instead of the engine's own: called as
         attention(q, k_cache, v_cache, plan, slots) once the selection before attention has committed, beside its
         recall, slots being the layer's slot table [R, H, k] (the logical page each selection slot of a request's
-        head holds, -1 if empty); the call it returns attends after that recall. SGLang's FlashInfer wrapper uses it so FreeKV
-        attention rounds exactly as the server's full attention does: freekv_kernels.token_index lists each
-        head's tokens from it in logical order (the request's whole context in order when every page is
+        head holds, -1 if empty); the call it returns attends after that recall. SGLang's FlashInfer wrapper uses
+        it so FreeKV attention rounds exactly as the server's full attention does: freekv_kernels.token_index lists
+        each head's tokens from it in logical order (the request's whole context in order when every page is
         selected)."""
         p, ops = self.cfg.page_size, self.ops
         kc, vc = self.k_cache[layer], self.v_cache[layer]
@@ -795,22 +796,12 @@ class FreeKVEngine:
                 e_sel = st.record()
                 self._recall_phase(plan, layer, PHASE_NOW)
                 e_now = st.record()
-        recall = self._recall[layer][:q.shape[0]]
-        if attention is None:
-            # The pages that stay, beside the recall (it writes only the slots coded PHASE_NOW, which this skips);
-            # then the recalled slots merged in.
-            st.wait(e_sel)
-            kept = ops.attend_kept(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, plan.n_sink,
-                                   plan.n_slots, recall, PHASE_NOW, self.scale, p)
-            st.wait(e_now)
-            out = ops.attend_recalled(q, kc, vc, plan.slot_pages, plan.n_slots, recall, PHASE_NOW, self.scale, p, kept)
-        else:
-            # The slot table is final once the selection has committed: the token lists (and q's layout) are made
-            # beside the recall, which writes only pages, and the kernel attends after it.
-            st.wait(e_sel)
-            finish = attention(q, kc, vc, plan, self.slot_table[layer])
-            st.wait(e_now)
-            out = finish()
+        # The slot table is final once the selection has committed: the attention's first call runs beside the
+        # recall, which writes only the pages of the slots coded PHASE_NOW, and its second after it.
+        st.wait(e_sel)
+        finish = (attention or functools.partial(self._attend_split, layer))(q, kc, vc, plan, self.slot_table[layer])
+        st.wait(e_now)
+        out = finish()
         if self.probe is not None:
             self.probe(layer, plan, q, self.slot_table[layer])
         e_attn = e_spec = st.record()
@@ -828,6 +819,16 @@ class FreeKVEngine:
             if self.retrieval:
                 self.selector.after_offload(plan, layer)
         return out
+
+    def _attend_split(self, layer: int, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: StepPlan,
+                      slots: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The engine's own sparse attention as an Attention: attend_kept over the pages that stay (it skips the slots
+        coded PHASE_NOW, which the recall writes); the returned call merges the recalled slots in."""
+        recall, ops, p = self._recall[layer][:q.shape[0]], self.ops, self.cfg.page_size
+        kept = ops.attend_kept(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, plan.n_sink,
+                               plan.n_slots, recall, PHASE_NOW, self.scale, p)
+        return lambda: ops.attend_recalled(q, kc, vc, plan.slot_pages, plan.n_slots, recall, PHASE_NOW, self.scale, p,
+                                           kept)
 
     def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
         """Select with q for the heads of `phase` (PHASE_NOW: those with _now_heads set, PHASE_LATER: the others,
