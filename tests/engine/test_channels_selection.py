@@ -23,23 +23,29 @@ def make_engine(cfg, H, G, L, backend):
                         backend=backend)
 
 
+def recorded_calls(monkeypatch, cfg, op, pick, prefill_alike, decode_alike) -> list:
+    """pick(args, kwargs) of every call of eng.ops.<op> while a torch engine prefills two prompts and decodes."""
+    eng = make_engine(cfg, 2, 2, 2, "torch")
+    seen, call = [], getattr(eng.ops, op)
+
+    def spy(*args, **kwargs):
+        seen.append(pick(args, kwargs))
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(eng.ops, op, spy)
+    torch.manual_seed(5)
+    decode_alike([eng], prefill_alike([eng], [150, 97], device=DEV), 4, device=DEV)
+    return seen
+
+
 def test_score_programs_shape_only_the_speculative_scoring(monkeypatch, prefill_alike, decode_alike):
     """--kv-score-programs reaches the scoring after attention (the phase beside the model's GEMMs); the scoring
     before attention keeps one program per item. (The kernel's strided grid equals the per-item one:
     tests/kernels/test_channel_sketch.py.)"""
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="channels",
                        score_programs=7)
-    eng = make_engine(cfg, 2, 2, 2, "torch")
-    seen = []
-    score = eng.ops.channel_sketch_pages
-
-    def spy(*args, **kwargs):
-        seen.append((args[8], args[12]))  # phase, programs
-        return score(*args, **kwargs)
-
-    monkeypatch.setattr(eng.ops, "channel_sketch_pages", spy)
-    torch.manual_seed(5)
-    decode_alike([eng], prefill_alike([eng], [150, 97], device=DEV), 4, device=DEV)
+    seen = recorded_calls(monkeypatch, cfg, "channel_sketch_pages", lambda a, kw: (a[8], a[12]),  # phase, programs
+                          prefill_alike, decode_alike)
     assert {programs for phase, programs in seen if phase == PHASE_LATER} == {7}
     assert {programs for phase, programs in seen if phase != PHASE_LATER} == {0}
 
@@ -49,17 +55,9 @@ def test_recall_block_shapes_only_the_recall_before_attention(monkeypatch, prefi
     whole-row items. (Blocked and per-slot launches recall alike: tests/kernels/test_recall.py.)"""
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="channels",
                        recall_block=4)
-    eng = make_engine(cfg, 2, 2, 2, "torch")
-    seen = []
-    recall = eng.ops.recall_pages
-
-    def spy(*args, **kwargs):
-        seen.append((args[8], kwargs.get("programs", 0), kwargs.get("slot_block", 0)))  # phase, programs, block
-        return recall(*args, **kwargs)
-
-    monkeypatch.setattr(eng.ops, "recall_pages", spy)
-    torch.manual_seed(5)
-    decode_alike([eng], prefill_alike([eng], [150, 97], device=DEV), 4, device=DEV)
+    seen = recorded_calls(monkeypatch, cfg, "recall_pages",  # phase, programs, slot block
+                          lambda a, kw: (a[8], kw.get("programs", 0), kw.get("slot_block", 0)),
+                          prefill_alike, decode_alike)
     later = {(programs, block) for phase, programs, block in seen if phase == PHASE_LATER}
     assert later == {(cfg.recall_programs, 0)}
     assert {(programs, block) for phase, programs, block in seen if phase != PHASE_LATER} == {(0, 4)}
