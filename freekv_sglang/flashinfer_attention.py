@@ -70,12 +70,10 @@ class FlashInferHeadAttention(HeadRows):
 
     def attend(self, layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
                slots: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table. The token lists
-        and the one-head rows of q (a copy when a batch's rows are strided) are made now, beside the recall before
-        attention; the returned call attends."""
-        self.list_tokens(plan, slots)
+        """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table. The rows'
+        token lists and queries are made now, beside the recall before attention; the returned call attends."""
+        rows = self.prepare(plan, slots, q)
         B, D, wrapper = q.shape[0], self.D, self.current
-        rows = q.reshape(B * self.H, self.G, D)
 
         def finish() -> torch.Tensor:
             o = wrapper.forward(rows, (k_cache.view(-1, 1, 1, D), v_cache.view(-1, 1, 1, D)), sm_scale=layer.scaling,

@@ -22,7 +22,10 @@ class HeadRows:
         # Every (row, head) holds at most resident_pages * page_size tokens; the last entry takes the rest.
         self.indices = torch.zeros(n * cfg.resident_pages * cfg.page_size + 1, dtype=torch.int32, device=device)
 
-    def list_tokens(self, plan: StepPlan, slots: torch.Tensor) -> None:
-        """Write each (row, KV head)'s token rows into self.indices, from the layer's slot table `slots`."""
+    def prepare(self, plan: StepPlan, slots: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """What the kernel's rows need before the recall before attention lands: each (row, KV head)'s token rows
+        written into self.indices from the layer's slot table `slots`, and q [B, H * G, D] as the rows' queries
+        [B * H, G, D] (a copy when a batch's rows are strided)."""
         head_token_index(slots, plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots, plan.slot_pages,
                          plan.row_tokens, plan.row_start, self.cfg.page_size, self.indices)
+        return q.reshape(q.shape[0] * self.H, self.G, self.D)

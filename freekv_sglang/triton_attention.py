@@ -63,11 +63,10 @@ class TritonHeadAttention(HeadRows):
 
     def attend(self, layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
                slots: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table. The token lists
-        and the one-head rows of q are made now, beside the recall before attention; the returned call attends."""
-        self.list_tokens(plan, slots)
+        """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table. The rows'
+        token lists and queries are made now, beside the recall before attention; the returned call attends."""
+        rows = self.prepare(plan, slots, q)
         B, D, n = q.shape[0], self.D, q.shape[0] * self.H
-        rows = q.reshape(n, self.G, D)
 
         def finish() -> torch.Tensor:
             meta, inner = self.inner.forward_metadata, self.inner
