@@ -48,8 +48,6 @@ args=(
   # Slots per GPU program of the recall before attention (0 = one program per request, KV head and slot; B blocks of
   # B slots, each recalled one page after another; not yet measured in a served step, docs/results/session36).
   --kv-recall-block 0
-  # Pages a program of the speculative recall gathers at once (1 = one after another).
-  --kv-recall-inflight 1
   # GPU programs of the channels selection's speculative scoring beside the GEMMs (0 = one per request, KV head and
   # chunk of pages; not yet measured in a served step, docs/results/session30).
   --kv-score-programs 0

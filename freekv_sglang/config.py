@@ -116,10 +116,6 @@ class FreeKVConfig:
         they run in several waves, each waiting on a PCIe round trip. B: one program per block of B slots, which
         recalls its block's pages one after another (session 36's trace: 81 us a layer at 16 requests for ~1.5 MB
         from the host; to be measured with --kv-recall-block).
-    recall_inflight: chunks (a KV head's page) that a program of the speculative recall gathers at once (a power of
-        two): its programs walk whole rows of slots, and walking them one chunk at a time left each program waiting on
-        its index loads and one PCIe round trip per chunk (the speculative recall ran at ~24 GB/s inside the step, half
-        the link, while the kernel alone reaches ~90% of it). Also the blocked recall's of recall_block.
     score_programs: GPU programs of the channels selection's speculative scoring, which runs after a layer's
         attention beside the model's GEMMs (each program strides over (request, head, chunk of pages) items); 0
         (default) launches one per item, ~4,000 at 16 x 32K, which queue ahead of the output projection (session 30's
@@ -165,7 +161,6 @@ class FreeKVConfig:
     recall: str = "delta"
     recall_programs: int = 32
     recall_block: int = 0
-    recall_inflight: int = 1
     score_programs: int = 0
     attention: str = "backend"
     selection: str = "channels"
@@ -228,9 +223,6 @@ class FreeKVConfig:
             raise ValueError(f"recall_programs must be a non-negative integer, got {self.recall_programs!r}")
         if not _is_int(self.recall_block) or self.recall_block < 0 or self.recall_block & (self.recall_block - 1):
             raise ValueError(f"recall_block must be 0 or a power of two, got {self.recall_block!r}")
-        if not _is_int(self.recall_inflight) or self.recall_inflight < 1 or \
-                self.recall_inflight & (self.recall_inflight - 1):
-            raise ValueError(f"recall_inflight must be a power of two, got {self.recall_inflight!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if not _is_int(self.score_programs) or self.score_programs < 0:

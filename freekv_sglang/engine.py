@@ -867,7 +867,7 @@ class FreeKVEngine:
                               self.slot_table[layer], plan.req_slots, plan.slot_pages, self._recall[layer][:B], phase,
                               self.cfg.page_size, programs=self.cfg.recall_programs if phase == PHASE_LATER else 0,
                               slot_block=0 if phase == PHASE_LATER else self.cfg.recall_block,
-                              inflight=self.cfg.recall_inflight, **cache)
+                              **cache)
         if timer is not None:
             timer.mark(layer, phase, 3)
 

@@ -56,7 +56,6 @@ _KNOB_FLAGS = {
     "kv_recall": ("--kv-recall", "recall"),
     "kv_recall_programs": ("--kv-recall-programs", "recall_programs"),
     "kv_recall_block": ("--kv-recall-block", "recall_block"),
-    "kv_recall_inflight": ("--kv-recall-inflight", "recall_inflight"),
     "kv_score_programs": ("--kv-score-programs", "score_programs"),
     "kv_attention": ("--kv-attention", "attention"),
     "kv_selection": ("--kv-selection", "selection"),
@@ -179,9 +178,6 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-recall-block", type=int, default=None, metavar="B",
                    help="slots per GPU program of the recall before attention (0 or a power of two); 0 = one "
                         f"program per (request, KV head, slot) (default {_DEFAULTS.recall_block})")
-    g.add_argument("--kv-recall-inflight", type=int, default=None, metavar="N",
-                   help="pages a GPU program of the speculative recall gathers at once (a power of two) "
-                        f"(default {_DEFAULTS.recall_inflight})")
     g.add_argument("--kv-score-programs", type=int, default=None, metavar="N",
                    help="GPU programs of the 'channels' selection's speculative scoring, which runs beside the "
                         "model's GEMMs; 0 = one per (request, KV head, chunk of pages) "

@@ -124,7 +124,7 @@ def test_check_model_refuses_too_many_dense_layers():
 
 
 @pytest.mark.parametrize("field", ["page_size", "budget", "sink", "window", "dense_layers", "recall_programs",
-                                   "recall_block", "recall_inflight", "score_programs"])
+                                   "recall_block", "score_programs"])
 def test_bool_is_not_an_integer(field):
     with pytest.raises(ValueError, match=field):
         FreeKVConfig(**{field: True})
@@ -149,13 +149,6 @@ def test_recall_block():
     for bad in (-1, 3, 2.0, "8"):
         with pytest.raises(ValueError, match="^recall_block must be 0 or a power of two"):
             FreeKVConfig(recall_block=bad)
-
-
-def test_recall_inflight():
-    assert FreeKVConfig(recall_inflight=4).recall_inflight == 4
-    for bad in (0, -2, 3, 2.0, "4"):
-        with pytest.raises(ValueError, match="^recall_inflight must be a power of two"):
-            FreeKVConfig(recall_inflight=bad)
 
 
 def test_score_programs():

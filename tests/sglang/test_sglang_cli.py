@@ -45,7 +45,6 @@ def test_freekv_settings_reach_server_args(prepare):
                         recall_programs=64, selection="means", rerank_factor=8)
     assert prepare([*FREEKV, "--kv-score-programs", "132"])._freekv.config.score_programs == 132
     assert prepare([*FREEKV, "--kv-recall-block", "8"])._freekv.config.recall_block == 8
-    assert prepare([*FREEKV, "--kv-recall-inflight", "4"])._freekv.config.recall_inflight == 4
     assert prepare([*FREEKV, "--kv-attention", "split"])._freekv.config.attention == "split"
     assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0,
                                               kvstore_timeout_s=12.5)
@@ -110,7 +109,6 @@ REFUSED = [
     (["--kv-recall-programs", "-1"], "--kv-recall-programs"),
     (["--kv-score-programs", "-1"], "--kv-score-programs"),
     (["--kv-recall-block", "6"], "--kv-recall-block"),
-    (["--kv-recall-inflight", "0"], "--kv-recall-inflight"),
     (["--kv-rerank-factor", "-1"], "--kv-rerank-factor"),
     (["--kvstore-arena-gb", "0"], "--kvstore-arena-gb"),
     (["--kvstore-timeout", "1"], "--kvstore-timeout"),  # shorter than an embedded daemon's restart
