@@ -44,8 +44,7 @@ def entries(B, H, k, R, M, P, pages, phase, n_other=3, empty=None):
     return [t.to(DEV) for t in (page_table, slots, req_slots, slot_pages, recall)]
 
 
-def recall_into(fn, host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0, slot_block=0,
-                inflight=1):
+def recall_into(fn, host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0, slot_block=0):
     """Run `fn` into NaN caches of pages*p + extra_rows rows, each inside a NaN buffer with GUARD pages on both
     sides; returns the K and V buffers [rows, H, D]. fused_kv: K and V interleave in one [rows, 2, H, D] buffer,
     so the caches are non-contiguous views."""
@@ -55,7 +54,7 @@ def recall_into(fn, host_layer, idx, phase, p, pages, extra_rows, fused_kv=False
     buf = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
     kb, vb = buf.unbind(1 if fused_kv else 0)
     live = slice(GUARD * p, GUARD * p + pages * p + extra_rows)
-    fn(host_layer, kb[live], vb[live], *idx, phase, p, programs=programs, slot_block=slot_block, inflight=inflight)
+    fn(host_layer, kb[live], vb[live], *idx, phase, p, programs=programs, slot_block=slot_block)
     if DEV.type == "cuda":
         torch.cuda.synchronize()
     return kb.cpu(), vb.cpu()
@@ -79,11 +78,10 @@ def expected(host_layer, idx, phase, p, shape):
     return k_exp, v_exp
 
 
-def check_recall(host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0, slot_block=0, inflight=1):
+def check_recall(host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0, slot_block=0):
     before = [t.clone() for t in idx]
-    launch = (fused_kv, programs, slot_block, inflight)
-    ref = recall_into(naive_recall_pages, host_layer, idx, phase, p, pages, extra_rows, *launch)
-    out = recall_into(recall_pages, host_layer, idx, phase, p, pages, extra_rows, *launch)
+    ref = recall_into(naive_recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv, programs, slot_block)
+    out = recall_into(recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv, programs, slot_block)
     exp = expected(host_layer, idx, phase, p, ref[0].shape)
     for name, e, r, o in (("k_cache", exp[0], ref[0], out[0]), ("v_cache", exp[1], ref[1], out[1])):
         mask = ~e.isnan()
@@ -116,22 +114,20 @@ def test_recall_pages_few_programs(H, p, phase, programs):
                  programs=programs)
 
 
-@pytest.mark.parametrize("programs,slot_block,inflight", [(0, 0, 1), (1, 0, 1), (3, 0, 1), (16, 0, 1), (0, 4, 1),
-                                                          (3, 4, 1), (3, 0, 4), (1, 0, 2), (0, 4, 4), (0, 0, 4)])
+@pytest.mark.parametrize("programs,slot_block", [(0, 0), (1, 0), (3, 0), (16, 0), (0, 4), (3, 4)])
 @pytest.mark.parametrize("phase", [1, 2])
 @pytest.mark.parametrize("H,p", [(1, 16), (8, 32)])
 @pytest.mark.parametrize("k", [5, 37])
-def test_recall_pages_blocks(k, H, p, phase, programs, slot_block, inflight):
+def test_recall_pages_blocks(k, H, p, phase, programs, slot_block):
     """programs > 0 scans each (row, head) as one block of next_power_of_2(k) codes, the slots past k masked off
     (programs 0: one slot per program), or as blocks of slot_block codes, the last one partly past k: every other
     (row, head) has no entry of the phase (its blocks are skipped whole), the others hold several, their first and
-    last slots among them. inflight > 1 gathers a block's entries that many at a time, the last group partly empty
-    (one-slot items stay one at a time)."""
+    last slots among them."""
     R, M, P, B = 6, 2 * k, 13, 3
     empty = (torch.arange(B * H) % 2 == 0).view(B, H)
     host_layer = host_randn(P, H, 2, p, 64, dtype=torch.bfloat16)
     check_recall(host_layer, entries(B, H, k, R, M, P, B * k, phase, empty=empty), phase, p, B * k, extra_rows=5,
-                 programs=programs, slot_block=slot_block, inflight=inflight)
+                 programs=programs, slot_block=slot_block)
 
 
 @pytest.mark.parametrize("slot_block", [-1, 3, 6])
@@ -140,14 +136,6 @@ def test_recall_pages_rejects_slot_block(slot_block):
     idx = entries(1, 1, 2, 2, 4, 3, 2, 1)
     with pytest.raises(ValueError, match="slot_block"):
         recall_into(recall_pages, host_layer, idx, 1, 16, 2, 0, slot_block=slot_block)
-
-
-@pytest.mark.parametrize("inflight", [0, 3, 2.0])
-def test_recall_pages_rejects_inflight(inflight):
-    host_layer = host_randn(3, 1, 2, 16, 64, dtype=torch.bfloat16)
-    idx = entries(1, 1, 2, 2, 4, 3, 2, 1)
-    with pytest.raises(ValueError, match="inflight"):
-        recall_into(recall_pages, host_layer, idx, 1, 16, 2, 0, programs=2, inflight=inflight)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -192,12 +180,11 @@ def victim_ops_for(idx, phase, V, seed):
     return ops.to(DEV)
 
 
-# (0, 4, 1): the recall before attention under --kv-recall-block 4; (3, 0, 2): the speculative recall, two chunks
-# at a time, so one group may hold an eviction beside a hit and a host read
-@pytest.mark.parametrize("programs,slot_block,inflight", [(0, 0, 1), (3, 0, 1), (0, 4, 1), (3, 0, 2), (2, 0, 4)])
+# (0, 4): the recall before attention under --kv-recall-block 4
+@pytest.mark.parametrize("programs,slot_block", [(0, 0), (3, 0), (0, 4)])
 @pytest.mark.parametrize("phase", [1, 2])
 @pytest.mark.parametrize("H,p", [(1, 16), (3, 32), (8, 16)])
-def test_recall_pages_victims(H, p, phase, programs, slot_block, inflight):
+def test_recall_pages_victims(H, p, phase, programs, slot_block):
     """With victim ops: an item's slot chunk goes to its evict entry before the slot is overwritten, and the slot
     takes its source entry's chunk (as it was before the launch) instead of the host's. Caches start random (the
     slots hold the pages they evict), victim pages sit after the slot pages."""
@@ -213,7 +200,7 @@ def test_recall_pages_victims(H, p, phase, programs, slot_block, inflight):
     for fn in (naive_recall_pages, recall_pages):
         kc, vc = k0.clone().to(DEV), v0.clone().to(DEV)
         fn(host_layer, kc, vc, *idx, phase, p, programs=programs, slot_block=slot_block, victim_ops=ops,
-           victim_base=base, victim_entries=V, inflight=inflight)
+           victim_base=base, victim_entries=V)
         outs.append((kc.cpu(), vc.cpu()))
     # The contract, from the caches as they were.
     page_table, slots, req_slots, slot_pages, recall = (t.cpu() for t in idx)
