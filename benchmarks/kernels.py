@@ -8,10 +8,10 @@ Measures, in one run:
          (row, KV head) pairs flagged, a share of their slots changed, either pair by pair or whole rows (a surprising
          token moves every head of its row); one program per (row, head, slot) item, as the engine launches it, against
          capped programs over blocks of slots (recall_pages' programs and slot_block);
-  speculative recall in flight (--only-recall-inflight) the speculative recall's shape (every (row, KV head) pair, a
-         share of its slots changed) with capped programs that each gather 1, 2, 4... chunks at once (recall_pages'
-         inflight), alone and beside a stream of decode-sized GEMMs on another stream (the step's weights streaming
-         from HBM), which is where the served step runs it;
+  speculative recall beside (--only-recall-beside) the speculative recall's shape (every (row, KV head) pair, a
+         share of its slots changed) with capped programs or one per item, alone, beside decode-sized GEMMs on another
+         stream (the step's weights streaming from HBM, where the served step runs it) and beside an HBM copy; and
+         the copy engine moving as many bytes in one contiguous copy, the same three ways;
   offload offload_pages writing whole GPU pages into the pinned arena, summaries included (GB/s, % of the GPU->host
          peak);
   select page scoring (means, quest, the sketch alone, rerank of the sketch's candidates, rerank-all over every page,
@@ -198,41 +198,49 @@ def bench_recall_blocks(host_layer: torch.Tensor, batch: int, flagged: float, ch
     return rows
 
 
-def bench_recall_inflight(host_layer: torch.Tensor, batch: int, changed: float, programs: int, inflights: list[int],
-                          peak: float, repeats: int, warmup: int) -> list[dict]:
+def bench_recall_beside(host_layer: torch.Tensor, batch: int, changed: float, programs: list[int], peak: float,
+                        repeats: int, warmup: int) -> list[dict]:
     k, v = torch.empty(2, batch * SLOTS * PAGE, H, D, dtype=DTYPE, device=DEVICE)
-    # A decode step's GEMM: batch rows times an MLP weight, ~117 MB of bf16 from HBM per call (~30 us on an H200).
+    # Beside: a decode step's GEMM (batch rows times an MLP weight, ~117 MB of bf16 from HBM a call, ~30 us on an
+    # H200: cuBLAS tiles that take most of an SM's shared memory), or an HBM copy of as many bytes (elementwise
+    # programs, little shared memory), each enqueued on another stream ahead of the timed call and outlasting it.
     x = torch.randn(batch, 4096, dtype=DTYPE, device=DEVICE)
     w = torch.randn(4096, 14336, dtype=DTYPE, device=DEVICE)
+    a, b = torch.empty(2, w.numel(), dtype=DTYPE, device=DEVICE)
     side = torch.cuda.Stream()
-    gemms = 24  # enqueued ahead of each timed recall, longer than it and the launch-hiding spin together
+    work = {"idle": None, "gemms": lambda: torch.matmul(x, w), "hbm copy": lambda: a.copy_(b)}
 
-    def background():
+    def background(fn):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(gemms):
-                torch.matmul(x, w)
+            for _ in range(48):
+                fn()
 
-    print(f"\nspeculative recall: {batch} rows x {H} KV heads x {SLOTS} slots, {changed:.2f} of every pair's slots "
-          f"changed, {programs} programs; GPU time (launch hidden), a fresh draw per call")
-    print(f"{'beside':>8} {'in flight':>9} {'us':>8} {'GB/s':>7} {'% peak':>7}")
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     sets = [correction_set(batch, 1.0, changed, False, host_layer.shape[0], gen) for _ in range(warmup + repeats)]
     nbytes = statistics.mean(int(s[4].sum()) for s in sets) * CHUNK_BYTES
+    src = pinned_empty(int(nbytes), dtype=torch.uint8)
+    dst = torch.empty(int(nbytes), dtype=torch.uint8, device=DEVICE)
+    print(f"\nspeculative recall: {batch} rows x {H} KV heads x {SLOTS} slots, {changed:.2f} of every pair's slots "
+          f"changed ({nbytes / 1e6:.1f} MB), alone and beside other work; GPU time (launch hidden), a fresh draw per "
+          f"call; 'copy engine' is one contiguous pinned copy_ of as many bytes")
+    print(f"{'beside':>9} {'programs':>12} {'us':>8} {'GB/s':>7} {'% peak':>7}")
     rows = []
-    for beside in ("idle", "gemms"):
-        for nc in inflights:
-            def run(i, nc=nc, beside=beside):
-                if beside == "gemms":
-                    background()
-                recall_pages(host_layer, k, v, *sets[i], 1, PAGE, programs=programs, inflight=nc)
+    for beside, fn in work.items():
+        for progs in [*programs, "copy engine"]:
+            def run(i, progs=progs, fn=fn):
+                if fn is not None:
+                    background(fn)
+                if progs == "copy engine":
+                    dst.copy_(src, non_blocking=True)
+                else:
+                    recall_pages(host_layer, k, v, *sets[i], 1, PAGE, programs=progs)
             ms = time_ms(run, repeats, warmup, True)
             torch.cuda.synchronize()
-            row = {"beside": beside, "inflight": nc, "programs": programs, "ms": ms, "bytes": nbytes,
-                   "gbps": gbps(nbytes, ms)}
+            row = {"beside": beside, "programs": progs, "ms": ms, "bytes": nbytes, "gbps": gbps(nbytes, ms)}
             row["pct_peak"] = 100 * row["gbps"] / peak
             rows.append(row)
-            print(f"{beside:>8} {nc:>9} {ms * 1e3:>8.1f} {row['gbps']:>7.1f} {row['pct_peak']:>6.1f}%")
+            print(f"{beside:>9} {progs or 'items':>12} {ms * 1e3:>8.1f} {row['gbps']:>7.1f} {row['pct_peak']:>6.1f}%")
     return rows
 
 
@@ -452,12 +460,12 @@ def main() -> None:
     ap.add_argument("--recall-changed", type=float, default=0.33, help="changed share of a flagged pair's slots")
     ap.add_argument("--recall-programs", type=int_list, default=[132, 264, 528, 1056])
     ap.add_argument("--recall-slot-blocks", type=int_list, default=[1, 4, 16, 64])
-    ap.add_argument("--only-recall-inflight", action="store_true",
-                    help="the link and the speculative recall's chunks in flight per program only")
-    ap.add_argument("--inflight", type=int_list, default=[1, 2, 4, 8], help="chunks in flight per program")
+    ap.add_argument("--only-recall-beside", action="store_true",
+                    help="the link and the speculative recall beside GEMMs or an HBM copy only")
     ap.add_argument("--spec-changed", type=float, default=0.13,
                     help="changed share of every pair's slots in the speculative recall (served: ~8 of 64 at 16 x 32K)")
-    ap.add_argument("--spec-programs", type=int, default=32, help="programs of the speculative recall")
+    ap.add_argument("--spec-programs", type=int_list, default=[32, 132, 0],
+                    help="programs of the speculative recall (0: one per item)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA device")
@@ -496,9 +504,9 @@ def main() -> None:
     if args.only_recall_blocks:
         write_json(Path(args.out), results)
         return
-    if args.only_recall_inflight:
-        results["recall_inflight"] = bench_recall_inflight(host_layer, args.recall_batch, args.spec_changed,
-                                                           args.spec_programs, args.inflight, link["h2d_gbps"], *reps)
+    if args.only_recall_beside:
+        results["recall_beside"] = bench_recall_beside(host_layer, args.recall_batch, args.spec_changed,
+                                                       args.spec_programs, link["h2d_gbps"], *reps)
         write_json(Path(args.out), results)
         return
     results["recall"] = bench_recall(host_layer, args.recall_chunks, link["h2d_gbps"], *reps)
