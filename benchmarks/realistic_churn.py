@@ -62,7 +62,7 @@ from freekv_sglang.selectors import page_attention_mass
 # share of steps below it is how often a real model's queries jump, which the topic shifts stand for.
 BOUNDARY_TAU = 0.7
 # Victim cache capacities, in budgets, of the victim-hit statistic.
-VICTIM_SIZES = (0.25, 0.5, 1.0, 2.0)
+VICTIM_SIZES = (0.25, 0.5, 1.0, 2.0, 3.0, 4.0)
 # Generator parameters fitted to SmolLM2-135M on CPU (NOTES.md, thirteenth session).
 STRUCTURED = dict(topics=12, heaps=0.5, seg_tokens=256, kappa=3.0, kappa_spread=0.0, sigma=0.2, content=1.75, alpha=0.8,
                   rho=0.6, head_spread=0.3, step_spread=0.35, shift=0.01)
