@@ -27,6 +27,8 @@ Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args s
   realistic   a real model's correction and churn replayed (--kv-bench-correction-rate 0.3 --kv-bench-churn 0.15)
   realistic-victim  the same with a victim cache of 2048 tokens (--kv-victim 2048), half the churn returning to it
               (--kv-bench-returns 0.5; a real model's share: 0.46-0.58)
+  realistic-victim2 / realistic-victim4  two / four budgets of victims (4096 / 8192 tokens), 0.6 / 0.65 of the churn
+              returning (a real model's share: 0.55-0.67 / 0.60-0.70)
 A configuration may add server flags after its name, e.g. --configs "full,freekv,freekv --kv-recall-programs 0".
 --profile-steps N: SGLang's profiler (/start_profile, GPU activity only) over N decode steps of each batch, started
 once the server logs a decode batch with every request of the batch running; benchmarks/trace_summary.py writes
@@ -83,6 +85,12 @@ CONFIGS = {
     # from such a cache: 0.58 on SmolLM2-135M, 0.46 on Qwen2.5-Coder-0.5B (benchmarks/churn.py, victim_hit_1).
     "realistic-victim": ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.15",
                          "--kv-victim", "2048", "--kv-bench-returns", "0.5"],
+    # Two and four budgets of victims, with the shares the same models take back from them (victim_hit_2: 0.67 /
+    # 0.55, victim_hit_4: 0.70 / 0.60; docs/results/session37): fewer host bytes for more GPU pages per request.
+    "realistic-victim2": ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.15",
+                          "--kv-victim", "4096", "--kv-bench-returns", "0.6"],
+    "realistic-victim4": ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.15",
+                          "--kv-victim", "8192", "--kv-bench-returns", "0.65"],
 }
 STATS = re.compile(r"FreeKV rank 0: (\d+) decode steps, correction rate ([\d.]+) .*recall ([\d.]+) GB before "
                    r"attention \+ ([\d.]+) GB speculative(?:, victim cache (\d+) \+ (\d+) pages)?"
