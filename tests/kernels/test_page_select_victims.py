@@ -50,7 +50,10 @@ def run(fn, scores, table, req_slots, heads, flags, recall, victims, age, ops, p
 
 
 @pytest.mark.parametrize("phase", [PHASE_NOW, PHASE_LATER])
-@pytest.mark.parametrize("H,k,V", [(1, 5, 1), (2, 7, 3), (3, 16, 16), (2, 37, 20), (8, 4, 64)])
+# V > k: more entries than slots (the kernel's top-k of the entries instead of all their ranks), up to four
+# budgets' worth
+@pytest.mark.parametrize("H,k,V", [(1, 5, 1), (2, 7, 3), (3, 16, 16), (2, 37, 20), (8, 4, 64), (2, 8, 40),
+                                   (3, 16, 64)])
 def test_select_slots_victims_match_reference(H, k, V, phase):
     inputs = make_inputs(H, k, V, 3 * k + V + 5, seed=H * 1000 + k * 10 + V)
     pad = int(inputs[2][3])
@@ -95,16 +98,18 @@ def _check_invariants(inputs, ref, phase, pad):
     assert stats[1 + phase] == [11.0, 13.0][phase - 1] + hits and stats[2 - phase + 2] == [11.0, 13.0][2 - phase]
 
 
-def test_victim_entries_fill_free_first_then_oldest():
+@pytest.mark.parametrize("extra", [0, 5])
+def test_victim_entries_fill_free_first_then_oldest(extra):
     """Three evictions (slot order) into entries [page 9 stamp 4, free, page 8 stamp 2, page 7 stamp 2] of which an
     incoming page reads entry 3 (a hit: freed, not written): the free entry 1, then the oldest, entry 2, then
-    entry 0; the new stamps follow the clock 5."""
+    entry 0; the new stamps follow the clock (5, or 10 past `extra` younger entries, which stay as they were)."""
     dev = device()
-    scores = torch.full((1, 1, 12), float("-inf"))
+    scores = torch.full((1, 1, 40), float("-inf"))
     scores[0, 0, [4, 5, 7]] = torch.tensor([3.0, 2.0, 1.0])  # selects 4, 5 and the victim page 7
     table = torch.tensor([[[1, 2, 3]]], dtype=torch.int32)  # all three change; 1 and 2 are evicted in slot order
-    victims = torch.tensor([[[9, -1, 8, 7]]], dtype=torch.int32)
-    age = torch.tensor([[[4, -1, 2, 2]]], dtype=torch.int32)
+    victims = torch.tensor([[[9, -1, 8, 7] + list(range(20, 20 + extra))]], dtype=torch.int32)
+    age = torch.tensor([[[4, -1, 2, 2] + [9] * extra]], dtype=torch.int32)
+    clock = 10 if extra else 5
     ops = torch.zeros(1, 1, 3, dtype=torch.int32)
     recall = torch.zeros(1, 1, 3, dtype=torch.int8)
     args = [t.to(dev) for t in (scores, table, torch.tensor([0], dtype=torch.int32), torch.ones(1, 1, dtype=torch.bool),
@@ -112,6 +117,7 @@ def test_victim_entries_fill_free_first_then_oldest():
     for fn in (naive_select_slots, select_slots):
         slots, codes, stats, v, a, o = (t.cpu() for t in run(fn, *args, PHASE_NOW, -1))
         assert slots[0, 0].tolist() == [4, 5, 7]
-        assert v[0, 0].tolist() == [3, 1, 2, -1] and a[0, 0].tolist() == [7, 5, 6, -1]
+        assert v[0, 0].tolist() == [3, 1, 2, -1] + list(range(20, 20 + extra))
+        assert a[0, 0].tolist() == [clock + 2, clock, clock + 1, -1] + [9] * extra
         assert o[0, 0].tolist() == [victim_op(1, -1), victim_op(2, -1), victim_op(0, 3)]
         assert stats.tolist() == [5.0 + 3, 7.0, 11.0 + 1, 13.0]
