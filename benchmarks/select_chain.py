@@ -4,7 +4,7 @@ one call per layer timed as the replay of a CUDA graph of 32 calls (a step's spa
 
   select       select_slots over given page scores (no hysteresis, no victim cache)
   +hyst        with the default hysteresis (resident pages' scores boosted first)
-  +victims     and the victim cache (--kv-victim 2048: 64 entries a head)
+  +victims     and the victim cache (--victims: entries a head; 64 is --kv-victim 2048, one budget)
   +pool        scores pooled from the channel sketch's per-page log-sum-exps first: the served chain
   +replay      and the realistic benchmark's churn replay (benchmarks only)
 
@@ -27,7 +27,7 @@ from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW, select_slots
 from freekv_kernels.select_chain import LsePool, Replay, select_chain
 from gpu_timing import graph_replay_ms
 
-H, G, GP, PAGES, K, V = 8, 4, 4, 1000, 64, 64
+H, G, GP, PAGES, K = 8, 4, 4, 1000, 64
 HYSTERESIS = 1.0  # freekv_sglang.config.DEFAULT_HYSTERESIS
 STAGES = ("select", "+hyst", "+victims", "+pool", "+replay")
 
@@ -43,13 +43,13 @@ def case(batch: int, flagged: float, seed: int, dev: str = "cuda") -> dict:
                 draws=torch.rand(32, batch, H, generator=gen).to(dev))
 
 
-def chain(c: dict, stage: str, phase: int, churn: float, returns: float):
+def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries: int):
     """One layer's selection as the engine calls it, up to `stage`, on state of its own."""
     batch = c["req_slots"].shape[0]
     upto, dev = STAGES.index(stage), c["lse"].device
     slots = c["resident"].clone()
     recall = torch.zeros(batch, H, K, dtype=torch.int8, device=dev)
-    victims = torch.full((batch, H, V), -1, dtype=torch.int32, device=dev) if upto >= 2 else None
+    victims = torch.full((batch, H, entries), -1, dtype=torch.int32, device=dev) if upto >= 2 else None
     age = torch.full_like(victims, -1) if victims is not None else None
     ops = torch.zeros(batch, H, K, dtype=torch.int32, device=dev) if victims is not None else None
     hyst = HYSTERESIS if upto >= 1 else 0.0
@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("--flagged", type=float, default=0.3, help="share of (row, KV head) pairs selecting before attention")
     ap.add_argument("--churn", type=float, default=0.15, help="the replay's changed share of the budget")
     ap.add_argument("--returns", type=float, default=0.5, help="the replay's share of the churn from the victim cache")
+    ap.add_argument("--victims", default="64",
+                    help="victim entries a head, comma-separated (64, 128, 256: one, two, four budgets)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default="results/select_chain.json")
     args = ap.parse_args()
@@ -78,20 +80,21 @@ def main() -> None:
         raise SystemExit("benchmarks/select_chain.py needs a CUDA device")
     print(f"{torch.cuda.get_device_name()}: select_chain per call (graph of 32), {H} KV heads x group {G}, "
           f"{PAGES} pages, {K} slots, flagged {args.flagged}, churn {args.churn}, returns {args.returns}")
-    print(f"{'batch':>5} {'phase':>12} " + " ".join(f"{s:>9}" for s in STAGES))
+    print(f"{'V':>4} {'batch':>5} {'phase':>12} " + " ".join(f"{s:>9}" for s in STAGES))
     rows = []
-    for batch in map(int, args.batches.split(",")):
+    cells = [(v, b) for v in map(int, args.victims.split(",")) for b in map(int, args.batches.split(","))]
+    for entries, batch in cells:
         c = case(batch, args.flagged, seed=batch)
         # PHASE_LATER selects the heads not flagged; flag none so that every head selects, as in the speculation.
         for phase, name in ((PHASE_NOW, "before attn"), (PHASE_LATER, "speculative")):
             if phase == PHASE_LATER:
                 c = dict(c, now=torch.zeros_like(c["now"]))
-            row = dict(batch=batch, phase=name)
+            row = dict(victims=entries, batch=batch, phase=name)
             for stage in STAGES:
-                run = chain(c, stage, phase, args.churn, args.returns)
+                run = chain(c, stage, phase, args.churn, args.returns, entries)
                 row[stage] = 1e3 * graph_replay_ms(lambda: [run(i) for i in range(32)], args.repeats) / 32
             rows.append(row)
-            print(f"{batch:>5} {name:>12} " + " ".join(f"{row[s]:>9.1f}" for s in STAGES))
+            print(f"{entries:>4} {batch:>5} {name:>12} " + " ".join(f"{row[s]:>9.1f}" for s in STAGES))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}, indent=2))
