@@ -677,12 +677,12 @@ def test_head_indptr_matches_the_device_token_lists():
 @pytest.mark.slow
 @pytest.mark.parametrize("method,selection,recall,factor,victim", [
     ("freekv", "rerank", "all", 0, 0), ("freekv", "rerank", "delta", 2, 0), ("freekv", "means", "delta", 0, 32),
-    ("freekv", "means", "delta", 0, 128), ("freekv", "quest", "delta", 0, 0), ("streaming", "rerank", "delta", 0, 0)])
+    ("freekv", "quest", "delta", 0, 0), ("streaming", "rerank", "delta", 0, 0)])
 def test_triton_backend_equals_torch_backend(method, selection, recall, factor, victim, prefill_alike, decode_alike):
     """The rerank selection (every page, with the recall-all ablation; the sketch's best 2k, which runs the sketch's
-    kernels first), MeanS with a victim cache (of as many entries as slots, and of more: its moves by a top-k), and
-    the Quest / StreamingLLM baselines: the Triton kernels and the torch references give the same outputs, slot
-    tables, victim entries and recall statistics step by step (a padding row included)."""
+    kernels first), MeanS with a victim cache, and the Quest / StreamingLLM baselines: the Triton kernels and the torch
+    references give the same outputs, slot tables, victim entries and recall statistics step by step (a padding row
+    included)."""
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, recall=recall,
                        selection=selection, rerank_factor=factor, victim=victim)
     H, G, L, lens = 2, 3, 2, [150, 97]
