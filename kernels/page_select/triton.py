@@ -320,7 +320,7 @@ def _victim_moves(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, V
     source = tl.max(tl.where(hit, e[None, :], -1), axis=1)
     read = tl.max(hit.to(tl.int32), axis=0) > 0
     elig = e_ok & ~read
-    # rank[e]: eligible entries before e in the order (full, age, entry), one int64 key each (age + 1 < 2**32).
+    # The entries' order (full, age, entry) as one int64 key each (age + 1 < 2**32; entry in the low 16 bits).
     key = ((held != -1).to(tl.int64) << 48) | ((age.to(tl.int64) + 1) << 16) | e.to(tl.int64)
     evicting = changed & (old != -1)
     ev_rank = tl.cumsum(evicting.to(tl.int32), axis=0) - 1
