@@ -36,12 +36,12 @@ from freekv_sglang.hf_adapter import FreeKVModel
 from freekv_sglang.hf_models import MODELS, load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from realistic_churn import ChurnProbe, counters, summarize  # noqa: E402
+from realistic_churn import VICTIM_SIZES, ChurnProbe, counters, summarize  # noqa: E402
 
 SOURCES = {"smollm2": "SmolLM2-135M", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B"}
 COLUMNS = ("correction_rate", "changed_share", "changed_share_now", "cos_mean", "cos_std", "boundary",
            "top_half_k_mass", "topk_mass", "top_2k_mass", "top1_mass", "covered_mass", "oracle_change",
-           "victim_hit_0.25", "victim_hit_0.5", "victim_hit_1", "victim_hit_2", "victim_hit_3", "victim_hit_4")
+           *(f"victim_hit_{f:g}" for f in VICTIM_SIZES))
 
 
 def table(rows: list[dict]) -> str:

@@ -72,25 +72,23 @@ from serve_load import one_request
 from server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
+# A real model's costs on random weights: the correction rate in the middle of FreeKV's paper's Llama-3.1-8B range at
+# tau 0.9 (0.17-0.43) and SmolLM2-135M's changed share per step with the default selection.
+REALISTIC = ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.15"]
 CONFIGS = {
     "full": [],
     "freekv": ["--kv-retrieval", "freekv"],
     "tau0": ["--kv-retrieval", "freekv", "--kv-correction-threshold", "0"],
     "tau1": ["--kv-retrieval", "freekv", "--kv-correction-threshold", "1"],
     "recall-all": ["--kv-retrieval", "freekv", "--kv-recall", "all"],
-    # A real model's costs on random weights: the correction rate in the middle of FreeKV's paper's Llama-3.1-8B
-    # range at tau 0.9 (0.17-0.43) and SmolLM2-135M's changed share per step with the default selection.
-    "realistic": ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.15"],
+    "realistic": REALISTIC,
     # The same with a victim cache of one budget, and the share of the churn a real model's selection takes back
     # from such a cache: 0.58 on SmolLM2-135M, 0.46 on Qwen2.5-Coder-0.5B (benchmarks/churn.py, victim_hit_1).
-    "realistic-victim": ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.15",
-                         "--kv-victim", "2048", "--kv-bench-returns", "0.5"],
+    "realistic-victim": [*REALISTIC, "--kv-victim", "2048", "--kv-bench-returns", "0.5"],
     # Two and four budgets of victims, with the shares the same models take back from them (victim_hit_2: 0.67 /
     # 0.55, victim_hit_4: 0.70 / 0.60; docs/results/session37): fewer host bytes for more GPU pages per request.
-    "realistic-victim2": ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.15",
-                          "--kv-victim", "4096", "--kv-bench-returns", "0.6"],
-    "realistic-victim4": ["--kv-retrieval", "freekv", "--kv-bench-correction-rate", "0.3", "--kv-bench-churn", "0.15",
-                          "--kv-victim", "8192", "--kv-bench-returns", "0.65"],
+    "realistic-victim2": [*REALISTIC, "--kv-victim", "4096", "--kv-bench-returns", "0.6"],
+    "realistic-victim4": [*REALISTIC, "--kv-victim", "8192", "--kv-bench-returns", "0.65"],
 }
 STATS = re.compile(r"FreeKV rank 0: (\d+) decode steps, correction rate ([\d.]+) .*recall ([\d.]+) GB before "
                    r"attention \+ ([\d.]+) GB speculative(?:, victim cache (\d+) \+ (\d+) pages)?"
