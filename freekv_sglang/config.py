@@ -53,9 +53,10 @@ class FreeKVConfig:
         the host, so only its other new pages cross the link; the oldest evicted page gives way. It costs its size
         of GPU pages per sparse layer and request, as the budget's slots do, and is never attended. A real model's
         selection returns often: with one budget of it, 58% of SmolLM2-135M's and 46% of Qwen2.5-Coder-0.5B's
-        recalls would have been such copies, with two 67% / 55%, with four 70% / 60% (benchmarks/churn.py). Host
-        bytes matter most where many requests decode together: beside a busy HBM the host link delivers a third to
-        a half of its peak (docs/results/session37). A multiple of page_size; not with recall "all".
+        recalls would have been such copies, with two 67% / 55%, with four 70% / 60% (benchmarks/churn.py). More than
+        one budget did not pay at 16 x 32K on an H200: 20% / 30% fewer host bytes, and the selection's victim moves,
+        on the critical chain, cost +7 / +22 µs a layer (docs/results/session38). A multiple of page_size; not with
+        recall "all".
     page_size: tokens per KV page; the unit of selection, offload and recall.
     tau: correction threshold on the group-mean cosine similarity of adjacent queries.
         0 disables correction (pure speculation), 1 corrects every head every step (no speculation);
