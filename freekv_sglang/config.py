@@ -89,8 +89,8 @@ class FreeKVConfig:
     retrieval: the policy. "freekv" (default): everything above. "louiskv" (LouisKV, freekv_sglang/louiskv.py):
         a request's layer retrieves only at a semantic boundary, where the mean cosine similarity over all query
         heads of the adjacent queries falls below boundary_tau, scoring k-means clusters of the prompt's keys and
-        temporal segments of later tokens by their centroids; tau, selection, rerank_factor, sketch_channels,
-        recall_programs and recall_yield are FreeKV's and unused by it.
+        temporal segments of later tokens by their centroids; tau, selection, rerank_factor, sketch_channels and
+        recall_programs are FreeKV's and unused by it.
     prefill: "full" (default) or "tsp", FastKV's token-selective propagation: layers 0..tsp_layer prefill the whole
         prompt; at tsp_layer the last TSP_WINDOW prompt queries score every prompt token (softmax per query head,
         summed over the window, averaged over the heads, 7-wide average pool; freekv_kernels.tsp_select) and only
@@ -119,11 +119,6 @@ class FreeKVConfig:
         they run in several waves, each waiting on a PCIe round trip. B: one program per block of B slots, which
         recalls its block's pages one after another (session 36's trace: 81 us a layer at 16 requests for ~1.5 MB
         from the host; to be measured with --kv-recall-block).
-    recall_yield: the speculative recall yields the link to the recall before attention (False, the default: they
-        share it). In session 36's trace at 16 x 32K the recall before attention, on the critical path, took 81 us a
-        layer for ~1.5 MB from the host, about a third of the link, beside the previous layer's speculative recall,
-        which is running nearly all the step. With it, that recall raises a device flag while it runs and the
-        speculative recall waits for it to drop before each (request, KV head) row it reads.
     score_programs: GPU programs of the channels selection's speculative scoring, which runs after a layer's
         attention beside the model's GEMMs (each program strides over (request, head, chunk of pages) items); 0
         (default) launches one per item, ~4,000 at 16 x 32K, which queue ahead of the output projection (session 30's
@@ -169,7 +164,6 @@ class FreeKVConfig:
     recall: str = "delta"
     recall_programs: int = 32
     recall_block: int = 0
-    recall_yield: bool = False
     score_programs: int = 0
     attention: str = "backend"
     selection: str = "channels"
@@ -232,8 +226,6 @@ class FreeKVConfig:
             raise ValueError(f"recall_programs must be a non-negative integer, got {self.recall_programs!r}")
         if not _is_int(self.recall_block) or self.recall_block < 0 or self.recall_block & (self.recall_block - 1):
             raise ValueError(f"recall_block must be 0 or a power of two, got {self.recall_block!r}")
-        if not isinstance(self.recall_yield, bool):
-            raise ValueError(f"recall_yield must be True or False, got {self.recall_yield!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if not _is_int(self.score_programs) or self.score_programs < 0:

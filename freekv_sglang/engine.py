@@ -16,8 +16,7 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            sketch_pages, MeanS: score_pages, two launches each; rerank five), select_chain (the channels'
            pooling, the benchmarks' churn replay and select_slots: top-k, delta against the resident slots,
            commit, recall codes, in one launch); record E_sel; recall_pages of the changed slots of flagged heads
-           and the empty slots being filled; record E_now (with cfg.recall_yield that recall raises a hold flag,
-           lowered after E_now, that the speculative recall waits on before each row it reads: it yields the link)
+           and the empty slots being filled; record E_now
   compute: the engine's own attention over sink | slots | window: wait E_sel; attend_kept, over every page but the
            slots being recalled, runs beside that recall; wait E_now; attend_recalled merges those slots in.
            Or an outside kernel (SGLang's --kv-attention backend): wait E_now; head_token_index, which lists each
@@ -234,8 +233,6 @@ class FreeKVEngine:
         self.probe: Callable | None = None
 
         self.streams = Streams(self.device)
-        # cfg.recall_yield: raised by the recall before attention while it runs; the speculative recall waits on it.
-        self._hold = torch.zeros(1, dtype=torch.int32, device=self.device) if cfg.recall_yield else None
         self.timer: StepTimer | None = None  # enable_step_timing
         # Step inputs live in static buffers so a captured step replays with new values.
         self._step_slots = torch.full((R,), self.pad_slot, dtype=torch.int32, device=self.device)
@@ -799,8 +796,6 @@ class FreeKVEngine:
                 e_sel = st.record()
                 self._recall_phase(plan, layer, PHASE_NOW)
                 e_now = st.record()
-                if self._hold is not None:  # lowered after the event: attention does not wait for it
-                    self._hold.zero_()
         # The slot table is final once the selection has committed: the attention's first call runs beside the
         # recall, which writes only the pages of the slots coded PHASE_NOW, and its second after it.
         st.wait(e_sel)
@@ -868,8 +863,6 @@ class FreeKVEngine:
         cache = {} if self.victims[layer] is None else dict(
             victim_ops=self._victim_ops[layer][:B], victim_base=self.layout.victim_base(self.num_slots),
             victim_entries=self.cfg.victim_pages)
-        if self._hold is not None:
-            cache["raise_hold" if phase == PHASE_NOW else "wait_hold"] = self._hold
         self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
                               self.slot_table[layer], plan.req_slots, plan.slot_pages, self._recall[layer][:B], phase,
                               self.cfg.page_size, programs=self.cfg.recall_programs if phase == PHASE_LATER else 0,

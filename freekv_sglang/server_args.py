@@ -56,7 +56,6 @@ _KNOB_FLAGS = {
     "kv_recall": ("--kv-recall", "recall"),
     "kv_recall_programs": ("--kv-recall-programs", "recall_programs"),
     "kv_recall_block": ("--kv-recall-block", "recall_block"),
-    "kv_recall_yield": ("--kv-recall-yield", "recall_yield"),
     "kv_score_programs": ("--kv-score-programs", "score_programs"),
     "kv_attention": ("--kv-attention", "attention"),
     "kv_selection": ("--kv-selection", "selection"),
@@ -75,8 +74,8 @@ _KNOB_FLAGS = {
     "kv_bench_returns": ("--kv-bench-returns", "replay_returns"),
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
-_FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_recall_yield", "kv_score_programs",
-                "kv_selection", "kv_rerank_factor", "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate",
+_FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_score_programs", "kv_selection",
+                "kv_rerank_factor", "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate",
                 "kv_bench_churn", "kv_bench_returns")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb", "kvstore_timeout")
@@ -179,10 +178,6 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-recall-block", type=int, default=None, metavar="B",
                    help="slots per GPU program of the recall before attention (0 or a power of two); 0 = one "
                         f"program per (request, KV head, slot) (default {_DEFAULTS.recall_block})")
-    g.add_argument("--kv-recall-yield", type=_on_off, default=None, metavar="on|off",
-                   help="'on': the speculative recall waits while the recall before attention (on the critical "
-                        "path) reads from host memory, instead of sharing the link with it "
-                        f"(default {'on' if _DEFAULTS.recall_yield else 'off'})")
     g.add_argument("--kv-score-programs", type=int, default=None, metavar="N",
                    help="GPU programs of the 'channels' selection's speculative scoring, which runs beside the "
                         "model's GEMMs; 0 = one per (request, KV head, chunk of pages) "
@@ -259,12 +254,6 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="how long a kvstore call waits for the daemon (resending meanwhile) before the requests "
                         "that need it end with an abort; at least the 2 s an embedded daemon takes to restart "
                         f"(default {DEFAULT_KVSTORE_TIMEOUT_S:g})")
-
-
-def _on_off(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
-    return text == "on"
 
 
 class _RaisingParser(argparse.ArgumentParser):

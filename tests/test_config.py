@@ -151,14 +151,6 @@ def test_recall_block():
             FreeKVConfig(recall_block=bad)
 
 
-def test_recall_yield():
-    assert FreeKVConfig().recall_yield is False  # the two recalls share the link
-    assert FreeKVConfig(recall_yield=True).recall_yield is True
-    for bad in (1, "on", None):
-        with pytest.raises(ValueError, match="^recall_yield must be True or False"):
-            FreeKVConfig(recall_yield=bad)
-
-
 def test_score_programs():
     assert FreeKVConfig().score_programs == 0  # one program per item
     assert FreeKVConfig(score_programs=132).score_programs == 132

@@ -19,19 +19,6 @@ def check_victim_args(victim_ops: torch.Tensor | None, recall: torch.Tensor, vic
                          f"of {k_cache.shape[0] // page_size} pages")
 
 
-def check_hold(raise_hold: torch.Tensor | None, wait_hold: torch.Tensor | None) -> None:
-    """The hold flag's arguments. A flag to wait on that is already raised on the CPU, where kernels run in program
-    order and nothing could lower it, would wait forever: refused (on CUDA reading it would stall the stream)."""
-    if raise_hold is not None and wait_hold is not None:
-        raise ValueError("a recall either raises the hold flag or waits on it, not both")
-    for flag in (raise_hold, wait_hold):
-        if flag is not None and (flag.shape != (1,) or flag.dtype != torch.int32):
-            raise ValueError(f"the hold flag is one int32, got {tuple(flag.shape)} {flag.dtype}")
-    if wait_hold is not None and not wait_hold.is_cuda and int(wait_hold) != 0:
-        raise ValueError("the hold flag is raised and nothing runs beside this recall to lower it: it would wait "
-                         "forever")
-
-
 def naive_recall_pages(
     host_layer: torch.Tensor,
     k_cache: torch.Tensor,
@@ -48,24 +35,17 @@ def naive_recall_pages(
     victim_ops: torch.Tensor | None = None,
     victim_base: int = 0,
     victim_entries: int = 0,
-    raise_hold: torch.Tensor | None = None,
-    wait_hold: torch.Tensor | None = None,
 ) -> None:
     """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
     page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache.
     With victim_ops (select_slots' victim cache; V = victim_entries, entry e of request slot r in GPU page
     victim_base + r * V + e): first the slot's outgoing chunk goes to its evict entry, if any; the incoming chunk
     then comes from its source entry instead of the host, if it has one. `programs` and `slot_block` shape the
-    Triton launch only. raise_hold / wait_hold: the hold flag (recall_pages); run in program order, waiting on it
-    is its check."""
+    Triton launch only."""
     check_victim_args(victim_ops, recall, victim_base, victim_entries, k_cache, page_size, slots.shape[0])
-    check_hold(raise_hold, wait_hold)
     p = page_size
     rows = req_slots.tolist()
-    items = (recall == phase).nonzero().tolist()
-    if raise_hold is not None and items:
-        raise_hold.fill_(1)
-    for b, h, s in items:
+    for b, h, s in (recall == phase).nonzero().tolist():
         r = rows[b]
         dst = int(slot_pages[b, s])
         evict, source = unpack_victim_op(int(victim_ops[b, h, s])) if victim_ops is not None else (-1, -1)

@@ -13,12 +13,12 @@ import triton.language as tl
 
 from ..page_select.naive import VICTIM_SHIFT
 from .._utils import capped_grid, check_device, check_index_vectors
-from .naive import check_hold, check_victim_args
+from .naive import check_victim_args
 
 
 @triton.jit(do_not_specialize=["B"])
 def _recall_pages_kernel(
-    host_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, req_ptr, spages_ptr, recall_ptr, vops_ptr, hold_ptr,
+    host_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, req_ptr, spages_ptr, recall_ptr, vops_ptr,
     B, H, K, victim_base, V,
     s_hp, s_hh, s_hkv, s_ht,
     s_kt, s_kh, s_vt, s_vh,
@@ -29,12 +29,10 @@ def _recall_pages_kernel(
     sr_b, sr_h, sr_k,
     so_b, so_h, so_k,
     PHASE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, VICTIMS: tl.constexpr,
-    SHIFT: tl.constexpr, HOLD: tl.constexpr,
+    SHIFT: tl.constexpr,
 ):
     """Work item w = (row b, head h, block of SB slots), blocks fastest; programs stride over the B * H * ceil(K/SB)
-    items. Entries of other phases carry garbage indices: they are skipped before any of those is read.
-    HOLD 1 (raise_hold): a block with entries sets the hold flag before it reads; HOLD 2 (wait_hold): such a block
-    first spins until the flag reads 0."""
+    items. Entries of other phases carry garbage indices: they are skipped before any of those is read."""
     t = tl.arange(0, PAGE).to(tl.int64)[:, None]
     d = tl.arange(0, D)[None, :]
     j_sb = tl.arange(0, SB)
@@ -49,12 +47,6 @@ def _recall_pages_kernel(
         codes = tl.load(recall_ptr + b * sr_b + h * sr_h + (s0 + j_sb) * sr_k, mask=in_k, other=0)
         hit = ((codes.to(tl.int32) == PHASE) & in_k).to(tl.int32)
         if tl.max(hit, 0) != 0:
-            if HOLD == 1:
-                tl.store(hold_ptr, 1)
-            if HOLD == 2:
-                held = tl.load(hold_ptr, volatile=True)
-                while held != 0:
-                    held = tl.load(hold_ptr, volatile=True)
             for j in range(SB):
                 # This slot's flag from the registers, not a second load of its code.
                 if tl.sum(tl.where(j_sb == j, hit, 0), 0) != 0:
@@ -110,8 +102,6 @@ def recall_pages(
     victim_ops: torch.Tensor | None = None,
     victim_base: int = 0,
     victim_entries: int = 0,
-    raise_hold: torch.Tensor | None = None,
-    wait_hold: torch.Tensor | None = None,
 ) -> None:
     """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
     page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache.
@@ -123,11 +113,6 @@ def recall_pages(
     slot_block > 0 (a power of two) sets the work item to (b, h, block of that many slots) instead, whatever the
     programs: smaller blocks spread a row's entries over more programs (benchmarks/kernels.py --recall-blocks).
     victim_ops, victim_base, victim_entries: the victim cache's moves, as in naive_recall_pages.
-    raise_hold, wait_hold: an int32 [1] device flag that lets the speculative recall yield the link to the recall
-    before attention, which sits on the critical path (the two share it, and a third of it is what that recall got:
-    session 36). raise_hold (the recall before attention): set to 1 when this recall has an entry of the phase, before
-    its first read; the caller lowers it after the launch. wait_hold (the speculative recall): each block of slots
-    with an entry of the phase spins until it reads 0 before its first host read.
     """
     check_device(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall)
     check_index_vectors(req_slots=req_slots)
@@ -138,12 +123,8 @@ def recall_pages(
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
     check_victim_args(victim_ops, recall, victim_base, victim_entries, k_cache, page_size, slots.shape[0])
-    check_hold(raise_hold, wait_hold)
     if victim_ops is not None:
         check_device(victim_ops)
-    hold = raise_hold if raise_hold is not None else wait_hold
-    if hold is not None:
-        check_device(hold)
     if slot_block < 0 or slot_block & (slot_block - 1):
         raise ValueError(f"slot_block must be 0 or a power of two, got {slot_block!r}")
     if B * H * K == 0:
@@ -151,12 +132,12 @@ def recall_pages(
     sb = slot_block or (triton.next_power_of_2(K) if programs > 0 else 1)
     _recall_pages_kernel[capped_grid(B * H * triton.cdiv(K, sb), programs)](
         host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall,
-        recall if victim_ops is None else victim_ops, recall if hold is None else hold,
+        recall if victim_ops is None else victim_ops,
         B, H, K, victim_base, max(victim_entries, 1),
         host_layer.stride(0), host_layer.stride(1), host_layer.stride(2), host_layer.stride(3),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *page_table.stride(), *slots.stride(), req_slots.stride(0), *slot_pages.stride(), *recall.stride(),
         *(recall if victim_ops is None else victim_ops).stride(),
         PHASE=phase, PAGE=page_size, D=D, SB=sb, VICTIMS=victim_ops is not None, SHIFT=VICTIM_SHIFT,
-        HOLD=0 if hold is None else 1 if raise_hold is not None else 2, num_warps=4,
+        num_warps=4,
     )

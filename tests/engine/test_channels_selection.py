@@ -63,32 +63,6 @@ def test_recall_block_shapes_only_the_recall_before_attention(monkeypatch, prefi
     assert {(programs, block) for phase, programs, block in seen if phase != PHASE_LATER} == {(0, 4)}
 
 
-def test_recall_yield_holds_the_speculative_recall(monkeypatch, prefill_alike, decode_alike):
-    """--kv-recall-yield: the recall before attention raises the engine's hold flag when it recalls, the flag is down
-    again by the time the speculative recall (which waits on it) runs, and no other recall touches it. (The kernel's
-    raise and wait: tests/kernels/test_recall.py.)"""
-    cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="channels",
-                       recall_yield=True)
-    eng = make_engine(cfg, 2, 2, 2, "torch")
-    seen, call = [], eng.ops.recall_pages
-
-    def spy(*args, **kwargs):
-        before = int(eng._hold)
-        call(*args, **kwargs)
-        seen.append((args[8], "raise_hold" in kwargs, "wait_hold" in kwargs, before, int(eng._hold)))
-
-    monkeypatch.setattr(eng.ops, "recall_pages", spy)
-    torch.manual_seed(5)
-    decode_alike([eng], prefill_alike([eng], [150, 97], device=DEV), 4, device=DEV)
-    later = [c for c in seen if c[0] == PHASE_LATER]
-    now = [c for c in seen if c[0] != PHASE_LATER]
-    assert later and now
-    assert {c[1:4] for c in later} == {(False, True, 0)}  # waits, and finds the flag down
-    assert {c[1:3] for c in now} == {(True, False)}
-    assert any(c[4] for c in now), "no recall before attention raised the flag"
-    assert int(eng._hold) == 0
-
-
 def test_prompt_without_calibration_is_refused():
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, dense_layers=1, selection="channels")
     e = make_engine(cfg, 2, 2, 2, "torch")

@@ -1,9 +1,6 @@
 """recall_pages against its torch reference: for the entries of one phase, head h of the slot's GPU page gets the
 host page its slot holds; nothing else is written, and entries of other phases are never dereferenced."""
 
-import functools
-import time
-
 import pytest
 import torch
 
@@ -240,84 +237,3 @@ def test_recall_pages_victim_pages_must_fit():
     for fn in (naive_recall_pages, recall_pages):
         with pytest.raises(ValueError, match="victim pages"):
             fn(host_layer, kc, kc.clone(), *idx, 1, 16, victim_ops=ops, victim_base=2, victim_entries=2)
-
-
-def hold_flag(value):
-    return torch.full((1,), value, dtype=torch.int32, device=DEV)
-
-
-@pytest.mark.parametrize("fn", [naive_recall_pages, recall_pages])
-@pytest.mark.parametrize("programs,with_entries", [(0, True), (0, False), (3, True)])
-def test_recall_pages_raises_hold(fn, programs, with_entries):
-    """raise_hold (the recall before attention): the flag goes to 1 when the phase has an entry, stays 0 when it has
-    none, and the pages written are those of the plain recall."""
-    H, p, pages = 3, 16, 17
-    host_layer = host_randn(13, H, 2, p, 64, dtype=torch.bfloat16)
-    idx = entries(3, H, 5, 6, 20, 13, pages, 1)
-    if not with_entries:
-        idx[-1].clamp_(max=0)
-    plain = recall_into(fn, host_layer, idx, 1, p, pages, 0, programs=programs)
-    flag = hold_flag(0)
-    held = recall_into(functools.partial(fn, raise_hold=flag), host_layer, idx, 1, p, pages, 0, programs=programs)
-    assert int(flag) == int(with_entries)
-    for a, b in zip(plain, held):
-        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
-
-
-@pytest.mark.parametrize("fn", [naive_recall_pages, recall_pages])
-@pytest.mark.parametrize("programs", [0, 3])
-def test_recall_pages_waits_on_a_lowered_hold(fn, programs):
-    """wait_hold (the speculative recall) at 0: the recall goes through as without it, and leaves the flag alone."""
-    H, p, pages = 8, 32, 17
-    host_layer = host_randn(13, H, 2, p, 64, dtype=torch.bfloat16)
-    idx = entries(3, H, 5, 6, 20, 13, pages, 2)
-    flag = hold_flag(0)
-    out = recall_into(functools.partial(fn, wait_hold=flag), host_layer, idx, 2, p, pages, 5, programs=programs)
-    exp = expected(host_layer, idx, 2, p, out[0].shape)
-    for e, o in zip(exp, out):
-        assert torch.equal(e.isnan(), o.isnan()) and torch.equal(e.nan_to_num(), o.nan_to_num())
-    assert int(flag) == 0
-
-
-@pytest.mark.parametrize("fn", [naive_recall_pages, recall_pages])
-def test_recall_pages_refuses_bad_holds(fn):
-    host_layer = host_randn(3, 1, 2, 16, 64, dtype=torch.bfloat16)
-    idx = entries(1, 1, 2, 2, 4, 3, 2, 1)
-    bad = [(dict(raise_hold=hold_flag(0), wait_hold=hold_flag(0)), "not both"),
-           (dict(raise_hold=torch.zeros(2, dtype=torch.int32, device=DEV)), "one int32"),
-           (dict(wait_hold=torch.zeros(1, dtype=torch.int64, device=DEV)), "one int32")]
-    if DEV.type == "cpu":  # in program order nothing could lower it
-        bad.append((dict(wait_hold=hold_flag(1)), "wait forever"))
-    for kwargs, match in bad:
-        with pytest.raises(ValueError, match=match):
-            recall_into(functools.partial(fn, **kwargs), host_layer, idx, 1, 16, 2, 0)
-
-
-@pytest.mark.skipif(DEV.type != "cuda", reason="streams run beside each other on a GPU only")
-def test_recall_pages_yields_until_the_hold_is_lowered():
-    """On a GPU the speculative recall behind a raised flag does not finish while it stays raised, and completes
-    the recall once another stream lowers it."""
-    H, p, pages = 8, 32, 17
-    host_layer = host_randn(13, H, 2, p, 64, dtype=torch.bfloat16)
-    idx = entries(3, H, 5, 6, 20, 13, pages, 2)
-    flag = hold_flag(1)
-    kc = torch.full((pages * p, H, 64), float("nan"), dtype=torch.bfloat16, device=DEV)
-    vc = kc.clone()
-    side, other = torch.cuda.Stream(), torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        recall_pages(host_layer, kc, vc, *idx, 2, p, programs=3, wait_hold=flag)
-        done = torch.cuda.Event()
-        done.record()
-    time.sleep(0.2)
-    assert not done.query(), "the recall finished with the hold raised"
-    with torch.cuda.stream(other):
-        flag.zero_()
-    deadline = time.monotonic() + 10
-    while not done.query():
-        assert time.monotonic() < deadline, "the recall did not finish after the hold was lowered"
-        time.sleep(0.01)
-    ref_k, ref_v = kc.clone().fill_(float("nan")), vc.clone().fill_(float("nan"))
-    naive_recall_pages(host_layer, ref_k, ref_v, *idx, 2, p)
-    for r, o in ((ref_k, kc), (ref_v, vc)):
-        assert torch.equal(r.isnan(), o.isnan()) and torch.equal(r.nan_to_num(), o.nan_to_num())
