@@ -39,7 +39,7 @@ def test_smoke_mode_end_to_end(tmp_path, capsys):
     methods = parse_methods("oracle,channels,sketch,rerank,means,quest,streaming", [1])
     expected = {("dense", None)} | {(m.name, 256) for m in methods}
     assert set(cells) == expected  # every method produced a scored row
-    assert all(c["samples"] == 4 and c["task"] == "passkey" and c["length"] == 1024 for c in cells.values())
+    assert all(c["samples"] == 2 and c["task"] == "passkey" and c["length"] == 1024 for c in cells.values())
     assert cells[("dense", None)]["score"] >= 0.9
     stats = {s["method"]: s for s in summary["engine_stats"]}
     for name in ("channels", "sketch", "rerank"):
@@ -49,7 +49,7 @@ def test_smoke_mode_end_to_end(tmp_path, capsys):
     # most mass; every selecting method is diagnosed, streaming is not.
     diag = {d["method"]: d for d in summary["selection"]}
     assert set(diag) == {m for m, _ in expected} - {"dense", "streaming"}
-    assert diag["oracle"]["hit_rate"] == 1.0 and diag["oracle"]["cases"] > 1000
+    assert diag["oracle"]["hit_rate"] == 1.0 and diag["oracle"]["cases"] > 500
     assert all(d["mass_covered"] <= diag["oracle"]["mass_covered"] + 1e-9 for d in diag.values())
     assert diag["quest"]["hit_rate"] < 1.0
     table = (tmp_path / "table.md").read_text()

@@ -92,9 +92,12 @@ def test_cluster_prompt_maps_clusters_to_runs_of_pages():
     assert torch.equal(reorder(keys, units.order)[:, 2], keys[units.order[2], 2])
 
 
+# The Triton case interprets for ~80 s on CPU, so it runs on a GPU only; on CPU the Triton engine is checked against
+# the torch one step by step at a partial budget (test_triton_and_torch_backends_agree_at_a_partial_budget).
 @pytest.mark.slow
-@pytest.mark.parametrize("G,tau,backend", [(1, 0.7, "torch"), (3, 0.0, "torch"), (4, 1.0, "torch"),
-                                           (3, 0.7, "triton")])
+@pytest.mark.parametrize("G,tau,backend", [
+    (1, 0.7, "torch"), (3, 0.0, "torch"), (4, 1.0, "torch"),
+    pytest.param(3, 0.7, "triton", marks=pytest.mark.skipif(DEV.type != "cuda", reason="~80 s interpreted"))])
 def test_every_unit_selected_equals_dense(G, tau, backend):
     """A budget covering the context selects every cluster and segment: attention over the reordered host pages
     equals dense attention (the order of keys does not matter), at any threshold (empty slots are filled)."""
