@@ -8,9 +8,11 @@ recall inside it; attention (FlashInfer's kernel and its merge, or with --kv-att
 to attend_recalled's end, the recall before attention running beside attend_kept; `recalled` is attend_recalled alone,
 0 for FlashInfer); the idle time before the output projection; the output, gate/up and down projections. Prints each
 part's median and mean over every sparse layer of the window (the first layer, dense, and the last, which runs the LM
-head, are left out), then the kernels that overlap the idle time before the output projection. The GEMMs are named
-by cuBLAS's kernel choice for the shape (defaults: Llama-3.1-8B at 16 requests on an H100 and H200); --qkv, --oproj,
---gateup and --down take other name prefixes.
+head, are left out), then the kernels that overlap the idle time before the output projection. The QKV projection,
+which delimits layers, is named by cuBLAS's kernel choice for the shape (default: Llama-3.1-8B at 16 requests on an
+H100 and H200; --qkv takes another name prefix). The output, gate/up and down projections are the first three GEMMs
+after attention's merge (cuBLAS picks their tiles per machine and library: session 39's H200 chose others than
+session 30's); --oproj, --gateup and --down name them by prefix instead.
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ def _first(events, pred, after):
     return next(e for e in events if e["ts"] > after and pred(e["name"]))
 
 
+def _is_gemm(name: str) -> bool:
+    """cuBLAS's GEMM kernels (nvjet on Hopper, *gemm* / cutlass elsewhere), not its split-K reductions."""
+    low = name.lower()
+    return (low.startswith("nvjet") or "gemm" in low or "cutlass" in low) and "splitkreduce" not in low
+
+
+def _gemm(names: dict, key: str):
+    prefix = names.get(key)
+    return _is_gemm if prefix is None else (lambda n: n.startswith(prefix))
+
+
 def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tuple[list[dict], Counter, Counter]:
     """(per sparse layer {part: µs}, kernels overlapping the idle before the output projection: count, µs)."""
     ev = sorted((e for e in events if e.get("cat") in GPU), key=lambda e: e["ts"])
@@ -45,9 +58,9 @@ def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tupl
                      sim["ts"])
         split = att["name"] == "_attend_kept_kernel"
         merge = _first(win, lambda n: n == "_attend_recalled_kernel" if split else "MergeStates" in n, att["ts"])
-        oproj = _first(win, lambda n: n.startswith(names["oproj"]), merge["ts"])
-        gate = _first(win, lambda n: n.startswith(names["gateup"]), oproj["ts"])
-        down = _first(win, lambda n: n.startswith(names["down"]), gate["ts"])
+        oproj = _first(win, _gemm(names, "oproj"), merge["ts"])
+        gate = _first(win, _gemm(names, "gateup"), oproj["ts"])
+        down = _first(win, _gemm(names, "down"), gate["ts"])
         chain_start, idle = sim["ts"] + sim["dur"], (merge["ts"] + merge["dur"], oproj["ts"])
         recall = sum(e["dur"] for e in win if e["name"] == "_recall_pages_kernel" and e["ts"] >= chain_start
                      and e["ts"] + e["dur"] <= (merge if split else att)["ts"] + 0.5)
@@ -67,9 +80,9 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--layers", type=int, default=32, help="the model's layers")
     ap.add_argument("--qkv", default="nvjet_sm90_tst_64x16_64x16_4x1")
-    ap.add_argument("--oproj", default="nvjet_sm90_tst_128x16_64x11_4x1")
-    ap.add_argument("--gateup", default="nvjet_sm90_tst_128x16_64x11_2x1")
-    ap.add_argument("--down", default="nvjet_sm90_tst_64x16_64x16_2x1")
+    ap.add_argument("--oproj", help="name prefix (default: the first GEMM after attention)")
+    ap.add_argument("--gateup", help="name prefix (default: the next GEMM)")
+    ap.add_argument("--down", help="name prefix (default: the next GEMM)")
     args = ap.parse_args()
     names = dict(qkv=args.qkv, oproj=args.oproj, gateup=args.gateup, down=args.down)
     rows, seen, overlap = split_layers(load(args.trace), args.layers, names)

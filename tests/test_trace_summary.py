@@ -58,7 +58,8 @@ def test_layer_split_of_a_small_trace(tmp_path, capsys):
                 ev("_select_slots_kernel", t + 30, 10), ev("_recall_pages_kernel", t + 41, 50), ev("BatchPrefillWithPagedKVCacheKernel", t + 100, 90),
                 ev("MergeStatesKernel", t + 190, 4), ev("_channel_lse_kernel", t + 195, 40),
                 ev("_recall_pages_kernel", t + 240, 300),  # speculative: not in the chain
-                ev("o_gemm", t + 230, 15), ev("gateup_gemm", t + 250, 80), ev("down_gemm", t + 335, 40)]
+                ev("o_gemm", t + 230, 15), ev("void cublasLt::splitKreduce_kernel<32, 16>", t + 246, 2),
+                ev("gateup_gemm", t + 250, 80), ev("down_gemm", t + 335, 40)]
 
     events = [e for i in range(4) for e in layer(1000 * i)] + [ev("python", 0, 9, cat="python_function")]
     path = tmp_path / "t.json.gz"
@@ -69,6 +70,8 @@ def test_layer_split_of_a_small_trace(tmp_path, capsys):
     assert rows == [dict(layer=1000, qkv=20, chain=73, chain_recall=50, attention=94, recalled=0, idle_before_oproj=36,
                          oproj=15, gate_up=80, down=40)]
     assert seen["_channel_lse_kernel"] == 1 and overlap["_channel_lse_kernel"] == 35
+    # Unnamed, the projections are the first three GEMMs after the merge (the split-K reduction is not one).
+    assert trace_layers.split_layers(trace_layers.load(str(path)), 3, dict(qkv="qkv_gemm"))[0] == rows
     sys.argv = ["trace_layers.py", str(path), "--layers", "3", "--qkv", "qkv_gemm", "--oproj", "o_gemm", "--gateup",
                 "gateup_gemm", "--down", "down_gemm"]
     trace_layers.main()
