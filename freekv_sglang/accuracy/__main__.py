@@ -20,7 +20,7 @@ from .tasks import TASKS
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
-# Small enough for the test suite on 2 CPU cores: 4 passkey prompts of ~1K tokens, every method.
+# Small enough for the test suite on 2 CPU cores: 2 passkey prompts of ~1K tokens, every method.
 SMOKE = dict(tasks="passkey", lengths="1024", budgets="256", samples=2, batch=2, calibration_tokens=1024)
 
 
