@@ -6,7 +6,8 @@
 For each server configuration: build a random-weight model of the shape (scripts/make_dummy_model.py,
 --load-format dummy), launch SGLang (FlashInfer, CUDA graphs on, page 32, the radix cache on as a server's default
 unless --radix-cache off; the prompts are random, so nothing hits), send one untimed warm-up request
-(--warmup-tokens: the first request otherwise pays Triton's compilation of FreeKV's kernels), and for each
+(--warmup-tokens, plus one prefill chunk when the context is chunked: the first request otherwise pays Triton's
+compilation of FreeKV's kernels, and the first chunk with a prefix FlashInfer's build of its cascade module), and for each
 batch B send B requests of `context` random tokens at once (streamed, greedy, `output_len` new tokens).
 Per cell: the decode step time (the span in which the whole batch decodes, per token), its median step and its
 first step (from the token stamps: the mean also carries one-off steps, the first decode step's and the finishing
@@ -40,6 +41,9 @@ N forwards (the scheduler's wait for the requests, their matching and the first 
 slows the host, so that batch's TTFT is not a measurement.
 Each server compiles Triton kernels into a cache directory of its own; `jit` lists the kernels it compiled while a
 timed batch ran (none once the warm-up compiled what serving needs: a compilation on a request's path delays it).
+`jit_modules` lists the FlashInfer and SGLang (tvm-ffi) modules built while it ran. Their caches are shared by the
+run's servers, so whichever server needs a module first builds it: before session 40 the warm-up ran no chunk with a
+prefix, and at 120K the first server paid ~8 s of FlashInfer's cascade build in its first TTFT.
 Random weights make adjacent queries nearly uncorrelated, so at tau 0.9 almost every head is flagged;
 tau0 and tau1 bracket what a real model's correction rate gives. Random keys also churn unrealistically: without
 hysteresis near-equal pages trade places every step, with it (the default) almost none do, where SmolLM2's real
@@ -225,6 +229,26 @@ def triton_kernels(cache: Path) -> set[str]:
     return {f"{f.parent.name}/{f.stem}" for f in cache.glob("*/*.json") if not f.name.startswith("__grp__")}
 
 
+def jit_caches() -> list[Path]:
+    """The on-disk caches of FlashInfer's and SGLang's (tvm-ffi) JIT builds. Unlike Triton's, every server of a run
+    shares them: the first server to need a module builds it (e.g. FlashInfer's cascade module for the first prompt
+    with a prefix chunk, ~8 s on an H200) and the later ones load it."""
+    home = Path.home()
+    return [Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", home)) / ".cache" / "flashinfer",
+            Path(os.environ.get("TVM_FFI_CACHE_DIR", home / ".cache" / "tvm-ffi"))]
+
+
+def jit_modules(roots: list[Path]) -> set[str]:
+    """The shared libraries built under JIT cache roots, as paths below their root."""
+    return {f"{root.name}/{f.relative_to(root)}" for root in roots if root.is_dir() for f in root.glob("**/*.so")}
+
+
+def warmup_length(context: int, warmup_tokens: int, chunk: int) -> int:
+    """The warm-up prompt's tokens: warmup_tokens, or when the timed prompts are chunked (context > chunk) one chunk
+    more, so that a prefill chunk with a prefix runs before them (FlashInfer builds its cascade module then)."""
+    return min(context, warmup_tokens + (chunk if 0 < chunk < context else 0))
+
+
 def summarize_trace(trace_dir: Path, steps: int, out: Path, wait_s: float = 120, top: int = 25) -> str:
     """trace_summary.py over the trace the profiler writes after its last step."""
     t0 = time.time()
@@ -374,6 +398,9 @@ def print_table(result: dict) -> None:
         if c.get("jit"):
             print(f"{c['config']} batch {c['batch']}: Triton compiled {len(c['jit'])} kernels while it ran: "
                   f"{', '.join(k.split('/')[-1] for k in c['jit'])}")
+        if c.get("jit_modules"):
+            print(f"{c['config']} batch {c['batch']}: {len(c['jit_modules'])} JIT modules were built while it ran: "
+                  f"{', '.join(c['jit_modules'])}")
 
 
 def main() -> None:
@@ -399,7 +426,9 @@ def main() -> None:
                     "sizes at start-up, ~4.5 min on an H100 at 32K chunks; decode steps are the same either way)")
     ap.add_argument("--warmup-tokens", type=int, default=4096,
                     help="one untimed request of this many prompt tokens (16 new) after each server starts, so the "
-                         "first timed batch does not pay Triton's compilation of the server's kernels; 0: none")
+                         "first timed batch does not pay Triton's compilation of the server's kernels (one chunk more "
+                         "when the context is chunked: a chunk with a prefix builds FlashInfer's cascade module); 0: "
+                         "none")
     ap.add_argument("--port", type=int, default=30010)
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many decode steps of each batch (see above); 0: no profile")
@@ -454,7 +483,8 @@ def main() -> None:
         try:
             up = srv.wait(600)
             if args.warmup_tokens:  # long enough to select (past sink + window + budget) and offload
-                warm = run_batch(srv.url, 1, min(args.warmup_tokens, args.context), 16, vocab, seed=0)
+                warm = run_batch(srv.url, 1, warmup_length(args.context, args.warmup_tokens, args.chunked_prefill), 16,
+                                 vocab, seed=0)
                 if not warm.get("completed"):
                     raise RuntimeError(f"[{name}] the warm-up request failed: {warm.get('errors')}")
             log = srv.log.read_text(errors="replace")
@@ -473,9 +503,10 @@ def main() -> None:
                 first_dir = out / f"trace-first-{log_name}-b{b}"
                 if args.profile_first:
                     start_profile(srv.url, first_dir, args.profile_first, ["CPU", "GPU"], with_stack=True)
-                compiled = triton_kernels(cache)
+                compiled, built = triton_kernels(cache), jit_modules(jit_caches())
                 cell = {"config": name, **run_batch(srv.url, b, args.context, args.output_len, vocab, seed=b), **cap}
                 cell["jit"] = sorted(triton_kernels(cache) - compiled)
+                cell["jit_modules"] = sorted(jit_modules(jit_caches()) - built)
                 if args.profile_first:
                     cell["first_profile"] = summarize_trace(first_dir, 1, out / f"first-{log_name}-b{b}.txt",
                                                             top=40)

@@ -216,3 +216,31 @@ def test_triton_kernels_lists_one_entry_per_compiled_variant(tmp_path):
         for f in files:
             (tmp_path / entry / f).write_text("{}")
     assert decode.triton_kernels(tmp_path) == {"A1/_offload_pages_kernel", "B2/_offload_pages_kernel"}
+
+
+def test_jit_modules_lists_built_libraries_below_each_cache(tmp_path, monkeypatch):
+    """`jit_modules` column: the shared libraries under FlashInfer's and tvm-ffi's caches, by root and path; sources,
+    build files and a missing root list nothing."""
+    fi, tvm = tmp_path / "home" / ".cache" / "flashinfer", tmp_path / "tvm"
+    (fi / "0.6" / "90a" / "cached_ops" / "cascade").mkdir(parents=True)
+    (fi / "0.6" / "90a" / "cached_ops" / "cascade" / "cascade.so").write_bytes(b"")
+    (fi / "0.6" / "90a" / "cached_ops" / "cascade" / "cascade.cu").write_text("")
+    (tvm / "clamp").mkdir(parents=True)
+    (tvm / "clamp" / "clamp.so").write_bytes(b"")
+    (tvm / "clamp" / "build.ninja").write_text("")
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(tmp_path / "home"))
+    monkeypatch.setenv("TVM_FFI_CACHE_DIR", str(tvm))
+    assert decode.jit_modules(decode.jit_caches()) == {"flashinfer/0.6/90a/cached_ops/cascade/cascade.so",
+                                                       "tvm/clamp/clamp.so"}
+    assert decode.jit_modules([tmp_path / "absent"]) == set()
+
+
+@pytest.mark.parametrize("context, chunk, expected", [
+    (32000, 32768, 4096),     # one chunk: the warm-up as asked
+    (120000, 32768, 36864),   # chunked: one chunk more, so a chunk with a prefix runs
+    (34000, 32768, 34000),    # never past the context
+    (120000, -1, 4096),       # chunked prefill off
+    (2000, 32768, 2000),
+])
+def test_warmup_runs_a_prefix_chunk_when_the_prompts_are_chunked(context, chunk, expected):
+    assert decode.warmup_length(context, 4096, chunk) == expected
