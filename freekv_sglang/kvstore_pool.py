@@ -150,6 +150,10 @@ class KVStoreHostPool:
                                             client_id=client_id, token=token, timeout_s=timeout_s)
         self.endpoint = self.client.endpoint
         self.arena = self.client.arena  # its address never changes, even across a new session
+        t = self.client.startup_s
+        logger.info("FreeKV rank %d: kvstore arena of %.1f GB: %.1f s waiting for its pre-fault, %.1f s to map and "
+                    "register it", rank, self.arena.numel() * self.arena.element_size() / 1e9, t["prefault"],
+                    t["attach"])
         self.num_pages = self.client.num_pages
         self.rank, self.client_id = rank, client_id
         self.state = "up"

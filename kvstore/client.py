@@ -221,6 +221,8 @@ class KVStoreClient:
         self.geometry = geometry
         self._arena = None
         self._closed = False
+        # Seconds connect waited for the daemon to pre-fault a new arena, and took to map it and register it with CUDA.
+        self.startup_s: dict[str, float] = {}
         # Unmaps and closes the sockets even for a client dropped without close() (holds no ref to self).
         self._finalizer = weakref.finalize(self, resources.release)
 
@@ -272,9 +274,12 @@ class KVStoreClient:
         try:
             res.heartbeat = _Heartbeat(res.ctx, endpoint, hello.session, hello.heartbeat_interval_s)
             res.heartbeat.start()
+            t0 = time.monotonic()
             if not hello.ready:
                 client._wait_ready(ready_timeout_s)
+            t1 = time.monotonic()
             client._attach(cuda_register)
+            client.startup_s = {"prefault": t1 - t0, "attach": time.monotonic() - t1}
         except BaseException:
             client.close()
             raise

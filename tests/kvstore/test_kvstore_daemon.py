@@ -204,6 +204,8 @@ def test_client_ids_budget_and_reattach(daemons):
         connect(d, client_id="rank0", num_pages=1200)
     with pytest.raises(BudgetExceeded, match="--arena-gb"):
         connect(d, client_id="rank1", num_pages=1200)
+    # The start-up split a server logs: the wait for the new arena's pre-fault, its mapping (no CUDA here).
+    assert set(c.startup_s) == {"prefault", "attach"} and min(c.startup_s.values()) >= 0
     pages = c.alloc(7, 1200)
     with pytest.raises(ArenaFull, match="cannot allocate 1 pages"):
         c.alloc(8, 1)
