@@ -7,8 +7,8 @@ For each server configuration: build a random-weight model of the shape (scripts
 --load-format dummy), launch SGLang (FlashInfer, CUDA graphs on, page 32, the radix cache on as a server's default
 unless --radix-cache off; the prompts are random, so nothing hits), send one untimed warm-up request
 (--warmup-tokens, plus one prefill chunk when the context is chunked: the first request otherwise pays Triton's
-compilation of FreeKV's kernels, and the first chunk with a prefix FlashInfer's build of its cascade module), and for each
-batch B send B requests of `context` random tokens at once (streamed, greedy, `output_len` new tokens).
+compilation of FreeKV's kernels, and the first chunk with a prefix FlashInfer's build of its cascade module), and
+for each batch B send B requests of `context` random tokens at once (streamed, greedy, `output_len` new tokens).
 Per cell: the decode step time (the span in which the whole batch decodes, per token), its median step and its
 first step (from the token stamps: the mean also carries one-off steps, the first decode step's and the finishing
 one's), TPOT p50 (which also counts stalls while the batch's later requests prefill), output throughput, TTFT p50,
