@@ -14,13 +14,20 @@ pages a prefill leaves resident or fills from staging are not rounded, as a buil
     python3 benchmarks/fp8_host_study.py --fp8 e4m3 -- --tasks passkey,multikey --lengths 4096 --budgets 512 \\
         --samples 8 --methods oracle,channels --out results/fp8-e4m3
 
-runs `python -m freekv_sglang.accuracy` with the arguments after `--`; compare its table.md with a run of --fp8 off.
+runs `python -m freekv_sglang.accuracy` with the arguments after `--`. Then
+
+    python3 benchmarks/fp8_host_study.py --compare results/fp8-off results/fp8-e4m3
+
+prints, per (task, length), both runs' scores and how many prompts got the same output in both (runs of one
+method and budget each; the other may be another method, e.g. dense as a reference).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -63,12 +70,47 @@ def fp8_ops(ops, scaled: bool):
     return ops
 
 
+def compare(base: Path, other: Path) -> list[dict]:
+    """Per (task, length) of two harness runs of one method and budget each over the same prompts (the other run may
+    use another method, e.g. dense as a reference): both scores and how many prompts got the same output."""
+    def samples(run: Path) -> tuple[dict, str]:
+        with open(run / "records.jsonl") as f:
+            recs = [r for r in map(json.loads, f) if r["kind"] == "sample"]
+        cells = {(r["method"], r["budget"]) for r in recs}
+        if len(cells) != 1:
+            raise ValueError(f"{run} holds {len(cells)} (method, budget) cells; compare runs of one each")
+        (method, budget), = cells
+        return {(r["task"], r["length"], r["index"]): r for r in recs}, f"{method}/{budget}"
+    (a, label_a), (b, label_b) = samples(base), samples(other)
+    if a.keys() != b.keys():
+        raise ValueError(f"{base} and {other} hold different prompts")
+    cells: dict[tuple, dict] = {}
+    for key in sorted(a):
+        c = cells.setdefault(key[:2], {"task": key[0], "length": key[1], "base": label_a, "other": label_b, "n": 0,
+                                       "score_base": 0.0, "score_other": 0.0, "same_output": 0})
+        c["n"] += 1
+        c["score_base"] += a[key]["score"]
+        c["score_other"] += b[key]["score"]
+        c["same_output"] += a[key]["output"] == b[key]["output"]
+    return list(cells.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, harness = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fp8", choices=("off", "e4m3", "e4m3-unscaled"), required=True)
+    mode = ap.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--fp8", choices=("off", "e4m3", "e4m3-unscaled"))
+    mode.add_argument("--compare", nargs=2, type=Path, metavar=("BASE", "OTHER"))
     args = ap.parse_args(ours)
+    if args.compare:
+        rows = compare(*args.compare)
+        print(f"base {rows[0]['base']} ({args.compare[0]}), other {rows[0]['other']} ({args.compare[1]})")
+        print(f"{'task':<10} {'length':>6} {'n':>3} {'base':>5} {'other':>5} same output")
+        for c in rows:
+            print(f"{c['task']:<10} {c['length']:>6} {c['n']:>3} {c['score_base']:>5.1f} {c['score_other']:>5.1f} "
+                  f"{c['same_output']}")
+        return 0
     if args.fp8 != "off":
         load_ops = engine_module.load_ops
 

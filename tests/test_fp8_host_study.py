@@ -1,6 +1,7 @@
 """benchmarks/fp8_host_study.py: the emulated FP8 host pages round what the engine's host writes wrote, per
 (page, KV head, K or V) block, and nothing else."""
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -53,3 +54,24 @@ def test_the_wrapped_ops_round_only_the_pages_they_wrote():
     assert torch.equal(host[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
     ops.pages_to_host(None, None, None, host, torch.tensor([5]))
     assert float(host[5, 1, 1, 3, 7]) == float(torch.tensor(-3.3333333).to(torch.float8_e4m3fn).float())
+
+
+def _run(path: Path, method: str, outputs: dict) -> Path:
+    path.mkdir()
+    rows = [{"kind": "sample", "task": t, "length": 4096, "index": i, "method": method, "budget": 512,
+             "output": out, "score": float(out == "ok")} for (t, i), out in outputs.items()]
+    rows.append({"kind": "stats", "task": "passkey"})
+    (path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_compare_counts_scores_and_same_outputs_per_task(tmp_path):
+    a = _run(tmp_path / "a", "channels", {("passkey", 0): "ok", ("passkey", 1): "ok", ("multikey", 0): "x"})
+    b = _run(tmp_path / "b", "dense", {("passkey", 0): "ok", ("passkey", 1): "no", ("multikey", 0): "y"})
+    rows = {r["task"]: r for r in study.compare(a, b)}
+    assert rows["passkey"] == {"task": "passkey", "length": 4096, "base": "channels/512", "other": "dense/512",
+                               "n": 2, "score_base": 2.0, "score_other": 1.0, "same_output": 1}
+    assert rows["multikey"]["same_output"] == 0 and rows["multikey"]["n"] == 1
+    c = _run(tmp_path / "c", "channels", {("passkey", 0): "ok"})
+    with pytest.raises(ValueError, match="different prompts"):
+        study.compare(a, c)
