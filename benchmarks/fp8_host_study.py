@@ -25,7 +25,6 @@ method and budget each; the other may be another method, e.g. dense as a referen
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 
 import freekv_sglang.engine as engine_module
 from freekv_sglang.accuracy.__main__ import main as accuracy_main
+from freekv_sglang.accuracy.runner import RecordLog
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
@@ -74,8 +74,7 @@ def compare(base: Path, other: Path) -> list[dict]:
     """Per (task, length) of two harness runs of one method and budget each over the same prompts (the other run may
     use another method, e.g. dense as a reference): both scores and how many prompts got the same output."""
     def samples(run: Path) -> tuple[dict, str]:
-        with open(run / "records.jsonl") as f:
-            recs = [r for r in map(json.loads, f) if r["kind"] == "sample"]
+        recs = [r for r in RecordLog(run / "records.jsonl").records if r["kind"] == "sample"]
         cells = {(r["method"], r["budget"]) for r in recs}
         if len(cells) != 1:
             raise ValueError(f"{run} holds {len(cells)} (method, budget) cells; compare runs of one each")
