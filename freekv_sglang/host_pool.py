@@ -1,4 +1,5 @@
-"""Host memory that holds every offloaded KV page: HND pages [P, L, H, 2, p, D] the GPU reads directly."""
+"""Host memory that holds every offloaded KV page: HND pages [P, L, H, 2, p, D] the GPU reads directly (in FP8, with an
+int8 exponent per row beside them: freekv_kvstore.arena)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Protocol
 
 import torch
 
-from freekv_kvstore import cuda_host
+from freekv_kvstore import ArenaGeometry, cuda_host
+from freekv_kvstore.client import arena_views
 
 
 class HostPoolFull(RuntimeError):
@@ -15,9 +17,11 @@ class HostPoolFull(RuntimeError):
 
 
 class HostPool(Protocol):
-    """Owner of host pages. `arena` is addressable by GPU kernels (pinned or CUDA-registered) on CUDA machines."""
+    """Owner of host pages. `arena` is addressable by GPU kernels (pinned or CUDA-registered) on CUDA machines;
+    `scales` holds an FP8 arena's row exponents [P, L, H, 2, p] int8 (None for other dtypes)."""
 
     arena: torch.Tensor
+    scales: torch.Tensor | None
 
     def alloc(self, owner: int, n: int) -> list[int]: ...
 
@@ -32,12 +36,14 @@ class LocalHostPool:
         if num_pages < 1:
             raise ValueError(f"host pool needs at least one page, got num_pages={num_pages}")
         pin = torch.cuda.is_available() if pin is None else pin
-        self.arena = torch.empty(num_pages, num_layers, num_kv_heads, 2, page_size, head_dim, dtype=dtype)
+        geometry = ArenaGeometry(num_layers, num_kv_heads, page_size, head_dim, dtype)
+        raw = torch.empty(num_pages * geometry.page_bytes, dtype=torch.uint8)
+        self.arena, self.scales = arena_views(raw, geometry, num_pages)
         if pin:
             # Registered rather than allocated with pin_memory=True: torch's pinned allocator rounds a block up
             # to a power of two, so a 69 GB arena would ask a 128 GB host for 128 GB.
-            cuda_host.register(self.arena.data_ptr(), self.arena.numel() * self.arena.element_size(), "host KV pool")
-            weakref.finalize(self, _unregister, self.arena)
+            cuda_host.register(raw.data_ptr(), raw.numel(), "host KV pool")
+            weakref.finalize(self, _unregister, raw)
         self._free = list(range(num_pages - 1, -1, -1))
         self._owned: dict[int, list[int]] = {}
         self._refs = [0] * num_pages  # owners holding each page (a shared prefix page has several)
@@ -92,6 +98,7 @@ class LayerSlice:
             raise ValueError(f"layers [{first}, {first + count}) are not within the arena's {pool.arena.shape[1]}")
         self.pool = pool
         self.arena = pool.arena[:, first:first + count]
+        self.scales = None if pool.scales is None else pool.scales[:, first:first + count]
 
     def __getattr__(self, name):
         if name == "pool":

@@ -43,7 +43,8 @@ from freekv_kvstore.errors import ArenaFailed, VersionMismatch
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+           torch.float8_e4m3fn: "float8_e4m3fn"}
 PROBE_EVERY_S = 1.0  # while down or lost: how often a call may try the daemon again
 PROBE_TIMEOUT_S = 0.5
 STATE_PREFIX = "freekv-pool"  # published state files: <dir>/freekv-pool.<uid>.<client id>.json
@@ -150,9 +151,10 @@ class KVStoreHostPool:
                                             client_id=client_id, token=token, timeout_s=timeout_s)
         self.endpoint = self.client.endpoint
         self.arena = self.client.arena  # its address never changes, even across a new session
+        self.scales = self.client.scales
         t = self.client.startup_s
         logger.info("FreeKV rank %d: kvstore arena of %.1f GB: %.1f s waiting for its pre-fault, %.1f s to map and "
-                    "register it", rank, self.arena.numel() * self.arena.element_size() / 1e9, t["prefault"],
+                    "register it", rank, self.client.num_pages * self.client.page_bytes / 1e9, t["prefault"],
                     t["attach"])
         self.num_pages = self.client.num_pages
         self.rank, self.client_id = rank, client_id

@@ -5,6 +5,10 @@ heads, K/V, tokens in a page, head dim) in bf16, fp16 or fp32. Host page i is on
 across all layers; for every (page, layer, head) its K then its V are 2*p*D contiguous elements, so a page
 is page_bytes = L*H*2*p*D*itemsize bytes at byte offset i*page_bytes.
 
+In float8_e4m3fn (FP8 host pages, half of bf16's bytes), each row of D values (one token of one head, K or V)
+is e4m3 values times 2**e (freekv_kernels.fp8_rows), and a page holds its L*H*2*p int8 exponents [L, H, 2, p]
+after its values: page_bytes = L*H*2*p*(D + 1), the page still one contiguous byte range.
+
 Segments are files under a shared-memory directory (/dev/shm), mode 0600, named by the store of their
 daemon's endpoint (journal.py), so a daemon restarted on that endpoint finds and re-adopts them. This module
 needs no torch; the client builds its torch view on top of ``map_segment``.
@@ -24,8 +28,10 @@ import threading
 
 import psutil
 
-DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+SCALED_DTYPES = ("float8_e4m3fn",)  # pages that carry an int8 exponent per row after their values
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+                  "fp8_e4m3": "float8_e4m3fn"}
 _MAX_DIM = 1 << 16
 _MAX_PAGE_BYTES = 1 << 30
 _POPULATE_CHUNK = 256 << 20  # a multiple of the mmap granularity
@@ -35,7 +41,8 @@ _MAP_FIXED = 0x10  # Linux (and the BSDs); Python's mmap module does not export 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArenaGeometry:
-    """Per-page shape of an arena. dtype accepts "bfloat16"/"float16"/"float32", short aliases, or a torch dtype."""
+    """Per-page shape of an arena. dtype accepts "bfloat16"/"float16"/"float32"/"float8_e4m3fn", short aliases
+    ("fp8_e4m3" among them), or a torch dtype."""
 
     num_layers: int
     num_kv_heads: int
@@ -72,8 +79,17 @@ class ArenaGeometry:
         return self.num_layers * self.num_kv_heads * 2 * self.page_size * self.head_dim
 
     @property
-    def page_bytes(self) -> int:
+    def scaled(self) -> bool:
+        return self.dtype in SCALED_DTYPES
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of a page's K / V values; its row exponents (scaled dtypes) follow them."""
         return self.page_elems * self.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        return self.value_bytes + (self.page_elems // self.head_dim if self.scaled else 0)
 
     def shape(self, num_pages: int) -> tuple[int, int, int, int, int, int]:
         return (num_pages, self.num_layers, self.num_kv_heads, 2, self.page_size, self.head_dim)

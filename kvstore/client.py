@@ -219,7 +219,7 @@ class KVStoreClient:
         self._hello_req = hello_req
         self._hello = hello
         self.geometry = geometry
-        self._arena = None
+        self._arena = self._scales = None
         self._closed = False
         # Seconds connect waited for the daemon to pre-fault a new arena, and took to map it and register it with CUDA.
         self.startup_s: dict[str, float] = {}
@@ -333,8 +333,15 @@ class KVStoreClient:
         """torch.Tensor [num_pages, num_layers, num_kv_heads, 2, page_size, head_dim] over the shared memory."""
         self._check_open()
         if self._arena is None:
-            self._arena = _torch_view(self._res.mmap, self._hello)
+            self._arena, self._scales = arena_views(self._res.mmap, self.geometry, self.num_pages)
         return self._arena
+
+    @property
+    def scales(self):
+        """The row exponents [num_pages, num_layers, num_kv_heads, 2, page_size] int8 of a scaled (FP8) arena, over
+        the same shared memory; None for other dtypes."""
+        self.arena
+        return self._scales
 
     # Page calls.
 
@@ -566,8 +573,18 @@ def _int(value: Any) -> int:
     return operator.index(value)
 
 
-def _torch_view(buf: mmap.mmap, hello: HelloReply):
+def arena_views(raw, geometry: ArenaGeometry, num_pages: int):
+    """(pages [P, L, H, 2, p, D], exponents [P, L, H, 2, p] int8 or None) over raw, P * page_bytes bytes (a uint8
+    tensor or a buffer); for a scaled dtype both are strided views of the one page-major byte range."""
     import torch
 
-    dtype = getattr(torch, hello.dtype)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(hello.shape)
+    if not isinstance(raw, torch.Tensor):
+        raw = torch.frombuffer(raw, dtype=torch.uint8)
+    g = geometry
+    dtype = getattr(torch, g.dtype)
+    if not g.scaled:
+        return raw.view(dtype).view(g.shape(num_pages)), None
+    paged = raw[: num_pages * g.page_bytes].view(num_pages, g.page_bytes)
+    pages = paged[:, : g.value_bytes].view(dtype).unflatten(1, g.shape(num_pages)[1:])
+    exponents = paged[:, g.value_bytes:].view(torch.int8).unflatten(1, g.shape(num_pages)[1:5])
+    return pages, exponents

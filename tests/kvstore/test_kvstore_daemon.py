@@ -243,6 +243,32 @@ def test_arena_layout_matches_the_documented_geometry(daemons):
         assert c.arena[p].view(torch.uint8).numpy().tobytes() == page
 
 
+def test_an_fp8_arena_keeps_each_pages_exponents_after_its_values(daemons):
+    """float8_e4m3fn ("fp8_e4m3"): page p is page_bytes = L*H*2*ps*(D + 1) bytes at p * page_bytes, its e4m3 values
+    [L, H, 2, ps, D] first, then one int8 exponent per row [L, H, 2, ps]; the client's views reach exactly those
+    bytes. An arena of another dtype has no exponents."""
+    import torch
+
+    L, H, ps, D = 3, 2, 4, 8
+    geom = ArenaGeometry(num_layers=L, num_kv_heads=H, page_size=ps, head_dim=D, dtype="fp8_e4m3")
+    assert geom.dtype == "float8_e4m3fn" and geom.page_bytes == L * H * 2 * ps * (D + 1)
+    d = daemons.start("ipc")
+    with connect(d, geometry=geom, num_pages=5) as c:
+        a, e = c.arena, c.scales
+        assert a.shape == (5, L, H, 2, ps, D) and a.dtype == torch.float8_e4m3fn
+        assert e.shape == (5, L, H, 2, ps) and e.dtype == torch.int8 and len(c.buffer) == 5 * c.page_bytes
+        p, layer, h, kv, t, dim = 3, 2, 1, 1, 2, 5
+        a[p, layer, h, kv, t, dim] = 1.0  # e4m3 1.0 is 0x38
+        e[p, layer, h, kv, t] = -7
+        row = (((layer * H + h) * 2 + kv) * ps + t)
+        base = p * c.page_bytes
+        assert c.buffer[base + row * D + dim] == 0x38
+        assert c.buffer[base + L * H * 2 * ps * D + row] == (-7) & 0xFF
+        assert bytes(c.buffer).count(b"\x00") == 5 * c.page_bytes - 2
+    with connect(d, geometry=ArenaGeometry(L, H, ps, D, "bfloat16"), num_pages=2, client_id="bf16") as c:
+        assert c.scales is None
+
+
 def test_numpy_and_torch_integers_are_accepted_and_bools_refused(daemons):
     import numpy as np
     import torch
