@@ -2,7 +2,8 @@
 summarise them (per-head elementwise min / max of the keys) from the same read, with the selection's key codes
 (the rerank's 2-bit codes or the channel sketch's 4-bit codes) in the same launch.
 
-On CUDA `host_layer` is pinned (or cudaHostRegister'ed) host memory that the kernel writes directly over UVA.
+On CUDA `host_layer` is pinned (or cudaHostRegister'ed) host memory that the kernel writes directly over UVA. An FP8
+arena's rows are quantised in the same pass (freekv_kernels.fp8_rows), their exponents written beside them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import triton.language as tl
 from .._utils import capped_grid, check_device, check_index_vectors
 from ..channel_sketch.naive import BITS as CHANNEL_BITS
 from ..channel_sketch.naive import LEVELS as CHANNEL_LEVELS
+from ..fp8_rows.naive import EXP_MAX, EXP_MIN, check_host_scales
+from ..fp8_rows.triton import quantize_tile
 from ..page_rerank.naive import CODE_BITS, LEVELS, PER_BYTE
 
 
@@ -22,6 +25,7 @@ def _offload_pages_kernel(
     k_ptr,
     v_ptr,
     host_ptr,
+    exp_ptr,
     summ_ptr,
     codes_ptr,
     ch_ptr,
@@ -40,6 +44,10 @@ def _offload_pages_kernel(
     s_hh,
     s_hkv,
     s_ht,
+    s_ep,
+    s_eh,
+    s_ekv,
+    s_et,
     s_sp,
     s_sh,
     s_smm,
@@ -59,6 +67,7 @@ def _offload_pages_kernel(
     HALF: tl.constexpr,
     CH_LEVELS: tl.constexpr,
     CH_BITS: tl.constexpr,
+    SCALED: tl.constexpr,
 ):
     """Work item w = (entry w // H, head w % H); programs stride over the N * H items. CODES: 2-bit codes of every
     channel in the page's range; CHANNELS: 4-bit codes of the 2 * HALF calibrated channels (ch / lo / inv_step rows
@@ -77,10 +86,20 @@ def _offload_pages_kernel(
         v = tl.load(v_ptr + rows * s_vt + h * s_vh + d, mask=m)
         dst = tl.load(dst_ptr + i).to(tl.int64)
         chunk = host_ptr + dst * s_hp + h * s_hh + t * s_ht + d
-        tl.store(chunk, k, mask=m)
-        tl.store(chunk + s_hkv, v, mask=m)
-        # min / max in fp32 are exact for every cache dtype, and so is the cast back.
         kf = k.to(tl.float32)
+        if SCALED:
+            rows_e = exp_ptr + dst * s_ep + h * s_eh + tl.arange(0, PAGE).to(tl.int64) * s_et
+            m_row = (tl.load(src_ptr + i).to(tl.int64) * PAGE + tl.arange(0, PAGE) < T) & ok
+            kq, ke = quantize_tile(kf, EXP_MIN, EXP_MAX)
+            vq, ve = quantize_tile(v.to(tl.float32), EXP_MIN, EXP_MAX)
+            tl.store(chunk, kq.to(tl.float8e4nv), mask=m)
+            tl.store(chunk + s_hkv, vq.to(tl.float8e4nv), mask=m)
+            tl.store(rows_e, ke.to(tl.int8), mask=m_row)
+            tl.store(rows_e + s_ekv, ve.to(tl.int8), mask=m_row)
+        else:
+            tl.store(chunk, k, mask=m)
+            tl.store(chunk + s_hkv, v, mask=m)
+        # min / max in fp32 are exact for every cache dtype, and so is the cast back.
         summ = summ_ptr + dst * s_sp + h * s_sh + tl.arange(0, D)
         kmin = tl.min(tl.where(m, kf, float("inf")), axis=0)
         kmax = tl.max(tl.where(m, kf, float("-inf")), axis=0)
@@ -123,12 +142,14 @@ def offload_pages(
     programs: int = 0,
     codes: torch.Tensor | None = None,
     channels: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    host_scales: torch.Tensor | None = None,
 ) -> None:
     """For each valid i: host_layer[dst[i], :, 0 / 1] <- rows src[i]*p .. +p of k_cache / v_cache, NHD -> HND, and
     summaries[dst[i], :, 0 / 1] = the elementwise min / max over those rows of k_cache; with codes [P, H, p, D / 4],
     also the rows' 2-bit key codes in that range (freekv_kernels.page_rerank), from the same read; with channels
     (a layer's calibrated channels [H, R], lo [H, R] and inv_step [H, R]), codes [P, H, p, R / 2] are the rows'
-    4-bit channel codes instead (freekv_kernels.channel_sketch).
+    4-bit channel codes instead (freekv_kernels.channel_sketch). An FP8 host_layer stores each row quantised, its
+    exponent in host_scales [P, H, 2, p] (freekv_kernels.fp8_rows); summaries and codes come from the exact keys.
 
     A source page that runs past the last row (a prefill tensor whose length is not a multiple of p) copies and
     summarises only the rows that exist; the rest of that host page is left as it was.
@@ -143,6 +164,9 @@ def offload_pages(
     assert v_cache.shape == k_cache.shape and host_layer.shape[1:] == (H, 2, page_size, D)
     assert summaries.shape[1:] == (H, 2, D) and summaries.stride(-1) == 1
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    if check_host_scales(host_layer, host_scales):
+        check_device(host_scales)
+    scaled = host_scales is not None
     half = 0
     if channels is not None:
         assert codes is not None, "channel codes need their store (codes)"
@@ -162,6 +186,7 @@ def offload_pages(
         k_cache,
         v_cache,
         host_layer,
+        host_scales if scaled else src,
         summaries,
         summaries if codes is None else codes,
         ch,
@@ -180,6 +205,7 @@ def offload_pages(
         host_layer.stride(1),
         host_layer.stride(2),
         host_layer.stride(3),
+        *(host_scales.stride() if scaled else (0, 0, 0, 0)),
         summaries.stride(0),
         summaries.stride(1),
         summaries.stride(2),
@@ -196,5 +222,6 @@ def offload_pages(
         HALF=max(half, 1),
         CH_LEVELS=CHANNEL_LEVELS,
         CH_BITS=CHANNEL_BITS,
+        SCALED=scaled,
         num_warps=4,
     )

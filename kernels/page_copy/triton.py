@@ -4,7 +4,8 @@ staging pages into selection slots, GPU to GPU.
 On CUDA the arena is pinned (or cudaHostRegister'ed) host memory that the kernels dereference over UVA, like
 recall_pages: a page of one KV head is one contiguous host chunk per K and V, read or written in one PCIe transfer,
 with no CPU gather, no pageable bounce buffer and no host thread in the loop. Radix prefix sharing moves whole
-prompts this way (a hit's prefix into staging, the dense layers' slices to and from the arena)."""
+prompts this way (a hit's prefix into staging, the dense layers' slices to and from the arena). An FP8 arena's rows are
+quantised on the way out and widened on the way in, their exponents beside them (freekv_kernels.fp8_rows)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,18 @@ import triton
 import triton.language as tl
 
 from .._utils import check_device, check_index_vectors
+from ..fp8_rows.naive import EXP_MAX, EXP_MIN, check_host_scales
+from ..fp8_rows.triton import dequantize_tile, quantize_tile
 
 
 @triton.jit
 def _page_copy_kernel(
-    host_ptr, pages_ptr, k_ptr, v_ptr, rows_ptr,
+    host_ptr, exp_ptr, pages_ptr, k_ptr, v_ptr, rows_ptr,
     H, D,
     s_hp, s_hh, s_hkv, s_ht,
+    s_ep, s_eh, s_ekv, s_et,
     s_kt, s_kh, s_vt, s_vh,
-    TO_HOST: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+    TO_HOST: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, SCALED: tl.constexpr,
 ):
     """Program (page i, head h): the [PAGE, D] tile of K and of V between host page pages[i] and token rows
     rows[i * PAGE ..]. Both loads are issued before either store, so a program keeps the whole chunk in flight."""
@@ -35,20 +39,35 @@ def _page_copy_kernel(
     host = host_ptr + page * s_hp + h * s_hh + t.to(tl.int64)[:, None] * s_ht + d
     kp = k_ptr + row * s_kt + h * s_kh + d
     vp = v_ptr + row * s_vt + h * s_vh + d
+    rows_e = exp_ptr + page * s_ep + h * s_eh + t.to(tl.int64) * s_et
     if TO_HOST:
-        kt = tl.load(kp, mask=mask)
-        vt = tl.load(vp, mask=mask)
-        tl.store(host, kt, mask=mask)
-        tl.store(host + s_hkv, vt, mask=mask)
+        kt = tl.load(kp, mask=mask, other=0.0)
+        vt = tl.load(vp, mask=mask, other=0.0)
+        if SCALED:
+            kq, ke = quantize_tile(kt.to(tl.float32), E_MIN=EXP_MIN, E_MAX=EXP_MAX)
+            vq, ve = quantize_tile(vt.to(tl.float32), E_MIN=EXP_MIN, E_MAX=EXP_MAX)
+            tl.store(host, kq.to(tl.float8e4nv), mask=mask)
+            tl.store(host + s_hkv, vq.to(tl.float8e4nv), mask=mask)
+            tl.store(rows_e, ke.to(tl.int8))
+            tl.store(rows_e + s_ekv, ve.to(tl.int8))
+        else:
+            tl.store(host, kt, mask=mask)
+            tl.store(host + s_hkv, vt, mask=mask)
     else:
         kt = tl.load(host, mask=mask)
         vt = tl.load(host + s_hkv, mask=mask)
-        tl.store(kp, kt, mask=mask)
-        tl.store(vp, vt, mask=mask)
+        if SCALED:
+            kt = dequantize_tile(kt, tl.load(rows_e))
+            vt = dequantize_tile(vt, tl.load(rows_e + s_ekv))
+        tl.store(kp, kt.to(k_ptr.dtype.element_ty), mask=mask)
+        tl.store(vp, vt.to(v_ptr.dtype.element_ty), mask=mask)
 
 
-def _copy(host_layer, host_pages, k, v, rows, to_host: bool) -> None:
+def _copy(host_layer, host_pages, k, v, rows, to_host: bool, host_scales) -> None:
     check_device(host_layer, host_pages, k, v, rows)
+    scaled = check_host_scales(host_layer, host_scales)
+    if scaled:
+        check_device(host_scales)
     check_index_vectors(host_pages=host_pages, rows=rows)
     N, H, two, p, D = host_layer.shape
     n = host_pages.numel()
@@ -64,25 +83,26 @@ def _copy(host_layer, host_pages, k, v, rows, to_host: bool) -> None:
     if n == 0:
         return
     _page_copy_kernel[(n, H)](
-        host_layer, host_pages, k, v, rows,
+        host_layer, host_scales if scaled else host_pages, host_pages, k, v, rows,
         H, D,
         host_layer.stride(0), host_layer.stride(1), host_layer.stride(2), host_layer.stride(3),
+        *(host_scales.stride() if scaled else (0, 0, 0, 0)),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        TO_HOST=to_host, PAGE=p, BLOCK_D=triton.next_power_of_2(D),
+        TO_HOST=to_host, PAGE=p, BLOCK_D=triton.next_power_of_2(D), SCALED=scaled,
         num_warps=4,
     )
 
 
 def pages_from_host(host_layer: torch.Tensor, host_pages: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    rows: torch.Tensor) -> None:
+                    rows: torch.Tensor, host_scales: torch.Tensor | None = None) -> None:
     """See naive_pages_from_host. Asynchronous on the current stream; host_pages and rows on the GPU."""
-    _copy(host_layer, host_pages, k, v, rows, to_host=False)
+    _copy(host_layer, host_pages, k, v, rows, False, host_scales)
 
 
 def pages_to_host(k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, host_layer: torch.Tensor,
-                  host_pages: torch.Tensor) -> None:
+                  host_pages: torch.Tensor, host_scales: torch.Tensor | None = None) -> None:
     """See naive_pages_to_host. Asynchronous on the current stream: synchronise before the host reads the pages."""
-    _copy(host_layer, host_pages, k, v, rows, to_host=True)
+    _copy(host_layer, host_pages, k, v, rows, True, host_scales)
 
 
 @triton.jit(do_not_specialize=["s_stage"])

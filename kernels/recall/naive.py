@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fp8_rows.naive import check_host_scales, host_rows
 from ..page_select.naive import unpack_victim_op
 
 
@@ -35,14 +36,17 @@ def naive_recall_pages(
     victim_ops: torch.Tensor | None = None,
     victim_base: int = 0,
     victim_entries: int = 0,
+    host_scales: torch.Tensor | None = None,
 ) -> None:
     """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
     page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache.
     With victim_ops (select_slots' victim cache; V = victim_entries, entry e of request slot r in GPU page
     victim_base + r * V + e): first the slot's outgoing chunk goes to its evict entry, if any; the incoming chunk
-    then comes from its source entry instead of the host, if it has one. `programs` and `slot_block` shape the
+    then comes from its source entry instead of the host, if it has one. An FP8 host_layer's chunks are widened with
+    their row exponents host_scales [N, H, 2, p] (freekv_kernels.fp8_rows). `programs` and `slot_block` shape the
     Triton launch only."""
     check_victim_args(victim_ops, recall, victim_base, victim_entries, k_cache, page_size, slots.shape[0])
+    check_host_scales(host_layer, host_scales)
     p = page_size
     rows = req_slots.tolist()
     for b, h, s in (recall == phase).nonzero().tolist():
@@ -59,5 +63,5 @@ def naive_recall_pages(
             v_cache[dst * p:(dst + 1) * p, h].copy_(v_cache[e * p:(e + 1) * p, h])
             continue
         src = int(page_table[r, int(slots[r, h, s])])
-        k_cache[dst * p:(dst + 1) * p, h].copy_(host_layer[src, h, 0])
-        v_cache[dst * p:(dst + 1) * p, h].copy_(host_layer[src, h, 1])
+        k_cache[dst * p:(dst + 1) * p, h].copy_(host_rows(host_layer, host_scales, (src, h, 0), k_cache.dtype))
+        v_cache[dst * p:(dst + 1) * p, h].copy_(host_rows(host_layer, host_scales, (src, h, 1), v_cache.dtype))

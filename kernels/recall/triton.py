@@ -2,7 +2,8 @@
 slots, HND -> NHD, in one zero-copy kernel that reads the slot and page tables itself.
 
 On CUDA `host_layer` is pinned (or cudaHostRegister'ed) host memory; the kernel dereferences it over UVA, so the
-gather and the layout transpose cost one PCIe read of each chunk and no staging buffer.
+gather and the layout transpose cost one PCIe read of each chunk and no staging buffer. An FP8 arena's chunk is half
+the bytes, plus its p row exponents; it is widened on the GPU (freekv_kernels.fp8_rows).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8_rows.naive import check_host_scales
+from ..fp8_rows.triton import dequantize_tile
 from ..page_select.naive import VICTIM_SHIFT
 from .._utils import capped_grid, check_device, check_index_vectors
 from .naive import check_victim_args
@@ -18,9 +21,10 @@ from .naive import check_victim_args
 
 @triton.jit(do_not_specialize=["B"])
 def _recall_pages_kernel(
-    host_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, req_ptr, spages_ptr, recall_ptr, vops_ptr,
+    host_ptr, exp_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, req_ptr, spages_ptr, recall_ptr, vops_ptr,
     B, H, K, victim_base, V,
     s_hp, s_hh, s_hkv, s_ht,
+    s_ep, s_eh, s_ekv, s_et,
     s_kt, s_kh, s_vt, s_vh,
     spt_r, spt_m,
     st_r, st_h, st_k,
@@ -29,7 +33,7 @@ def _recall_pages_kernel(
     sr_b, sr_h, sr_k,
     so_b, so_h, so_k,
     PHASE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, VICTIMS: tl.constexpr,
-    SHIFT: tl.constexpr,
+    SHIFT: tl.constexpr, SCALED: tl.constexpr,
 ):
     """Work item w = (row b, head h, block of SB slots), blocks fastest; programs stride over the B * H * ceil(K/SB)
     items. Entries of other phases carry garbage indices: they are skipped before any of those is read."""
@@ -71,8 +75,15 @@ def _recall_pages_kernel(
                         # One [PAGE, D] tile per K and V: both loads are issued before either store, so each item
                         # keeps the whole 2*PAGE*D chunk in flight over PCIe (wide vector loads, several per thread).
                         chunk = host_ptr + src * s_hp + h * s_hh + t * s_ht + d
-                        k = tl.load(chunk)
-                        v = tl.load(chunk + s_hkv)
+                        if SCALED:
+                            rows_e = exp_ptr + src * s_ep + h * s_eh + tl.arange(0, PAGE).to(tl.int64) * s_et
+                            kq = tl.load(chunk)
+                            vq = tl.load(chunk + s_hkv)
+                            k = dequantize_tile(kq, tl.load(rows_e)).to(k_ptr.dtype.element_ty)
+                            v = dequantize_tile(vq, tl.load(rows_e + s_ekv)).to(v_ptr.dtype.element_ty)
+                        else:
+                            k = tl.load(chunk)
+                            v = tl.load(chunk + s_hkv)
                     if evict >= 0:
                         # The outgoing chunk to its victim entry, HBM to HBM, while the incoming one is in flight;
                         # every thread's read of the slot precedes any write to it.
@@ -102,9 +113,11 @@ def recall_pages(
     victim_ops: torch.Tensor | None = None,
     victim_base: int = 0,
     victim_entries: int = 0,
+    host_scales: torch.Tensor | None = None,
 ) -> None:
     """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
-    page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache.
+    page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache
+    (widened with its row exponents host_scales [N, H, 2, p] from an FP8 host_layer).
 
     programs == 0: one program per (b, h, s) item, for the recall on the critical path. programs > 0 caps the
     programs launched, each striding over whole (b, h) rows of K slots: a speculative recall running beside the
@@ -123,6 +136,9 @@ def recall_pages(
     assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
     check_victim_args(victim_ops, recall, victim_base, victim_entries, k_cache, page_size, slots.shape[0])
+    if check_host_scales(host_layer, host_scales):
+        check_device(host_scales)
+    scaled = host_scales is not None
     if victim_ops is not None:
         check_device(victim_ops)
     if slot_block < 0 or slot_block & (slot_block - 1):
@@ -131,13 +147,14 @@ def recall_pages(
         return
     sb = slot_block or (triton.next_power_of_2(K) if programs > 0 else 1)
     _recall_pages_kernel[capped_grid(B * H * triton.cdiv(K, sb), programs)](
-        host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall,
-        recall if victim_ops is None else victim_ops,
+        host_layer, host_scales if scaled else recall, k_cache, v_cache, page_table, slots, req_slots, slot_pages,
+        recall, recall if victim_ops is None else victim_ops,
         B, H, K, victim_base, max(victim_entries, 1),
         host_layer.stride(0), host_layer.stride(1), host_layer.stride(2), host_layer.stride(3),
+        *(host_scales.stride() if scaled else (0, 0, 0, 0)),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *page_table.stride(), *slots.stride(), req_slots.stride(0), *slot_pages.stride(), *recall.stride(),
         *(recall if victim_ops is None else victim_ops).stride(),
         PHASE=phase, PAGE=page_size, D=D, SB=sb, VICTIMS=victim_ops is not None, SHIFT=VICTIM_SHIFT,
-        num_warps=4,
+        SCALED=scaled, num_warps=4,
     )

@@ -115,3 +115,56 @@ def test_offload_pages_layer_view(dtype):
 def test_offload_pages_nothing_valid(n, n_invalid):
     k_cache, v_cache = torch.randn(2, 4 * 16, 3, 64, dtype=torch.bfloat16, device=DEV)
     check_offload(k_cache, v_cache, entries(n, n_invalid, 4, 5), 5, 16)
+
+
+@pytest.mark.parametrize("programs", [0, 3])
+@pytest.mark.parametrize("H,D,p", [(1, 64, 16), (3, 128, 32), (8, 64, 32), (8, 128, 16)])
+def test_offload_pages_fp8_host(H, D, p, programs):
+    """Into an FP8 arena (pages and row exponents strided views of one byte range, as the kvstore maps it): each row
+    quantised as the codec's reference does it, bit for bit, its exponent beside it; summaries from the exact keys;
+    a partial last page writes only its rows (and their exponents); nothing else is written."""
+    from freekv_kvstore import ArenaGeometry
+    from freekv_kvstore.client import arena_views
+    from freekv_kernels.fp8_rows import naive_quantize_rows
+
+    gpu_pages, P, L, layer = 6, 11, 2, 1
+    T = gpu_pages * p - 3  # the last page holds p - 3 rows
+    scale = torch.exp2(torch.randint(-12, 13, (T, H, 1)).float())
+    k_cache, v_cache = ((torch.randn(2, T, H, D) * scale).to(torch.bfloat16)).to(DEV)
+    src = torch.tensor([5, 0, 3, 2, 1, 4], dtype=torch.int32)
+    dst = torch.tensor([7, 2, 10, 0, 4, 9], dtype=torch.int32)
+    valid = torch.tensor([True, True, False, True, True, True])
+    idx = [t.to(DEV) for t in (src, dst, valid)]
+    g = ArenaGeometry(L, H, p, D, "float8_e4m3fn")
+    outs = []
+    for fn in (naive_offload_pages, offload_pages):
+        raw = torch.full((P * g.page_bytes,), 0x7F, dtype=torch.uint8)  # e4m3 NaN, exponent 127
+        raw = raw.pin_memory() if DEV.type == "cuda" else raw
+        pages, scales = arena_views(raw, g, P)
+        summ = torch.full((P, H, 2, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+        fn(k_cache, v_cache, pages[:, layer], summ, *idx, p, programs=programs, host_scales=scales[:, layer])
+        if DEV.type == "cuda":
+            torch.cuda.synchronize()
+        outs.append((raw.clone(), pages, scales, summ.cpu()))
+    raw_ref, pages_ref, scales_ref, summ_ref = outs[0]
+    for s, d, ok in zip(src.tolist(), dst.tolist(), valid.tolist()):
+        n = min(p, T - s * p) if ok else 0
+        for kv, cache in enumerate((k_cache, v_cache)):
+            rows = cache[s * p: s * p + n].cpu().transpose(0, 1)
+            q, e = naive_quantize_rows(rows)
+            assert torch.equal(pages_ref[d, layer, :, kv, :n].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(scales_ref[d, layer, :, kv, :n], e)
+            # the rows past a partial page's end, and every invalid entry's page, stay as they were
+            assert (pages_ref[d, layer, :, kv, n:].view(torch.uint8) == 0x7F).all()
+            assert (scales_ref[d, layer, :, kv, n:] == 0x7F).all()
+    written = torch.zeros(P, dtype=torch.bool)
+    written[dst[valid].long()] = True
+    assert (pages_ref[~written].view(torch.uint8) == 0x7F).all() and (pages_ref[:, 0].view(torch.uint8) == 0x7F).all()
+    assert (scales_ref[:, 0] == 0x7F).all()
+    for s, d in zip(src[valid].tolist(), dst[valid].tolist()):
+        keys = k_cache[s * p: min(T, (s + 1) * p)].cpu()
+        assert torch.equal(summ_ref[d, :, 0], keys.amin(0)) and torch.equal(summ_ref[d, :, 1], keys.amax(0))
+    raw_out, _, _, summ_out = outs[1]
+    assert torch.equal(raw_out, raw_ref), f"{int((raw_out != raw_ref).sum())} arena bytes differ from the reference"
+    assert torch.equal(summ_out.isnan(), summ_ref.isnan())
+    assert torch.equal(summ_out.nan_to_num(), summ_ref.nan_to_num())

@@ -81,6 +81,59 @@ def test_a_round_trip_through_a_strided_pool_returns_the_pages():
     assert torch.equal(back[pages.long()], host[pages.long()])
 
 
+def fp8_arena(N, H, p, D, L=2):
+    """Layer 1 of an FP8 arena of L layers, as the kvstore maps it (pages and row exponents strided views of one byte
+    range), all bytes 0x7F (e4m3 NaN, exponent 127); pinned on CUDA. Returns the raw bytes too."""
+    from freekv_kvstore import ArenaGeometry
+    from freekv_kvstore.client import arena_views
+
+    g = ArenaGeometry(L, H, p, D, "float8_e4m3fn")
+    raw = torch.full((N * g.page_bytes,), 0x7F, dtype=torch.uint8)
+    raw = raw.pin_memory() if DEV.type == "cuda" else raw
+    pages, scales = arena_views(raw, g, N)
+    return raw, pages[:, 1], scales[:, 1]
+
+
+@pytest.mark.parametrize("H,D,p", [(1, 64, 16), (3, 80, 32), (8, 128, 16), (8, 64, 32)])
+def test_fp8_arena_pages_to_host_and_back(H, D, p):
+    """pages_to_host quantises each row into an FP8 arena as the reference does, bit for bit, writing only its pages
+    (values and exponents); pages_from_host widens them back into exactly their rows, as the reference does."""
+    from freekv_kernels.fp8_rows import naive_dequantize_rows, naive_quantize_rows
+
+    n = 5
+    N, T, pages, rows = case(H, D, p, torch.bfloat16, n, seed=H + D + p)
+    scale = torch.exp2(torch.randint(-12, 13, (T, H, 1)).float())
+    k, v = ((torch.randn(2, T, H, D) * scale).to(torch.bfloat16))
+    arenas = []
+    for fn in (naive_pages_to_host, pages_to_host):
+        raw, host, exps = fp8_arena(N, H, p, D)
+        fn(k.to(DEV), v.to(DEV), rows.to(DEV), host, pages.to(DEV), host_scales=exps)
+        if DEV.type == "cuda":
+            torch.cuda.synchronize()
+        arenas.append((raw, host, exps))
+    (raw_ref, host, exps), (raw_out, _, _) = arenas
+    assert torch.equal(raw_out, raw_ref), f"{int((raw_out != raw_ref).sum())} arena bytes differ from the reference"
+    mine = torch.zeros(N, dtype=torch.bool)
+    mine[pages.long()] = True
+    assert (host[~mine].view(torch.uint8) == 0x7F).all() and (exps[~mine] == 0x7F).all()
+    i, h = 2, H - 1
+    q, e = naive_quantize_rows(k[rows[i * p:(i + 1) * p], h])
+    assert torch.equal(host[pages[i], h, 0].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(exps[pages[i], h, 0], e)
+    outs = []
+    for fn in (naive_pages_from_host, pages_from_host):
+        kb, vb = (torch.full((T, H, D), float("nan"), dtype=torch.bfloat16, device=DEV) for _ in range(2))
+        fn(host, pages.to(DEV), kb, vb, rows.to(DEV), host_scales=exps)
+        outs.append((kb.cpu(), vb.cpu()))
+    written = torch.zeros(T, dtype=torch.bool)
+    written[rows] = True
+    for kv, src in enumerate((k, v)):
+        want = naive_dequantize_rows(*naive_quantize_rows(src[written]), torch.bfloat16)
+        for name, out in zip(("naive", "triton"), outs):
+            assert torch.equal(out[kv][written], want), name
+            assert out[kv][~written].isnan().all(), f"{name}: a row outside `rows` was written"
+
+
 def test_bad_shapes_are_refused():
     host = arena(4, 2, 16, 64, torch.float32)
     k = torch.zeros(64, 2, 64, device=DEV)

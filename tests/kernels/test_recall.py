@@ -4,6 +4,7 @@ host page its slot holds; nothing else is written, and entries of other phases a
 import pytest
 import torch
 
+from freekv_kernels.fp8_rows import naive_dequantize_rows, naive_quantize_rows
 from freekv_kernels.page_select.naive import unpack_victim_op, victim_op
 from freekv_kernels.recall import naive_recall_pages, recall_pages
 from freekv_kernels.testing import assert_close, device
@@ -19,6 +20,26 @@ def host_randn(*shape, dtype):
     """The host arena: pinned on a CUDA machine so the kernel reads it over UVA."""
     t = torch.randn(*shape, dtype=dtype)
     return t.pin_memory() if DEV.type == "cuda" else t
+
+
+def fp8_arena(*shape):
+    """An FP8 host arena [..., p, D] and its row exponents [..., p], from bf16 rows of magnitudes 2**-20 .. 2**20,
+    through an arena layout of freekv_kvstore (strided views of one page-major byte range), pinned on CUDA."""
+    from freekv_kvstore import ArenaGeometry
+    from freekv_kvstore.client import arena_views
+
+    P, *layer, H, two, p, D = shape
+    rows = torch.randn(*shape) * torch.exp2(torch.randint(-20, 21, shape[:-1]).float())[..., None]
+    q, e = naive_quantize_rows(rows.to(torch.bfloat16))
+    L = layer[0] if layer else 1
+    g = ArenaGeometry(L, H, p, D, "float8_e4m3fn")
+    raw = torch.empty(P * g.page_bytes, dtype=torch.uint8)
+    pages, scales = arena_views(raw.pin_memory() if DEV.type == "cuda" else raw, g, P)
+    if not layer:
+        pages, scales = pages[:, 0], scales[:, 0]
+    pages.copy_(q)
+    scales.copy_(e)
+    return pages, scales
 
 
 def entries(B, H, k, R, M, P, pages, phase, n_other=3, empty=None):
@@ -44,27 +65,37 @@ def entries(B, H, k, R, M, P, pages, phase, n_other=3, empty=None):
     return [t.to(DEV) for t in (page_table, slots, req_slots, slot_pages, recall)]
 
 
-def recall_into(fn, host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0, slot_block=0):
+def recall_into(fn, host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0, slot_block=0,
+                host_scales=None):
     """Run `fn` into NaN caches of pages*p + extra_rows rows, each inside a NaN buffer with GUARD pages on both
     sides; returns the K and V buffers [rows, H, D]. fused_kv: K and V interleave in one [rows, 2, H, D] buffer,
-    so the caches are non-contiguous views."""
-    H, D, dtype = host_layer.shape[1], host_layer.shape[-1], host_layer.dtype
+    so the caches are non-contiguous views. An FP8 arena (host_scales) recalls into bf16 caches."""
+    H, D = host_layer.shape[1], host_layer.shape[-1]
+    dtype = torch.bfloat16 if host_scales is not None else host_layer.dtype
     rows = (pages + 2 * GUARD) * p + extra_rows
     shape = (rows, 2, H, D) if fused_kv else (2, rows, H, D)
     buf = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
     kb, vb = buf.unbind(1 if fused_kv else 0)
     live = slice(GUARD * p, GUARD * p + pages * p + extra_rows)
-    fn(host_layer, kb[live], vb[live], *idx, phase, p, programs=programs, slot_block=slot_block)
+    kw = {} if host_scales is None else {"host_scales": host_scales}
+    fn(host_layer, kb[live], vb[live], *idx, phase, p, programs=programs, slot_block=slot_block, **kw)
     if DEV.type == "cuda":
         torch.cuda.synchronize()
     return kb.cpu(), vb.cpu()
 
 
-def expected(host_layer, idx, phase, p, shape):
-    """The guarded K and V buffers built straight from the contract (NaN where nothing is written)."""
+def expected(host_layer, idx, phase, p, shape, host_scales=None):
+    """The guarded K and V buffers built straight from the contract (NaN where nothing is written); an FP8 arena's
+    chunks widened to bf16 by the codec's reference."""
     page_table, slots, req_slots, slot_pages, recall = (t.cpu() for t in idx)
-    k_exp, v_exp = torch.full(shape, float("nan"), dtype=host_layer.dtype), torch.full(shape, float("nan"),
-                                                                                        dtype=host_layer.dtype)
+    dtype = torch.bfloat16 if host_scales is not None else host_layer.dtype
+    k_exp, v_exp = torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)
+
+    def chunk(src, h, kv):
+        if host_scales is None:
+            return host_layer[src, h, kv].cpu()
+        return naive_dequantize_rows(host_layer[src, h, kv].cpu(), host_scales[src, h, kv].cpu(), dtype)
+
     B, H, K = recall.shape
     for b in range(B):
         r = int(req_slots[b])
@@ -73,16 +104,19 @@ def expected(host_layer, idx, phase, p, shape):
                 if int(recall[b, h, s]) == phase:
                     src = int(page_table[r, int(slots[r, h, s])])
                     rows = slice((GUARD + int(slot_pages[b, s])) * p, (GUARD + int(slot_pages[b, s]) + 1) * p)
-                    k_exp[rows, h] = host_layer[src, h, 0].cpu()
-                    v_exp[rows, h] = host_layer[src, h, 1].cpu()
+                    k_exp[rows, h] = chunk(src, h, 0)
+                    v_exp[rows, h] = chunk(src, h, 1)
     return k_exp, v_exp
 
 
-def check_recall(host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0, slot_block=0):
+def check_recall(host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0, slot_block=0,
+                 host_scales=None):
     before = [t.clone() for t in idx]
-    ref = recall_into(naive_recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv, programs, slot_block)
-    out = recall_into(recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv, programs, slot_block)
-    exp = expected(host_layer, idx, phase, p, ref[0].shape)
+    ref = recall_into(naive_recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv, programs, slot_block,
+                      host_scales)
+    out = recall_into(recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv, programs, slot_block,
+                      host_scales)
+    exp = expected(host_layer, idx, phase, p, ref[0].shape, host_scales)
     for name, e, r, o in (("k_cache", exp[0], ref[0], out[0]), ("v_cache", exp[1], ref[1], out[1])):
         mask = ~e.isnan()
         assert torch.equal(~r.isnan(), mask), f"{name}: the reference wrote outside the contract"
@@ -100,6 +134,30 @@ def test_recall_pages(H, D, p, dtype, phase):
     host_layer = host_randn(P, H, 2, p, D, dtype=dtype)
     # T = 17*p + 5: the 5 rows past the last page are never written.
     check_recall(host_layer, entries(B, H, k, R, M, P, pages, phase), phase, p, pages, extra_rows=5)
+
+
+@pytest.mark.parametrize("programs,slot_block", [(0, 0), (3, 0), (0, 4)])
+@pytest.mark.parametrize("phase", [1, 2])
+@pytest.mark.parametrize("H,D,p", [(1, 64, 16), (3, 128, 32), (8, 64, 32), (8, 128, 16)])
+def test_recall_pages_fp8_host(H, D, p, phase, programs, slot_block):
+    """From an FP8 arena (every layer's pages and exponents strided views of one byte range, as the kvstore maps
+    it): each recalled chunk is its e4m3 rows times their scales, in bf16, exactly as the codec's reference."""
+    R, M, P, B, k, pages = 6, 20, 13, 3, 5, 17
+    arena, scales = fp8_arena(P, 3, H, 2, p, D)
+    check_recall(arena[:, 1], entries(B, H, k, R, M, P, pages, phase), phase, p, pages, extra_rows=5,
+                 programs=programs, slot_block=slot_block, host_scales=scales[:, 1])
+
+
+def test_recall_pages_fp8_host_needs_its_exponents():
+    arena, scales = fp8_arena(3, 1, 2, 16, 64)
+    idx = entries(1, 1, 2, 2, 4, 3, 2, 1)
+    for fn in (naive_recall_pages, recall_pages):
+        with pytest.raises(ValueError, match="row exponents"):
+            recall_into(fn, arena, idx, 1, 16, 2, 0)
+        with pytest.raises(ValueError, match="row exponents"):
+            recall_into(fn, arena, idx, 1, 16, 2, 0, host_scales=scales[..., :8])
+        with pytest.raises(ValueError, match="belong to an FP8 arena"):
+            recall_into(fn, host_randn(3, 1, 2, 16, 64, dtype=torch.bfloat16), idx, 1, 16, 2, 0, host_scales=scales)
 
 
 @pytest.mark.parametrize("programs", [1, 3, 16])
