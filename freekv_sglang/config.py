@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from freekv_kernels.page_select.naive import MAX_VICTIM_ENTRIES
 
 RECALL_MODES = ("delta", "all")
@@ -31,6 +33,9 @@ PREFILLS = ("full", "tsp")
 # with the same attention mass covered (0.689 -> 0.690) and the same passkey / multikey scores at 4K and 8K; 3 cut
 # the changes to 0.09 but lost 0.02 of the mass (docs/results/session21).
 DEFAULT_HYSTERESIS = 1.0
+# How host pages hold K and V: "auto" in the KV cache's dtype, "fp8_e4m3" as e4m3 rows with a power-of-two scale each
+# (freekv_kernels.fp8_rows).
+HOST_DTYPES = ("auto", "fp8_e4m3")
 # FastKV's observation window: the last prompt tokens, whose queries score the prompt and which always propagate
 # (freekv_kernels.tsp_select.WINDOW; a test keeps the two equal).
 TSP_WINDOW = 8
@@ -136,6 +141,13 @@ class FreeKVConfig:
         top-k. None (default): DEFAULT_HYSTERESIS for FreeKV's sketch, rerank and means, 0 for quest (whose
         scores are logits, not masses), oracle (the harness's upper bound) and LouisKV (which reselects only at
         semantic boundaries); a non-zero value is refused for quest and LouisKV.
+    host_dtype: how the host pages (and so the recall's PCIe reads) hold K and V. "auto" (default): in the KV cache's
+        dtype. "fp8_e4m3": each row of head_dim values (one token of one KV head, K or V) as e4m3 values times a
+        power-of-two scale, one int8 exponent per row beside them (freekv_kernels.fp8_rows): 129 bytes per 128-wide
+        row instead of bf16's 256, so the arena holds twice the tokens and every recall reads about half the bytes.
+        Offload rounds each value to e4m3 (relative error at most 2**-4, round to nearest even); the page summaries and
+        selection codes come from the exact keys, and the GPU's sink, window and fresh pages stay exact. Refused with
+        an FP8 KV cache (--kv-cache-dtype), which has nothing left to narrow.
     replay_correction_rate: benchmarks only (None, the default: off). FreeKV flags each (request, KV head) check of a
         sparse layer with this probability, drawn per step, instead of by the similarity test; selection, recall and
         the rest of the step are unchanged. A model with random weights has unrealistic query churn: adjacent
@@ -178,6 +190,7 @@ class FreeKVConfig:
     tsp_layer: int = 15
     tsp_keep: int = 2048
     hysteresis: float | None = None
+    host_dtype: str = "auto"
     replay_correction_rate: float | None = None
     replay_churn: float | None = None
     replay_returns: float | None = None
@@ -253,6 +266,8 @@ class FreeKVConfig:
         if not _is_int(self.tsp_keep) or self.tsp_keep <= TSP_WINDOW:
             raise ValueError(f"tsp_keep must be an integer above the {TSP_WINDOW}-token observation "
                              f"window, which always propagates; got {self.tsp_keep!r}")
+        if self.host_dtype not in HOST_DTYPES:
+            raise ValueError(f"host_dtype must be one of {', '.join(HOST_DTYPES)}, got {self.host_dtype!r}")
         hy = self.hysteresis
         if hy is not None and (isinstance(hy, bool) or not isinstance(hy, (int, float)) or not 0.0 <= hy < math.inf):
             raise ValueError(f"hysteresis must be a finite number >= 0 or None, got {hy!r}")
@@ -284,6 +299,15 @@ class FreeKVConfig:
             return float(self.hysteresis)
         mass_scored = self.retrieval == "freekv" and self.selection in ("sketch", "rerank", "means", "channels")
         return DEFAULT_HYSTERESIS if mass_scored else 0.0
+
+    def host_torch_dtype(self, kv_dtype):
+        """The host arena's torch dtype for a KV cache of kv_dtype."""
+        if self.host_dtype == "auto":
+            return kv_dtype
+        if kv_dtype.itemsize < 2:
+            raise ValueError(f"host_dtype {self.host_dtype!r} narrows a 16- or 32-bit KV cache, not {kv_dtype}: drop "
+                             f"--kv-host-dtype or serve a bf16 KV cache")
+        return torch.float8_e4m3fn
 
     @property
     def sink_pages(self) -> int:

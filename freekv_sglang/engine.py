@@ -125,9 +125,8 @@ def tsp_engines(cfg: FreeKVConfig, shape: ModelShape, host_pool: HostPool | None
         raise ValueError(f"tsp_engines is for prefill 'tsp', not {cfg.prefill!r}")
     L, split, p = shape.num_layers, cfg.tsp_layer + 1, cfg.page_size
     if host_pool is None:
-        kw_dtype = kw.get("dtype")
         host_pool = LocalHostPool(kw.pop("host_pages", None) or max_requests * -(-max_context // p), L,
-                                  shape.num_kv_heads, p, shape.head_dim, kw_dtype)
+                                  shape.num_kv_heads, p, shape.head_dim, cfg.host_torch_dtype(kw.get("dtype")))
     kw.pop("host_pages", None)
     early = FreeKVEngine(dataclasses.replace(cfg, prefill="full", dense_layers=min(cfg.dense_layers, split)),
                          dataclasses.replace(shape, num_layers=split), host_pool=LayerSlice(host_pool, 0, split),
@@ -194,12 +193,13 @@ class FreeKVEngine:
         self.tau = cfg.tau
         self.retrieval = method != "streaming"
 
+        host_dtype = cfg.host_torch_dtype(dtype)
         if host_pool is None:
-            host_pool = LocalHostPool(host_pages or max_requests * self.max_pages, L, H, p, D, dtype)
+            host_pool = LocalHostPool(host_pages or max_requests * self.max_pages, L, H, p, D, host_dtype)
         want = (host_pool.arena.shape[1:], host_pool.arena.dtype)
-        if want != (torch.Size([L, H, 2, p, D]), dtype):
+        if want != (torch.Size([L, H, 2, p, D]), host_dtype):
             raise ValueError(f"host pool arena {tuple(host_pool.arena.shape)} {host_pool.arena.dtype} does not "
-                             f"match the model: [P, {L}, {H}, 2, {p}, {D}] {dtype}")
+                             f"match the model: [P, {L}, {H}, 2, {p}, {D}] {host_dtype}")
         self.host = host_pool
         num_host = host_pool.arena.shape[0]
 
@@ -448,7 +448,12 @@ class FreeKVEngine:
         summaries and the selector's codes, in one launch."""
         self.ops.offload_pages(k, v, self.host.arena[:, layer], self.summaries[layer], src, dst, valid,
                                self.cfg.page_size, programs=programs, codes=self.selector.codes(layer),
-                               channels=self.selector.code_channels(layer))
+                               channels=self.selector.code_channels(layer), host_scales=self.host_scales(layer))
+
+    def host_scales(self, layer: int) -> torch.Tensor | None:
+        """The row exponents [P, H, 2, p] of a layer of an FP8 host arena (freekv_kernels.fp8_rows), None otherwise:
+        the host_scales of every op that reads or writes the arena."""
+        return None if self.host.scales is None else self.host.scales[:, layer]
 
     # ---- shared prefixes (radix prefix sharing, docs/radix.md) --------------------------------
 
@@ -516,7 +521,8 @@ class FreeKVEngine:
             kc, vc = self.k_cache[layer], self.v_cache[layer]
             if self.dense[layer]:
                 if not self.dense_outside:
-                    self.ops.pages_to_host(kc.view(-1, H, D), vc.view(-1, H, D), rows, self.host.arena[:, layer], host)
+                    self.ops.pages_to_host(kc.view(-1, H, D), vc.view(-1, H, D), rows, self.host.arena[:, layer], host,
+                                           host_scales=self.host_scales(layer))
             elif src_pages:
                 if staged is not None:
                     kc, vc = staged[0](layer)
@@ -579,7 +585,7 @@ class FreeKVEngine:
                 continue
             host, rows = dense if self.dense[layer] else sparse
             self.ops.pages_from_host(self.host.arena[:, layer], host, self.k_cache[layer].view(-1, H, D),
-                                     self.v_cache[layer].view(-1, H, D), rows)
+                                     self.v_cache[layer].view(-1, H, D), rows, host_scales=self.host_scales(layer))
 
     def page_rows(self, pages) -> torch.Tensor:
         """The token rows [len(pages) * page_size] of whole pages of a paged [T, H, D] cache, on the engine's device
@@ -603,7 +609,7 @@ class FreeKVEngine:
         for layer in range(self.shape.num_layers):
             if self.dense[layer]:
                 continue
-            self.ops.pages_from_host(self.host.arena[:, layer], dst, k, v, rows)
+            self.ops.pages_from_host(self.host.arena[:, layer], dst, k, v, rows, host_scales=self.host_scales(layer))
             self._offload(layer, k, v, src, dst, valid, PREFILL_OFFLOAD_PROGRAMS)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -700,7 +706,7 @@ class FreeKVEngine:
             if staged is None:
                 self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer],
                                       self.page_table, self.slot_table[layer], plan.req_slots, plan.slot_pages, recall,
-                                      PHASE_NOW, p)
+                                      PHASE_NOW, p, host_scales=self.host_scales(layer))
                 continue
             self.ops.staged_to_slots(*staged[0](layer), staged[1], self.slot_table[layer], plan.req_slots,
                                      plan.slot_pages, self.k_cache[layer], self.v_cache[layer], p)
@@ -867,7 +873,7 @@ class FreeKVEngine:
                               self.slot_table[layer], plan.req_slots, plan.slot_pages, self._recall[layer][:B], phase,
                               self.cfg.page_size, programs=self.cfg.recall_programs if phase == PHASE_LATER else 0,
                               slot_block=0 if phase == PHASE_LATER else self.cfg.recall_block,
-                              **cache)
+                              host_scales=self.host_scales(layer), **cache)
         if timer is not None:
             timer.mark(layer, phase, 3)
 
@@ -900,7 +906,7 @@ class FreeKVEngine:
     def stats(self) -> dict:
         """Per sparse layer: correction rate (flagged KV-head checks), mean adjacent-query cosine, and
         recalled bytes (before attention / speculative), counted in pages of one KV head (`recall_page_bytes`
-        each: its K and V). The raw totals over the sparse layers too: (row, KV head) checks, the flagged ones,
+        each: its K and V as the host arena holds them). The raw totals over the sparse layers too: (row, KV head) checks, the flagged ones,
         and the pages of one KV head recalled from the host before attention / speculatively, and those taken from
         the victim cache (cfg.victim) instead, which cross no link (all cumulative since the engine was built).
         LouisKV counts a boundary as every KV head of its row flagged (so the correction rate is the share of
@@ -908,7 +914,9 @@ class FreeKVEngine:
         heads). Synchronises: call between steps."""
         layers = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
         checks = max(self._stat_checks, 1)
-        chunk = 2 * self.cfg.page_size * self.shape.head_dim * self.k_cache[0].element_size()
+        # Bytes one KV head's page reads from the host: K and V in the arena's dtype (with FP8 rows' exponents).
+        p, D, host = self.cfg.page_size, self.shape.head_dim, self.host.arena
+        chunk = 2 * p * (D * host.element_size() + (host.dtype == torch.float8_e4m3fn))
         flags, cos, cos_n = self._stat_sim.T.tolist()
         placed_now, placed_later, hits_now, hits_later = self._stat_recall.T.tolist()
         now = [a - b for a, b in zip(placed_now, hits_now)]

@@ -128,11 +128,12 @@ class PrefixSharing:
         eng = self.backend.engine
         arena, p = eng.host.arena, self.page_size  # [pages, layers, KV heads, 2, page size, head dim]
         host = torch.empty((1, *arena.shape[1:]), dtype=arena.dtype, device=eng.device)[:, 0]
-        k, v = (torch.empty(p, arena.shape[2], arena.shape[5], dtype=arena.dtype, device=eng.device) for _ in range(2))
+        scales = None if eng.host.scales is None else torch.zeros(host.shape[:-1], dtype=torch.int8, device=eng.device)
+        k, v = (torch.zeros(p, arena.shape[2], arena.shape[5], dtype=eng.dtype, device=eng.device) for _ in range(2))
         pages = torch.zeros(1, dtype=torch.int32, device=eng.device)
         rows = eng.page_rows(torch.zeros(1, dtype=torch.int64, device=eng.device))
-        eng.ops.pages_from_host(host, pages, k, v, rows)
-        eng.ops.pages_to_host(k, v, rows, host, pages)
+        eng.ops.pages_to_host(k, v, rows, host, pages, host_scales=scales)
+        eng.ops.pages_from_host(host, pages, k, v, rows, host_scales=scales)
 
     @contextlib.contextmanager
     def ranking_pass(self) -> Iterator[None]:
@@ -373,7 +374,8 @@ class PrefixSharing:
         for layer in range(eng.shape.num_layers):
             if eng.dense[layer]:
                 eng.ops.pages_from_host(eng.host.arena[:, layer], pages, pool.get_key_buffer(layer),
-                                        pool.get_value_buffer(layer), locs.to(eng.device, torch.int64))
+                                        pool.get_value_buffer(layer), locs.to(eng.device, torch.int64),
+                                        host_scales=eng.host_scales(layer))
 
     def _dense_rows(self, slot: int, first: int, num_pages: int) -> torch.Tensor:
         """SGLang's token rows of a slot's logical pages [first, num_pages), on the device."""
@@ -389,7 +391,7 @@ class PrefixSharing:
             for layer in range(eng.shape.num_layers):
                 if eng.dense[layer]:
                     eng.ops.pages_to_host(pool.get_key_buffer(layer), pool.get_value_buffer(layer), rows,
-                                          eng.host.arena[:, layer], dst)
+                                          eng.host.arena[:, layer], dst, host_scales=eng.host_scales(layer))
         if eng.device.type == "cuda":  # export_prefix's pages and these in the arena before they are retained
             torch.cuda.synchronize(eng.device)
 
@@ -465,7 +467,7 @@ def fill_prefix_staging(engine: Any, pool: Any, layer: int, index: tuple[torch.T
         return
     host, rows = index
     engine.ops.pages_from_host(engine.host.arena[:, layer], host, pool.get_key_buffer(layer),
-                               pool.get_value_buffer(layer), rows)
+                               pool.get_value_buffer(layer), rows, host_scales=engine.host_scales(layer))
 
 
 def active_sharing() -> PrefixSharing | None:

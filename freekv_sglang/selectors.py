@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from freekv_kernels.channel_sketch import ChannelCalibration, calibrate_channels
+from freekv_kernels.fp8_rows.naive import host_rows
 from freekv_kernels.page_rerank import CODE_BITS, empty_codes
 from freekv_kernels.page_rerank.naive import PER_BYTE
 from freekv_kernels.page_select.naive import PHASE_LATER, in_phase
@@ -287,7 +288,8 @@ class CandidateKeys:
                                device=e.device)
         if have.shape[0] < end - start:
             hp = e.page_table[slot, start + have.shape[0]:end].long().cpu()
-            have = torch.cat([have, e.host.arena[hp, layer, :, 0].to(e.device)])
+            have = torch.cat([have, host_rows(e.host.arena, e.host.scales, (hp, layer, slice(None), 0), e.dtype)
+                              .to(e.device)])
         self._keys[(slot, layer)] = (e._owner[slot], have)
         return have[:end - start]
 

@@ -23,7 +23,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .config import (ATTENTIONS, BENCH_SELECTIONS, DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS, PREFILLS,
+from .config import (ATTENTIONS, BENCH_SELECTIONS, DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS, HOST_DTYPES, PREFILLS,
                      RECALL_MODES, SERVABLE_SELECTIONS, FreeKVConfig)
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
@@ -51,6 +51,7 @@ _KNOB_FLAGS = {
     "kv_window": ("--kv-window", "window"),
     "kv_victim": ("--kv-victim", "victim"),
     "kv_page_size": ("--kv-page-size", "page_size"),
+    "kv_host_dtype": ("--kv-host-dtype", "host_dtype"),
     "kv_correction_threshold": ("--kv-correction-threshold", "tau"),
     "kv_dense_layers": ("--kv-dense-layers", "dense_layers"),
     "kv_recall": ("--kv-recall", "recall"),
@@ -164,6 +165,11 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-page-size", type=int, default=None, metavar="TOKENS",
                    help="tokens per page, a power of two; the unit of selection, offload and recall. SGLang's "
                         f"--page-size is set to it (default {_DEFAULTS.page_size})")
+    g.add_argument("--kv-host-dtype", choices=HOST_DTYPES, default=None,
+                   help="how host pages hold K and V: 'auto' in the KV cache's dtype; 'fp8_e4m3' as e4m3 values with "
+                        "a power-of-two scale per token, KV head and K/V (129 bytes per 128 values): the arena holds "
+                        "twice the tokens and recalls read half the bytes, at e4m3's rounding of recalled pages "
+                        f"(default {_DEFAULTS.host_dtype})")
     g.add_argument("--kv-correction-threshold", type=float, default=None, metavar="TAU",
                    help="cosine similarity of adjacent queries below which a KV head is reselected before "
                         f"attention; 0 = pure speculation, 1 = reselect every step (default {_DEFAULTS.tau})")
@@ -478,6 +484,10 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
     if (g("tokenizer_worker_num", 1) or 1) > 1:
         problems.append(f"use --tokenizer-worker-num 1 (got {g('tokenizer_worker_num')}): FreeKV's /health check of "
                         "its kvstore daemon is installed on the single HTTP process's app")
+    kv_dtype = g("kv_cache_dtype", "auto")
+    if settings.config.host_dtype != "auto" and kv_dtype not in (None, "auto", "bf16", "bfloat16", "fp16", "float16"):
+        problems.append(f"drop --kv-host-dtype {settings.config.host_dtype}: it narrows a 16-bit KV cache, and "
+                        f"--kv-cache-dtype is {kv_dtype}")
     if settings.config.prefill == "tsp":
         problems += _tsp_problems(g)
     if settings.config.retrieval == "louiskv" and not g("disable_radix_cache", False):
@@ -562,18 +572,21 @@ def check_model(hf_config: Any, config: FreeKVConfig | None = None) -> None:
         raise FreeKVArgsError(_refusal(problems, what="this model", retrieval=(config or FreeKVConfig()).retrieval))
 
 
-def host_page_bytes(config: FreeKVConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                    dtype_bytes: int) -> int:
-    """Bytes of one host page: K and V of page_size tokens, every layer and KV head (of one TP rank)."""
-    return num_layers * num_kv_heads * 2 * config.page_size * head_dim * dtype_bytes
+def host_page_bytes(config: FreeKVConfig, *, num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype) -> int:
+    """Bytes of one host page: K and V of page_size tokens, every layer and KV head (of one TP rank), in the host
+    dtype (--kv-host-dtype) of a KV cache of kv_dtype, FP8 rows' exponents included."""
+    from freekv_kvstore import ArenaGeometry
+
+    return ArenaGeometry(num_layers, num_kv_heads, config.page_size, head_dim,
+                         config.host_torch_dtype(kv_dtype)).page_bytes
 
 
 def host_page_capacity(settings: FreeKVServerSettings, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                       dtype_bytes: int, tp_size: int = 1) -> int:
+                       kv_dtype, tp_size: int = 1) -> int:
     """Host pages one TP rank asks the kvstore for: its share of --kvstore-arena-gb, counted in 1e9 bytes so
     the request stays below the daemon's GiB budget (which also holds the daemon's own bookkeeping)."""
     page_bytes = host_page_bytes(settings.config, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                                 head_dim=head_dim, dtype_bytes=dtype_bytes)
+                                 head_dim=head_dim, kv_dtype=kv_dtype)
     return int(settings.kvstore_arena_gb * 1e9 / tp_size) // page_bytes
 
 

@@ -110,7 +110,7 @@ class FreeKVAttnBackend(AttentionBackend):
         if runner.page_size != cfg.page_size:
             raise ValueError(f"SGLang --page-size {runner.page_size} differs from --kv-page-size {cfg.page_size}")
         max_context = self.req_pool.req_to_token.shape[1]
-        kv = dict(num_layers=shape.num_layers, num_kv_heads=H, head_dim=shape.head_dim, dtype_bytes=dtype.itemsize)
+        kv = dict(num_layers=shape.num_layers, num_kv_heads=H, head_dim=shape.head_dim, kv_dtype=dtype)
         page_bytes = host_page_bytes(cfg, **kv)
         host_pages = host_page_capacity(settings, **kv, tp_size=tp_size)
         if host_pages < 1:
@@ -121,7 +121,7 @@ class FreeKVAttnBackend(AttentionBackend):
                                "daemon (the launcher hook sets FREEKV_KVSTORE_ENDPOINT)")
         self.host = host = KVStoreHostPool(
             endpoint, num_layers=shape.num_layers, num_kv_heads=H, page_size=cfg.page_size, head_dim=shape.head_dim,
-            dtype=dtype, num_pages=host_pages, rank=self.rank,
+            dtype=cfg.host_torch_dtype(dtype), num_pages=host_pages, rank=self.rank,
             client_id=stable_client_id(runner, self.rank, next(_INSTANCE)), timeout_s=settings.kvstore_timeout_s)
         # Slot ids are req_pool_idx in [0, size]; SGLang pads captured batches with row 0.
         kw = dict(max_requests=self.req_pool.size + 1, max_context=max_context, dtype=dtype, device=runner.device,
@@ -583,7 +583,8 @@ class FreeKVAttnBackend(AttentionBackend):
             ext = self._extend
             if ext is not None and ext.dense_rows is not None:  # the layer's K/V of prompts completed, to the arena
                 self.engine.ops.pages_to_host(self.pool.get_key_buffer(lid), self.pool.get_value_buffer(lid),
-                                              ext.dense_rows, self.engine.host.arena[:, lid], ext.dense_dst)
+                                              ext.dense_rows, self.engine.host.arena[:, lid], ext.dense_dst,
+                                              host_scales=self.engine.host_scales(lid))
             return o
         if not self._translated:
             self._translate_prefix_indices(forward_batch)

@@ -39,7 +39,7 @@ def hook(orig, self, pre_model_load_memory, *args, **kwargs):
     shape = ModelShape(mc.num_hidden_layers, mc.num_attention_heads // tp, mc.get_num_kv_heads(tp), mc.head_dim)
     dtype_bytes = self.kv_cache_dtype.itemsize
     host_pages = host_page_capacity(settings, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
-                                    head_dim=shape.head_dim, dtype_bytes=dtype_bytes, tp_size=tp)
+                                    head_dim=shape.head_dim, kv_dtype=self.kv_cache_dtype, tp_size=tp)
     plan = plan_memory(self._profile_available_bytes(pre_model_load_memory), cfg=settings.config, shape=shape,
                        dtype_bytes=dtype_bytes, host_pages=host_pages, context_len=mc.context_len,
                        prefill_tokens=max(sa.max_prefill_tokens or 0, sa.chunked_prefill_size or 0),

@@ -3,6 +3,8 @@ the same request prefilled from scratch, and its sharers come and go without tou
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -187,3 +189,41 @@ def test_bad_shared_starts_are_refused():
     r = prefill(louis, prompt(80))
     with pytest.raises(ValueError, match="cluster order"):
         louis.export_prefix(r, 2)
+
+
+def test_an_fp8_arena_shares_prefixes_as_rounded_rows():
+    """With FP8 host pages an exported prefix holds each row as e4m3 times its scale (every layer, dense included),
+    a sharer reads those rows back where it loads prefix pages from the arena (its sink and window, the recalls),
+    and so decodes like a prefill from scratch within e4m3's rounding; summaries rebuilt from the arena are the
+    rounded keys' min / max."""
+    from freekv_kernels.fp8_rows import naive_dequantize_rows, naive_quantize_rows
+
+    cfg = dataclasses.replace(CFG, host_dtype="fp8_e4m3")
+    torch.manual_seed(2)
+    eng, fresh = make_engine(cfg), make_engine(cfg)
+    a_data = prompt(P * CFG.page_size + 13)
+    a = prefill(eng, a_data)
+    pages = eng.export_prefix(a, P)
+    m = P * CFG.page_size
+    for layer, (k, v, _) in enumerate(a_data):
+        for i, x in enumerate((k, v)):
+            got = naive_dequantize_rows(eng.host.arena[pages, layer, :, i], eng.host.scales[pages, layer, :, i],
+                                        torch.float32).transpose(1, 2).reshape(-1, H, D)
+            want = naive_dequantize_rows(*naive_quantize_rows(x[:m].cpu()), torch.float32)
+            assert torch.equal(got, want)
+    b_data = prompt(m + 37, prefix=a_data)
+    b, ref = prefill(eng, b_data, shared=pages), prefill(fresh, b_data)
+    eng.remove_request(a)
+    worst = 0.0
+    for _ in range(8):
+        qkv = rand_step(1)
+        out, out_ref = step(eng, [b], qkv), step(fresh, [ref], qkv)
+        assert torch.equal(eng.slot_table[:, b], fresh.slot_table[:, ref])  # the exporter's exact summaries
+        worst = max(worst, max(float((o - r).abs().max()) for o, r in zip(out, out_ref)))
+    assert 0 < worst < 0.1, worst
+    eng.load_prefix_summaries(pages)  # as a later server's first hit on a retained prefix
+    for layer in (layer for layer in range(L) if not eng.dense[layer]):
+        keys = naive_dequantize_rows(*naive_quantize_rows(a_data[layer][0][:m].cpu()), torch.float32)
+        keys = keys.view(P, CFG.page_size, H, D)
+        assert torch.equal(eng.summaries[layer][pages, :, 0].cpu(), keys.amin(1))
+        assert torch.equal(eng.summaries[layer][pages, :, 1].cpu(), keys.amax(1))

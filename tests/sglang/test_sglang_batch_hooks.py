@@ -3,6 +3,7 @@ ForwardBatch.init_new -> eager copy / prefill graph / decode graph capture and r
 backend-wrapping hooks fire, and nothing happens with FreeKV off. Runs the patched SGLang symbols on CPU where they
 run without a GPU, and the hooks directly with stand-ins where they do not."""
 
+import dataclasses
 import sys
 import types
 from types import SimpleNamespace
@@ -256,7 +257,11 @@ def test_pool_is_sized_by_the_arena_and_the_gpu(plugins):
 
     cfg = FreeKVConfig(page_size=32)
     settings = FreeKVServerSettings(config=cfg, kvstore_endpoint="ipc:///x", kvstore_arena_gb=36)
-    assert host_page_capacity(settings, num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2) == 8583
+    shape = dict(num_layers=32, num_kv_heads=8, head_dim=128)
+    assert host_page_capacity(settings, **shape, kv_dtype=torch.bfloat16) == 8583
+    # FP8 host pages: 129 bytes per 128-wide row (e4m3 values and an int8 exponent) against 256
+    fp8 = dataclasses.replace(settings, config=dataclasses.replace(cfg, host_dtype="fp8_e4m3"))
+    assert host_page_capacity(fp8, **shape, kv_dtype=torch.bfloat16) == int(36e9) // (32 * 8 * 2 * 32 * 129)
     orig = lambda self, pre: "sglang's own"  # noqa: E731
 
     c = _configurator(settings)
