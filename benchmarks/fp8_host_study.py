@@ -1,25 +1,16 @@
-"""Would FP8 host pages cost accuracy? The accuracy harness with every page the engine writes to the host rounded to
-FP8 e4m3 as it lands there (CPU, the torch ops; SmolLM2-135M unless the harness's --model says otherwise).
+"""Do FP8 host pages cost accuracy? The accuracy harness twice over the same prompts, with host pages in the model's
+dtype and in FP8 e4m3 (--kv-host-dtype fp8_e4m3: every row of a recalled page rounded to e4m3 times its power-of-two
+scale, freekv_kernels.fp8_rows), then each (task, length)'s scores and how many prompts got the same output.
 
-At 16 x 32K the step's recall before attention is at the link (3.0 MB of host pages a layer, session 39) and the
-speculative recall shares it, so host bytes are the lever left there (benchmarks/NOTES.md); FP8 host pages would halve
-them. This emulates them before any kernel is built: the engine's offload and export copies (offload_pages,
-pages_to_host) write bf16 as today, then the pages they wrote are rounded in place, per (page, KV head, K or V):
-  e4m3        scaled by that block's absolute maximum / 448 (a scale per block, which a build would store beside the
-              page)
-  e4m3-unscaled  scale 1 (vLLM's default for an uncalibrated FP8 KV cache)
-What is computed from a page before it is written (its summaries and channel codes, on the GPU's bf16 keys) and the
-pages a prefill leaves resident or fills from staging are not rounded, as a build would not round them either.
+    python3 benchmarks/fp8_host_study.py --out results/fp8 -- --tasks passkey,multikey --lengths 4096 \
+        --budgets 512 --samples 8 --methods channels
 
-    python3 benchmarks/fp8_host_study.py --fp8 e4m3 -- --tasks passkey,multikey --lengths 4096 --budgets 512 \\
-        --samples 8 --methods oracle,channels --out results/fp8-e4m3
+runs `python -m freekv_sglang.accuracy` with the arguments after `--` into results/fp8/auto and results/fp8/fp8_e4m3
+(one method and budget: the comparison is per run), on the harness's --device (the kernels on a GPU, their torch
+references on the CPU). Either run is resumed from its records. Any two runs of one method and budget each (e.g.
+against dense as a reference):
 
-runs `python -m freekv_sglang.accuracy` with the arguments after `--`. Then
-
-    python3 benchmarks/fp8_host_study.py --compare results/fp8-off results/fp8-e4m3
-
-prints, per (task, length), both runs' scores and how many prompts got the same output in both (runs of one
-method and budget each; the other may be another method, e.g. dense as a reference).
+    python3 benchmarks/fp8_host_study.py --compare results/fp8/auto results/dense
 """
 
 from __future__ import annotations
@@ -28,46 +19,10 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-import freekv_sglang.engine as engine_module
 from freekv_sglang.accuracy.__main__ import main as accuracy_main
 from freekv_sglang.accuracy.runner import RecordLog
 
-E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
-
-
-def round_blocks(blocks: torch.Tensor, scaled: bool) -> torch.Tensor:
-    """blocks [..., p, D] rounded to e4m3 and back, one scale per [p, D] block (its absolute maximum / 448) or none."""
-    x = blocks.float()
-    scale = (x.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / E4M3_MAX
-             if scaled else torch.ones(()))
-    # Saturating, as Hopper's conversion (cvt.rn.satfinite) is: the unscaled mode clips what passes 448.
-    fp8 = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return (fp8.float() * scale).to(blocks.dtype)
-
-
-def round_pages(host_layer: torch.Tensor, pages: torch.Tensor, scaled: bool) -> None:
-    """Round host pages in place: host_layer [N, H, 2, p, D], pages the indices written."""
-    idx = pages.long().cpu().unique()
-    if idx.numel():
-        host_layer[idx] = round_blocks(host_layer[idx], scaled)
-
-
-def fp8_ops(ops, scaled: bool):
-    """The engine's ops with its host writes followed by the rounding of the pages they wrote."""
-    offload, to_host = ops.offload_pages, ops.pages_to_host
-
-    def offload_pages(k_cache, v_cache, host_layer, summaries, src, dst, valid, *args, **kwargs):
-        offload(k_cache, v_cache, host_layer, summaries, src, dst, valid, *args, **kwargs)
-        round_pages(host_layer, dst[valid.bool()], scaled)
-
-    def pages_to_host(k, v, rows, host_layer, host_pages):
-        to_host(k, v, rows, host_layer, host_pages)
-        round_pages(host_layer, host_pages, scaled)
-
-    ops.offload_pages, ops.pages_to_host = offload_pages, pages_to_host
-    return ops
+HOST_DTYPES = ("auto", "fp8_e4m3")
 
 
 def compare(base: Path, other: Path) -> list[dict]:
@@ -94,32 +49,35 @@ def compare(base: Path, other: Path) -> list[dict]:
     return list(cells.values())
 
 
+def print_comparison(base: Path, other: Path) -> None:
+    rows = compare(base, other)
+    print(f"base {rows[0]['base']} ({base}), other {rows[0]['other']} ({other})")
+    print(f"{'task':<10} {'length':>6} {'n':>3} {'base':>5} {'other':>5} same output")
+    for c in rows:
+        print(f"{c['task']:<10} {c['length']:>6} {c['n']:>3} {c['score_base']:>5.1f} {c['score_other']:>5.1f} "
+              f"{c['same_output']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, harness = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--fp8", choices=("off", "e4m3", "e4m3-unscaled"))
+    mode.add_argument("--out", type=Path, help="runs go to OUT/auto and OUT/fp8_e4m3")
     mode.add_argument("--compare", nargs=2, type=Path, metavar=("BASE", "OTHER"))
     args = ap.parse_args(ours)
     if args.compare:
-        rows = compare(*args.compare)
-        print(f"base {rows[0]['base']} ({args.compare[0]}), other {rows[0]['other']} ({args.compare[1]})")
-        print(f"{'task':<10} {'length':>6} {'n':>3} {'base':>5} {'other':>5} same output")
-        for c in rows:
-            print(f"{c['task']:<10} {c['length']:>6} {c['n']:>3} {c['score_base']:>5.1f} {c['score_other']:>5.1f} "
-                  f"{c['same_output']}")
+        print_comparison(*args.compare)
         return 0
-    if args.fp8 != "off":
-        load_ops = engine_module.load_ops
-
-        def load_fp8_ops(backend):
-            if backend != "torch":
-                raise ValueError("the FP8 emulation wraps the torch ops (CPU); run without a GPU")
-            return fp8_ops(load_ops(backend), scaled=args.fp8 == "e4m3")
-
-        engine_module.load_ops = load_fp8_ops
-    return accuracy_main(harness)
+    taken = [a for a in harness if a.split("=")[0] in ("--out", "--kv-host-dtype")]
+    if taken:
+        ap.error(f"the study sets {', '.join(taken)} of each run itself")
+    for dtype in HOST_DTYPES:
+        rc = accuracy_main([*harness, "--out", str(args.out / dtype), "--kv-host-dtype", dtype])
+        if rc:
+            return rc
+    print_comparison(args.out / HOST_DTYPES[0], args.out / HOST_DTYPES[1])
+    return 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ Recall/offload are timed twice: "eager" events around one call on an idle GPU, w
 the Triton kernel (~20+ us of Python), and "gpu" with that launch hidden behind a short spin kernel, i.e. the GPU
 time a CUDA-graph replay (the engine's decode step) sees.
 A correctness check of recall/offload against the torch references runs on the GPU before any timing.
+--host-dtype fp8_e4m3 runs the recall and offload benchmarks on an FP8 arena (e4m3 rows with their exponents, as
+--kv-host-dtype serves it): 8.25 KiB chunks instead of 16, every rate counted in the bytes that cross the link.
 
     python benchmarks/kernels.py [--out results/kernels.json]
 """
@@ -39,9 +41,11 @@ import torch
 import triton
 
 from freekv_kernels.offload import naive_offload_pages, offload_pages
+from freekv_kvstore import ArenaGeometry
+from freekv_kvstore.client import arena_views
 from freekv_kernels.recall import naive_recall_pages, recall_pages
 
-from freekv_sglang.config import DEFAULT_SKETCH_CHANNELS
+from freekv_sglang.config import DEFAULT_SKETCH_CHANNELS, HOST_DTYPES
 from gpu_timing import graph_replay_ms, time_ms
 
 DEVICE = torch.device("cuda")
@@ -51,6 +55,21 @@ GiB = 1 << 30
 HQ, H, D, PAGE, DTYPE = 32, 8, 128, 32, torch.bfloat16
 CHUNK_BYTES = 2 * PAGE * D * DTYPE.itemsize  # one (page, head): K then V, 16 KiB
 SLOTS = 64  # selection slots per (row, head): a 2048-token budget
+
+
+class HostLayer:
+    """A layer of a pinned host arena (FP8: with its row exponents) and the bytes of one (page, head) chunk in it."""
+
+    def __init__(self, pages: int, dtype: str):
+        g = ArenaGeometry(1, H, PAGE, D, dtype)
+        self.layer, self.scales = (None if t is None else t[:, 0]
+                                   for t in arena_views(pinned_empty(pages * g.page_bytes, dtype=torch.uint8), g, pages))
+        self.chunk_bytes = g.page_bytes // H
+        self.kw = {} if self.scales is None else {"host_scales": self.scales}
+
+    @property
+    def pages(self) -> int:
+        return self.layer.shape[0]
 
 
 def pinned_empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -135,21 +154,21 @@ def bench_link(gib: float, repeats: int) -> dict:
     return res
 
 
-def bench_recall(host_layer: torch.Tensor, sizes: list[int], peak: float, repeats: int, warmup: int) -> list[dict]:
+def bench_recall(host: HostLayer, sizes: list[int], peak: float, repeats: int, warmup: int) -> list[dict]:
     gpu_pages = -(-max(sizes) // (H * SLOTS)) * SLOTS  # every (page, head) of the GPU cache can be a destination
     k, v = torch.empty(2, gpu_pages * PAGE, H, D, dtype=DTYPE, device=DEVICE)
-    print(f"\nrecall_pages: random {CHUNK_BYTES // 1024} KiB (page, head) chunks from a "
-          f"{host_layer.shape[0] * H * CHUNK_BYTES / GiB:.1f} GiB pinned arena into a {gpu_pages}-page GPU cache")
+    print(f"\nrecall_pages: random {host.chunk_bytes / 1024:.2f} KiB (page, head) chunks from a "
+          f"{host.pages * H * host.chunk_bytes / GiB:.1f} GiB pinned arena into a {gpu_pages}-page GPU cache")
     print(f"{'chunks':>8} {'MiB':>8} {'ms':>9} {'GB/s':>8} {'% peak':>7} {'gpu ms':>9} {'gpu GB/s':>9} {'gpu %':>7}")
     rows = []
     for n in sizes:
         calls = warmup + repeats
-        sets = [recall_set(n, host_layer.shape[0]) for _ in range(2 * calls)]  # fresh draws for each pass
-        row = {"chunks": n, "bytes": n * CHUNK_BYTES}
+        sets = [recall_set(n, host.pages) for _ in range(2 * calls)]  # fresh draws for each pass
+        row = {"chunks": n, "bytes": n * host.chunk_bytes}
         for off, pre, hide in ((0, "", False), (calls, "gpu_", True)):
-            ms = time_ms(lambda i, off=off, sets=sets: recall_pages(host_layer, k, v, *sets[off + i], 1, PAGE),
-                         repeats, warmup, hide)
-            row[pre + "ms"], row[pre + "gbps"] = ms, gbps(n * CHUNK_BYTES, ms)
+            ms = time_ms(lambda i, off=off, sets=sets: recall_pages(host.layer, k, v, *sets[off + i], 1, PAGE,
+                                                                    **host.kw), repeats, warmup, hide)
+            row[pre + "ms"], row[pre + "gbps"] = ms, gbps(n * host.chunk_bytes, ms)
             row[pre + "pct_peak"] = 100 * row[pre + "gbps"] / peak
         rows.append(row)
         print(f"{n:>8} {row['bytes'] / 2**20:>8.0f} {row['ms']:>9.3f} {row['gbps']:>8.1f} {row['pct_peak']:>6.1f}% "
@@ -172,7 +191,7 @@ def correction_set(batch: int, flagged: float, changed: float, by_row: bool, src
     return page_table, slots, req_slots, slot_pages, hit.to(torch.int8)
 
 
-def bench_recall_blocks(host_layer: torch.Tensor, batch: int, flagged: float, changed: float, programs: list[int],
+def bench_recall_blocks(host: HostLayer, batch: int, flagged: float, changed: float, programs: list[int],
                         blocks: list[int], peak: float, repeats: int, warmup: int) -> list[dict]:
     k, v = torch.empty(2, batch * SLOTS * PAGE, H, D, dtype=DTYPE, device=DEVICE)
     print(f"\nrecall before attention: {batch} rows x {H} KV heads x {SLOTS} slots, {flagged:.2f} of the pairs "
@@ -181,13 +200,12 @@ def bench_recall_blocks(host_layer: torch.Tensor, batch: int, flagged: float, ch
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     rows = []
     for by_row in (False, True):
-        sets = [correction_set(batch, flagged, changed, by_row, host_layer.shape[0], gen)
-                for _ in range(warmup + repeats)]
-        nbytes = statistics.mean(int(s[4].sum()) for s in sets) * CHUNK_BYTES
+        sets = [correction_set(batch, flagged, changed, by_row, host.pages, gen) for _ in range(warmup + repeats)]
+        nbytes = statistics.mean(int(s[4].sum()) for s in sets) * host.chunk_bytes
         base = None
         for progs, block in [(0, 0)] + [(p, b) for p in programs for b in blocks]:
-            ms = time_ms(lambda i, p=progs, b=block: recall_pages(host_layer, k, v, *sets[i], 1, PAGE, programs=p,
-                                                                  slot_block=b), repeats, warmup, True)
+            ms = time_ms(lambda i, p=progs, b=block: recall_pages(host.layer, k, v, *sets[i], 1, PAGE, programs=p,
+                                                                  slot_block=b, **host.kw), repeats, warmup, True)
             base = base or ms
             row = {"flags_by": "row" if by_row else "pair", "programs": progs, "slot_block": block, "ms": ms,
                    "bytes": nbytes, "gbps": gbps(nbytes, ms), "speedup": base / ms}
@@ -198,7 +216,7 @@ def bench_recall_blocks(host_layer: torch.Tensor, batch: int, flagged: float, ch
     return rows
 
 
-def bench_recall_beside(host_layer: torch.Tensor, batch: int, changed: float, programs: list[int], peak: float,
+def bench_recall_beside(host: HostLayer, batch: int, changed: float, programs: list[int], peak: float,
                         repeats: int, warmup: int) -> list[dict]:
     k, v = torch.empty(2, batch * SLOTS * PAGE, H, D, dtype=DTYPE, device=DEVICE)
     # Beside: a decode step's GEMM (batch rows times an MLP weight, ~117 MB of bf16 from HBM a call, ~30 us on an
@@ -217,8 +235,8 @@ def bench_recall_beside(host_layer: torch.Tensor, batch: int, changed: float, pr
                 fn()
 
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    sets = [correction_set(batch, 1.0, changed, False, host_layer.shape[0], gen) for _ in range(warmup + repeats)]
-    nbytes = statistics.mean(int(s[4].sum()) for s in sets) * CHUNK_BYTES
+    sets = [correction_set(batch, 1.0, changed, False, host.pages, gen) for _ in range(warmup + repeats)]
+    nbytes = statistics.mean(int(s[4].sum()) for s in sets) * host.chunk_bytes
     src = pinned_empty(int(nbytes), dtype=torch.uint8)
     dst = torch.empty(int(nbytes), dtype=torch.uint8, device=DEVICE)
     print(f"\nspeculative recall: {batch} rows x {H} KV heads x {SLOTS} slots, {changed:.2f} of every pair's slots "
@@ -234,7 +252,7 @@ def bench_recall_beside(host_layer: torch.Tensor, batch: int, changed: float, pr
                 if progs == "copy engine":
                     dst.copy_(src, non_blocking=True)
                 else:
-                    recall_pages(host_layer, k, v, *sets[i], 1, PAGE, programs=progs)
+                    recall_pages(host.layer, k, v, *sets[i], 1, PAGE, programs=progs, **host.kw)
             ms = time_ms(run, repeats, warmup, True)
             torch.cuda.synchronize()
             row = {"beside": beside, "programs": progs, "ms": ms, "bytes": nbytes, "gbps": gbps(nbytes, ms)}
@@ -244,10 +262,10 @@ def bench_recall_beside(host_layer: torch.Tensor, batch: int, changed: float, pr
     return rows
 
 
-def bench_offload(host_layer: torch.Tensor, sizes: list[int], peak: float, repeats: int, warmup: int) -> list[dict]:
-    gpu_pages, P = max(sizes), host_layer.shape[0]
+def bench_offload(host: HostLayer, sizes: list[int], peak: float, repeats: int, warmup: int) -> list[dict]:
+    gpu_pages, P = max(sizes), host.pages
     k, v = torch.randn(2, gpu_pages * PAGE, H, D, dtype=DTYPE, device=DEVICE)
-    page_bytes = H * CHUNK_BYTES
+    page_bytes = H * host.chunk_bytes
     summaries = torch.empty(P, H, 2, D, dtype=DTYPE, device=DEVICE)
     print(f"\noffload_pages: whole GPU pages (all {H} heads, {page_bytes // 1024} KiB) into random host pages, "
           f"summaries included")
@@ -262,9 +280,9 @@ def bench_offload(host_layer: torch.Tensor, sizes: list[int], peak: float, repea
         valid = torch.ones(n, dtype=torch.bool, device=DEVICE)
         row = {"pages": n, "bytes": n * page_bytes}
         for off, pre, hide in ((0, "", False), (calls, "gpu_", True)):
-            ms = time_ms(lambda i, off=off, sets=sets, valid=valid: offload_pages(k, v, host_layer, summaries,
-                                                                                   *sets[off + i], valid, PAGE),
-                         repeats, warmup, hide)
+            ms = time_ms(lambda i, off=off, sets=sets, valid=valid: offload_pages(k, v, host.layer, summaries,
+                                                                                   *sets[off + i], valid, PAGE,
+                                                                                   **host.kw), repeats, warmup, hide)
             row[pre + "ms"], row[pre + "gbps"] = ms, gbps(n * page_bytes, ms)
             row[pre + "pct_peak"] = 100 * row[pre + "gbps"] / peak
         rows.append(row)
@@ -438,6 +456,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--peak-gib", type=float, default=2.0, help="size of the link-peak copy")
     ap.add_argument("--arena-gib", type=float, default=4.0, help="pinned host arena that recall gathers from")
+    ap.add_argument("--host-dtype", choices=HOST_DTYPES, default="auto",
+                    help="the arena's dtype (--kv-host-dtype): auto is bf16, as the GPU cache")
     ap.add_argument("--recall-chunks", type=int_list, default=[512, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--offload-pages", type=int_list, default=[64, 512, 2048])
     ap.add_argument("--contexts", type=int_list, default=[32 * 1024, 128 * 1024])
@@ -475,7 +495,8 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
-        "shapes": {"Hq": HQ, "H": H, "D": D, "page_size": PAGE, "dtype": str(DTYPE), "chunk_bytes": CHUNK_BYTES},
+        "shapes": {"Hq": HQ, "H": H, "D": D, "page_size": PAGE, "dtype": str(DTYPE), "chunk_bytes": CHUNK_BYTES,
+                   "host_dtype": args.host_dtype},
     }
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  CUDA {env['cuda']}")
     print(f"shapes: {env['shapes']}")
@@ -495,8 +516,8 @@ def main() -> None:
         write_json(Path(args.out), results)
         return
     # The arena's content is irrelevant to a copy's speed: left unfilled, it costs only the pinning.
-    P = max(int(args.arena_gib * GiB) // (H * CHUNK_BYTES), max(args.offload_pages))
-    host_layer = pinned_empty(P, 1, H, 2, PAGE, D, dtype=DTYPE)[:, 0]
+    host_layer = HostLayer(max(int(args.arena_gib * GiB) // (H * CHUNK_BYTES), max(args.offload_pages)),
+                           str(DTYPE) if args.host_dtype == "auto" else args.host_dtype)
     if args.recall_blocks or args.only_recall_blocks:
         results["recall_blocks"] = bench_recall_blocks(host_layer, args.recall_batch, args.recall_flagged,
                                                        args.recall_changed, args.recall_programs,

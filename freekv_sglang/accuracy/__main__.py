@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from ..calibration import CALIBRATION_TOKENS
+from ..config import HOST_DTYPES
 from . import report
 from .methods import Geometry, parse_methods, with_prefill
 from .runner import RunConfig, run
@@ -66,6 +67,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--dense-layers", type=int, default=1, help="leading dense layers of the sparse methods")
+    ap.add_argument("--kv-host-dtype", choices=HOST_DTYPES, default="auto",
+                    help="how host pages hold K and V (FreeKVConfig.host_dtype): fp8_e4m3 rounds every recalled page")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--template", choices=("chat", "plain"), default="chat")
     ap.add_argument("--batch", type=int, default=4, help="prompts prefilled and decoded together")
@@ -131,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [t for t in tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"unknown task(s) {unknown}; choose from {list(TASKS)}")
-        geo = Geometry(args.sink, args.window, args.page_size, args.dense_layers)
+        geo = Geometry(args.sink, args.window, args.page_size, args.dense_layers, args.kv_host_dtype)
         cfg = RunConfig(tasks=tasks, lengths=_ints(args.lengths), budgets=_ints(args.budgets), samples=args.samples,
                         methods=with_prefill(parse_methods(args.methods, _floats(args.taus), args.rerank_factor,
                                                            args.louiskv_tau, args.sketch_channels,

@@ -33,12 +33,13 @@ from ..config import FreeKVConfig
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """Sink, window and page size shared by every method; dense_layers for the sparse methods."""
+    """Sink, window, page size and host pages' dtype shared by every method; dense_layers for the sparse methods."""
 
     sink: int = 64
     window: int = 128
     page_size: int = 16
     dense_layers: int = 1
+    host_dtype: str = FreeKVConfig().host_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,7 @@ class MethodSpec:
     tsp: tuple[int, int] | None = None  # (tsp_layer, tsp_keep) with FastKV's prefill, None for the full prefill
 
     def config(self, budget: int, geo: Geometry, num_layers: int) -> FreeKVConfig:
-        cfg = self._config(budget, geo, num_layers)
+        cfg = dataclasses.replace(self._config(budget, geo, num_layers), host_dtype=geo.host_dtype)
         return cfg if self.tsp is None else dataclasses.replace(cfg, prefill="tsp", tsp_layer=self.tsp[0],
                                                                 tsp_keep=self.tsp[1])
 
