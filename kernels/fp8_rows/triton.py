@@ -16,6 +16,9 @@ import triton.language as tl
 from .._utils import check_device
 from .naive import EXP_MAX, EXP_MIN, FP8_DTYPE
 
+_E_MIN = tl.constexpr(EXP_MIN)  # globals a jitted function reads must be constexpr
+_E_MAX = tl.constexpr(EXP_MAX)
+
 
 @triton.jit
 def pow2(e):
@@ -24,13 +27,13 @@ def pow2(e):
 
 
 @triton.jit
-def quantize_tile(x, E_MIN: tl.constexpr, E_MAX: tl.constexpr):
+def quantize_tile(x):
     """x float32 [R, D] -> (q float32 [R, D] on the e4m3 grid, e int32 [R]) with x ~= q * 2**e, as
     naive_quantize_rows; cast q to tl.float8e4nv to store it (exactly)."""
     amax = tl.max(tl.abs(x), axis=1)
     bits = amax.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    e = tl.minimum(tl.maximum(tl.where(amax > 0, e, E_MIN), E_MIN), E_MAX)
+    e = tl.minimum(tl.maximum(tl.where(amax > 0, e, _E_MIN), _E_MIN), _E_MAX)
     y = x * pow2(-e)[:, None]
     a = tl.abs(y)
     # e4m3's quantum at a: 2**(max(exponent(a), -6) - 3) (below 2**-6 the subnormals' 2**-9)
@@ -49,13 +52,12 @@ def dequantize_tile(q, e):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, e_ptr, N, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                          E_MIN: tl.constexpr, E_MAX: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, q_ptr, e_ptr, N, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     m = (r < N)[:, None] & (d < D)[None, :]
     x = tl.load(x_ptr + r[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-    q, e = quantize_tile(x, E_MIN, E_MAX)
+    q, e = quantize_tile(x)
     tl.store(q_ptr + r[:, None] * D + d[None, :], q.to(tl.float8e4nv), mask=m)
     tl.store(e_ptr + r, e.to(tl.int8), mask=r < N)
 
@@ -84,8 +86,7 @@ def quantize_rows(x: torch.Tensor, q: torch.Tensor, e: torch.Tensor) -> None:
         raise ValueError(f"q must be {tuple(x.shape)} {FP8_DTYPE} and e {tuple(x.shape[:-1])} int8")
     _rows(q), _rows(e.unsqueeze(-1))
     if N:
-        _quantize_rows_kernel[(triton.cdiv(N, 16),)](x, q, e, N, D, BLOCK_R=16, BLOCK_D=triton.next_power_of_2(D),
-                                                     E_MIN=EXP_MIN, E_MAX=EXP_MAX)
+        _quantize_rows_kernel[(triton.cdiv(N, 16),)](x, q, e, N, D, BLOCK_R=16, BLOCK_D=triton.next_power_of_2(D))
 
 
 def dequantize_rows(q: torch.Tensor, e: torch.Tensor, out: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ import triton.language as tl
 from .._utils import capped_grid, check_device, check_index_vectors
 from ..channel_sketch.naive import BITS as CHANNEL_BITS
 from ..channel_sketch.naive import LEVELS as CHANNEL_LEVELS
-from ..fp8_rows.naive import EXP_MAX, EXP_MIN, check_host_scales
+from ..fp8_rows.naive import check_host_scales
 from ..fp8_rows.triton import quantize_tile
 from ..page_rerank.naive import CODE_BITS, LEVELS, PER_BYTE
 
@@ -90,8 +90,8 @@ def _offload_pages_kernel(
         if SCALED:
             rows_e = exp_ptr + dst * s_ep + h * s_eh + tl.arange(0, PAGE).to(tl.int64) * s_et
             m_row = (tl.load(src_ptr + i).to(tl.int64) * PAGE + tl.arange(0, PAGE) < T) & ok
-            kq, ke = quantize_tile(kf, EXP_MIN, EXP_MAX)
-            vq, ve = quantize_tile(v.to(tl.float32), EXP_MIN, EXP_MAX)
+            kq, ke = quantize_tile(kf)
+            vq, ve = quantize_tile(v.to(tl.float32))
             tl.store(chunk, kq.to(tl.float8e4nv), mask=m)
             tl.store(chunk + s_hkv, vq.to(tl.float8e4nv), mask=m)
             tl.store(rows_e, ke.to(tl.int8), mask=m_row)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .._utils import check_device, check_index_vectors
-from ..fp8_rows.naive import EXP_MAX, EXP_MIN, check_host_scales
+from ..fp8_rows.naive import check_host_scales
 from ..fp8_rows.triton import dequantize_tile, quantize_tile
 
 
@@ -44,8 +44,8 @@ def _page_copy_kernel(
         kt = tl.load(kp, mask=mask, other=0.0)
         vt = tl.load(vp, mask=mask, other=0.0)
         if SCALED:
-            kq, ke = quantize_tile(kt.to(tl.float32), E_MIN=EXP_MIN, E_MAX=EXP_MAX)
-            vq, ve = quantize_tile(vt.to(tl.float32), E_MIN=EXP_MIN, E_MAX=EXP_MAX)
+            kq, ke = quantize_tile(kt.to(tl.float32))
+            vq, ve = quantize_tile(vt.to(tl.float32))
             tl.store(host, kq.to(tl.float8e4nv), mask=mask)
             tl.store(host + s_hkv, vq.to(tl.float8e4nv), mask=mask)
             tl.store(rows_e, ke.to(tl.int8))
