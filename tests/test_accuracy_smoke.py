@@ -60,6 +60,20 @@ def test_smoke_mode_end_to_end(tmp_path, capsys):
     assert len((tmp_path / "records.jsonl").read_text().splitlines()) == n
 
 
+
+@pytest.mark.slow
+def test_smoke_with_fp8_host_pages(tmp_path, capsys):
+    """--kv-host-dtype fp8_e4m3 reaches every engine of the run through its shared FP8 host arena: the selecting
+    methods run and are diagnosed (the oracle's exact keys read back from the FP8 arena still hold its top page)."""
+    assert main(["--smoke", "--taus", "1", "--methods", "oracle,channels", "--kv-host-dtype", "fp8_e4m3",
+                 "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {s["method"] for s in summary["scores"]} == {"oracle", "channels(tau=1)"}
+    diag = {d["method"]: d for d in summary["selection"]}
+    assert diag["oracle"]["hit_rate"] == 1.0 and diag["channels(tau=1)"]["cases"] > 500
+    assert json.loads((tmp_path / "summary.json").read_text())["meta"]["args"]["kv_host_dtype"] == "fp8_e4m3"
+
 @pytest.mark.parametrize("task", ["passkey", "multikey"])
 def test_dense_method_equals_hf_generate(smollm2, task):
     """The dense baseline (every layer dense in the adapter) is the model's own greedy decoding."""

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..calibration import CALIBRATION_TOKENS, calibration_ids
+from ..config import FreeKVConfig
 from .diagnostics import SelectionProbes
 from .methods import Geometry, MethodSpec
 from .tasks import Sample, make_samples
@@ -144,9 +145,10 @@ class EngineBackend:
     def _host_pool(self, requests: int, max_context: int):
         from ..host_pool import LocalHostPool
 
-        s, p = self.shape, self.cfg.geometry.page_size
-        return LocalHostPool(requests * -(-max_context // p), s.num_layers, s.num_kv_heads, p, s.head_dim,
-                             next(self.model.parameters()).dtype)
+        s, geo = self.shape, self.cfg.geometry
+        p, dtype = geo.page_size, next(self.model.parameters()).dtype
+        host_dtype = FreeKVConfig(host_dtype=geo.host_dtype).host_torch_dtype(dtype)
+        return LocalHostPool(requests * -(-max_context // p), s.num_layers, s.num_kv_heads, p, s.head_dim, host_dtype)
 
     def _stats_record(self, s: Sample, spec: MethodSpec, budget, fm, outs, decode_s, prefill_s) -> dict:
         st = fm.stats()
