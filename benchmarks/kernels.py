@@ -24,7 +24,7 @@ the Triton kernel (~20+ us of Python), and "gpu" with that launch hidden behind 
 time a CUDA-graph replay (the engine's decode step) sees.
 A correctness check of recall/offload against the torch references runs on the GPU before any timing.
 --host-dtype fp8_e4m3 runs the recall and offload benchmarks on an FP8 arena (e4m3 rows with their exponents, as
---kv-host-dtype serves it): 8.25 KiB chunks instead of 16, every rate counted in the bytes that cross the link.
+--kv-host-dtype serves it): 8.06 KiB chunks instead of 16, every rate counted in the bytes that cross the link.
 
     python benchmarks/kernels.py [--out results/kernels.json]
 """
