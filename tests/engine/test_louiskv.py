@@ -281,3 +281,30 @@ def test_a_staged_prompt_stored_whole_decodes_like_prefill_layer():
         e.has_prev.zero_()  # the staged path has no last prompt query: the first step retrieves either way
     decode([ref, eng], reqs, H, G, L, 12, check=check)
     assert torch.equal(ref.slot_table, eng.slot_table)
+
+
+def test_fp8_host_pages_retrieve_alike_and_both_backends_agree():
+    """--kv-host-dtype fp8_e4m3 under LouisKV: clusters, segments and boundaries come from the exact keys and queries,
+    so the slot tables equal those with exact host pages; attention differs by e4m3's rounding of the retrieved pages
+    only, and the Triton kernels give the torch references' outputs."""
+    torch.manual_seed(6)
+    H, G, L = 2, 3, 3
+    cfgs = [louiskv(budget=4 * 16, tau=0.6, segment=48, host_dtype=h) for h in ("auto", "fp8_e4m3", "fp8_e4m3")]
+    engines = [make_engine(c, H, G, L, b, max_context=1024) for c, b in zip(cfgs, ("torch", "torch", "triton"))]
+    reqs = prefill(engines, [420, 300], H, G, L)
+    base = torch.randn(len(reqs), L, H * G, D)
+    worst = []
+
+    def query(b, layer):
+        if torch.rand(()) < 0.2:
+            base[b, layer] = torch.randn(H * G, D)
+        return base[b, layer] + 0.3 * torch.randn(H * G, D)
+
+    def check(b, layer, outs, q, K, V):
+        torch.testing.assert_close(outs[2], outs[1], atol=1e-5, rtol=1e-5)
+        worst.append(float((outs[1] - outs[0]).abs().max()))
+
+    decode(engines, reqs, H, G, L, 8, query=query, check=check)
+    assert torch.equal(engines[0].slot_table, engines[1].slot_table)
+    assert torch.equal(engines[1].slot_table, engines[2].slot_table)
+    assert 0 < max(worst) < 0.1, max(worst)
