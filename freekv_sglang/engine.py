@@ -53,6 +53,7 @@ from collections.abc import Callable
 
 import torch
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
+from freekv_kvstore import ArenaGeometry
 from freekv_kernels.select_chain import Replay
 
 from .config import RETRIEVALS, FreeKVConfig
@@ -914,9 +915,8 @@ class FreeKVEngine:
         heads). Synchronises: call between steps."""
         layers = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
         checks = max(self._stat_checks, 1)
-        # Bytes one KV head's page reads from the host: K and V in the arena's dtype (with FP8 rows' exponents).
-        p, D, host = self.cfg.page_size, self.shape.head_dim, self.host.arena
-        chunk = 2 * p * (D * host.element_size() + (host.dtype == torch.float8_e4m3fn))
+        # Bytes one KV head's page reads from the host: a one-layer, one-head arena page (FP8 rows' exponents included).
+        chunk = ArenaGeometry(1, 1, self.cfg.page_size, self.shape.head_dim, self.host.arena.dtype).page_bytes
         flags, cos, cos_n = self._stat_sim.T.tolist()
         placed_now, placed_later, hits_now, hits_later = self._stat_recall.T.tolist()
         now = [a - b for a, b in zip(placed_now, hits_now)]
