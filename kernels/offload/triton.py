@@ -79,7 +79,8 @@ def _offload_pages_kernel(
         h = w % H  # h * (any head stride) stays far below 2**31
         # Invalid entries may carry garbage indices: every access through them is masked off.
         ok = tl.load(valid_ptr + i) != 0
-        rows = tl.load(src_ptr + i).to(tl.int64) * PAGE + t
+        row0 = tl.load(src_ptr + i).to(tl.int64) * PAGE
+        rows = row0 + t
         # A prefill tensor's last page may be partial: rows past T are neither read nor written.
         m = (rows < T) & ok
         k = tl.load(k_ptr + rows * s_kt + h * s_kh + d, mask=m)
@@ -89,7 +90,7 @@ def _offload_pages_kernel(
         kf = k.to(tl.float32)
         if SCALED:
             rows_e = exp_ptr + dst * s_ep + h * s_eh + tl.arange(0, PAGE).to(tl.int64) * s_et
-            m_row = (tl.load(src_ptr + i).to(tl.int64) * PAGE + tl.arange(0, PAGE) < T) & ok
+            m_row = (row0 + tl.arange(0, PAGE) < T) & ok  # m, one flag per row
             kq, ke = quantize_tile(kf)
             vq, ve = quantize_tile(v.to(tl.float32))
             tl.store(chunk, kq.to(tl.float8e4nv), mask=m)
