@@ -185,6 +185,18 @@ def test_partial_budget_finds_a_scattered_cluster():
 
 
 @pytest.mark.slow
+def holding_queries(n, H, G, L):
+    """query(b, layer) for decode: each row's query holds near a base and jumps to a new one with probability 0.2."""
+    base = torch.randn(n, L, H * G, D)
+
+    def query(b, layer):
+        if torch.rand(()) < 0.2:
+            base[b, layer] = torch.randn(H * G, D)
+        return base[b, layer] + 0.3 * torch.randn(H * G, D)
+
+    return query
+
+
 def test_triton_and_torch_backends_agree_at_a_partial_budget():
     """Queries that hold for a while and jump now and then: some steps are boundaries, most are not."""
     torch.manual_seed(5)
@@ -192,12 +204,7 @@ def test_triton_and_torch_backends_agree_at_a_partial_budget():
     cfg = louiskv(budget=4 * 16, tau=0.6, segment=48)
     engines = [make_engine(cfg, H, G, L, b, max_context=1024) for b in ("torch", "triton")]
     reqs = prefill(engines, [420, 300], H, G, L)
-    base = torch.randn(len(reqs), L, H * G, D)
-
-    def query(b, layer):
-        if torch.rand(()) < 0.2:
-            base[b, layer] = torch.randn(H * G, D)
-        return base[b, layer] + 0.3 * torch.randn(H * G, D)
+    query = holding_queries(len(reqs), H, G, L)
 
     def check(b, layer, outs, q, K, V):
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
@@ -292,13 +299,8 @@ def test_fp8_host_pages_retrieve_alike_and_both_backends_agree():
     cfgs = [louiskv(budget=4 * 16, tau=0.6, segment=48, host_dtype=h) for h in ("auto", "fp8_e4m3", "fp8_e4m3")]
     engines = [make_engine(c, H, G, L, b, max_context=1024) for c, b in zip(cfgs, ("torch", "torch", "triton"))]
     reqs = prefill(engines, [420, 300], H, G, L)
-    base = torch.randn(len(reqs), L, H * G, D)
+    query = holding_queries(len(reqs), H, G, L)
     worst = []
-
-    def query(b, layer):
-        if torch.rand(()) < 0.2:
-            base[b, layer] = torch.randn(H * G, D)
-        return base[b, layer] + 0.3 * torch.randn(H * G, D)
 
     def check(b, layer, outs, q, K, V):
         torch.testing.assert_close(outs[2], outs[1], atol=1e-5, rtol=1e-5)
