@@ -55,6 +55,9 @@ args=(
   # GPU programs of the channels selection's speculative scoring beside the GEMMs (0 = one per request, KV head and
   # chunk of pages; not yet measured in a served step, docs/results/session30).
   --kv-score-programs 0
+  # Where a layer's speculative selection starts: "attention" (default) right after the layer's attention;
+  # "next_recall" beside the next sparse layer's recall before attention (same selections, other place in the step).
+  --kv-speculate-at attention
   # Sparse layers' attention: "backend" (default) through the attention backend's decode kernel, exact as full KV when
   # the budget covers the context; "split" through FreeKV's own kernels beside the correction's recall (no faster
   # yet, docs/results/session32).
@@ -79,7 +82,8 @@ args=(
   # --kv-retrieval louiskv instead retrieves only at semantic boundaries (the query's similarity to the previous
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
   # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
-  # (--kv-correction-threshold, --kv-recall-programs, --kv-score-programs, --kv-selection, --kv-rerank-factor,
+  # (--kv-correction-threshold, --kv-recall-programs, --kv-score-programs, --kv-speculate-at, --kv-selection,
+  # --kv-rerank-factor,
   # --kv-sketch-channels, --kv-hysteresis, --kv-bench-correction-rate, --kv-bench-churn, --kv-bench-returns).
   # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
   # --disable-radix-cache (README, LouisKV).

@@ -36,6 +36,7 @@ DEFAULT_HYSTERESIS = 1.0
 # How host pages hold K and V: "auto" in the KV cache's dtype, "fp8_e4m3" as e4m3 rows with a power-of-two scale each
 # (freekv_kernels.fp8_rows).
 HOST_DTYPES = ("auto", "fp8_e4m3")
+SPECULATE_AT = ("attention", "next_recall")
 # FastKV's observation window: the last prompt tokens, whose queries score the prompt and which always propagate
 # (freekv_kernels.tsp_select.WINDOW; a test keeps the two equal).
 TSP_WINDOW = 8
@@ -128,6 +129,12 @@ class FreeKVConfig:
         attention beside the model's GEMMs (each program strides over (request, head, chunk of pages) items); 0
         (default) launches one per item, ~4,000 at 16 x 32K, which queue ahead of the output projection (session 30's
         trace: it waited ~40 us a layer). The scoring before attention always uses one per item.
+    speculate_at: where a sparse layer's speculative selection (and so its recall lane) starts. "attention"
+        (default): right after the layer's attention, as the paper does; its scoring's programs (~4,000 at 16 x 32K)
+        then fill the SMs ahead of the layer's output projection, whose GEMM waits ~40 us a layer for them (session 41's
+        trace, H200). "next_recall": once the next sparse layer has committed its selection before attention, beside
+        that layer's recall from the host, which leaves the SMs idle; the last sparse layer's starts after its own
+        attention. The selections and recalls are the same either way; only their time in the step moves.
     attention: how a served sparse layer attends. "backend" (default): through the wrapped backend's own decode kernel
         (FlashInfer's or SGLang's Triton one), one row per (request, KV head), so with a budget that covers the
         context the answers match a full-KV server token for token; it starts after the recall before attention.
@@ -177,6 +184,7 @@ class FreeKVConfig:
     recall_programs: int = 32
     recall_block: int = 0
     score_programs: int = 0
+    speculate_at: str = "attention"
     attention: str = "backend"
     selection: str = "channels"
     rerank_factor: int = 2
@@ -246,6 +254,8 @@ class FreeKVConfig:
         if self.score_programs and self.selection != "channels":
             raise ValueError(f"score_programs shapes the 'channels' selection's scoring, not {self.selection!r}'s: "
                              "drop --kv-score-programs or use --kv-selection channels")
+        if self.speculate_at not in SPECULATE_AT:
+            raise ValueError(f"speculate_at must be one of {', '.join(SPECULATE_AT)}, got {self.speculate_at!r}")
         if self.retrieval not in RETRIEVALS:
             raise ValueError(f"retrieval must be one of {', '.join(RETRIEVALS)}, got {self.retrieval!r}")
         bt = self.boundary_tau

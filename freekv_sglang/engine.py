@@ -25,6 +25,9 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            step i+1); record E_spec
   recall:  wait E_spec; recall_pages of every other changed slot; offload_pages summarises and offloads the
            page leaving the window. Layer l's recall runs beside layer l+1's speculative selection.
+  With cfg.speculate_at "next_recall", layer l's speculate and recall items wait for layer l+1's E_sel instead of
+  E_attn (l+1's E_sel follows l's attention): the scoring then runs beside l+1's recall before attention, which
+  leaves the SMs idle, instead of ahead of l's output projection, whose GEMM waits for the scoring's programs.
   end_step: compute joins the three side streams.
 So only flagged heads' selection and recall sit on the critical path, as in the paper.
 That is the FreeKV policy; the engine's retrieval policy is its selector (selectors.py): which heads select before
@@ -234,6 +237,12 @@ class FreeKVEngine:
         self.probe: Callable | None = None
 
         self.streams = Streams(self.device)
+        # cfg.speculate_at "next_recall": a sparse layer's speculative selection (and so its recall lane) waits for the
+        # next sparse layer's selection before attention, to run beside that layer's recall instead of holding the SMs
+        # ahead of its own output projection; _pending is the layer waiting. The last sparse layer has no next one.
+        self._defer_speculation = cfg.speculate_at == "next_recall" and self.retrieval and self.selector.speculative
+        self._last_sparse = max((i for i, d in enumerate(self.dense) if not d), default=-1)
+        self._pending: tuple[StepPlan, int] | None = None
         self.timer: StepTimer | None = None  # enable_step_timing
         # Step inputs live in static buffers so a captured step replays with new values.
         self._step_slots = torch.full((R,), self.pad_slot, dtype=torch.int32, device=self.device)
@@ -399,6 +408,7 @@ class FreeKVEngine:
         if self.dense[layer]:
             if self.dense_outside:
                 raise ValueError(f"layer {layer} is dense and served outside the engine")
+            self._flush_speculation()
             first = self.layout.dense_base(slot) * p
             kc[first + a * p:first + n] = k
             vc[first + a * p:first + n] = v
@@ -782,6 +792,7 @@ class FreeKVEngine:
         if self.dense[layer]:
             if self.dense_outside:
                 raise ValueError(f"layer {layer} is dense and served outside the engine")
+            self._flush_speculation()
             ops.write_kv(k, v, kc, vc, plan.dense_loc)
             return ops.sparse_decode_attention(q, kc, vc, plan.dense_table, plan.dense_pages, plan.last_page_len,
                                                self.scale, p)
@@ -803,6 +814,7 @@ class FreeKVEngine:
                 e_sel = st.record()
                 self._recall_phase(plan, layer, PHASE_NOW)
                 e_now = st.record()
+            self._flush_speculation(e_sel)  # the previous layer's, beside this layer's recall before attention
         # The slot table is final once the selection has committed: the attention's first call runs beside the
         # recall, which writes only the pages of the slots coded PHASE_NOW, and its second after it.
         st.wait(e_sel)
@@ -811,21 +823,40 @@ class FreeKVEngine:
         out = finish()
         if self.probe is not None:
             self.probe(layer, plan, q, self.slot_table[layer])
-        e_attn = e_spec = st.record()
+        e_attn = st.record()
+        if self._defer_speculation and layer != self._last_sparse:
+            self._pending = (plan, layer)
+        else:
+            self._after_attention(plan, layer, e_attn)
+        return out
+
+    def _after_attention(self, plan: StepPlan, layer: int, anchor: torch.cuda.Event | None) -> None:
+        """A layer's side-stream work after its attention, once `anchor` (recorded after that attention) is reached:
+        the speculative selection with q_i, then on the recall stream its recall, the offload and the selector's
+        upkeep."""
+        st, e_spec = self.streams, anchor
         speculative = self.retrieval and self.selector.speculative
         if speculative:
             with st.on("speculate"):
-                st.wait(e_attn)
+                st.wait(anchor)
                 self._select(plan, layer, self.prev_q[layer], PHASE_LATER)  # q_i, stored by the trigger
                 e_spec = st.record()
         with st.on("recall"):
             st.wait(e_spec)
             if speculative:
                 self._recall_phase(plan, layer, PHASE_LATER)
-            self._offload(layer, kc, vc, plan.offload_src, plan.offload_dst, plan.offload_valid)
+            self._offload(layer, self.k_cache[layer], self.v_cache[layer], plan.offload_src, plan.offload_dst,
+                          plan.offload_valid)
             if self.retrieval:
                 self.selector.after_offload(plan, layer)
-        return out
+
+    def _flush_speculation(self, anchor: torch.cuda.Event | None = None) -> None:
+        """cfg.speculate_at "next_recall": the deferred layer's work after attention, anchored at `anchor` (the next
+        sparse layer's commit of its selection before attention, which follows the deferred attention on the compute
+        stream), or at the compute stream's present point."""
+        if self._pending is not None:
+            (plan, layer), self._pending = self._pending, None
+            self._after_attention(plan, layer, anchor if anchor is not None else self.streams.record())
 
     def _attend_split(self, layer: int, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: StepPlan,
                       slots: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -879,6 +910,7 @@ class FreeKVEngine:
             timer.mark(layer, phase, 3)
 
     def end_step(self) -> None:
+        self._flush_speculation()
         self.streams.join()
 
     # ---- statistics --------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .config import (ATTENTIONS, BENCH_SELECTIONS, DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS, HOST_DTYPES, PREFILLS,
-                     RECALL_MODES, SERVABLE_SELECTIONS, FreeKVConfig)
+                     RECALL_MODES, SERVABLE_SELECTIONS, SPECULATE_AT, FreeKVConfig)
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
 ENV_FREEKV_ARGS = "FREEKV_ARGS"
@@ -58,6 +58,7 @@ _KNOB_FLAGS = {
     "kv_recall_programs": ("--kv-recall-programs", "recall_programs"),
     "kv_recall_block": ("--kv-recall-block", "recall_block"),
     "kv_score_programs": ("--kv-score-programs", "score_programs"),
+    "kv_speculate_at": ("--kv-speculate-at", "speculate_at"),
     "kv_attention": ("--kv-attention", "attention"),
     "kv_selection": ("--kv-selection", "selection"),
     "kv_rerank_factor": ("--kv-rerank-factor", "rerank_factor"),
@@ -75,7 +76,7 @@ _KNOB_FLAGS = {
     "kv_bench_returns": ("--kv-bench-returns", "replay_returns"),
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
-_FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_score_programs", "kv_selection",
+_FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_score_programs", "kv_speculate_at", "kv_selection",
                 "kv_rerank_factor", "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate",
                 "kv_bench_churn", "kv_bench_returns")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
@@ -188,6 +189,10 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="GPU programs of the 'channels' selection's speculative scoring, which runs beside the "
                         "model's GEMMs; 0 = one per (request, KV head, chunk of pages) "
                         f"(default {_DEFAULTS.score_programs})")
+    g.add_argument("--kv-speculate-at", choices=SPECULATE_AT, default=None,
+                   help="where a layer's speculative selection starts: 'attention' right after the layer's attention; "
+                        "'next_recall' beside the next sparse layer's recall before attention, so its scoring does not "
+                        f"hold the SMs ahead of the output projection (default {_DEFAULTS.speculate_at})")
     g.add_argument("--kv-attention", choices=ATTENTIONS, default=None,
                    help="sparse layers' attention: 'backend' through the attention backend's decode kernel (exact "
                         "as full KV when the budget covers the context; waits for the correction's recall), "
