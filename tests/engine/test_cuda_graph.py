@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from freekv_kernels.page_select import PHASE_NOW
@@ -12,15 +14,18 @@ from freekv_sglang.engine import FreeKVEngine, ModelShape
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-@pytest.mark.parametrize("retrieval", ["freekv", "louiskv"])  # louiskv: tau is its boundary_tau
+# louiskv: tau is its boundary_tau. next_recall: the graphed engine's speculative selections wait for the next layer's
+# selection before attention (cross-stream edges of the graph), the eager one's do not.
+@pytest.mark.parametrize("retrieval, speculate_at",
+                         [("freekv", "attention"), ("freekv", "next_recall"), ("louiskv", "attention")])
 @pytest.mark.parametrize("tau", [0.0, 0.8, 1.0])
-def test_graph_replay_equals_eager(tau, retrieval, prefill_alike):
+def test_graph_replay_equals_eager(tau, retrieval, speculate_at, prefill_alike):
     H, G, D, L, bs = 2, 4, 64, 3, 4
     cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=tau, dense_layers=1, retrieval=retrieval,
                        boundary_tau=tau, selection="sketch")
     shape = ModelShape(L, H * G, H, D)
-    engines = [FreeKVEngine(cfg, shape, max_requests=bs, max_context=2048, dtype=torch.bfloat16, device="cuda",
-                            backend="triton") for _ in range(2)]
+    engines = [FreeKVEngine(c, shape, max_requests=bs, max_context=2048, dtype=torch.bfloat16, device="cuda",
+                            backend="triton") for c in (cfg, dataclasses.replace(cfg, speculate_at=speculate_at))]
     eager, graphed = engines
     lens = [700, 1031, 300]  # 3 real rows in a bucket of 4: one padding row
     slots = prefill_alike(engines, lens, dtype=torch.bfloat16, device="cuda")
