@@ -340,9 +340,11 @@ def engine_window(text: str, batch: int) -> dict:
 
 
 def page_bytes(model: dict, args: list[str]) -> int:
-    """K and V of one KV head's page, bf16."""
+    """K and V of one KV head's page as the host arena holds them: bf16 rows, or with --kv-host-dtype fp8_e4m3 e4m3
+    rows and one exponent byte each (the bytes the link carries)."""
     head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
-    return 2 * flag(args, "--kv-page-size", 32) * head_dim * 2
+    fp8 = "--kv-host-dtype" in args and args[args.index("--kv-host-dtype") + 1] == "fp8_e4m3"
+    return 2 * flag(args, "--kv-page-size", 32) * (head_dim + 1 if fp8 else 2 * head_dim)
 
 
 def flag(args: list[str], name: str, default: int) -> int:

@@ -244,3 +244,14 @@ def test_jit_modules_lists_built_libraries_below_each_cache(tmp_path, monkeypatc
 ])
 def test_warmup_runs_a_prefix_chunk_when_the_prompts_are_chunked(context, chunk, expected):
     assert decode.warmup_length(context, 4096, chunk) == expected
+
+
+def test_recall_gbps_counts_the_host_dtype_bytes():
+    """FP8 host pages carry 129 bytes a 128-wide row over the link, not bf16's 256."""
+    model = {"head_dim": 128, "hidden_size": 4096, "num_attention_heads": 32, "num_hidden_layers": 32,
+             "num_key_value_heads": 8}
+    cell = {"batch": 16, "step_ms": 10.0, "recall_pages_per_check": 1.0}
+    bf16 = decode.recall_gbps(cell, ["--kv-page-size", "32"], model)
+    fp8 = decode.recall_gbps(cell, ["--kv-page-size", "32", "--kv-host-dtype", "fp8_e4m3"], model)
+    assert bf16 == round(16 * 31 * 8 * 2 * 32 * 256 / 10.0 / 1e6, 2)
+    assert fp8 == round(bf16 * 129 / 256, 2)
