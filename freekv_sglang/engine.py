@@ -408,7 +408,6 @@ class FreeKVEngine:
         if self.dense[layer]:
             if self.dense_outside:
                 raise ValueError(f"layer {layer} is dense and served outside the engine")
-            self._flush_speculation()
             first = self.layout.dense_base(slot) * p
             kc[first + a * p:first + n] = k
             vc[first + a * p:first + n] = v
@@ -792,7 +791,6 @@ class FreeKVEngine:
         if self.dense[layer]:
             if self.dense_outside:
                 raise ValueError(f"layer {layer} is dense and served outside the engine")
-            self._flush_speculation()
             ops.write_kv(k, v, kc, vc, plan.dense_loc)
             return ops.sparse_decode_attention(q, kc, vc, plan.dense_table, plan.dense_pages, plan.last_page_len,
                                                self.scale, p)
