@@ -95,8 +95,8 @@ class FreeKVConfig:
     retrieval: the policy. "freekv" (default): everything above. "louiskv" (LouisKV, freekv_sglang/louiskv.py):
         a request's layer retrieves only at a semantic boundary, where the mean cosine similarity over all query
         heads of the adjacent queries falls below boundary_tau, scoring k-means clusters of the prompt's keys and
-        temporal segments of later tokens by their centroids; tau, selection, rerank_factor, sketch_channels and
-        recall_programs are FreeKV's and unused by it.
+        temporal segments of later tokens by their centroids; tau, selection, rerank_factor, sketch_channels,
+        recall_programs and speculate_at are FreeKV's and unused by it (it selects nothing after attention).
     prefill: "full" (default) or "tsp", FastKV's token-selective propagation: layers 0..tsp_layer prefill the whole
         prompt; at tsp_layer the last TSP_WINDOW prompt queries score every prompt token (softmax per query head,
         summed over the window, averaged over the heads, 7-wide average pool; freekv_kernels.tsp_select) and only

@@ -25,6 +25,7 @@ def test_louiskv_knobs_reach_the_config():
     (["--kv-retrieval", "louiskv", "--kv-kmeans-iters", "0"], "--kv-kmeans-iters"),
     (["--kv-retrieval", "louiskv", "--kv-selection", "means"], "--kv-selection"),
     (["--kv-retrieval", "louiskv", "--kv-correction-threshold", "0.5"], "--kv-correction-threshold"),
+    (["--kv-retrieval", "louiskv", "--kv-speculate-at", "next_recall"], "--kv-speculate-at"),
     (["--kv-retrieval", "freekv", "--kv-cluster-size", "16"], "--kv-cluster-size"),
 ])
 def test_refused_naming_the_flag(argv, flag):
