@@ -184,7 +184,6 @@ def test_partial_budget_finds_a_scattered_cluster():
         assert int((torch.cosine_similarity(held, topic[h], dim=-1) > 0.9).sum()) == 16
 
 
-@pytest.mark.slow
 def holding_queries(n, H, G, L):
     """query(b, layer) for decode: each row's query holds near a base and jumps to a new one with probability 0.2."""
     base = torch.randn(n, L, H * G, D)
@@ -197,6 +196,7 @@ def holding_queries(n, H, G, L):
     return query
 
 
+@pytest.mark.slow
 def test_triton_and_torch_backends_agree_at_a_partial_budget():
     """Queries that hold for a while and jump now and then: some steps are boundaries, most are not."""
     torch.manual_seed(5)
