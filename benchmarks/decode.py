@@ -71,6 +71,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from freekv_kvstore import ArenaGeometry
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import one_request
 from server_process import ServerProcess
@@ -340,11 +342,12 @@ def engine_window(text: str, batch: int) -> dict:
 
 
 def page_bytes(model: dict, args: list[str]) -> int:
-    """K and V of one KV head's page as the host arena holds them: bf16 rows, or with --kv-host-dtype fp8_e4m3 e4m3
-    rows and one exponent byte each (the bytes the link carries)."""
+    """K and V of one KV head's page as the host arena holds them (the bytes the link carries): a one-layer, one-head
+    arena page of the servers' bf16 KV cache, or of --kv-host-dtype's (FP8 rows' exponents included)."""
     head_dim = model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"]
-    fp8 = "--kv-host-dtype" in args and args[args.index("--kv-host-dtype") + 1] == "fp8_e4m3"
-    return 2 * flag(args, "--kv-page-size", 32) * (head_dim + 1 if fp8 else 2 * head_dim)
+    host = args[args.index("--kv-host-dtype") + 1] if "--kv-host-dtype" in args else "auto"
+    return ArenaGeometry(1, 1, flag(args, "--kv-page-size", 32), head_dim,
+                         "bfloat16" if host == "auto" else host).page_bytes
 
 
 def flag(args: list[str], name: str, default: int) -> int:
