@@ -83,8 +83,8 @@ args=(
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
   # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
   # (--kv-correction-threshold, --kv-recall-programs, --kv-score-programs, --kv-speculate-at, --kv-selection,
-  # --kv-rerank-factor,
-  # --kv-sketch-channels, --kv-hysteresis, --kv-bench-correction-rate, --kv-bench-churn, --kv-bench-returns).
+  # --kv-rerank-factor, --kv-sketch-channels, --kv-hysteresis, --kv-bench-correction-rate, --kv-bench-churn,
+  # --kv-bench-returns).
   # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
   # --disable-radix-cache (README, LouisKV).
   # --kv-prefill tsp (FastKV's token-selective propagation after layer --kv-tsp-layer, keeping --kv-tsp-keep tokens)
