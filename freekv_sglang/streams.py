@@ -6,8 +6,22 @@ On CPU everything runs in program order and these helpers do nothing.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
+
+# CUDA stream priority (lower is higher) of the critical chain: the decode graph's capture stream
+# (freekv_patches.graph_capture_stream) and the select stream. PyTorch instantiates graphs with per-node priorities,
+# so the block scheduler dispatches the critical chain's waiting CTAs before those of the speculative lanes (priority
+# 0). Priorities do not preempt resident CTAs (session 30: no gain when the scoring started right after attention);
+# with --kv-speculate-at next_recall the scoring is released at the next layer's commit, and its ~4,000 programs
+# were dispatched ahead of that layer's recall and token lists (session 42: the chain 88 -> 124 us at 16 x 32K).
+CRITICAL_PRIORITY = int(os.environ.get("FREEKV_CRITICAL_PRIORITY", "-1"))  # TEMPORARY: A/B switch, to be removed
+
+
+def critical_stream(device: torch.device | int) -> torch.cuda.Stream:
+    """A stream whose kernels the GPU schedules ahead of the speculative lanes'."""
+    return torch.cuda.Stream(device, priority=CRITICAL_PRIORITY)
 
 
 def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -28,8 +42,8 @@ class Streams:
         self.cuda = device.type == "cuda"
         self._used: set[str] = set()  # the side streams given work since the last join
         if self.cuda:
-            for name in self.NAMES:
-                setattr(self, name, torch.cuda.Stream(device))
+            for name in self.NAMES:  # select carries the correction chain, which attention waits for
+                setattr(self, name, critical_stream(device) if name == "select" else torch.cuda.Stream(device))
 
     def record(self) -> torch.cuda.Event | None:
         if not self.cuda:

@@ -304,3 +304,54 @@ def test_pool_build_uses_freekv_pool(plugins):
     with pytest.raises(RuntimeError, match="token pool"):
         hook(orig, SimpleNamespace(server_args=SimpleNamespace(_freekv=settings)), max_total_num_tokens=1024,
              mha_pool_class=MHATokenToKVPool)
+
+
+class _FakeStream:
+    def __init__(self, device=None, priority=0):
+        self.device, self.priority = device, priority
+
+
+@pytest.fixture
+def process_server_args():
+    """Publishes a ServerArgs stand-in as SGLang's scheduler does, restoring the slot after the test."""
+    from sglang.srt.runtime_context import get_context
+
+    ctx = get_context()
+    saved = ctx._server_args
+    yield ctx.set_server_args
+    ctx._server_args = saved
+
+
+def test_graph_capture_stream_outranks_the_speculative_lanes(plugins, process_server_args, monkeypatch):
+    """On a FreeKV server SGLang's graphs are captured on a stream of CRITICAL_PRIORITY, which the select stream shares
+    and the speculative streams do not: captured kernel nodes keep their stream's priority."""
+    from freekv_patches.graph_capture_stream import hook
+    from freekv_sglang import streams
+
+    assert streams.CRITICAL_PRIORITY < 0  # lower is higher; the side streams' default is 0
+    monkeypatch.setattr(streams.torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    process_server_args(ON)
+    args, kwargs = hook()
+    assert args == () and kwargs["stream"].priority == streams.CRITICAL_PRIORITY
+    assert hook(stream="given") is None  # a caller's own stream is kept
+    process_server_args(OFF)
+    assert hook() is None
+    process_server_args(ON)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert hook() is None
+
+    side = streams.Streams(torch.device("cuda", 0))
+    assert side.select.priority == streams.CRITICAL_PRIORITY
+    assert side.speculate.priority == side.recall.priority == 0
+
+
+def test_graph_capture_is_patched_where_the_runners_call_it(plugins):
+    """The registry's patch of parallel_state.graph_capture reaches the graph runners' own imported names."""
+    import freekv_patches.graph_capture_stream as seam
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.model_executor.runner import decode_cuda_graph_runner, prefill_cuda_graph_runner
+
+    for module in (parallel_state, decode_cuda_graph_runner, prefill_cuda_graph_runner):
+        assert plugins._wraps_hook(module.graph_capture, seam.hook), module.__name__
