@@ -55,9 +55,9 @@ args=(
   # GPU programs of the channels selection's speculative scoring beside the GEMMs (0 = one per request, KV head and
   # chunk of pages; not yet measured in a served step, docs/results/session30).
   --kv-score-programs 0
-  # Where a layer's speculative selection starts: "attention" (default) right after the layer's attention;
-  # "next_recall" beside the next sparse layer's recall before attention (same selections, other place in the step).
-  --kv-speculate-at attention
+  # Where a layer's speculative selection starts: "next_recall" (default) beside the next sparse layer's recall before
+  # attention; "attention" right after the layer's attention, as the paper (same selections, other place in the step).
+  --kv-speculate-at next_recall
   # Sparse layers' attention: "backend" (default) through the attention backend's decode kernel, exact as full KV when
   # the budget covers the context; "split" through FreeKV's own kernels beside the correction's recall (no faster
   # yet, docs/results/session32).

@@ -6,7 +6,6 @@ On CPU everything runs in program order and these helpers do nothing.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -15,8 +14,9 @@ import torch
 # so the block scheduler dispatches the critical chain's waiting CTAs before those of the speculative lanes (priority
 # 0). Priorities do not preempt resident CTAs (session 30: no gain when the scoring started right after attention);
 # with --kv-speculate-at next_recall the scoring is released at the next layer's commit, and its ~4,000 programs
-# were dispatched ahead of that layer's recall and token lists (session 42: the chain 88 -> 124 us at 16 x 32K).
-CRITICAL_PRIORITY = int(os.environ.get("FREEKV_CRITICAL_PRIORITY", "-1"))  # TEMPORARY: A/B switch, to be removed
+# were dispatched ahead of that layer's recall and token lists (session 42: the chain 88 -> 124 us at 16 x 32K; at
+# -1, session 43: 93 us, the median step -3.1%).
+CRITICAL_PRIORITY = -1
 
 
 def critical_stream(device: torch.device | int) -> torch.cuda.Stream:

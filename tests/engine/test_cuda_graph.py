@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA grap
 def test_graph_replay_equals_eager(tau, retrieval, speculate_at, prefill_alike):
     H, G, D, L, bs = 2, 4, 64, 3, 4
     cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=tau, dense_layers=1, retrieval=retrieval,
-                       boundary_tau=tau, selection="sketch")
+                       boundary_tau=tau, selection="sketch", speculate_at="attention")
     shape = ModelShape(L, H * G, H, D)
     engines = [FreeKVEngine(c, shape, max_requests=bs, max_context=2048, dtype=torch.bfloat16, device="cuda",
                             backend="triton") for c in (cfg, dataclasses.replace(cfg, speculate_at=speculate_at))]

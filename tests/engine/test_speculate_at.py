@@ -28,7 +28,7 @@ def test_next_recall_selects_and_attends_as_attention(selection, prefill_alike, 
     """Step by step the same outputs, slot tables and statistics (recalls and victim hits included) over decode steps
     that offload pages and reselect."""
     cfg = dataclasses.replace(CFG, selection=selection)
-    engines = [make_engine(cfg), make_engine(dataclasses.replace(cfg, speculate_at="next_recall"))]
+    engines = [make_engine(dataclasses.replace(cfg, speculate_at=at)) for at in ("attention", "next_recall")]
     torch.manual_seed(11)
     stats = decode_alike(engines, prefill_alike(engines, [200, 90], device=DEV), 20, device=DEV)
     assert stats["recall_pages_speculative"] > 0 and stats["recall_pages_now"] > 0 and stats["flagged"] > 0
@@ -57,7 +57,7 @@ def test_next_recall_moves_the_speculative_selection_after_the_next_layers(monke
                     prefill_alike)
     assert order == [(1, PHASE_NOW), (2, PHASE_NOW), (1, PHASE_LATER), (3, PHASE_NOW), (2, PHASE_LATER),
                      (4, PHASE_NOW), (3, PHASE_LATER), (4, PHASE_LATER), ("end",)]
-    order = _phases(monkeypatch, make_engine(CFG, L=5), prefill_alike)
+    order = _phases(monkeypatch, make_engine(dataclasses.replace(CFG, speculate_at="attention"), L=5), prefill_alike)
     assert order == [(1, PHASE_NOW), (1, PHASE_LATER), (2, PHASE_NOW), (2, PHASE_LATER), (3, PHASE_NOW),
                      (3, PHASE_LATER), (4, PHASE_NOW), (4, PHASE_LATER), ("end",)]
 
@@ -65,7 +65,7 @@ def test_next_recall_moves_the_speculative_selection_after_the_next_layers(monke
 def test_a_step_cut_short_flushes_at_end_step(monkeypatch, prefill_alike):
     """A caller that ends the step before the last layer (no next sparse layer comes) still gets the deferred
     layer's speculative selection, before end_step returns."""
-    eng = make_engine(dataclasses.replace(CFG, speculate_at="next_recall"))
+    eng = make_engine(CFG)  # next_recall by default
     seen, select = [], eng._select
     monkeypatch.setattr(eng, "_select", lambda plan, layer, q, phase, *a: (seen.append((layer, phase)),
                                                                           select(plan, layer, q, phase, *a)))
