@@ -8,7 +8,9 @@ recall inside it; attention (FlashInfer's kernel and its merge, or with --kv-att
 to attend_recalled's end, the recall before attention running beside attend_kept; `recalled` is attend_recalled alone,
 0 for FlashInfer); the idle time before the output projection; the output, gate/up and down projections. Prints each
 part's median and mean over every sparse layer of the window (the first layer, dense, and the last, which runs the LM
-head, are left out), then the kernels that overlap the idle time before the output projection. The QKV projection,
+head, are left out), then the kernels that start inside the correction chain, by stream (which of them the chain
+waits for: a speculative lane's kernels start there too), and those that overlap the idle time before the output
+projection. The QKV projection,
 which delimits layers, is named by cuBLAS's kernel choice for the shape (default: Llama-3.1-8B at 16 requests on an
 H100 and H200; --qkv takes another name prefix). The output, gate/up and down projections are the first three GEMMs
 after attention's merge (cuBLAS picks their tiles per machine and library: session 39's H200 chose others than
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections import Counter
+from collections import Counter, defaultdict
 
 from trace_summary import load
 
@@ -43,11 +45,12 @@ def _gemm(names: dict, key: str):
     return _is_gemm if prefix is None else (lambda n: n.startswith(prefix))
 
 
-def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tuple[list[dict], Counter, Counter]:
-    """(per sparse layer {part: µs}, kernels overlapping the idle before the output projection: count, µs)."""
+def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tuple[list[dict], Counter, Counter, dict]:
+    """(per sparse layer {part: µs}, kernels overlapping the idle before the output projection: count, µs, and
+    {(kernel, stream): [µs of each]} of the kernels that start inside the correction chain)."""
     ev = sorted((e for e in events if e.get("cat") in GPU), key=lambda e: e["ts"])
     qkv = [e for e in ev if e["name"].startswith(names["qkv"])]
-    rows, seen, overlap = [], Counter(), Counter()
+    rows, seen, overlap, inside = [], Counter(), Counter(), defaultdict(list)
     for i in range(len(qkv) - 1):
         if i % layers in (0, layers - 1):
             continue
@@ -68,11 +71,14 @@ def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tupl
                          attention=merge["ts"] + merge["dur"] - att["ts"], recalled=merge["dur"] if split else 0,
                          idle_before_oproj=idle[1] - idle[0], oproj=oproj["dur"], gate_up=gate["dur"],
                          down=down["dur"]))
+        for e in win:
+            if chain_start <= e["ts"] < att["ts"]:
+                inside[(e["name"], e.get("args", {}).get("stream", e.get("tid")))].append(e["dur"])
         for e in ev:
             if e is not merge and e["ts"] < idle[1] and e["ts"] + e["dur"] > idle[0]:
                 seen[e["name"]] += 1
                 overlap[e["name"]] += min(idle[1], e["ts"] + e["dur"]) - max(idle[0], e["ts"])
-    return rows, seen, overlap
+    return rows, seen, overlap, inside
 
 
 def main() -> None:
@@ -85,7 +91,7 @@ def main() -> None:
     ap.add_argument("--down", help="name prefix (default: the next GEMM)")
     args = ap.parse_args()
     names = dict(qkv=args.qkv, oproj=args.oproj, gateup=args.gateup, down=args.down)
-    rows, seen, overlap = split_layers(load(args.trace), args.layers, names)
+    rows, seen, overlap, inside = split_layers(load(args.trace), args.layers, names)
     if not rows:
         raise SystemExit(f"{args.trace}: no sparse layer found (check --layers and the kernel names)")
     print(f"{len(rows)} sparse layers, µs")
@@ -93,6 +99,10 @@ def main() -> None:
     for part in PARTS:
         vals = [r[part] for r in rows]
         print(f"{part:20s} {statistics.median(vals):8.1f} {statistics.mean(vals):8.1f}")
+    print("starting inside the correction chain (per layer: count, median µs, µs; stream)")
+    for (name, stream), durs in sorted(inside.items(), key=lambda kv: -sum(kv[1]))[:8]:
+        print(f"  {len(durs) / len(rows):5.2f} {statistics.median(durs):7.1f} {sum(durs) / len(rows):7.1f}  "
+              f"{stream!s:>6}  {name[:70]}")
     print("overlapping the idle before the output projection (per layer: count, µs)")
     for name, n in seen.most_common(6):
         print(f"  {n / len(rows):5.2f} {overlap[name] / len(rows):7.1f}  {name[:80]}")

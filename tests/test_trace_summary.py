@@ -66,10 +66,12 @@ def test_layer_split_of_a_small_trace(tmp_path, capsys):
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     names = dict(qkv="qkv_gemm", oproj="o_gemm", gateup="gateup_gemm", down="down_gemm")
-    rows, seen, overlap = trace_layers.split_layers(trace_layers.load(str(path)), 3, names)
+    rows, seen, overlap, inside = trace_layers.split_layers(trace_layers.load(str(path)), 3, names)
     assert rows == [dict(layer=1000, qkv=20, chain=73, chain_recall=50, attention=94, recalled=0, idle_before_oproj=36,
                          oproj=15, gate_up=80, down=40)]
     assert seen["_channel_lse_kernel"] == 1 and overlap["_channel_lse_kernel"] == 35
+    # The chain's kernels (by stream: here every event's tid), not the speculative recall after attention.
+    assert inside == {("_select_slots_kernel", 1): [10], ("_recall_pages_kernel", 1): [50]}
     # Unnamed, the projections are the first three GEMMs after the merge (the split-K reduction is not one).
     assert trace_layers.split_layers(trace_layers.load(str(path)), 3, dict(qkv="qkv_gemm"))[0] == rows
     sys.argv = ["trace_layers.py", str(path), "--layers", "3", "--qkv", "qkv_gemm", "--oproj", "o_gemm", "--gateup",
@@ -77,6 +79,7 @@ def test_layer_split_of_a_small_trace(tmp_path, capsys):
     trace_layers.main()
     out = capsys.readouterr().out
     assert "1 sparse layers" in out and "idle_before_oproj        36.0     36.0" in out
+    assert "   1.00    50.0    50.0       1  _recall_pages_kernel" in out
 
     def split_layer(t):  # --kv-attention split: attend_kept beside the recall, then attend_recalled
         return [ev("qkv_gemm", t, 20), ev("_query_similarity_kernel", t + 22, 5),
@@ -88,6 +91,6 @@ def test_layer_split_of_a_small_trace(tmp_path, capsys):
 
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": [e for i in range(4) for e in split_layer(1000 * i)]}, f)
-    rows, _, _ = trace_layers.split_layers(trace_layers.load(str(path)), 3, names)
+    rows, _, _, _ = trace_layers.split_layers(trace_layers.load(str(path)), 3, names)
     assert rows == [dict(layer=1000, qkv=20, chain=14, chain_recall=50, attention=82, recalled=8, idle_before_oproj=37,
                          oproj=15, gate_up=80, down=40)]
