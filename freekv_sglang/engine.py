@@ -22,7 +22,7 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            Or an outside kernel (SGLang's --kv-attention backend): wait E_now; head_token_index, which lists each
            head's tokens straight from the slot table, and the kernel. Record E_attn
   speculate: wait E_attn; the scoring + select_chain with q_i for the remaining heads (speculative, used by
-           step i+1); record E_spec
+           step i+1); record E_spec. The last sparse layer's on the select stream instead (see _after_attention)
   recall:  wait E_spec; recall_pages of every other changed slot; offload_pages summarises and offloads the
            page leaving the window. Layer l's recall runs beside layer l+1's speculative selection.
   With cfg.speculate_at "next_recall", layer l's speculate and recall items wait for layer l+1's E_sel instead of
@@ -835,7 +835,11 @@ class FreeKVEngine:
         st, e_spec = self.streams, anchor
         speculative = self.retrieval and self.selector.speculative
         if speculative:
-            with st.on("speculate"):
+            # The last sparse layer's runs on the select stream, at the critical chain's priority: no later layer's
+            # work hides it and the step's join waits for it, while on the speculate stream the output projection,
+            # MLP and LM head (all ahead of it in priority) starved its scoring (16 x 32K: the join held the step's
+            # sampling ~186 us; session 43's trace).
+            with st.on("select" if layer == self._last_sparse else "speculate"):
                 st.wait(anchor)
                 self._select(plan, layer, self.prev_q[layer], PHASE_LATER)  # q_i, stored by the trigger
                 e_spec = st.record()

@@ -32,9 +32,10 @@ def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 class Streams:
     """compute: the caller's stream. select: selection and correction recall (on the critical path of
-    flagged heads). speculate: the speculative selection after attention. recall: speculative recall, summaries
-    and offload (off the critical path). The speculative selection has its own stream so that layer l+1's runs
-    while layer l's recall holds the link: on one stream the link idled during every layer's selection."""
+    flagged heads), and the last sparse layer's speculative selection. speculate: the other layers' speculative
+    selection. recall: speculative recall, summaries and offload (off the critical path). The speculative selection
+    has its own stream so that layer l+1's runs while layer l's recall holds the link: on one stream the link idled
+    during every layer's selection."""
 
     NAMES = ("select", "speculate", "recall")
 

@@ -3,6 +3,7 @@ before attention; the selections, recalls and outputs stay those of "attention".
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -60,6 +61,29 @@ def test_next_recall_moves_the_speculative_selection_after_the_next_layers(monke
     order = _phases(monkeypatch, make_engine(dataclasses.replace(CFG, speculate_at="attention"), L=5), prefill_alike)
     assert order == [(1, PHASE_NOW), (1, PHASE_LATER), (2, PHASE_NOW), (2, PHASE_LATER), (3, PHASE_NOW),
                      (3, PHASE_LATER), (4, PHASE_NOW), (4, PHASE_LATER), ("end",)]
+
+
+@pytest.mark.parametrize("at", ["attention", "next_recall"])
+def test_the_last_sparse_layers_speculative_selection_runs_on_the_select_stream(monkeypatch, prefill_alike, at):
+    """The step's join waits for the last sparse layer's speculative selection, which no later layer hides, so it
+    runs on the select stream at the critical chain's priority; the other layers' run on the speculate stream."""
+    eng = make_engine(dataclasses.replace(CFG, speculate_at=at), L=4)
+    lane, on = [None], eng.streams.on
+
+    @contextlib.contextmanager
+    def tracked(name):
+        outer, lane[0] = lane[0], name
+        with on(name):
+            yield
+        lane[0] = outer
+
+    monkeypatch.setattr(eng.streams, "on", tracked)
+    lanes, select = {}, eng._select
+    monkeypatch.setattr(eng, "_select", lambda plan, layer, q, phase, *a: (
+        lanes.__setitem__((layer, phase), lane[0]), select(plan, layer, q, phase, *a)))
+    _phases(monkeypatch, eng, prefill_alike)
+    assert lanes == {(1, PHASE_NOW): "select", (2, PHASE_NOW): "select", (3, PHASE_NOW): "select",
+                     (1, PHASE_LATER): "speculate", (2, PHASE_LATER): "speculate", (3, PHASE_LATER): "select"}
 
 
 def test_a_step_cut_short_flushes_at_end_step(monkeypatch, prefill_alike):
