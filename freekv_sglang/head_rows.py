@@ -25,7 +25,8 @@ class HeadRows:
     def prepare(self, plan: StepPlan, slots: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """What the kernel's rows need before the recall before attention lands: each (row, KV head)'s token rows
         written into self.indices from the layer's slot table `slots`, and q [B, H * G, D] as the rows' queries
-        [B * H, G, D] (a copy when a batch's rows are strided)."""
+        [B * H, G, D], written by the same launch (SGLang's q is a strided view of the QKV projection)."""
+        rows = torch.empty(q.shape[0] * self.H, self.G, self.D, dtype=q.dtype, device=q.device)
         head_token_index(slots, plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots, plan.slot_pages,
-                         plan.row_tokens, plan.row_start, self.cfg.page_size, self.indices)
-        return q.reshape(q.shape[0] * self.H, self.G, self.D)
+                         plan.row_tokens, plan.row_start, self.cfg.page_size, self.indices, q, rows)
+        return rows

@@ -1,5 +1,5 @@
 """head_token_index against its torch reference: every listed token right, in logical page order, nothing else
-written."""
+written; with q, every (row, KV head)'s query rows."""
 
 import pytest
 import torch
@@ -36,7 +36,8 @@ def make_inputs(B, H, k, W, p, g):
 @pytest.mark.parametrize("p", [16, 32])
 @pytest.mark.parametrize("B,H,k,W", [(1, 1, 1, 4), (3, 3, 5, 9), (4, 8, 16, 23), (2, 2, 70, 78)])
 def test_head_token_index_matches_reference(B, H, k, W, p):
-    """Random slot tables with empty slots, ragged rows, GQA-like head counts, more slots than one rank tile."""
+    """Random slot tables with empty slots, ragged rows, GQA-like head counts, more slots than one rank tile; query
+    rows of groups 1, 3, 4 and 8 (outputs poisoned with NaN)."""
     g = torch.Generator().manual_seed(B * 1000 + H * 100 + k + W + p)
     args = make_inputs(B, H, k, W, p, g)
     before = [t.clone() for t in args]
@@ -48,6 +49,17 @@ def test_head_token_index_matches_reference(B, H, k, W, p):
     head_token_index(*args, p, got)
     assert torch.equal(got.cpu(), want)
     assert all(torch.equal(a, b) for a, b in zip(before, args)), "an input was modified"
+    # With q: the same lists, and each (row, KV head)'s query rows, from a strided q as SGLang's QKV split gives.
+    for G, D in ((1, 16), (3, 40), (4, 64), (8, 32)):
+        qkv = torch.randn(B, (H * G + 2 * H) * D, generator=g).to(torch.bfloat16).to(DEV)
+        q = qkv[:, :H * G * D].view(B, H * G, D)
+        rows = torch.full((B * H, G, D), float("nan"), dtype=torch.bfloat16, device=DEV)
+        got.fill_(SENTINEL)
+        head_token_index(*args, p, got, q, rows)
+        assert torch.equal(got.cpu(), want)
+        want_rows = torch.full_like(rows, float("nan")).cpu()
+        naive_head_token_index(*[t.cpu() for t in args], p, want.clone(), q.cpu(), want_rows)
+        assert torch.equal(rows.cpu(), want_rows) and torch.equal(want_rows, q.cpu().reshape(B * H, G, D))
     assert (want[:total] != SENTINEL).all() and (want[total:] == SENTINEL).all()
 
     # The contract itself: whole pages, the selection in logical page order (empty slots last), the rest row_table.
@@ -90,3 +102,10 @@ def test_every_page_selected_lists_the_context_in_order(p):
     page, offset = (rows - h) // H // p, (rows - h) // H % p
     logical = torch.where(page >= 100, slots.long().gather(1, (page - 100).clamp(0, k - 1)), page)
     assert torch.equal(logical * p + offset, torch.arange(n).expand(H, n))
+
+
+def test_q_and_q_rows_come_together():
+    args = make_inputs(1, 1, 1, 4, 16, torch.Generator().manual_seed(0))
+    out = torch.zeros(64, dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="q and q_rows come together"):
+        head_token_index(*args, 16, out, torch.zeros(1, 4, 8, device=DEV))
