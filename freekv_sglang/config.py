@@ -135,7 +135,7 @@ class FreeKVConfig:
         "next_recall" (default): once the next sparse layer has committed its selection before attention, beside that
         layer's recall from the host, which leaves the SMs idle (the critical chain's higher stream priority keeps the
         scoring's programs behind it); the last sparse layer's starts after its own attention. The selections and
-        recalls are the same either way; only their time in the step moves (session 43, H200: the median step -4.1% at
+        recalls are the same either way; only their time in the step moves (session 43, H200: the median step -4.2% at
         16 x 32K, within 1% at 1 request and on the Qwen2.5-7B shape).
     attention: how a served sparse layer attends. "backend" (default): through the wrapped backend's own decode kernel
         (FlashInfer's or SGLang's Triton one), one row per (request, KV head), so with a budget that covers the
