@@ -3,6 +3,7 @@ int8 exponent per row beside them: freekv_kvstore.arena)."""
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Protocol
 
@@ -43,7 +44,7 @@ class LocalHostPool:
             # Registered rather than allocated with pin_memory=True: torch's pinned allocator rounds a block up
             # to a power of two, so a 69 GB arena would ask a 128 GB host for 128 GB.
             cuda_host.register(raw.data_ptr(), raw.numel(), "host KV pool")
-            weakref.finalize(self, _unregister, raw)
+            weakref.finalize(self, cuda_host.when_safe, functools.partial(_unregister, raw))
         self._free = list(range(num_pages - 1, -1, -1))
         self._owned: dict[int, list[int]] = {}
         self._refs = [0] * num_pages  # owners holding each page (a shared prefix page has several)

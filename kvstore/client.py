@@ -224,7 +224,7 @@ class KVStoreClient:
         # Seconds connect waited for the daemon to pre-fault a new arena, and took to map it and register it with CUDA.
         self.startup_s: dict[str, float] = {}
         # Unmaps and closes the sockets even for a client dropped without close() (holds no ref to self).
-        self._finalizer = weakref.finalize(self, resources.release)
+        self._finalizer = weakref.finalize(self, cuda_host.when_safe, resources.release)
 
     @classmethod
     def connect(
