@@ -119,7 +119,8 @@ class FreeKVConfig:
     kmeans_iters: Lloyd iterations of LouisKV's prompt clustering (the paper gives none; ours).
     recall_programs: GPU programs of the speculative recall, which reads host memory beside the model's GEMMs
         (each program strides over the pages to recall); 0 launches one per (request, head, slot), which holds
-        an SM slot per page through its PCIe round trip.
+        an SM slot per page through its PCIe round trip. The last sparse layer's always takes one per slot: the
+        step's end waits for it, beside the LM head alone.
     recall_block: slots per GPU program of the recall before attention (0 or a power of two). 0 (default): one
         program per (request, head, slot), ~8,000 at 16 requests and budget 2048 with a few hundred pages to recall;
         they run in several waves, each waiting on a PCIe round trip. B: one program per block of B slots, which

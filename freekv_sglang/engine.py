@@ -22,9 +22,11 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            Or an outside kernel (SGLang's --kv-attention backend): wait E_now; head_token_index, which lists each
            head's tokens straight from the slot table, and the kernel. Record E_attn
   speculate: wait E_attn; the scoring + select_chain with q_i for the remaining heads (speculative, used by
-           step i+1); record E_spec. The last sparse layer's on the select stream instead (see _after_attention)
+           step i+1); record E_spec
   recall:  wait E_spec; recall_pages of every other changed slot; offload_pages summarises and offloads the
            page leaving the window. Layer l's recall runs beside layer l+1's speculative selection.
+  The last sparse layer's speculate and recall items run on the select stream instead, its recall with one program
+  per slot (see _after_attention).
   With cfg.speculate_at "next_recall", layer l's speculate and recall items wait for layer l+1's E_sel instead of
   E_attn (l+1's E_sel follows l's attention): the scoring then runs beside l+1's recall before attention, which
   leaves the SMs idle, instead of ahead of l's output projection, whose GEMM waits for the scoring's programs.
@@ -834,19 +836,21 @@ class FreeKVEngine:
         upkeep."""
         st, e_spec = self.streams, anchor
         speculative = self.retrieval and self.selector.speculative
+        # The last sparse layer's lane runs on the select stream, at the critical chain's priority, and recalls with
+        # every program it can: no later layer's work hides it and the step's join waits for it. On the speculate
+        # stream the output projection, MLP and LM head (all ahead of it in priority) starved its scoring (16 x 32K:
+        # the join held the step's sampling ~186 us; session 43's trace), and on the recall stream it queued behind
+        # the previous layers' recalls, capped at recall_programs (another ~200 us; session 44's).
+        last = layer == self._last_sparse
         if speculative:
-            # The last sparse layer's runs on the select stream, at the critical chain's priority: no later layer's
-            # work hides it and the step's join waits for it, while on the speculate stream the output projection,
-            # MLP and LM head (all ahead of it in priority) starved its scoring (16 x 32K: the join held the step's
-            # sampling ~186 us; session 43's trace).
-            with st.on("select" if layer == self._last_sparse else "speculate"):
+            with st.on("select" if last else "speculate"):
                 st.wait(anchor)
                 self._select(plan, layer, self.prev_q[layer], PHASE_LATER)  # q_i, stored by the trigger
                 e_spec = st.record()
-        with st.on("recall"):
+        with st.on("select" if last else "recall"):
             st.wait(e_spec)
             if speculative:
-                self._recall_phase(plan, layer, PHASE_LATER)
+                self._recall_phase(plan, layer, PHASE_LATER, programs=0 if last else self.cfg.recall_programs)
             self._offload(layer, self.k_cache[layer], self.v_cache[layer], plan.offload_src, plan.offload_dst,
                           plan.offload_valid)
             if self.retrieval:
@@ -894,8 +898,9 @@ class FreeKVEngine:
         if timer is not None:
             timer.mark(layer, phase, 1)
 
-    def _recall_phase(self, plan: StepPlan, layer: int, phase: int) -> None:
-        """Recall the slots that the phase's selection marked in _recall."""
+    def _recall_phase(self, plan: StepPlan, layer: int, phase: int, programs: int = 0) -> None:
+        """Recall the slots that the phase's selection marked in _recall; programs as recall_pages takes it (0: one
+        per slot)."""
         timer = self.timer
         if timer is not None:
             timer.mark(layer, phase, 2)
@@ -905,7 +910,7 @@ class FreeKVEngine:
             victim_entries=self.cfg.victim_pages)
         self.ops.recall_pages(self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table,
                               self.slot_table[layer], plan.req_slots, plan.slot_pages, self._recall[layer][:B], phase,
-                              self.cfg.page_size, programs=self.cfg.recall_programs if phase == PHASE_LATER else 0,
+                              self.cfg.page_size, programs=programs,
                               slot_block=0 if phase == PHASE_LATER else self.cfg.recall_block,
                               host_scales=self.host_scales(layer), **cache)
         if timer is not None:

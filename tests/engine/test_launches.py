@@ -111,12 +111,14 @@ def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5,
     total = collections.defaultdict(collections.Counter)
     for (stream, name), n in rec.seen.items():
         total[stream][name] = n
-    # The last sparse layer's speculative selection runs on the select stream (engine._after_attention): counted
-    # back to the speculate stream, one layer's worth of it, so each stream's launches are the same in every layer.
-    for name, n in list(total["speculate"].items()):
-        assert n % (L - 2) == 0, ("speculate", name, n)
-        total["select"][name] -= n // (L - 2)
-        total["speculate"][name] += n // (L - 2)
+    # The last sparse layer's speculative selection, recall and offload run on the select stream
+    # (engine._after_attention): counted back to the speculate and recall streams, one layer's worth of each, so each
+    # stream's launches are the same in every layer.
+    for lane in ("speculate", "recall"):
+        for name, n in list(total[lane].items()):
+            assert n % (L - 2) == 0, (lane, name, n)
+            total["select"][name] -= n // (L - 2)
+            total[lane][name] += n // (L - 2)
     per_layer = collections.defaultdict(collections.Counter)
     for stream, counts in total.items():
         for name, n in counts.items():

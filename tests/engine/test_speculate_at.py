@@ -64,10 +64,11 @@ def test_next_recall_moves_the_speculative_selection_after_the_next_layers(monke
 
 
 @pytest.mark.parametrize("at", ["attention", "next_recall"])
-def test_the_last_sparse_layers_speculative_selection_runs_on_the_select_stream(monkeypatch, prefill_alike, at):
-    """The step's join waits for the last sparse layer's speculative selection, which no later layer hides, so it
-    runs on the select stream at the critical chain's priority; the other layers' run on the speculate stream."""
-    eng = make_engine(dataclasses.replace(CFG, speculate_at=at), L=4)
+def test_the_last_sparse_layers_speculative_lane_runs_on_the_select_stream(monkeypatch, prefill_alike, at):
+    """The step's join waits for the last sparse layer's speculative selection, recall and offload, which no later
+    layer hides, so they run on the select stream at the critical chain's priority, the recall with one program per
+    slot; the other layers' on the speculate and recall streams, their recall with recall_programs."""
+    eng = make_engine(dataclasses.replace(CFG, speculate_at=at, recall_programs=7), L=4)
     lane, on = [None], eng.streams.on
 
     @contextlib.contextmanager
@@ -78,12 +79,22 @@ def test_the_last_sparse_layers_speculative_selection_runs_on_the_select_stream(
         lane[0] = outer
 
     monkeypatch.setattr(eng.streams, "on", tracked)
-    lanes, select = {}, eng._select
+    lanes, select, recall, offload = {}, eng._select, eng._recall_phase, eng._offload
     monkeypatch.setattr(eng, "_select", lambda plan, layer, q, phase, *a: (
-        lanes.__setitem__((layer, phase), lane[0]), select(plan, layer, q, phase, *a)))
+        lanes.__setitem__(("select", layer, phase), lane[0]), select(plan, layer, q, phase, *a)))
+    monkeypatch.setattr(eng, "_recall_phase", lambda plan, layer, phase, programs=0: (
+        lanes.__setitem__(("recall", layer, phase), (lane[0], programs)), recall(plan, layer, phase, programs)))
+    monkeypatch.setattr(eng, "_offload", lambda layer, *a: (lanes.__setitem__(("offload", layer), lane[0]),
+                                                            offload(layer, *a)))
     _phases(monkeypatch, eng, prefill_alike)
-    assert lanes == {(1, PHASE_NOW): "select", (2, PHASE_NOW): "select", (3, PHASE_NOW): "select",
-                     (1, PHASE_LATER): "speculate", (2, PHASE_LATER): "speculate", (3, PHASE_LATER): "select"}
+    assert lanes == {
+        **{("select", layer, PHASE_NOW): "select" for layer in (1, 2, 3)},
+        **{("recall", layer, PHASE_NOW): ("select", 0) for layer in (1, 2, 3)},
+        ("select", 1, PHASE_LATER): "speculate", ("select", 2, PHASE_LATER): "speculate",
+        ("select", 3, PHASE_LATER): "select",
+        ("recall", 1, PHASE_LATER): ("recall", 7), ("recall", 2, PHASE_LATER): ("recall", 7),
+        ("recall", 3, PHASE_LATER): ("select", 0),
+        ("offload", 1): "recall", ("offload", 2): "recall", ("offload", 3): "select"}
 
 
 def test_a_step_cut_short_flushes_at_end_step(monkeypatch, prefill_alike):
