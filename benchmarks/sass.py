@@ -107,6 +107,13 @@ def capture() -> None:
             eng.end_step()
 
 
+def opcodes(sass: str) -> list[str]:
+    """The opcode of each instruction of cuobjdump's SASS text but NOPs. An instruction's byte offset is written in
+    4 hex digits below 0x10000 and in more past it: a kernel of over 4,096 instructions must count those too."""
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?", sass)
+    return [op for op in ops if op != "NOP"]
+
+
 def compile_sass(launch: dict, workdir: Path) -> dict:
     """Compile one recorded launch for sm_90; registers, spills, SASS text."""
     import triton
@@ -124,8 +131,7 @@ def compile_sass(launch: dict, workdir: Path) -> dict:
     res = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", res)
     spill = re.search(r"STACK:(\d+)", res)
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(?:\.[A-Z0-9_.]+)?", sass)
-    ops = [op for op in ops if op != "NOP"]
+    ops = opcodes(sass)
     return {"kernel": launch["name"], "warps": launch["options"].get("num_warps", 4),
             "registers": int(regs.group(1)) if regs else None, "stack": int(spill.group(1)) if spill else None,
             "instructions": len(ops), "opcodes": collections.Counter(ops), "sass": sass}
