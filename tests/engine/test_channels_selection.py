@@ -24,8 +24,9 @@ def make_engine(cfg, H, G, L, backend):
 
 
 def recorded_calls(monkeypatch, cfg, op, pick, prefill_alike, decode_alike) -> list:
-    """pick(args, kwargs) of every call of eng.ops.<op> while a torch engine prefills two prompts and decodes."""
-    eng = make_engine(cfg, 2, 2, 2, "torch")
+    """pick(args, kwargs) of every call of eng.ops.<op> while a torch engine of two sparse layers prefills two prompts
+    and decodes."""
+    eng = make_engine(cfg, 2, 2, 3, "torch")
     seen, call = [], getattr(eng.ops, op)
 
     def spy(*args, **kwargs):
@@ -52,14 +53,15 @@ def test_score_programs_shape_only_the_speculative_scoring(monkeypatch, prefill_
 
 def test_recall_block_shapes_only_the_recall_before_attention(monkeypatch, prefill_alike, decode_alike):
     """--kv-recall-block reaches the recall before attention; the speculative recall keeps its capped programs and
-    whole-row items. (Blocked and per-slot launches recall alike: tests/kernels/test_recall.py.)"""
+    whole-row items, but the last sparse layer's, which the step's end waits for, takes one program per slot.
+    (Blocked and per-slot launches recall alike: tests/kernels/test_recall.py.)"""
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="channels",
                        recall_block=4)
     seen = recorded_calls(monkeypatch, cfg, "recall_pages",  # phase, programs, slot block
                           lambda a, kw: (a[8], kw.get("programs", 0), kw.get("slot_block", 0)),
                           prefill_alike, decode_alike)
     later = {(programs, block) for phase, programs, block in seen if phase == PHASE_LATER}
-    assert later == {(cfg.recall_programs, 0)}
+    assert later == {(cfg.recall_programs, 0), (0, 0)}
     assert {(programs, block) for phase, programs, block in seen if phase != PHASE_LATER} == {(0, 4)}
 
 
