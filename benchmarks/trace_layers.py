@@ -1,6 +1,6 @@
 """A served decode step's sparse layer split into its parts, from a profiled trace (decode.py --profile-steps).
 
-    python3 benchmarks/trace_layers.py TRACE.json[.gz] [--layers 32] [--qkv nvjet_sm90_tst_64x16_64x16_4x1] ...
+    python3 benchmarks/trace_layers.py TRACE.json[.gz] [--layers 32] [--qkv PREFIX] ...
 
 A layer runs from one QKV projection's start to the next. Per layer, on the chain the model's kernels form:
 the QKV projection; FreeKV's correction chain (from the query-similarity kernel's end to attention's start) and the
@@ -10,11 +10,11 @@ to attend_recalled's end, the recall before attention running beside attend_kept
 part's median and mean over every sparse layer of the window (the first layer, dense, and the last, which runs the LM
 head, are left out), then the kernels that start inside the correction chain, by stream (which of them the chain
 waits for: a speculative lane's kernels start there too), and those that overlap the idle time before the output
-projection. The QKV projection,
-which delimits layers, is named by cuBLAS's kernel choice for the shape (default: Llama-3.1-8B at 16 requests on an
-H100 and H200; --qkv takes another name prefix). The output, gate/up and down projections are the first three GEMMs
-after attention's merge (cuBLAS picks their tiles per machine and library: session 39's H200 chose others than
-session 30's); --oproj, --gateup and --down name them by prefix instead.
+projection. The QKV projection, which delimits layers, is the GEMM that most often starts last before FreeKV's
+similarity check (cuBLAS names its kernel by the tiles it picks for the batch; --qkv gives a name prefix instead).
+The output, gate/up and down projections are the first three GEMMs after attention's merge (cuBLAS picks their tiles
+per machine and library: session 39's H200 chose others than session 30's); --oproj, --gateup and --down name them
+by prefix instead.
 """
 
 from __future__ import annotations
@@ -45,11 +45,24 @@ def _gemm(names: dict, key: str):
     return _is_gemm if prefix is None else (lambda n: n.startswith(prefix))
 
 
+def qkv_name(events: list[dict]) -> str | None:
+    """The QKV projection's kernel name: the GEMM that most often starts last before FreeKV's similarity check."""
+    before, last = Counter(), None
+    for e in sorted((e for e in events if e.get("cat") in GPU), key=lambda e: e["ts"]):
+        if _is_gemm(e["name"]):
+            last = e["name"]
+        elif e["name"] == "_query_similarity_kernel" and last is not None:
+            before[last] += 1
+    return before.most_common(1)[0][0] if before else None
+
+
 def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tuple[list[dict], Counter, Counter, dict]:
     """(per sparse layer {part: µs}, kernels overlapping the idle before the output projection: count, µs, and
-    {(kernel, stream): [µs of each]} of the kernels that start inside the correction chain)."""
+    {(kernel, stream): [µs of each]} of the kernels that start inside the correction chain). names["qkv"] None: the
+    QKV projection found by qkv_name."""
     ev = sorted((e for e in events if e.get("cat") in GPU), key=lambda e: e["ts"])
-    qkv = [e for e in ev if e["name"].startswith(names["qkv"])]
+    prefix = names.get("qkv") or qkv_name(ev)
+    qkv = [e for e in ev if prefix is not None and e["name"].startswith(prefix)]
     rows, seen, overlap, inside = [], Counter(), Counter(), defaultdict(list)
     for i in range(len(qkv) - 1):
         if i % layers in (0, layers - 1):
@@ -85,7 +98,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--layers", type=int, default=32, help="the model's layers")
-    ap.add_argument("--qkv", default="nvjet_sm90_tst_64x16_64x16_4x1")
+    ap.add_argument("--qkv", help="name prefix (default: the GEMM that most often starts last before the similarity "
+                    "check; cuBLAS picks its tiles per batch and machine)")
     ap.add_argument("--oproj", help="name prefix (default: the first GEMM after attention)")
     ap.add_argument("--gateup", help="name prefix (default: the next GEMM)")
     ap.add_argument("--down", help="name prefix (default: the next GEMM)")

@@ -72,8 +72,11 @@ def test_layer_split_of_a_small_trace(tmp_path, capsys):
     assert seen["_channel_lse_kernel"] == 1 and overlap["_channel_lse_kernel"] == 35
     # The chain's kernels (by stream: here every event's tid), not the speculative recall after attention.
     assert inside == {("_select_slots_kernel", 1): [10], ("_recall_pages_kernel", 1): [50]}
-    # Unnamed, the projections are the first three GEMMs after the merge (the split-K reduction is not one).
+    # Unnamed, the projections are the first three GEMMs after the merge (the split-K reduction is not one), and the
+    # QKV projection the GEMM right before the similarity check.
     assert trace_layers.split_layers(trace_layers.load(str(path)), 3, dict(qkv="qkv_gemm"))[0] == rows
+    assert trace_layers.qkv_name(trace_layers.load(str(path))) == "qkv_gemm"
+    assert trace_layers.split_layers(trace_layers.load(str(path)), 3, {})[0] == rows
     sys.argv = ["trace_layers.py", str(path), "--layers", "3", "--qkv", "qkv_gemm", "--oproj", "o_gemm", "--gateup",
                 "gateup_gemm", "--down", "down_gemm"]
     trace_layers.main()
