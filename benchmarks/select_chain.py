@@ -13,7 +13,11 @@ speculative phase). The slots start full. Only the replay changes them from call
 of the 32, as the engine's differ per step), as in decode.py's realistic configs; without it the selection settles
 after the first call, so the earlier columns are the stages' costs when nothing changes. Prints a table and writes JSON.
 
+--pages sets the candidate pages (3750: 120K; past 1,024 select_chain takes the staged launches); --warps the one-stage
+top-k's warps (page_select's TOPK_SINGLE_WARPS); each a comma-separated sweep.
+
 python benchmarks/select_chain.py --batches 1,16 --out results/select_chain.json
+python benchmarks/select_chain.py --pages 1000,3750 --warps 8,16,32 --stages +pool,+replay
 """
 
 from __future__ import annotations
@@ -24,22 +28,23 @@ from pathlib import Path
 
 import torch
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW, select_slots
+from freekv_kernels.page_select import triton as page_select_triton
 from freekv_kernels.select_chain import LsePool, Replay, select_chain
 from gpu_timing import graph_replay_ms
 
-H, G, GP, PAGES, K = 8, 4, 4, 1000, 64
+H, G, GP, K = 8, 4, 4, 64
 HYSTERESIS = 1.0  # freekv_sglang.config.DEFAULT_HYSTERESIS
 STAGES = ("select", "+hyst", "+victims", "+pool", "+replay")
 
 
-def case(batch: int, flagged: float, seed: int, dev: str = "cuda") -> dict:
+def case(batch: int, pages: int, flagged: float, seed: int, dev: str = "cuda") -> dict:
     gen = torch.Generator().manual_seed(seed)
-    lse = torch.randn(batch, H, PAGES, GP, generator=gen).to(dev)
-    resident = torch.stack([torch.randperm(PAGES, generator=gen)[:K] for _ in range(batch * H)]).view(batch, H, K)
+    lse = torch.randn(batch, H, pages, GP, generator=gen).to(dev)
+    resident = torch.stack([torch.randperm(pages, generator=gen)[:K] for _ in range(batch * H)]).view(batch, H, K)
     now = torch.rand(batch, H, generator=gen) < flagged
-    return dict(lse=lse, scores=torch.rand(batch, H, PAGES, generator=gen).to(dev), resident=resident.int().to(dev),
+    return dict(lse=lse, scores=torch.rand(batch, H, pages, generator=gen).to(dev), resident=resident.int().to(dev),
                 now=now.to(dev), req_slots=torch.arange(batch, dtype=torch.int32, device=dev),
-                cand_end=torch.full((batch,), PAGES, dtype=torch.int32, device=dev),
+                cand_end=torch.full((batch,), pages, dtype=torch.int32, device=dev),
                 draws=torch.rand(32, batch, H, generator=gen).to(dev))
 
 
@@ -57,7 +62,7 @@ def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries
 
     def run(i: int):
         replay = Replay(c["draws"][i], churn, returns) if upto >= 4 else None
-        scores = LsePool(c["lse"], 0, c["cand_end"], G, PAGES) if upto >= 3 else c["scores"]
+        scores = LsePool(c["lse"], 0, c["cand_end"], G, c["lse"].shape[2]) if upto >= 3 else c["scores"]
         if upto == 0:
             return select_slots(scores, slots, c["req_slots"], heads, phase, heads, recall)
         return select_chain(scores, slots, c["req_slots"], heads, phase, heads, recall, hysteresis=hyst,
@@ -68,33 +73,46 @@ def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--flagged", type=float, default=0.3, help="share of (row, KV head) pairs selecting before attention")
+    ap.add_argument("--flagged", type=float, default=0.3, help="share of (row, KV head) pairs selecting before attn")
     ap.add_argument("--churn", type=float, default=0.15, help="the replay's changed share of the budget")
     ap.add_argument("--returns", type=float, default=0.5, help="the replay's share of the churn from the victim cache")
     ap.add_argument("--victims", default="64",
                     help="victim entries a head, comma-separated (64, 128, 256: one, two, four budgets)")
+    ap.add_argument("--pages", default="1000", help="candidate pages a row, comma-separated")
+    ap.add_argument("--warps", default="", help="the one-stage top-k's warps, comma-separated (default: as served)")
+    ap.add_argument("--stages", default=",".join(STAGES), help="stages to time, comma-separated")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default="results/select_chain.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/select_chain.py needs a CUDA device")
+    stages = args.stages.split(",")
+    assert set(stages) <= set(STAGES), f"stages are {STAGES}"
     print(f"{torch.cuda.get_device_name()}: select_chain per call (graph of 32), {H} KV heads x group {G}, "
-          f"{PAGES} pages, {K} slots, flagged {args.flagged}, churn {args.churn}, returns {args.returns}")
-    print(f"{'V':>4} {'batch':>5} {'phase':>12} " + " ".join(f"{s:>9}" for s in STAGES))
+          f"{K} slots, flagged {args.flagged}, churn {args.churn}, returns {args.returns}")
+    print(f"{'pages':>5} {'warps':>5} {'V':>4} {'batch':>5} {'phase':>12} "
+          + " ".join(f"{s:>9}" for s in stages))
     rows = []
-    cells = [(v, b) for v in map(int, args.victims.split(",")) for b in map(int, args.batches.split(","))]
-    for entries, batch in cells:
-        c = case(batch, args.flagged, seed=batch)
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    cells = [(p, w, v, b) for p in ints(args.pages) for w in ints(args.warps) or [0] for v in ints(args.victims)
+             for b in ints(args.batches)]
+    saved = page_select_triton.TOPK_SINGLE_WARPS
+    for pages, warps, entries, batch in cells:
+        if warps:
+            page_select_triton.TOPK_SINGLE_WARPS = warps
+        c = case(batch, pages, args.flagged, seed=batch)
         # PHASE_LATER selects the heads not flagged; flag none so that every head selects, as in the speculation.
         for phase, name in ((PHASE_NOW, "before attn"), (PHASE_LATER, "speculative")):
             if phase == PHASE_LATER:
                 c = dict(c, now=torch.zeros_like(c["now"]))
-            row = dict(victims=entries, batch=batch, phase=name)
-            for stage in STAGES:
+            row = dict(pages=pages, warps=warps, victims=entries, batch=batch, phase=name)
+            for stage in stages:
                 run = chain(c, stage, phase, args.churn, args.returns, entries)
                 row[stage] = 1e3 * graph_replay_ms(lambda: [run(i) for i in range(32)], args.repeats) / 32
             rows.append(row)
-            print(f"{entries:>4} {batch:>5} {name:>12} " + " ".join(f"{row[s]:>9.1f}" for s in STAGES))
+            print(f"{pages:>5} {warps or '-':>5} {entries:>4} {batch:>5} {name:>12} "
+                  + " ".join(f"{row[s]:>9.1f}" for s in stages))
+        page_select_triton.TOPK_SINGLE_WARPS = saved
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}, indent=2))
