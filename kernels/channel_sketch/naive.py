@@ -30,6 +30,10 @@ from freekv_kernels.page_select.naive import in_phase
 
 BITS = 4
 LEVELS = 1 << BITS
+# The weights carry log2(e), so the kernel's exponentials are exp2 of its products (no multiply per logit); its
+# log-sum-exps come back to natural units with one multiply per page and query head.
+LOG2E: float = 1.4426950408889634
+LN2: float = 0.6931471805599453
 
 
 class ChannelCalibration(NamedTuple):
@@ -79,11 +83,11 @@ def decode_channels(codes: torch.Tensor) -> torch.Tensor:
 
 
 def channel_weights(q: torch.Tensor, channels: torch.Tensor, step: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [..., H, G, D] -> the fp16-rounded weights scale * q * step [..., H, G, R] (fp32) on the calibrated
-    channels, as the kernel multiplies them."""
+    """q [..., H, G, D] -> the weights scale * q * step [..., H, G, R] (fp32) on the calibrated channels, as the
+    kernel rounds them: times log2(e), to fp16, times ln(2)."""
     R = channels.shape[1]
     picked = q.float().gather(-1, channels.long()[:, None, :].expand(*q.shape[:-1], R))
-    return (picked * scale * step[:, None, :]).half().float()
+    return (picked * (scale * LOG2E) * step[:, None, :]).half().float() * LN2
 
 
 def naive_channel_sketch_pages(
