@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from freekv_kernels.channel_sketch import (
     calibrate_channels,
     channel_sketch_pages,
@@ -9,6 +11,7 @@ from freekv_kernels.channel_sketch import (
     naive_channel_sketch_pages,
     quantize_channels,
 )
+from freekv_kernels.channel_sketch.triton import _log2_sum
 from freekv_kernels.offload import naive_offload_pages, offload_pages
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 from freekv_kernels.testing import assert_close, device, poisoned_outputs
@@ -229,3 +232,23 @@ def test_offload_writes_the_channel_codes(H, D, p, R, dtype):
     want = quantize_channels(kc[:p], cal.channels, cal.lo, cal.inv_step).transpose(0, 1)
     assert torch.equal(out[4], want)
     assert torch.equal(out_host[4, :, 0], kc[:p].transpose(0, 1))
+
+
+@triton.jit
+def _log2_sum_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, _log2_sum(tl.load(x_ptr + i, mask=i < n, other=1.0)), mask=i < n)
+
+
+def test_log2_sum_matches_log2_over_a_page_of_exponentials():
+    """The sketch's log2 of a page's sum of exponentials (largest 1, so in [1, PAGE]) within 1e-6 of torch's over
+    [1, 64] (its polynomial's 4e-7 and the fp32 rounding of exponent plus polynomial), at random values and powers of
+    two; a NaN stays NaN."""
+    torch.manual_seed(11)
+    x = torch.cat([torch.rand(3001) * 63 + 1, 2.0 ** torch.arange(7.0), torch.tensor([1.0, 1.5, 31.999, 32.0])])
+    out = torch.full_like(x, float("nan"), device=DEV)
+    _log2_sum_kernel[(triton.cdiv(x.numel(), 1024),)](x.to(DEV), out, x.numel(), BLOCK=1024)
+    assert_close("log2", x.double().log2().float(), out.cpu(), atol=1e-6, rtol=0)
+    nan = torch.tensor([float("nan"), 2.0], device=DEV)
+    _log2_sum_kernel[(1,)](nan, nan, 2, BLOCK=2)
+    assert nan[0].isnan() and nan[1].item() == pytest.approx(1.0, abs=1e-6)
