@@ -88,8 +88,7 @@ def _channel_lse_item(
         k = tl.arange(0, WORDS)
         g = tl.arange(0, GP)
         # The codes as 16-bit words of four codes each: a word's codes need a shift and a mask each, where bytes
-        # widened to 16 bits first took byte permutes (SASS for sm_90 as served: 1,413 -> 1,288 instructions a
-        # thread for two blocks at a group of 4, 1,427 -> 1,252 at 7, with the exp2 below; docs/results/session45).
+        # widened to 16 bits first took byte permutes (SASS counts with the exp2 and _log2_sum: docs/results/session45).
         tl.static_assert(4 * BITS == 16)
         LOW: tl.constexpr = (1 << BITS) - 1
         words_ptr = codes_ptr.to(tl.pointer_type(tl.uint16))
