@@ -1,5 +1,6 @@
 """select_chain alone on a GPU, stage by stage: where a served layer's selection time goes. At the Llama-3.1-8B
-attention shape (8 KV heads, groups of 4), 32K context (1,000 candidate pages of 32 tokens), budget 2048 (64 slots),
+attention shape (8 KV heads, groups of 4; --shape qwen: Qwen2.5-7B's, 4 KV heads, groups of 7), 32K context (1,000
+candidate pages of 32 tokens), budget 2048 (64 slots),
 one call per layer timed as the replay of a CUDA graph of 32 calls (a step's sparse layers), per call:
 
   select       select_slots over given page scores (no hysteresis, no victim cache)
@@ -32,25 +33,27 @@ from freekv_kernels.page_select import triton as page_select_triton
 from freekv_kernels.select_chain import LsePool, Replay, select_chain
 from gpu_timing import graph_replay_ms
 
-H, G, GP, K = 8, 4, 4, 64
+SHAPES = {"llama": (8, 4), "qwen": (4, 7)}  # KV heads, group: Llama-3.1-8B's and Qwen2.5-7B's attention
+K = 64
 HYSTERESIS = 1.0  # freekv_sglang.config.DEFAULT_HYSTERESIS
 STAGES = ("select", "+hyst", "+victims", "+pool", "+replay")
 
 
-def case(batch: int, pages: int, flagged: float, seed: int, dev: str = "cuda") -> dict:
+def case(batch: int, pages: int, flagged: float, seed: int, shape: str = "llama", dev: str = "cuda") -> dict:
+    H, G = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
-    lse = torch.randn(batch, H, pages, GP, generator=gen).to(dev)
+    lse = torch.randn(batch, H, pages, 1 << (G - 1).bit_length(), generator=gen).to(dev)
     resident = torch.stack([torch.randperm(pages, generator=gen)[:K] for _ in range(batch * H)]).view(batch, H, K)
     now = torch.rand(batch, H, generator=gen) < flagged
     return dict(lse=lse, scores=torch.rand(batch, H, pages, generator=gen).to(dev), resident=resident.int().to(dev),
                 now=now.to(dev), req_slots=torch.arange(batch, dtype=torch.int32, device=dev),
                 cand_end=torch.full((batch,), pages, dtype=torch.int32, device=dev),
-                draws=torch.rand(32, batch, H, generator=gen).to(dev))
+                draws=torch.rand(32, batch, H, generator=gen).to(dev), group=G)
 
 
 def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries: int):
     """One layer's selection as the engine calls it, up to `stage`, on state of its own."""
-    batch = c["req_slots"].shape[0]
+    batch, H = c["lse"].shape[:2]
     upto, dev = STAGES.index(stage), c["lse"].device
     slots = c["resident"].clone()
     recall = torch.zeros(batch, H, K, dtype=torch.int8, device=dev)
@@ -62,7 +65,7 @@ def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries
 
     def run(i: int):
         replay = Replay(c["draws"][i], churn, returns) if upto >= 4 else None
-        scores = LsePool(c["lse"], 0, c["cand_end"], G, c["lse"].shape[2]) if upto >= 3 else c["scores"]
+        scores = LsePool(c["lse"], 0, c["cand_end"], c["group"], c["lse"].shape[2]) if upto >= 3 else c["scores"]
         if upto == 0:
             return select_slots(scores, slots, c["req_slots"], heads, phase, heads, recall)
         return select_chain(scores, slots, c["req_slots"], heads, phase, heads, recall, hysteresis=hyst,
@@ -72,6 +75,7 @@ def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=SHAPES, default="llama")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--flagged", type=float, default=0.3, help="share of (row, KV head) pairs selecting before attn")
     ap.add_argument("--churn", type=float, default=0.15, help="the replay's changed share of the budget")
@@ -88,6 +92,7 @@ def main() -> None:
         raise SystemExit("benchmarks/select_chain.py needs a CUDA device")
     stages = args.stages.split(",")
     assert set(stages) <= set(STAGES), f"stages are {STAGES}"
+    H, G = SHAPES[args.shape]
     print(f"{torch.cuda.get_device_name()}: select_chain per call (graph of 32), {H} KV heads x group {G}, "
           f"{K} slots, flagged {args.flagged}, churn {args.churn}, returns {args.returns}")
     print(f"{'pages':>5} {'warps':>5} {'V':>4} {'batch':>5} {'phase':>12} "
@@ -100,12 +105,12 @@ def main() -> None:
     for pages, warps, entries, batch in cells:
         if warps:
             page_select_triton.TOPK_SINGLE_WARPS = warps
-        c = case(batch, pages, args.flagged, seed=batch)
+        c = case(batch, pages, args.flagged, seed=batch, shape=args.shape)
         # PHASE_LATER selects the heads not flagged; flag none so that every head selects, as in the speculation.
         for phase, name in ((PHASE_NOW, "before attn"), (PHASE_LATER, "speculative")):
             if phase == PHASE_LATER:
                 c = dict(c, now=torch.zeros_like(c["now"]))
-            row = dict(pages=pages, warps=warps, victims=entries, batch=batch, phase=name)
+            row = dict(shape=args.shape, pages=pages, warps=warps, victims=entries, batch=batch, phase=name)
             for stage in stages:
                 run = chain(c, stage, phase, args.churn, args.returns, entries)
                 row[stage] = 1e3 * graph_replay_ms(lambda: [run(i) for i in range(32)], args.repeats) / 32

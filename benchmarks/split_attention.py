@@ -22,7 +22,7 @@ from freekv_kernels.split_attention import attend_kept, attend_recalled
 from freekv_kernels.token_index import head_token_index
 from gpu_timing import graph_replay_ms
 
-HQ, H, D, P, DTYPE = 32, 8, 128, 32, torch.bfloat16
+HQ, H, D, P, DTYPE = 32, 8, 128, 32, torch.bfloat16  # --shape qwen sets HQ, H = 28, 4
 SINK, SLOTS, WINDOW = 4, 64, 17  # pages: 128 tokens, the 2048-token budget, 512 tokens and the page being filled
 WIDTH = SINK + SLOTS + WINDOW
 
@@ -78,6 +78,8 @@ def flashinfer_path(c: dict, batch: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=("llama", "qwen"), default="llama",
+                    help="Llama-3.1-8B's attention (32 query / 8 KV heads) or Qwen2.5-7B's (28 / 4)")
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--flagged", type=float, default=0.3, help="share of (row, KV head) pairs that recall")
     ap.add_argument("--changed", type=float, default=0.15, help="share of a recalling pair's slots it recalls")
@@ -88,10 +90,13 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/split_attention.py needs a CUDA device")
+    global HQ, H
+    HQ, H = (28, 4) if args.shape == "qwen" else (32, 8)
     peak = copy_peak_gbps(args.repeats)
     scale = D ** -0.5
     rows = []
-    print(f"{torch.cuda.get_device_name()}  copy peak {peak:.0f} GB/s  flagged {args.flagged}  changed {args.changed}")
+    print(f"{torch.cuda.get_device_name()}  {args.shape}: {HQ} / {H} heads  copy peak {peak:.0f} GB/s  "
+          f"flagged {args.flagged}  changed {args.changed}")
     print(f"{'batch':>5} {'KV MB':>7} {'floor us':>8} {'flashinfer':>10} {'kept':>7} {'recalled':>8} "
           f"{'split':>7} {'max err':>8}")
     for batch in map(int, args.batches.split(",")):
