@@ -4,10 +4,9 @@
 
 A layer runs from one QKV projection's start to the next. Per layer, on the chain the model's kernels form:
 the QKV projection; FreeKV's correction chain (from the query-similarity kernel's end to attention's start) and the
-recall inside it; attention (FlashInfer's kernel and its merge, or with --kv-attention split from the last
-attend_kept's start to attend_recalled's end, the recall before attention running beside that attend_kept; `recalled`
-is attend_recalled alone, 0 for FlashInfer; `early` the attend_kept of the heads that do not select now, which runs
-beside the chain, 0 without one); the idle time before the output projection; the output, gate/up and down projections. Prints each
+recall inside it; attention (FlashInfer's kernel and its merge, or with --kv-attention split from attend_kept's start
+to attend_recalled's end, the recall before attention running beside attend_kept; `recalled` is attend_recalled alone,
+0 for FlashInfer); the idle time before the output projection; the output, gate/up and down projections. Prints each
 part's median and mean over every sparse layer of the window (the first layer, dense, and the last, which runs the LM
 head, are left out), then the kernels that start inside the correction chain, by stream (which of them the chain
 waits for: a speculative lane's kernels start there too), and those that overlap the idle time before the output
@@ -27,8 +26,8 @@ from collections import Counter, defaultdict
 from trace_summary import load
 
 GPU = ("kernel", "gpu_memcpy")
-PARTS = ("layer", "qkv", "chain", "chain_recall", "early", "attention", "recalled", "idle_before_oproj", "oproj",
-         "gate_up", "down")
+PARTS = ("layer", "qkv", "chain", "chain_recall", "attention", "recalled", "idle_before_oproj", "oproj", "gate_up",
+         "down")
 
 
 def _first(events, pred, after):
@@ -75,9 +74,6 @@ def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tupl
                      sim["ts"])
         split = att["name"] == "_attend_kept_kernel"
         merge = _first(win, lambda n: n == "_attend_recalled_kernel" if split else "MergeStates" in n, att["ts"])
-        kept = [e for e in win if e["name"] == "_attend_kept_kernel" and e["ts"] < merge["ts"]] if split else [att]
-        early = kept[0]["dur"] if len(kept) > 1 else 0  # the heads that do not select now, beside the chain
-        att = kept[-1]
         oproj = _first(win, _gemm(names, "oproj"), merge["ts"])
         gate = _first(win, _gemm(names, "gateup"), oproj["ts"])
         down = _first(win, _gemm(names, "down"), gate["ts"])
@@ -85,7 +81,7 @@ def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tupl
         recall = sum(e["dur"] for e in win if e["name"] == "_recall_pages_kernel" and e["ts"] >= chain_start
                      and e["ts"] + e["dur"] <= (merge if split else att)["ts"] + 0.5)
         rows.append(dict(layer=t1 - t0, qkv=qkv[i]["dur"], chain=att["ts"] - chain_start, chain_recall=recall,
-                         early=early, attention=merge["ts"] + merge["dur"] - att["ts"], recalled=merge["dur"] if split else 0,
+                         attention=merge["ts"] + merge["dur"] - att["ts"], recalled=merge["dur"] if split else 0,
                          idle_before_oproj=idle[1] - idle[0], oproj=oproj["dur"], gate_up=gate["dur"],
                          down=down["dur"]))
         for e in win:

@@ -17,10 +17,8 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
            pooling, the benchmarks' churn replay and select_slots: top-k, delta against the resident slots,
            commit, recall codes, in one launch); record E_sel; recall_pages of the changed slots of flagged heads
            and the empty slots being filled; record E_now
-  compute: the engine's own attention over sink | slots | window: attend_kept for the heads that do not select now,
-           over every page, beside the whole chain (their slots are final); wait E_sel; attend_kept for the others,
-           over every page but the slots being recalled, beside that recall; wait E_now; attend_recalled merges
-           those slots in and normalises every head.
+  compute: the engine's own attention over sink | slots | window: wait E_sel; attend_kept, over every page but the
+           slots being recalled, runs beside that recall; wait E_now; attend_recalled merges those slots in.
            Or an outside kernel (SGLang's --kv-attention backend): wait E_now; head_token_index, which lists each
            head's tokens straight from the slot table, and the kernel. Record E_attn
   speculate: wait E_attn; the scoring + select_chain with q_i for the remaining heads (speculative, used by
@@ -62,7 +60,6 @@ import torch
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 from freekv_kvstore import ArenaGeometry
 from freekv_kernels.select_chain import Replay
-from freekv_kernels.split_attention import Partials
 
 from .config import RETRIEVALS, FreeKVConfig
 from .host_pool import HostPool, LayerSlice, LocalHostPool
@@ -818,18 +815,10 @@ class FreeKVEngine:
                 self._recall_phase(plan, layer, PHASE_NOW)
                 e_now = st.record()
             self._flush_speculation(e_sel)  # the previous layer's, beside this layer's recall before attention
-        early = None
-        if self.retrieval and attention is None:
-            # The heads that do not select now attend with the slots they hold, committed and recalled by earlier
-            # steps (nothing before attention changes them), beside the correction chain instead of after it.
-            early = ops.attend_kept(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, plan.n_sink,
-                                    plan.n_slots, self._recall[layer][:q.shape[0]], None, self.scale, p,
-                                    heads=self._now_heads[layer][:q.shape[0]], want=False)
         # The slot table is final once the selection has committed: the attention's first call runs beside the
         # recall, which writes only the pages of the slots coded PHASE_NOW, and its second after it.
         st.wait(e_sel)
-        finish = (attention or functools.partial(self._attend_split, layer, early))(q, kc, vc, plan,
-                                                                                    self.slot_table[layer])
+        finish = (attention or functools.partial(self._attend_split, layer))(q, kc, vc, plan, self.slot_table[layer])
         st.wait(e_now)
         out = finish()
         if self.probe is not None:
@@ -875,16 +864,13 @@ class FreeKVEngine:
             (plan, layer), self._pending = self._pending, None
             self._after_attention(plan, layer, anchor if anchor is not None else self.streams.record())
 
-    def _attend_split(self, layer: int, early: Partials | None, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                      plan: StepPlan, slots: torch.Tensor) -> Callable[[], torch.Tensor]:
+    def _attend_split(self, layer: int, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: StepPlan,
+                      slots: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The engine's own sparse attention as an Attention: attend_kept over the pages that stay (it skips the slots
-        coded PHASE_NOW, which the recall writes), of the heads that select now only when `early` holds the others'
-        partials; the returned call merges the recalled slots in (by then the selection has coded the other heads'
-        slots 0)."""
+        coded PHASE_NOW, which the recall writes); the returned call merges the recalled slots in."""
         recall, ops, p = self._recall[layer][:q.shape[0]], self.ops, self.cfg.page_size
-        heads = None if early is None else self._now_heads[layer][:q.shape[0]]
         kept = ops.attend_kept(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, plan.n_sink,
-                               plan.n_slots, recall, PHASE_NOW, self.scale, p, heads=heads, out=early)
+                               plan.n_slots, recall, PHASE_NOW, self.scale, p)
         return lambda: ops.attend_recalled(q, kc, vc, plan.slot_pages, plan.n_slots, recall, PHASE_NOW, self.scale, p,
                                            kept)
 

@@ -67,7 +67,7 @@ def test_layer_split_of_a_small_trace(tmp_path, capsys):
         json.dump({"traceEvents": events}, f)
     names = dict(qkv="qkv_gemm", oproj="o_gemm", gateup="gateup_gemm", down="down_gemm")
     rows, seen, overlap, inside = trace_layers.split_layers(trace_layers.load(str(path)), 3, names)
-    assert rows == [dict(layer=1000, qkv=20, chain=73, chain_recall=50, early=0, attention=94, recalled=0, idle_before_oproj=36,
+    assert rows == [dict(layer=1000, qkv=20, chain=73, chain_recall=50, attention=94, recalled=0, idle_before_oproj=36,
                          oproj=15, gate_up=80, down=40)]
     assert seen["_channel_lse_kernel"] == 1 and overlap["_channel_lse_kernel"] == 35
     # The chain's kernels (by stream: here every event's tid), not the speculative recall after attention.
@@ -95,14 +95,5 @@ def test_layer_split_of_a_small_trace(tmp_path, capsys):
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": [e for i in range(4) for e in split_layer(1000 * i)]}, f)
     rows, _, _, _ = trace_layers.split_layers(trace_layers.load(str(path)), 3, names)
-    assert rows == [dict(layer=1000, qkv=20, chain=14, chain_recall=50, early=0, attention=82, recalled=8,
-                         idle_before_oproj=37, oproj=15, gate_up=80, down=40)]
-
-    def early_layer(t):  # and the heads that do not select now attend beside the chain, first
-        return split_layer(t)[:2] + [ev("_attend_kept_kernel", t + 28, 30)] + split_layer(t)[2:]
-
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": [e for i in range(4) for e in early_layer(1000 * i)]}, f)
-    rows, _, _, _ = trace_layers.split_layers(trace_layers.load(str(path)), 3, names)
-    assert rows == [dict(layer=1000, qkv=20, chain=14, chain_recall=50, early=30, attention=82, recalled=8,
-                         idle_before_oproj=37, oproj=15, gate_up=80, down=40)]
+    assert rows == [dict(layer=1000, qkv=20, chain=14, chain_recall=50, attention=82, recalled=8, idle_before_oproj=37,
+                         oproj=15, gate_up=80, down=40)]

@@ -29,13 +29,6 @@ def check_split_args(q: torch.Tensor, k_cache: torch.Tensor, recall: torch.Tenso
     return num_q_heads // heads
 
 
-def check_kept_heads(heads: torch.Tensor | None, recall: torch.Tensor) -> None:
-    """attend_kept's head mask: [B, H] like recall's first two dimensions, bool."""
-    if heads is not None and (heads.shape != recall.shape[:2] or heads.dtype != torch.bool):
-        raise ValueError(f"heads must be a bool [B, H] = {tuple(recall.shape[:2])} mask, got "
-                         f"{heads.dtype} {tuple(heads.shape)}")
-
-
 def _partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float) -> tuple:
     """(m, l, acc) [Hq], [Hq], [Hq, D] of one row's query heads q [Hq, D] over the tokens k, v [N, H, D] that
     keep [H, N] marks for each KV head, in the log2 domain (a head with none: -inf, 0, 0)."""
@@ -56,44 +49,26 @@ def _page_rows(pages: torch.Tensor, page_size: int, n_tokens: int) -> torch.Tens
 
 def naive_attend_kept(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_table: torch.Tensor,
                       row_pages: torch.Tensor, last_page_len: torch.Tensor, n_sink: torch.Tensor,
-                      n_slots: torch.Tensor, recall: torch.Tensor, phase: int | None, scale: float,
-                      page_size: int, heads: torch.Tensor | None = None, want: bool = True,
-                      out: Partials | None = None) -> Partials:
+                      n_slots: torch.Tensor, recall: torch.Tensor, phase: int, scale: float,
+                      page_size: int) -> Partials:
     """The partials of each (row b, query head hq) over the pages row_table[b, :row_pages[b]] (the last holding
     last_page_len[b] tokens), without the selection slots s < n_slots[b] (table entry n_sink[b] + s) of KV head
-    hq // G whose recall[b, h, s] == phase: those are being recalled and read only by attend_recalled. phase None:
-    every page (the codes are not read). One split, or out's splits (the first holds the partials, the others none).
-
-    heads [B, H] bool: only the KV heads with heads[b, h] == want; the others' partials are out's, left as they are
-    (two launches with opposite masks fill one set of partials), or unwritten (here -inf, 0, 0) without out."""
+    hq // G whose recall[b, h, s] == phase: those are being recalled and read only by attend_recalled. One split."""
     check_split_args(q, k_cache, recall, row_table.shape[0])
-    check_kept_heads(heads, recall)
     batch, num_q_heads, head_dim = q.shape
     p, k = page_size, recall.shape[2]
-    splits = 1 if out is None else out.m.shape[2]
-    if out is None:
-        m = torch.full((batch, num_q_heads, 1), float("-inf"), dtype=torch.float32, device=q.device)
-        l, acc = torch.zeros_like(m), torch.zeros(batch, num_q_heads, 1, head_dim, dtype=torch.float32, device=q.device)
-    else:
-        m, l, acc = (t.clone() for t in out)
-    group = num_q_heads // k_cache.shape[1]
-    on = torch.ones(batch, k_cache.shape[1], dtype=torch.bool, device=q.device) if heads is None else heads == want
-    on = on.repeat_interleave(group, 1)  # [B, Hq]
+    m = torch.full((batch, num_q_heads, 1), float("-inf"), dtype=torch.float32, device=q.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(batch, num_q_heads, 1, head_dim, dtype=torch.float32, device=q.device)
     for b in range(batch):
         n, first, filled = int(row_pages[b]), int(n_sink[b]), min(int(n_slots[b]), k)
-        part = (torch.full((num_q_heads, splits), float("-inf"), device=q.device),
-                torch.zeros(num_q_heads, splits, device=q.device),
-                torch.zeros(num_q_heads, splits, head_dim, device=q.device))
-        if n:
-            rows = _page_rows(row_table[b, :n], p, (n - 1) * p + int(last_page_len[b]))
-            keep = torch.ones(k_cache.shape[1], n, dtype=torch.bool, device=q.device)  # per (head, page)
-            if phase is not None:
-                keep[:, first:first + filled] = recall[b, :, :filled] != phase
-            keep = keep.repeat_interleave(p, 1)[:, :rows.shape[0]]
-            for t, x in zip(part, _partials(q[b], k_cache[rows], v_cache[rows], keep, scale)):
-                t[:, 0] = x
-        for t, x in zip((m, l, acc), part):
-            t[b, on[b]] = x[on[b]]
+        if n == 0:
+            continue
+        rows = _page_rows(row_table[b, :n], p, (n - 1) * p + int(last_page_len[b]))
+        keep = torch.ones(k_cache.shape[1], n, dtype=torch.bool, device=q.device)  # per (head, page)
+        keep[:, first:first + filled] = recall[b, :, :filled] != phase
+        keep = keep.repeat_interleave(p, 1)[:, :rows.shape[0]]
+        m[b, :, 0], l[b, :, 0], acc[b, :, 0] = _partials(q[b], k_cache[rows], v_cache[rows], keep, scale)
     return Partials(m, l, acc)
 
 

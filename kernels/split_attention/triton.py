@@ -16,7 +16,7 @@ import triton.language as tl
 from .._alloc import empty
 from .._utils import check_device, check_index_vectors, interpret_mode
 from ..sparse_attention.triton import _LOG2E, _MAX_SPLITS, _MIN_DOT, _sm_count
-from .naive import Partials, check_kept_heads, check_split_args
+from .naive import Partials, check_split_args
 
 # attend_kept's programs per SM: several waves, so rows of unequal length and the recall beside it balance out.
 _PROGRAMS_PER_SM = 4
@@ -54,20 +54,16 @@ def _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr
 
 @triton.jit
 def _attend_kept_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, num_pages_ptr, last_len_ptr, n_sink_ptr, n_slots_ptr, recall_ptr, heads_ptr,
-    m_ptr, l_ptr, acc_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, num_pages_ptr, last_len_ptr, n_sink_ptr, n_slots_ptr, recall_ptr, m_ptr, l_ptr,
+    acc_ptr,
     qk_scale, pages_per_split, phase,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_tb, stride_hb, stride_hh,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_tb,
     H: tl.constexpr, K: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, PAGE_TILE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_F32: tl.constexpr,
-    SKIP: tl.constexpr, HEADS: tl.constexpr, WANT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    if HEADS:  # a head outside the mask writes nothing: another launch attends it
-        if tl.load(heads_ptr + b * stride_hb + h * stride_hh).to(tl.int32) != WANT:
-            return
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     t = tl.arange(0, PAGE_TILE)
@@ -89,10 +85,8 @@ def _attend_kept_kernel(
     for i in range(start, end):
         s_idx = i - first
         in_slots = (s_idx >= 0) & (s_idx < n_slots)
-        attend = True  # SKIP False: every page, and the codes are not read
-        if SKIP:  # a slot being recalled is attend_recalled's
-            attend = tl.load(recall_ptr + (b * H + h) * K + s_idx, mask=in_slots, other=0) != phase
-        if attend:
+        code = tl.load(recall_ptr + (b * H + h) * K + s_idx, mask=in_slots, other=0)
+        if code != phase:  # a slot being recalled is attend_recalled's
             page = tl.load(table_ptr + b * stride_tb + i).to(tl.int64)
             t_mask = t < tl.where(i == n_pages - 1, last_len, PAGE_SIZE)
             rows = page * PAGE_SIZE + t
@@ -176,38 +170,30 @@ def _check_rows(q: torch.Tensor, *caches: torch.Tensor) -> None:
 
 def attend_kept(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_table: torch.Tensor,
                 row_pages: torch.Tensor, last_page_len: torch.Tensor, n_sink: torch.Tensor, n_slots: torch.Tensor,
-                recall: torch.Tensor, phase: int | None, scale: float, page_size: int,
-                heads: torch.Tensor | None = None, want: bool = True, out: Partials | None = None) -> Partials:
+                recall: torch.Tensor, phase: int, scale: float, page_size: int) -> Partials:
     check_device(q, k_cache, v_cache, row_table, row_pages, last_page_len, n_sink, n_slots, recall)
     check_index_vectors(row_pages=row_pages, last_page_len=last_page_len, n_sink=n_sink, n_slots=n_slots)
     group = check_split_args(q, k_cache, recall, row_table.shape[0])
-    check_kept_heads(heads, recall)
     _check_rows(q, k_cache, v_cache)
     if not recall.is_contiguous() or row_table.stride(1) != 1:
         raise ValueError("recall and the rows of row_table must be contiguous")
     batch, num_q_heads, head_dim = q.shape
-    n_heads, width = k_cache.shape[1], row_table.shape[1]
-    splits = num_splits(batch, n_heads, width, q.device)
-    if out is None:
-        out = Partials(empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device),
-                       empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device),
-                       empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device))
-    elif out.m.shape != (batch, num_q_heads, splits) or out.acc.shape != (batch, num_q_heads, splits, head_dim) \
-            or not all(t.is_contiguous() and t.dtype == torch.float32 for t in out):
-        raise ValueError(f"out must be contiguous fp32 partials of {splits} splits (an earlier attend_kept's)")
+    heads, width = k_cache.shape[1], row_table.shape[1]
+    splits = num_splits(batch, heads, width, q.device)
+    m = empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    l = empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    acc = empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     if batch:
-        _attend_kept_kernel[(batch, n_heads, splits)](
-            q, k_cache, v_cache, row_table, row_pages, last_page_len, n_sink, n_slots, recall,
-            recall if heads is None else heads, *out,
-            scale * _LOG2E, triton.cdiv(width, splits), -1 if phase is None else phase,
+        _attend_kept_kernel[(batch, heads, splits)](
+            q, k_cache, v_cache, row_table, row_pages, last_page_len, n_sink, n_slots, recall, m, l, acc,
+            scale * _LOG2E, triton.cdiv(width, splits), phase,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            row_table.stride(0), *((0, 0) if heads is None else heads.stride()),
-            H=n_heads, K=recall.shape[2], G=group, G_PAD=max(_MIN_DOT, triton.next_power_of_2(group)), D=head_dim,
+            row_table.stride(0),
+            H=heads, K=recall.shape[2], G=group, G_PAD=max(_MIN_DOT, triton.next_power_of_2(group)), D=head_dim,
             PAGE_SIZE=page_size, PAGE_TILE=max(_MIN_DOT, page_size), NUM_SPLITS=splits,
-            DOT_F32=q.dtype == torch.float32 or interpret_mode(), SKIP=phase is not None, HEADS=heads is not None,
-            WANT=int(want),
+            DOT_F32=q.dtype == torch.float32 or interpret_mode(),
         )
-    return out
+    return Partials(m, l, acc)
 
 
 def attend_recalled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_pages: torch.Tensor,

@@ -147,14 +147,13 @@ def speculative(select: dict) -> dict:
 
 @pytest.mark.parametrize("recall", ["delta", "all"])
 def test_freekv_layer_launches(monkeypatch, recall):
-    """13 launches per sparse layer with the sketch selection: 4 on the compute stream (similarity with the
-    sketch's byte picks and the KV write; the attention of the heads that do not select now, beside the correction
-    chain; that of the others over the pages that stay, beside the recall; the one that merges the recalled slots in
-    after it), 4 on the select stream before attention, 3 on the speculate stream and 2 on the recall stream after
-    it; no torch glue anywhere."""
+    """12 launches per sparse layer with the sketch selection: 3 on the compute stream (similarity with the
+    sketch's byte picks and the KV write, the attention over the pages that stay, beside the recall, and the one
+    that merges the recalled slots in after it), 4 on the select stream before attention,
+    3 on the speculate stream and 2 on the recall stream after it; no torch glue anywhere."""
     got = count_step(monkeypatch, recall=recall)
     assert got == {
-        "compute": {"_query_similarity_kernel": 1, "_attend_kept_kernel": 2, "_attend_recalled_kernel": 1},
+        "compute": {"_query_similarity_kernel": 1, "_attend_kept_kernel": 1, "_attend_recalled_kernel": 1},
         "select": SELECT,
         "speculate": speculative(SELECT),
         "recall": RECALL,
@@ -164,11 +163,11 @@ def test_freekv_layer_launches(monkeypatch, recall):
 def test_channels_layer_launches(monkeypatch):
     """The default selection, the channel sketch (head dim 32: it codes 32 channels): its log-sum-exps, then one
     launch pools them and selects (select_chain); the offload writes the codes of the page leaving the window in its
-    own launch: 11 per sparse layer."""
+    own launch: 10 per sparse layer."""
     got = count_step(monkeypatch, selection="channels", head_dim=32)
     channels = {"_channel_lse_kernel": 1, "_select_chain_kernel": 1, "_recall_pages_kernel": 1}
     assert got == {
-        "compute": {"_query_similarity_kernel": 1, "_attend_kept_kernel": 2, "_attend_recalled_kernel": 1},
+        "compute": {"_query_similarity_kernel": 1, "_attend_kept_kernel": 1, "_attend_recalled_kernel": 1},
         "select": channels,
         "speculate": speculative(channels),
         "recall": RECALL,
@@ -209,11 +208,11 @@ def test_means_quest_and_streaming_layer_launches(monkeypatch):
 @pytest.mark.slow
 def test_louiskv_layer_launches(monkeypatch):
     """LouisKV: the trigger replaces the similarity check; before attention the unit scores, selection and recall
-    (the kernels exit at once for rows without a boundary, whose attention runs beside them); after it the offload
-    and the segment upkeep, nothing speculative; no torch glue (so no host sync either: a step stays capturable)."""
+    (the kernels exit at once for rows without a boundary); after it the offload and the segment upkeep, nothing
+    speculative; no torch glue (so no host sync either: a step stays capturable)."""
     got = count_step(monkeypatch, retrieval="louiskv")
     assert got == {
-        "compute": {"_semantic_boundary_kernel": 1, "_write_kv_kernel": 1, "_attend_kept_kernel": 2,
+        "compute": {"_semantic_boundary_kernel": 1, "_write_kv_kernel": 1, "_attend_kept_kernel": 1,
                     "_attend_recalled_kernel": 1},
         "select": {"_unit_partials_kernel": 1, "_unit_pages_kernel": 1, "_select_slots_kernel": 1,
                    "_recall_pages_kernel": 1},

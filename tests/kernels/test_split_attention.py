@@ -94,51 +94,6 @@ def test_split_equals_full_attention(group, dtype, page_size, head_dim):
     assert (out[0] == 0).all(), "a row without pages outputs zeros"
 
 
-def run_masked(a, before, now, kept_fn=attend_kept, recalled_fn=attend_recalled):
-    """The engine's split attention when some heads select now (`now` [B, H]): the others attend every page first,
-    beside the correction chain, on caches final for them, reading no code (theirs may be stale: a code 1 left by
-    the previous step's correction); the heads that select now skip their recalled slots beside the recall; then
-    select_chain has written 0 to the other heads' codes and attend_recalled merges. `before` is NaN at the recalled
-    pages of the heads that select now only."""
-    args = (a["row_table"], a["row_pages"], a["last_page_len"], a["n_sink"], a["n_slots"], a["recall"])
-    kept = kept_fn(a["q"], *before, *args, None, a["scale"], a["page_size"], heads=now, want=False)
-    kept = kept_fn(a["q"], *before, *args, NOW, a["scale"], a["page_size"], heads=now, want=True, out=kept)
-    recall = torch.where(now[:, :, None], a["recall"], 0)
-    return recalled_fn(a["q"], a["k_cache"], a["v_cache"], a["slot_pages"], a["n_slots"], recall, NOW, a["scale"],
-                       a["page_size"], kept)
-
-
-@pytest.mark.parametrize("page_size,head_dim,dtype", [(16, 64, torch.bfloat16), (32, 128, torch.float32)])
-@pytest.mark.parametrize("group", [1, 3, 4, 8])
-def test_masked_launches_equal_full_attention(group, dtype, page_size, head_dim):
-    """Two attend_kept launches with opposite head masks fill one set of partials: every head's attention over all
-    its row's pages, also where a head that does not select now holds stale recall codes."""
-    heads = 3
-    a, _ = split_case(group, heads, head_dim, page_size, dtype, seed=10 + group)
-    gen = torch.Generator().manual_seed(group)
-    now = (torch.rand(len(ROWS), heads, generator=gen) < 0.5).to(DEV)
-    now[3, 0], now[3, 1] = True, False  # row 3 has slot 0 coded NOW in every head: one current, one stale
-    k_before, v_before = a["k_cache"].clone(), a["v_cache"].clone()
-    for b, (_, n_k, _) in enumerate(ROWS):
-        for h in range(heads):
-            for s in range(n_k):
-                if now[b, h] and a["recall"][b, h, s] == NOW:
-                    page = int(a["slot_pages"][b, s])
-                    k_before[page * page_size:(page + 1) * page_size, h] = float("nan")
-                    v_before[page * page_size:(page + 1) * page_size, h] = float("nan")
-    with poisoned_outputs():
-        out = run_masked(a, (k_before, v_before), now)
-        early = attend_kept(a["q"], k_before, v_before, a["row_table"], a["row_pages"], a["last_page_len"],
-                            a["n_sink"], a["n_slots"], a["recall"], None, a["scale"], page_size, heads=now, want=False)
-    written = ~torch.isnan(early.m).all(-1).view(len(ROWS), heads, group)
-    assert written.eq(~now[:, :, None]).all(), "the first launch attends the heads that do not select now, only"
-    ref = full_attention(a)
-    tol = TOL[dtype]
-    assert_close("masked split vs full", ref, out, atol=tol, rtol=tol)
-    naive = run_masked(a, (k_before, v_before), now, naive_attend_kept, naive_attend_recalled)
-    assert_close("references", ref, naive, atol=tol, rtol=tol)
-
-
 @pytest.mark.parametrize("splits", [1, 4, 9])
 def test_split_counts(monkeypatch, splits):
     """One split, uneven ones and more splits than a row has pages; three KV heads, G = 7."""
@@ -171,15 +126,6 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="partials"):
         attend_recalled(a["q"][:2], a["k_cache"], a["v_cache"], a["slot_pages"][:2], a["n_slots"][:2],
                         a["recall"][:2], NOW, a["scale"], 16, kept)
-    args = (a["q"], *before, a["row_table"], a["row_pages"], a["last_page_len"], a["n_sink"], a["n_slots"],
-            a["recall"], NOW, a["scale"], 16)
-    for fn in (attend_kept, naive_attend_kept):
-        with pytest.raises(ValueError, match="heads must be a bool"):
-            fn(*args, heads=torch.ones(len(ROWS), 2, dtype=torch.int32, device=DEV))
-        with pytest.raises(ValueError, match="heads must be a bool"):
-            fn(*args, heads=torch.ones(len(ROWS), 3, dtype=torch.bool, device=DEV))
-    with pytest.raises(ValueError, match="out must be"):
-        attend_kept(*args, out=kept._replace(m=kept.m[:, :, :1]))
 
 
 CHILD = r'''
@@ -188,11 +134,10 @@ from freekv_kernels.testing import compile_sm90
 m = importlib.import_module("freekv_kernels.split_attention.triton")
 T = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "table_ptr": "*i32",
      "num_pages_ptr": "*i32", "last_len_ptr": "*i32", "n_sink_ptr": "*i32", "n_slots_ptr": "*i32", "recall_ptr": "*i8",
-     "slot_pages_ptr": "*i32", "heads_ptr": "*i1",
+     "slot_pages_ptr": "*i32",
      "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "qk_scale": "fp32"}
 kept = compile_sm90(m._attend_kept_kernel, {"H": 8, "K": 64, "G": 4, "G_PAD": 16, "D": 128, "PAGE_SIZE": 32,
-                    "PAGE_TILE": 32, "NUM_SPLITS": 5, "DOT_F32": False, "SKIP": True, "HEADS": True, "WANT": 1},
-                    T, 4)
+                    "PAGE_TILE": 32, "NUM_SPLITS": 5, "DOT_F32": False}, T, 4)
 rec = compile_sm90(m._attend_recalled_kernel, {"H": 8, "K": 64, "K_PAD": 64, "G": 4, "G_PAD": 16, "D": 128,
                    "PAGE_SIZE": 32, "BLOCK": 64, "NUM_SPLITS": 5, "SPLITS_PAD": 8, "DOT_F32": False}, T, 4)
 assert "mma" in kept and "mma" in rec
