@@ -255,12 +255,49 @@ def _sort_keys(in_ptr, b, h, n, si_b, si_h, si_j, c, CHUNK: tl.constexpr, PACKED
         pad = tl.full([CHUNK], NEG_INF_KEY, tl.int32).to(tl.int64) << 32
         x = tl.where(ok, tl.load(src, mask=ok, other=0), pad)
     else:
-        f = tl.load(src, mask=ok, other=float("-inf")).to(tl.float32)
-        f = tl.where(f == 0.0, 0.0, f)  # -0.0 ties with +0.0, as in torch's sort
-        bits = f.to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
-        x = (key.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)
+        x = _pack_key(tl.load(src, mask=ok, other=float("-inf")), j)
     return x
+
+
+@triton.jit
+def _pack_key(score, j):
+    """The int64 key of `score` at page j (see _sort_keys)."""
+    f = score.to(tl.float32)
+    f = tl.where(f == 0.0, 0.0, f)  # -0.0 ties with +0.0, as in torch's sort
+    bits = f.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    return (key.to(tl.int64) << 32) | (0x7FFFFFFF - j).to(tl.int64)
+
+
+# A mark in a scores row that _delta_in_row writes over the resident pages' scores: a NaN payload no arithmetic makes.
+_HELD_MARK = tl.constexpr(0x7FC0DEAD)  # globals a jitted function reads must be constexpr
+
+
+@triton.jit
+def _delta_in_row(row, si_j, n, old, ok, sel, top):
+    """The slots after a selection (as _select_row's [k, k] compares give them: resident pages keep their slot, the
+    r-th incoming page in selection order takes the r-th free slot in slot order), computed through the scores row
+    `row` [n] instead: the top-k has read it, so it is scratch from here (only where the caller made it so). A resident
+    slot is one whose page's key is at least the smallest selected key (keys are unique); the resident pages are marked
+    in the row so that a selected page knows whether it is held; the incoming pages are written to the row's head in
+    rank order and each free slot reads its own. Four barriers, where the compares took ~28 (sm_90 SASS)."""
+    words = row.to(tl.pointer_type(tl.int32))
+    on = (old >= 0) & (old < n)
+    kth = tl.min(tl.where(sel != -1, top, 0x7FFFFFFFFFFFFFFF), axis=0)
+    resident = on & (_pack_key(tl.load(row + old * si_j, mask=on, other=float("-inf")), old) >= kth)
+    tl.debug_barrier()  # every thread's top-k and key loads are done before the row is written
+    tl.store(words + old * si_j, tl.full(old.shape, _HELD_MARK, tl.int32), mask=on)
+    tl.debug_barrier()
+    incoming = (sel != -1) & (tl.load(words + sel * si_j, mask=sel != -1, other=0) != _HELD_MARK)
+    free = ok & ~resident
+    in_rank = tl.cumsum(incoming.to(tl.int32), axis=0) - 1
+    free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
+    filled = free & (free_rank < tl.sum(incoming.to(tl.int32), axis=0))
+    tl.debug_barrier()  # every mark is read before the row's head takes the incoming pages
+    tl.store(words + in_rank * si_j, sel, mask=incoming)
+    tl.debug_barrier()
+    placed = tl.load(words + free_rank * si_j, mask=filled, other=-1)
+    return tl.where(resident, old, tl.where(filled, placed, -1))
 
 
 @triton.jit
@@ -345,6 +382,69 @@ def _victim_moves(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, V
     return tl.where(changed, (evict + 1) | ((source + 1) << SHIFT), 0)
 
 
+# Tags _victim_moves_in_row writes into a scores row: an entry's id at its page (a hit's source), a page being read.
+_HIT_TAG = tl.constexpr(0x7FD00000)  # | entry (< 2^16); NaN payloads above every score's bits and _HELD_MARK
+_READ_TAG = tl.constexpr(0x7FE00000)
+
+
+@triton.jit
+def _victim_moves_in_row(row, si_j, n, ops_row, so_k, K, vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e,
+                         V, old, new, changed, KP: tl.constexpr, VP: tl.constexpr, SHIFT: tl.constexpr):
+    """_victim_moves (the same ops, entries and stamps) through memory instead of [slot, entry] compares: the scores
+    row `row` [n] (scratch once _delta_in_row is done with it) carries each entry's id to its page, where a changed
+    slot's incoming page finds its source, and the hits back to their entries; the victim ops row `ops_row` [K]
+    (written last) carries the eligible entries in eviction order to the evicting slots. A page is in one entry at
+    most (a hit frees its entry and only pages leaving a slot enter), as the kernels and references assume. Six
+    barriers, where the compares took ~43 (sm_90 SASS)."""
+    words = row.to(tl.pointer_type(tl.int32))
+    e = tl.arange(0, VP)
+    e_ok = e < V
+    v_ptrs = vict_ptr + r * sv_r + h * sv_h + e.to(tl.int64) * sv_e
+    a_ptrs = age_ptr + r * sa_r + h * sa_h + e.to(tl.int64) * sa_e
+    held = tl.load(v_ptrs, mask=e_ok, other=-1)
+    age = tl.load(a_ptrs, mask=e_ok, other=-1)
+    at = e_ok & (held >= 0) & (held < n)  # an entry whose page a slot can take (the slots' pages are below n)
+    tl.debug_barrier()  # the row's last reads (_delta_in_row's) are done
+    tl.store(words + held * si_j, tl.full([VP], _HIT_TAG, tl.int32) | e, mask=at)
+    tl.debug_barrier()
+    look = changed & (new >= 0) & (new < n)
+    tag = tl.load(words + new * si_j, mask=look, other=0)
+    source = tl.where(look & ((tag >> 16) == (_HIT_TAG >> 16)), tag & 0xFFFF, -1)
+    tl.debug_barrier()  # every slot has read its tag before any is overwritten
+    tl.store(words + new * si_j, _READ_TAG, mask=source >= 0)
+    tl.debug_barrier()
+    read = at & (tl.load(words + held * si_j, mask=at, other=0) == _READ_TAG)
+    elig = e_ok & ~read
+    # The entries' order (full, age, entry) as one int64 key each (age + 1 < 2**32; entry in the low 16 bits).
+    key = ((held != -1).to(tl.int64) << 48) | ((age.to(tl.int64) + 1) << 16) | e.to(tl.int64)
+    evicting = changed & (old != -1)
+    ev_rank = tl.cumsum(evicting.to(tl.int32), axis=0) - 1
+    # The eligible entries first to last (the KP first of them with more entries than slots), -1 past them.
+    FAR: tl.constexpr = -(1 << 62)
+    if VP > KP:
+        firsts = tl.topk(tl.where(elig, ~key, FAR), KP)
+        order = tl.where(firsts != FAR, (~firsts) & 0xFFFF, -1)
+        pos = tl.arange(0, KP)
+    else:
+        firsts = tl.sort(tl.where(elig, key, -FAR))
+        order = tl.where(firsts != -FAR, firsts & 0xFFFF, -1)
+        pos = tl.arange(0, VP)
+    tl.store(ops_row + pos.to(tl.int64) * so_k, order.to(tl.int32), mask=pos < K)
+    tl.debug_barrier()
+    i = tl.arange(0, KP)
+    evict = tl.load(ops_row + ev_rank.to(tl.int64) * so_k, mask=evicting & (i < K), other=-1)
+    evict = tl.where(evicting, evict, -1)
+    clock = tl.max(age, axis=0) + 1
+    slot_v = vict_ptr + r * sv_r + h * sv_h + evict.to(tl.int64) * sv_e
+    slot_a = age_ptr + r * sa_r + h * sa_h + evict.to(tl.int64) * sa_e
+    tl.store(slot_v, old, mask=evict >= 0)
+    tl.store(slot_a, clock + ev_rank, mask=evict >= 0)
+    tl.store(v_ptrs, -1, mask=read)
+    tl.store(a_ptrs, -1, mask=read)
+    tl.debug_barrier()  # every slot has read its entry before the caller writes the ops row
+    return tl.where(changed, (evict + 1) | ((source + 1) << SHIFT), 0)
+
+
 @triton.jit
 def _select_slots_kernel(
     H,
@@ -353,7 +453,7 @@ def _select_slots_kernel(
     sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
     KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, PHASE: tl.constexpr, WANT: tl.constexpr,
     RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr, HYST: tl.constexpr,
-    VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr,
+    VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr, SCRATCH: tl.constexpr,
 ):
     """One program per (row b, KV head h): _select_row."""
     pid = tl.program_id(0)
@@ -362,7 +462,8 @@ def _select_slots_kernel(
         in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr, vict_ptr, age_ptr, vops_ptr,
         n, K, pad_slot, bonus, V, si_b, si_h, si_j, st_r, st_h, st_k, s_req, sh_b, sh_h, sf_b, sf_h, sr_b, sr_h, sr_k,
         sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
-        KP, CHUNK, PACKED_IN, PHASE, WANT, RECALL_ALL, STATS, NEG_INF_KEY, HYST, VICTIMS, VP, HIT_STATS, SHIFT)
+        KP, CHUNK, PACKED_IN, PHASE, WANT, RECALL_ALL, STATS, NEG_INF_KEY, HYST, VICTIMS, VP, HIT_STATS, SHIFT,
+        SCRATCH)
 
 
 @triton.jit
@@ -373,7 +474,7 @@ def _select_row(
     sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
     KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, PHASE: tl.constexpr, WANT: tl.constexpr,
     RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr, HYST: tl.constexpr,
-    VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr,
+    VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr, SCRATCH: tl.constexpr,
 ):
     """Row b, KV head h: the last top-k stage, the slot delta against the resident pages, the commit into
     slots[req_slots[b], h], the recall codes and, with VICTIMS, the victim ops and entries (see naive_select_slots).
@@ -398,18 +499,21 @@ def _select_row(
         page = 0x7FFFFFFF - top.to(tl.int32)  # the low word (truncation)
         # sel[t]: the t-th best page, -1 where its score is -inf (or padding) and past k.
         sel = tl.where(((top >> 32).to(tl.int32) <= NEG_INF_KEY) | (i >= K), -1, page)
-        # eq[s, t]: slot s already holds selected page t (padding lanes are -1 and never match).
-        eq = (old[:, None] == sel[None, :]) & (sel != -1)[None, :]
-        resident = tl.max(eq.to(tl.int32), axis=1) > 0  # per slot
-        incoming = (sel != -1) & (tl.max(eq.to(tl.int32), axis=0) == 0)  # per selected page
-        free = ok & ~resident
-        # The r-th incoming page (in selection order) goes to the r-th free slot (in slot order).
-        in_rank = tl.cumsum(incoming.to(tl.int32), axis=0) - 1
-        free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
-        match = free[:, None] & incoming[None, :] & (free_rank[:, None] == in_rank[None, :])
-        filled = tl.max(match.to(tl.int32), axis=1) > 0
-        placed = tl.sum(tl.where(match, sel[None, :], 0), axis=1)
-        new = tl.where(resident, old, tl.where(filled, placed, -1))
+        if SCRATCH and not PACKED_IN:
+            new = _delta_in_row(in_ptr + b * si_b + h * si_h, si_j, n, old, ok, sel, top)
+        else:
+            # eq[s, t]: slot s already holds selected page t (padding lanes are -1 and never match).
+            eq = (old[:, None] == sel[None, :]) & (sel != -1)[None, :]
+            resident = tl.max(eq.to(tl.int32), axis=1) > 0  # per slot
+            incoming = (sel != -1) & (tl.max(eq.to(tl.int32), axis=0) == 0)  # per selected page
+            free = ok & ~resident
+            # The r-th incoming page (in selection order) goes to the r-th free slot (in slot order).
+            in_rank = tl.cumsum(incoming.to(tl.int32), axis=0) - 1
+            free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
+            match = free[:, None] & incoming[None, :] & (free_rank[:, None] == in_rank[None, :])
+            filled = tl.max(match.to(tl.int32), axis=1) > 0
+            placed = tl.sum(tl.where(match, sel[None, :], 0), axis=1)
+            new = tl.where(resident, old, tl.where(filled, placed, -1))
         tl.store(slot_ptrs, new, mask=ok)
         if RECALL_ALL:
             changed = new != -1
@@ -418,8 +522,13 @@ def _select_row(
         if VICTIMS:
             vop = tl.zeros([KP], tl.int32)
             if r != pad_slot:
-                vop = _victim_moves(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, V, old, new,
-                                    changed, KP, VP, SHIFT)
+                if SCRATCH and not PACKED_IN:
+                    vop = _victim_moves_in_row(in_ptr + b * si_b + h * si_h, si_j, n, vops_ptr + b * so_b + h * so_h,
+                                               so_k, K, vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e,
+                                               V, old, new, changed, KP, VP, SHIFT)
+                else:
+                    vop = _victim_moves(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, V, old, new,
+                                        changed, KP, VP, SHIFT)
             tl.store(vop_ptrs, vop, mask=ok)
     rec_ptrs = recall_ptr + b * sr_b + h * sr_h + i64 * sr_k
     if PHASE == 1:
@@ -527,6 +636,6 @@ def select_launch(scores, slots, req_slots, heads, phase, flags, recall, recall_
         KP=kp, CHUNK=width, PACKED_IN=packed, PHASE=phase, WANT=want, RECALL_ALL=recall_all,
         STATS=stats is not None, NEG_INF_KEY=_NEG_INF_KEY, HYST=hyst,
         VICTIMS=cached, VP=max(2, triton.next_power_of_2(vt.shape[2])) if cached else 2,
-        HIT_STATS=cached and stats is not None and stats.shape == (4,), SHIFT=VICTIM_SHIFT,
+        HIT_STATS=cached and stats is not None and stats.shape == (4,), SHIFT=VICTIM_SHIFT, SCRATCH=False,
     )
     return args, constexprs, TOPK_SINGLE_WARPS if width > chunk else TOPK_WARPS

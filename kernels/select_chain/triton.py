@@ -26,7 +26,7 @@ def _select_chain_kernel(
     sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
     KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, PHASE: tl.constexpr, WANT: tl.constexpr,
     RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr, HYST: tl.constexpr,
-    VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr,
+    VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr, SCRATCH: tl.constexpr,
     POOL: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, POOL_BLOCK: tl.constexpr,
     REPLAY: tl.constexpr, R_KP: tl.constexpr, R_BLOCK: tl.constexpr, PROMOTED: tl.constexpr, TIE: tl.constexpr,
 ):
@@ -49,7 +49,8 @@ def _select_chain_kernel(
         in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr, vict_ptr, age_ptr, vops_ptr,
         n, K, pad_slot, bonus, V, si_b, si_h, si_j, st_r, st_h, st_k, s_req, sh_b, sh_h, sf_b, sf_h, sr_b, sr_h, sr_k,
         sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
-        KP, CHUNK, PACKED_IN, PHASE, WANT, RECALL_ALL, STATS, NEG_INF_KEY, HYST, VICTIMS, VP, HIT_STATS, SHIFT)
+        KP, CHUNK, PACKED_IN, PHASE, WANT, RECALL_ALL, STATS, NEG_INF_KEY, HYST, VICTIMS, VP, HIT_STATS, SHIFT,
+        SCRATCH)
 
 
 def select_chain(
@@ -100,6 +101,8 @@ def select_chain(
     if launch is None:
         return None
     args, constexprs, num_warps = launch
+    # Pooled here, the scores are this launch's own: the selection's slot delta may go through them.
+    constexprs["SCRATCH"] = pool is not None
     lse = scores if pool is None else pool.lse
     cend = req_slots if pool is None else pool.cand_end
     draws = scores if replay is None else replay.draws

@@ -16,8 +16,8 @@ TYPES = {"in_ptr": "*fp32", "slots_ptr": "*i32", "req_ptr": "*i32", "heads_ptr":
 for hyst in (False, True):  # with hysteresis: also with the victim cache and its hit statistics
     common = {"KP": 64, "PACKED_IN": False, "WANT": 1, "NEG_INF_KEY": page_select._NEG_INF_KEY, "HYST": hyst}
     victims = {"VICTIMS": hyst, "VP": 64, "HIT_STATS": hyst, "SHIFT": 16}
-    single = compile_sm90(page_select._select_slots_kernel, {**common, "CHUNK": 1024, "PHASE": 2,
-                                                             "RECALL_ALL": False, "STATS": True, **victims}, TYPES, 8)
+    single = compile_sm90(page_select._select_slots_kernel, {**common, "CHUNK": 1024, "PHASE": 2, "RECALL_ALL": False,
+                                                             "STATS": True, "SCRATCH": False, **victims}, TYPES, 8)
     staged = compile_sm90(page_select._topk_kernel, {**common, "CHUNK": 512}, TYPES, 4)
     assert ".entry _select_slots_kernel" in single and ".entry _topk_kernel" in staged
     print("compiled", hyst)

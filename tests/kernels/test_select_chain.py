@@ -79,6 +79,8 @@ NAMES = ("slots", "recall", "stats", "victims", "age", "ops")
 
 SMALL = [(G, H, M, K, V, phase, rate) for G, H, M, K, V in [(1, 2, 40, 8, 0), (3, 2, 200, 16, 16)]
          for phase in (PHASE_NOW, PHASE_LATER) for rate in (None, 0.15)]
+# More victim entries than slots (three budgets), and fewer; a slot count short of a power of two.
+SMALL += [(2, 2, 120, 8, 24, PHASE_LATER, 0.15), (4, 2, 150, 12, 5, PHASE_NOW, 0.15)]
 # Long rows (slow under the interpreter): the longest one-stage row, and a staged one (three launches), each phase
 # once, both with the replay.
 LONG = [(4, 2, 1000, 64, 64, PHASE_NOW, 0.15), (8, 1, 1100, 32, 8, PHASE_LATER, 0.15)]
@@ -168,7 +170,7 @@ TYPES = {"lse_ptr": "*fp32", "cend_ptr": "*i32", "draws_ptr": "*fp32", "rate_k":
          "vops_ptr": "*i32"}
 CONSTEXPRS = {"KP": 64, "CHUNK": 1024, "PACKED_IN": False, "PHASE": 1, "WANT": 1, "RECALL_ALL": False, "STATS": True,
               "NEG_INF_KEY": page_select._NEG_INF_KEY, "HYST": True, "VICTIMS": True, "VP": 64, "HIT_STATS": True,
-              "SHIFT": 16, "POOL": True, "G": 4, "GP": 4, "POOL_BLOCK": 1024, "REPLAY": True, "R_KP": 64,
+              "SHIFT": 16, "SCRATCH": True, "POOL": True, "G": 4, "GP": 4, "POOL_BLOCK": 1024, "REPLAY": True, "R_KP": 64,
               "R_BLOCK": 1024, "PROMOTED": 1.0e4, "TIE": 1.0 / 1024}
 ptx = compile_sm90(select_chain._select_chain_kernel, CONSTEXPRS, TYPES, 8)
 assert ".entry _select_chain_kernel" in ptx and "bar.sync" in ptx

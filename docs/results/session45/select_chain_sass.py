@@ -19,7 +19,7 @@ TYPES = {"lse_ptr": "*fp32", "cend_ptr": "*i32", "draws_ptr": "*fp32", "rate_k":
          "vops_ptr": "*i32"}
 C = {"KP": 64, "CHUNK": 1024, "PACKED_IN": False, "PHASE": 1, "WANT": 1, "RECALL_ALL": False, "STATS": True,
      "NEG_INF_KEY": page_select._NEG_INF_KEY, "HYST": True, "VICTIMS": True, "VP": 64, "HIT_STATS": True,
-     "SHIFT": 16, "POOL": True, "G": 4, "GP": 4, "POOL_BLOCK": 1024, "REPLAY": True, "R_KP": 64,
+     "SHIFT": 16, "SCRATCH": True, "POOL": True, "G": 4, "GP": 4, "POOL_BLOCK": 1024, "REPLAY": True, "R_KP": 64,
      "R_BLOCK": 1024, "PROMOTED": 1.0e4, "TIE": 1.0 / 1024}
 params = list(inspect.signature(sc._select_chain_kernel.fn).parameters)
 variants = [("served", {}), ("no replay", {"REPLAY": False}),
