@@ -159,6 +159,7 @@ def naive_select_slots(
     victims: torch.Tensor | None = None,
     victim_age: torch.Tensor | None = None,
     victim_ops: torch.Tensor | None = None,
+    scratch: bool = False,
 ) -> None:
     """Top-k selection, slot assignment and commit for the heads of `phase`, and the recall plan of every head.
 
@@ -176,6 +177,8 @@ def naive_select_slots(
     insertion stamp; victim_ops [B, H, k] int32, see victim_op): a phase's head of a row other than pad_slot updates
     its entries as _victim_moves says and writes victim_ops[b, h] (0 where no slot changes); the other heads' ops
     stay, as their recall codes do. Not with recall_all.
+    scratch: the scores are the caller's scratch, which the kernel may overwrite after its top-k (they then hold no
+    scores); here they stay as the hysteresis leaves them.
     """
     check_hysteresis(hysteresis)
     cached = check_victims(victims, victim_age, victim_ops, slots, recall, recall_all)

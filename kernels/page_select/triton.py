@@ -450,7 +450,7 @@ def _select_slots_kernel(
     H,
     in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr, vict_ptr, age_ptr, vops_ptr,
     n, K, pad_slot, bonus, V, si_b, si_h, si_j, st_r, st_h, st_k, s_req, sh_b, sh_h, sf_b, sf_h, sr_b, sr_h, sr_k,
-    sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
+    sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k, row_ptr, m, sw_b, sw_h, sw_j,
     KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, PHASE: tl.constexpr, WANT: tl.constexpr,
     RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr, HYST: tl.constexpr,
     VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr, SCRATCH: tl.constexpr,
@@ -461,7 +461,7 @@ def _select_slots_kernel(
         (pid // H).to(tl.int64), (pid % H).to(tl.int64),
         in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr, vict_ptr, age_ptr, vops_ptr,
         n, K, pad_slot, bonus, V, si_b, si_h, si_j, st_r, st_h, st_k, s_req, sh_b, sh_h, sf_b, sf_h, sr_b, sr_h, sr_k,
-        sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
+        sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k, row_ptr, m, sw_b, sw_h, sw_j,
         KP, CHUNK, PACKED_IN, PHASE, WANT, RECALL_ALL, STATS, NEG_INF_KEY, HYST, VICTIMS, VP, HIT_STATS, SHIFT,
         SCRATCH)
 
@@ -471,7 +471,7 @@ def _select_row(
     b, h,
     in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr, vict_ptr, age_ptr, vops_ptr,
     n, K, pad_slot, bonus, V, si_b, si_h, si_j, st_r, st_h, st_k, s_req, sh_b, sh_h, sf_b, sf_h, sr_b, sr_h, sr_k,
-    sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
+    sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k, row_ptr, m, sw_b, sw_h, sw_j,
     KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, PHASE: tl.constexpr, WANT: tl.constexpr,
     RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr, HYST: tl.constexpr,
     VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr, SCRATCH: tl.constexpr,
@@ -499,8 +499,8 @@ def _select_row(
         page = 0x7FFFFFFF - top.to(tl.int32)  # the low word (truncation)
         # sel[t]: the t-th best page, -1 where its score is -inf (or padding) and past k.
         sel = tl.where(((top >> 32).to(tl.int32) <= NEG_INF_KEY) | (i >= K), -1, page)
-        if SCRATCH and not PACKED_IN:
-            new = _delta_in_row(in_ptr + b * si_b + h * si_h, si_j, n, old, ok, sel, top)
+        if SCRATCH:
+            new = _delta_in_row(row_ptr + b * sw_b + h * sw_h, sw_j, m, old, ok, sel, top)
         else:
             # eq[s, t]: slot s already holds selected page t (padding lanes are -1 and never match).
             eq = (old[:, None] == sel[None, :]) & (sel != -1)[None, :]
@@ -522,8 +522,8 @@ def _select_row(
         if VICTIMS:
             vop = tl.zeros([KP], tl.int32)
             if r != pad_slot:
-                if SCRATCH and not PACKED_IN:
-                    vop = _victim_moves_in_row(in_ptr + b * si_b + h * si_h, si_j, n, vops_ptr + b * so_b + h * so_h,
+                if SCRATCH:
+                    vop = _victim_moves_in_row(row_ptr + b * sw_b + h * sw_h, sw_j, m, vops_ptr + b * so_b + h * so_h,
                                                so_k, K, vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e,
                                                V, old, new, changed, KP, VP, SHIFT)
                 else:
@@ -562,11 +562,14 @@ def select_slots(
     victims: torch.Tensor | None = None,
     victim_age: torch.Tensor | None = None,
     victim_ops: torch.Tensor | None = None,
+    scratch: bool = False,
 ) -> None:
     """Rows of up to TOPK_SINGLE pages (rounded up to a power of two) take one launch; longer rows are cut into
-    chunks of TOPK_CHUNK pages whose winners a further stage reduces, until one stage covers the rest."""
+    chunks of TOPK_CHUNK pages whose winners a further stage reduces, until one stage covers the rest. scratch: the
+    scores are the caller's scratch (select_chain's pooled scores), which the last stage may overwrite once its top-k
+    is known (_delta_in_row, _victim_moves_in_row); afterwards they hold no scores."""
     launch = select_launch(scores, slots, req_slots, heads, phase, flags, recall, recall_all, stats, pad_slot,
-                           hysteresis, victims, victim_age, victim_ops)
+                           hysteresis, victims, victim_age, victim_ops, scratch)
     if launch is not None:
         args, constexprs, num_warps = launch
         _select_slots_kernel[(req_slots.shape[0] * slots.shape[1],)](slots.shape[1], *args, **constexprs,
@@ -586,7 +589,7 @@ def one_stage(num_pages: int, k: int) -> bool:
 
 
 def select_launch(scores, slots, req_slots, heads, phase, flags, recall, recall_all=False, stats=None, pad_slot=-1,
-                  hysteresis=0.0, victims=None, victim_age=None, victim_ops=None):
+                  hysteresis=0.0, victims=None, victim_age=None, victim_ops=None, scratch=False):
     """select_slots' checks and early top-k stages; then (args, constexprs, num_warps) of its last stage: _select_row's
     arguments after (b, h), its constexprs and the launch's warps; None when there is nothing to select."""
     check_phase(phase)
@@ -630,12 +633,12 @@ def select_launch(scores, slots, req_slots, heads, phase, flags, recall, recall_
         n, k, pad_slot, bonus, vt.shape[2],
         *x.stride(), *slots.stride(), req_slots.stride(0), *heads.stride(),
         *(heads.stride() if flags is None else flags.stride()), *recall.stride(),
-        *vt.stride(), *va.stride(), *vo.stride(),
+        *vt.stride(), *va.stride(), *vo.stride(), scores, M, *scores.stride(),
     )
     constexprs = dict(
         KP=kp, CHUNK=width, PACKED_IN=packed, PHASE=phase, WANT=want, RECALL_ALL=recall_all,
         STATS=stats is not None, NEG_INF_KEY=_NEG_INF_KEY, HYST=hyst,
         VICTIMS=cached, VP=max(2, triton.next_power_of_2(vt.shape[2])) if cached else 2,
-        HIT_STATS=cached and stats is not None and stats.shape == (4,), SHIFT=VICTIM_SHIFT, SCRATCH=False,
+        HIT_STATS=cached and stats is not None and stats.shape == (4,), SHIFT=VICTIM_SHIFT, SCRATCH=scratch,
     )
     return args, constexprs, TOPK_SINGLE_WARPS if width > chunk else TOPK_WARPS

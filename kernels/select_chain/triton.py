@@ -23,7 +23,7 @@ def _select_chain_kernel(
     draws_ptr, rate_k, returns, sd_b, sd_h,
     in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr, vict_ptr, age_ptr, vops_ptr,
     n, K, pad_slot, bonus, V, si_b, si_h, si_j, st_r, st_h, st_k, s_req, sh_b, sh_h, sf_b, sf_h, sr_b, sr_h, sr_k,
-    sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
+    sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k, row_ptr, m, sw_b, sw_h, sw_j,
     KP: tl.constexpr, CHUNK: tl.constexpr, PACKED_IN: tl.constexpr, PHASE: tl.constexpr, WANT: tl.constexpr,
     RECALL_ALL: tl.constexpr, STATS: tl.constexpr, NEG_INF_KEY: tl.constexpr, HYST: tl.constexpr,
     VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr, SCRATCH: tl.constexpr,
@@ -48,7 +48,7 @@ def _select_chain_kernel(
         b, h,
         in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr, vict_ptr, age_ptr, vops_ptr,
         n, K, pad_slot, bonus, V, si_b, si_h, si_j, st_r, st_h, st_k, s_req, sh_b, sh_h, sf_b, sf_h, sr_b, sr_h, sr_k,
-        sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k,
+        sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k, row_ptr, m, sw_b, sw_h, sw_j,
         KP, CHUNK, PACKED_IN, PHASE, WANT, RECALL_ALL, STATS, NEG_INF_KEY, HYST, VICTIMS, VP, HIT_STATS, SHIFT,
         SCRATCH)
 
@@ -96,12 +96,12 @@ def select_chain(
                   pool.group)
         if replay is not None:
             replay_churn(scores, slots, req_slots, heads, phase, replay.draws, replay.rate, victims, replay.returns)
-        return select_slots(scores, *select)
+        return select_slots(scores, *select, scratch=pool is not None)
     launch = select_launch(scores, *select)
     if launch is None:
         return None
     args, constexprs, num_warps = launch
-    # Pooled here, the scores are this launch's own: the selection's slot delta may go through them.
+    # Pooled here, the scores are this launch's own: the slot delta and the victim moves may go through them.
     constexprs["SCRATCH"] = pool is not None
     lse = scores if pool is None else pool.lse
     cend = req_slots if pool is None else pool.cand_end

@@ -11,7 +11,7 @@ from freekv_kernels.testing import compile_sm90
 
 TYPES = {"in_ptr": "*fp32", "slots_ptr": "*i32", "req_ptr": "*i32", "heads_ptr": "*i1", "flags_ptr": "*i1",
          "recall_ptr": "*i8", "stats_ptr": "*fp64", "out_ptr": "*i64", "bonus": "fp32", "vict_ptr": "*i32",
-         "age_ptr": "*i32", "vops_ptr": "*i32"}
+         "age_ptr": "*i32", "vops_ptr": "*i32", "row_ptr": "*fp32"}
 
 for hyst in (False, True):  # with hysteresis: also with the victim cache and its hit statistics
     common = {"KP": 64, "PACKED_IN": False, "WANT": 1, "NEG_INF_KEY": page_select._NEG_INF_KEY, "HYST": hyst}

@@ -16,7 +16,7 @@ from sass import compile_sass  # noqa: E402
 TYPES = {"lse_ptr": "*fp32", "cend_ptr": "*i32", "draws_ptr": "*fp32", "rate_k": "fp32", "returns": "fp32",
          "in_ptr": "*fp32", "slots_ptr": "*i32", "req_ptr": "*i32", "heads_ptr": "*i1", "flags_ptr": "*i1",
          "recall_ptr": "*i8", "stats_ptr": "*fp64", "bonus": "fp32", "vict_ptr": "*i32", "age_ptr": "*i32",
-         "vops_ptr": "*i32"}
+         "vops_ptr": "*i32", "row_ptr": "*fp32"}
 C = {"KP": 64, "CHUNK": 1024, "PACKED_IN": False, "PHASE": 1, "WANT": 1, "RECALL_ALL": False, "STATS": True,
      "NEG_INF_KEY": page_select._NEG_INF_KEY, "HYST": True, "VICTIMS": True, "VP": 64, "HIT_STATS": True,
      "SHIFT": 16, "SCRATCH": True, "POOL": True, "G": 4, "GP": 4, "POOL_BLOCK": 1024, "REPLAY": True, "R_KP": 64,
