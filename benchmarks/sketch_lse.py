@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--batches", default="16,1")
     ap.add_argument("--pages", default="1000", help="candidate pages a row (3750: 120K), comma-separated")
     ap.add_argument("--flagged", default="0.3,1", help="shares of (row, KV head) pairs that score, comma-separated")
-    ap.add_argument("--launch", default="", 
+    ap.add_argument("--launch", default="",
                     help="TOKENS/BLOCKS/WARPS/STAGES launches, comma-separated (default: served)")
     ap.add_argument("--module", default="", help="another copy of kernels/channel_sketch/triton.py to time beside")
     ap.add_argument("--layers", type=int, default=32, help="calls in the timed graph")

@@ -340,6 +340,24 @@ def _topk_kernel(
 
 
 @triton.jit
+def _victim_entries(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, V, VP: tl.constexpr):
+    """Row (r, h)'s victim entries: their ids, which exist (< V), pointers to their pages and stamps, their pages (-1
+    empty) and stamps."""
+    e = tl.arange(0, VP)
+    e_ok = e < V
+    v_ptrs = vict_ptr + r * sv_r + h * sv_h + e.to(tl.int64) * sv_e
+    a_ptrs = age_ptr + r * sa_r + h * sa_h + e.to(tl.int64) * sa_e
+    return e, e_ok, v_ptrs, a_ptrs, tl.load(v_ptrs, mask=e_ok, other=-1), tl.load(a_ptrs, mask=e_ok, other=-1)
+
+
+@triton.jit
+def _eviction_keys(held, age, e):
+    """The entries' eviction order (full, age, entry) as one int64 key each, smallest first (age + 1 < 2**32; entry
+    in the low 16 bits)."""
+    return ((held != -1).to(tl.int64) << 48) | ((age.to(tl.int64) + 1) << 16) | e.to(tl.int64)
+
+
+@triton.jit
 def _victim_moves(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, V, old, new, changed,
                   KP: tl.constexpr, VP: tl.constexpr, SHIFT: tl.constexpr):
     """The packed victim op of each slot of row (r, h) for the change old -> new, and the row's victim entries and
@@ -347,18 +365,13 @@ def _victim_moves(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, V
     take, in slot order, the entries no hit reads, free ones first, then the oldest, ties by entry. With more
     entries than slots (VP > KP) the outgoing pages need only the KP first entries in that order: a top-k of the
     entries' keys instead of every entry's rank ([VP, VP] compares: 16 times the work at four budgets of victims)."""
-    e = tl.arange(0, VP)
-    e_ok = e < V
-    v_ptrs = vict_ptr + r * sv_r + h * sv_h + e.to(tl.int64) * sv_e
-    a_ptrs = age_ptr + r * sa_r + h * sa_h + e.to(tl.int64) * sa_e
-    held = tl.load(v_ptrs, mask=e_ok, other=-1)
-    age = tl.load(a_ptrs, mask=e_ok, other=-1)
+    e, e_ok, v_ptrs, a_ptrs, held, age = _victim_entries(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e,
+                                                         V, VP)
     hit = changed[:, None] & (held[None, :] == new[:, None]) & (held != -1)[None, :]  # [slot, entry]
     source = tl.max(tl.where(hit, e[None, :], -1), axis=1)
     read = tl.max(hit.to(tl.int32), axis=0) > 0
     elig = e_ok & ~read
-    # The entries' order (full, age, entry) as one int64 key each (age + 1 < 2**32; entry in the low 16 bits).
-    key = ((held != -1).to(tl.int64) << 48) | ((age.to(tl.int64) + 1) << 16) | e.to(tl.int64)
+    key = _eviction_keys(held, age, e)
     evicting = changed & (old != -1)
     ev_rank = tl.cumsum(evicting.to(tl.int32), axis=0) - 1
     if VP > KP:
@@ -397,12 +410,8 @@ def _victim_moves_in_row(row, si_j, n, ops_row, so_k, K, vict_ptr, age_ptr, r, h
     most (a hit frees its entry and only pages leaving a slot enter), as the kernels and references assume. Six
     barriers, where the compares took ~43 (sm_90 SASS)."""
     words = row.to(tl.pointer_type(tl.int32))
-    e = tl.arange(0, VP)
-    e_ok = e < V
-    v_ptrs = vict_ptr + r * sv_r + h * sv_h + e.to(tl.int64) * sv_e
-    a_ptrs = age_ptr + r * sa_r + h * sa_h + e.to(tl.int64) * sa_e
-    held = tl.load(v_ptrs, mask=e_ok, other=-1)
-    age = tl.load(a_ptrs, mask=e_ok, other=-1)
+    e, e_ok, v_ptrs, a_ptrs, held, age = _victim_entries(vict_ptr, age_ptr, r, h, sv_r, sv_h, sv_e, sa_r, sa_h, sa_e,
+                                                         V, VP)
     at = e_ok & (held >= 0) & (held < n)  # an entry whose page a slot can take (the slots' pages are below n)
     tl.debug_barrier()  # the row's last reads (_delta_in_row's) are done
     tl.store(words + held * si_j, tl.full([VP], _HIT_TAG, tl.int32) | e, mask=at)
@@ -415,8 +424,7 @@ def _victim_moves_in_row(row, si_j, n, ops_row, so_k, K, vict_ptr, age_ptr, r, h
     tl.debug_barrier()
     read = at & (tl.load(words + held * si_j, mask=at, other=0) == _READ_TAG)
     elig = e_ok & ~read
-    # The entries' order (full, age, entry) as one int64 key each (age + 1 < 2**32; entry in the low 16 bits).
-    key = ((held != -1).to(tl.int64) << 48) | ((age.to(tl.int64) + 1) << 16) | e.to(tl.int64)
+    key = _eviction_keys(held, age, e)
     evicting = changed & (old != -1)
     ev_rank = tl.cumsum(evicting.to(tl.int32), axis=0) - 1
     # The eligible entries first to last (the KP first of them with more entries than slots), -1 past them.

@@ -97,12 +97,11 @@ def select_chain(
         if replay is not None:
             replay_churn(scores, slots, req_slots, heads, phase, replay.draws, replay.rate, victims, replay.returns)
         return select_slots(scores, *select, scratch=pool is not None)
-    launch = select_launch(scores, *select)
+    # Pooled here, the scores are this launch's own: the slot delta and the victim moves may go through them.
+    launch = select_launch(scores, *select, scratch=pool is not None)
     if launch is None:
         return None
     args, constexprs, num_warps = launch
-    # Pooled here, the scores are this launch's own: the slot delta and the victim moves may go through them.
-    constexprs["SCRATCH"] = pool is not None
     lse = scores if pool is None else pool.lse
     cend = req_slots if pool is None else pool.cand_end
     draws = scores if replay is None else replay.draws
