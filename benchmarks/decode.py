@@ -321,8 +321,9 @@ def step_timeline(ok: list[dict], last_first: float) -> dict:
             "step_gaps_ms": [round(g, 2) for g in gaps]}
 
 
-STATS_EVERY = 32  # FREEKV_STATS_EVERY of the servers: each logs after a host sync, so not every step; decode lines
-# come every 40 steps, and a 128-step batch then holds at least two stats lines after its first full decode line
+STATS_EVERY = 32  # FREEKV_STATS_EVERY of the servers (each line a step or two after its counters' copy, which waits
+# for nothing); decode lines come every 40 steps, and a 128-step batch then holds at least two stats lines after its
+# first full decode line
 
 
 def engine_window(text: str, batch: int) -> dict:

@@ -144,12 +144,12 @@ def tsp_engines(cfg: FreeKVConfig, shape: ModelShape, host_pool: HostPool | None
     return early, late
 
 
-def merged_stats(parts: list[tuple["FreeKVEngine", int]]) -> dict:
-    """stats() of engines that hold consecutive layers of one model, (engine, its first model layer) each: per-layer
-    entries under model layer numbers, totals summed."""
+def merged_stats(parts: list[tuple["StatsSnapshot", int]]) -> dict:
+    """stats() of engines that hold consecutive layers of one model, (a snapshot of the engine, its first model
+    layer) each: per-layer entries under model layer numbers, totals summed."""
     out: dict = {}
-    for eng, first in parts:
-        for key, val in eng.stats().items():
+    for snap, first in parts:
+        for key, val in snap.stats().items():
             if isinstance(val, dict):
                 out.setdefault(key, {}).update({first + layer: x for layer, x in val.items()})
             elif key in ("steps", "recall_page_bytes"):  # the same in every engine
@@ -157,6 +157,29 @@ def merged_stats(parts: list[tuple["FreeKVEngine", int]]) -> dict:
             else:
                 out[key] = out.get(key, 0) + val
     return out
+
+
+@dataclasses.dataclass
+class StatsSnapshot:
+    """An engine's counters taken without waiting for the device (FreeKVEngine.stats_snapshot): its device counters
+    copied to host memory behind the work already queued on the current stream, its host counters as they stood.
+    A server logs them once ready(): a host sync between steps would idle the GPU for the scheduler's whole step."""
+
+    engine: "FreeKVEngine"
+    sim: torch.Tensor  # host copies of _stat_sim and _stat_recall
+    recall: torch.Tensor
+    steps: int
+    checks: int
+    copied: "torch.cuda.Event | None"  # None: the copies were synchronous
+
+    def ready(self) -> bool:
+        return self.copied is None or self.copied.query()
+
+    def stats(self) -> dict:
+        """FreeKVEngine.stats() as of the snapshot; waits for the copies if they have not landed."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.engine._stats_of(self)
 
 
 class FreeKVEngine:
@@ -951,23 +974,38 @@ class FreeKVEngine:
         the victim cache (cfg.victim) instead, which cross no link (all cumulative since the engine was built).
         LouisKV counts a boundary as every KV head of its row flagged (so the correction rate is the share of
         (row, layer) steps that retrieve at a boundary) and its cosine once per row (the mean over all query
-        heads). Synchronises: call between steps."""
+        heads). Synchronises: call between steps (stats_snapshot() does not)."""
+        return self.stats_snapshot().stats()
+
+    def stats_snapshot(self) -> StatsSnapshot:
+        """The counters of stats() copied without a wait; StatsSnapshot.stats() reads them."""
+        sim, recall, copied = self._stat_sim, self._stat_recall, None
+        if sim.is_cuda:
+            sim = torch.empty(sim.shape, dtype=sim.dtype, pin_memory=True).copy_(sim, non_blocking=True)
+            recall = torch.empty(recall.shape, dtype=recall.dtype, pin_memory=True).copy_(recall, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            sim, recall = sim.clone(), recall.clone()
+        return StatsSnapshot(self, sim, recall, self._stat_steps, self._stat_checks, copied)
+
+    def _stats_of(self, snap: StatsSnapshot) -> dict:
         layers = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
-        checks = max(self._stat_checks, 1)
+        checks = max(snap.checks, 1)
         # Bytes one KV head's page reads from the host: a one-layer, one-head arena page (FP8 rows' exponents included).
         chunk = ArenaGeometry(1, 1, self.cfg.page_size, self.shape.head_dim, self.host.arena.dtype).page_bytes
-        flags, cos, cos_n = self._stat_sim.T.tolist()
-        placed_now, placed_later, hits_now, hits_later = self._stat_recall.T.tolist()
+        flags, cos, cos_n = snap.sim.T.tolist()
+        placed_now, placed_later, hits_now, hits_later = snap.recall.T.tolist()
         now = [a - b for a, b in zip(placed_now, hits_now)]
         later = [a - b for a, b in zip(placed_later, hits_later)]
         return {
-            "steps": self._stat_steps,
+            "steps": snap.steps,
             "correction_rate": {layer: flags[layer] / checks for layer in layers},
             "mean_cosine": {layer: cos[layer] / max(cos_n[layer], 1) for layer in layers},
             "recall_bytes_now": sum(now[layer] for layer in layers) * chunk,
             "recall_bytes_speculative": sum(later[layer] for layer in layers) * chunk,
             "recall_page_bytes": chunk,
-            "checks": self._stat_checks * len(layers),
+            "checks": snap.checks * len(layers),
             "flagged": round(sum(flags[layer] for layer in layers)),
             "recall_pages_now": round(sum(now[layer] for layer in layers)),
             "recall_pages_speculative": round(sum(later[layer] for layer in layers)),

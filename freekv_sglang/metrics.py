@@ -14,7 +14,8 @@ Gauges made in those same processes, named and labelled as SGLang's: the `sglang
   tokenizer series.
 
 The engine's counters are read where FreeKV already logs them (FreeKVAttnBackend, every FREEKV_STATS_EVERY decode
-steps: reading them synchronises the GPU), never per step; the series therefore lag by up to that many steps.
+steps, from a copy taken without a host sync and logged once it lands), never per step; the series therefore lag by
+up to that many steps. The step timing below does synchronise the GPU when it is read.
 Selection and recall time are sampled there too: with metrics on, the engine records timing events around the
 selection and recall of 4 sparse layers spread over the depth, on the streams that run them, inside the captured
 decode graph (StepTimer; timing every layer would cost ~10% of a one-request step), and each read observes the last

@@ -35,7 +35,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from . import metrics
-from .engine import FreeKVEngine, ModelShape, merged_stats, tsp_engines
+from .engine import FreeKVEngine, ModelShape, StatsSnapshot, merged_stats, tsp_engines
 from .kvstore_pool import HostPagesUnavailable, KVStoreHostPool, stable_client_id
 from .radix import PrefixSharing, fill_prefix_staging, namespace_of, prefix_fill_index
 from .server_args import host_page_bytes, host_page_capacity
@@ -187,6 +187,7 @@ class FreeKVAttnBackend(AttentionBackend):
         self._prefix_fill: list[tuple[int, int]] = []  # (staging page, host page) of hit prefixes to fill per layer
         self._prefix_index: tuple[torch.Tensor, torch.Tensor] | None = None  # their device indices (prefix_fill_index)
         self._steps = 0
+        self._pending_stats: list[list[tuple[StatsSnapshot, int]]] = []  # taken, not yet logged (_log_ready_stats)
         self._metrics = metrics.engine_metrics()  # None unless SGLang exports this scheduler's metrics
         if self._metrics is not None:
             # Before SGLang captures its decode graphs; a few layers only: every timed layer costs ~12 us a step.
@@ -495,7 +496,8 @@ class FreeKVAttnBackend(AttentionBackend):
                 head.plan(lens + pad, graph=graph)
         self._steps += 1
         if self._steps % STATS_EVERY == 0:
-            self._log_stats()
+            self._pending_stats.append(self._snapshots())
+        self._log_ready_stats()
 
     def _heads(self):
         """(engine, its head attention) of each engine, the first engine first."""
@@ -503,13 +505,20 @@ class FreeKVAttnBackend(AttentionBackend):
         if self.late is not None:
             yield self.late, self.late_head_attention
 
-    def _stats(self) -> dict:
-        if self.late is None:
-            return self.engine.stats()
-        return merged_stats([(self.engine, 0), (self.late, self.split)])
+    def _snapshots(self) -> list[tuple[StatsSnapshot, int]]:
+        """Every engine's counters, (snapshot, its first model layer) each, taken without a wait."""
+        parts = [(self.engine.stats_snapshot(), 0)]
+        if self.late is not None:
+            parts.append((self.late.stats_snapshot(), self.split))
+        return parts
 
-    def _log_stats(self) -> None:
-        st = self._stats()
+    def _log_ready_stats(self) -> None:
+        """Logs the snapshots whose copies have landed, oldest first: on a GPU a step or two after they were taken,
+        never waiting for one."""
+        while self._pending_stats and all(snap.ready() for snap, _ in self._pending_stats[0]):
+            self._log_stats(merged_stats(self._pending_stats.pop(0)))
+
+    def _log_stats(self, st: dict) -> None:
         rates = list(st["correction_rate"].values())
         # The raw counts too, so that a benchmark can difference two lines exactly (benchmarks/decode.py).
         logger.info("FreeKV rank %d: %d decode steps, correction rate %.3f (layers %.3f..%.3f), recall %.2f GB "

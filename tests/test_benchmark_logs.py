@@ -122,9 +122,39 @@ def test_the_stats_line_the_server_logs_parses(caplog):
           "victim_hits_now": 7, "victim_hits_speculative": 11, "checks": 4096, "flagged": 1229,
           "recall_pages_now": 183105, "recall_pages_speculative": 305175}
     with caplog.at_level("INFO", logger="freekv_sglang.sglang_backend"):
-        FreeKVAttnBackend._log_stats(SimpleNamespace(rank=0, radix=None, _metrics=None, _stats=lambda: st))
+        FreeKVAttnBackend._log_stats(SimpleNamespace(rank=0, radix=None, _metrics=None), st)
     found = decode.STATS.findall(caplog.text)
     assert [float(x) for x in found[0]] == [64, 0.3, 3.0, 5.0, 7, 11, 4096, 1229, 183105, 305175]
+
+
+def test_stats_are_logged_once_their_copies_land_oldest_first():
+    """The backend takes its stats snapshots without a host sync and logs each once its copy has landed, in the
+    order taken (decode.py differences the lines as logged), never waiting for one."""
+    from types import SimpleNamespace
+
+    from freekv_sglang.sglang_backend import FreeKVAttnBackend
+
+    class Snapshot:  # a StatsSnapshot whose copy lands when the test says
+        def __init__(self, steps):
+            self.steps, self.landed = steps, False
+
+        def ready(self):
+            return self.landed
+
+        def stats(self):
+            assert self.landed, "read before its copy landed"
+            return {"steps": self.steps}
+
+    older, newer = Snapshot(32), Snapshot(64)
+    logged = []
+    backend = SimpleNamespace(_pending_stats=[[(older, 0)], [(newer, 0)]], _log_stats=logged.append)
+    FreeKVAttnBackend._log_ready_stats(backend)
+    newer.landed = True
+    FreeKVAttnBackend._log_ready_stats(backend)
+    assert logged == []  # the newer one waits behind the older
+    older.landed = True
+    FreeKVAttnBackend._log_ready_stats(backend)
+    assert [st["steps"] for st in logged] == [32, 64] and backend._pending_stats == []
 
 
 def test_engine_window_differences_the_lines_logged_while_the_whole_batch_decoded():

@@ -219,6 +219,25 @@ def test_speculation_and_correction_match_oracle(tau):
     assert st["recall_bytes_speculative"] % st["recall_page_bytes"] == 0
 
 
+def test_a_stats_snapshot_keeps_its_counts_while_the_engine_runs_on():
+    """stats_snapshot() copies the counters (a server logs it a step or two later instead of a host sync): steps run
+    after it leave it as it was, reading what stats() read when it was taken."""
+    cfg = FreeKVConfig(selection="sketch", budget=48, sink=16, window=32, page_size=16, tau=0.5, dense_layers=1,
+                       hysteresis=0.0)
+    eng, _ = run_and_check(cfg, H=2, G=3, prompt_lens=[200, 131], steps=6)
+    snap, then = eng.stats_snapshot(), eng.stats()
+    slots = [s for s in range(eng.num_slots) if eng.is_active(s)]
+    for _ in range(3):
+        plan = eng.begin_step(slots)
+        for layer in range(3):
+            q, k, v = torch.randn(2, 6, D), torch.randn(2, 2, D), torch.randn(2, 2, D)
+            eng.attend(plan, layer, q.to(DEV), k.to(DEV), v.to(DEV))
+        eng.end_step()
+    now = eng.stats()
+    assert snap.ready() and snap.stats() == then
+    assert (then["steps"], now["steps"]) == (6, 9) and now["flagged"] > then["flagged"]
+
+
 @pytest.mark.parametrize("selection", ["sketch", "means"])
 def test_hysteresis_matches_oracle_and_recalls_less(selection):
     """With hysteresis the engine attends what the oracle's top-k with boosted resident pages picks, every step and

@@ -24,6 +24,7 @@ from test_freekv_backend import (CFG, CTX, HQ, STAGING, TOKENS, D, H, L, P, Inne
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from freekv_kvstore import start_embedded
+from freekv_sglang.engine import merged_stats
 from freekv_sglang.server_args import FreeKVServerSettings
 from freekv_sglang import radix, sglang_backend
 from freekv_sglang.sglang_backend import FreeKVAttnBackend, on_request_freed
@@ -370,7 +371,7 @@ def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon, caplog):
     assert (backend.radix.cut_matches, backend.radix.cut_pages) == (1, 3)
     backend.radix.release_unadmitted(None)
     with caplog.at_level("INFO", logger="freekv_sglang.sglang_backend"):
-        backend._log_stats()
+        backend._log_stats(merged_stats(backend._snapshots()))
     assert "0 matches deferred for staging room, 1 cut to it (3 pages short)" in caplog.text
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from freekv_kernels.tsp_select import naive_tsp_select
-from freekv_sglang.engine import ModelShape, tsp_engines
+from freekv_sglang.engine import ModelShape, merged_stats, tsp_engines
 from freekv_sglang.tsp_propagation import Propagation, install
 
 from test_freekv_backend import CFG, CTX, D, H, HQ, L, Request, daemon, decode_batch, extend_batch, layers, \
@@ -117,7 +117,7 @@ def test_tsp_prefill_propagates_then_decodes_like_fastkvs_two_engines(daemon):
         early.end_step()
         late.end_step()
     assert backend.late.seq_len(3) == TSP.tsp_keep + 24 and backend.engine.seq_len(3) == 150 + 24
-    assert set(backend._stats()["correction_rate"]) == {1, 2}  # both engines' sparse layers, by model layer
+    assert set(merged_stats(backend._snapshots())["correction_rate"]) == {1, 2}  # both engines' sparse layers, by model layer
 
     on_request_freed(3)  # both engines let the slot go; a new prompt in it propagates afresh
     fb = decode_batch(reqs[1:])
