@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# select_chain on one GPU in one call (carry .gpu-wheels), ~3 min on a fresh machine: the CUDA tests of the selection
+# select_chain on one GPU in one call (carry .gpu-wheels), ~8 min on a fresh machine (the tests compile for ~5 min
+# when its Triton cache is cold; session 47 cut them at 240 s, 21 s warm): the CUDA tests of the selection
 # kernels (select_chain, select_slots and its victims, the top-k prototypes, the channel sketch), then select_chain
 # stage by stage at the Qwen2.5-7B and Llama-3.1-8B attention shapes (1,000 pages: one launch; 3,750: the staged
 # 120K selection), the top-k prototypes (the top-k alone, to split select_chain.py's "select" stage into top-k and
@@ -11,7 +12,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the benchmarks run from benchmarks/
 source scripts/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_select_chain.py \
+timeout 360 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_select_chain.py \
   tests/kernels/test_page_select.py tests/kernels/test_page_select_victims.py tests/kernels/test_topk_proto.py \
   tests/kernels/test_channel_sketch.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 4
 cd benchmarks
