@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..fp8_rows.naive import check_host_scales
-from ..fp8_rows.triton import dequantize_tile
+from ..fp8_rows.triton import dequantize_tile, dequantize_tiles
 from ..page_select.naive import VICTIM_SHIFT
 from .._utils import capped_grid, check_device, check_index_vectors
 from .naive import check_victim_args
@@ -95,6 +95,69 @@ def _recall_pages_kernel(
                         tl.debug_barrier()
                     tl.store(k_dst, k)
                     tl.store(v_dst, v)
+
+
+@triton.jit
+def _recall_row(
+    host_ptr, exp_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, spages_ptr, recall_ptr, vops_ptr, b, h, r, K, victim_base, V,
+    s_hp, s_hh, s_hkv, s_ht, s_ep, s_eh, s_ekv, s_et, s_kt, s_kh, s_vt, s_vh, spt_r, spt_m, st_r, st_h, st_k,
+    sg_b, sg_k, sr_b, sr_h, sr_k, so_b, so_h, so_k,
+    PHASE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, KP: tl.constexpr, VICTIMS: tl.constexpr,
+    SHIFT: tl.constexpr, SCALED: tl.constexpr, M: tl.constexpr,
+):
+    """_recall_pages_kernel's copies for the entries of row b (request slot r), KV head h, in one program, M at a
+    time: the M entries' indices and chunks are gathered as [M] and [M, PAGE, D] tensors, so M PCIe reads are in
+    flight at once (select_chain's program recalls its own head's slots this way)."""
+    t = tl.arange(0, PAGE).to(tl.int64)
+    t3 = t[None, :, None]
+    d3 = tl.arange(0, D)[None, None, :]
+    j = tl.arange(0, KP)
+    codes = tl.load(recall_ptr + b * sr_b + h * sr_h + j * sr_k, mask=j < K, other=0)
+    hit = ((codes.to(tl.int32) == PHASE) & (j < K)).to(tl.int32)
+    rank = tl.cumsum(hit, 0) - 1  # an entry's place among the row's entries
+    n_hit = tl.sum(hit, 0)
+    mi = tl.arange(0, M)
+    for c in range(0, n_hit, M):
+        want = c + mi
+        ok = want < n_hit
+        s = tl.sum(tl.where((rank[None, :] == want[:, None]) & (hit[None, :] != 0), j[None, :], 0), 1)
+        page = tl.load(slots_ptr + r * st_r + h * st_h + s * st_k, mask=ok, other=0).to(tl.int64)
+        row0 = tl.load(spages_ptr + b * sg_b + s * sg_k, mask=ok, other=0).to(tl.int64) * PAGE
+        k_dst = k_ptr + (row0[:, None, None] + t3) * s_kt + h * s_kh + d3
+        v_dst = v_ptr + (row0[:, None, None] + t3) * s_vt + h * s_vh + d3
+        source = tl.full([M], -1, tl.int32)
+        evict = tl.full([M], -1, tl.int32)
+        if VICTIMS:
+            op = tl.load(vops_ptr + b * so_b + h * so_h + s * so_k, mask=ok, other=0)
+            evict = (op & ((1 << SHIFT) - 1)) - 1
+            source = (op >> SHIFT) - 1
+        host = ok & (source < 0)
+        src = tl.load(pt_ptr + r * spt_r + page * spt_m, mask=host, other=0).to(tl.int64)
+        chunk = host_ptr + src[:, None, None] * s_hp + h * s_hh + t3 * s_ht + d3
+        hm = host[:, None, None]
+        # Every load of the M chunks is issued before any store.
+        if SCALED:
+            rows_e = exp_ptr + src[:, None] * s_ep + h * s_eh + t[None, :] * s_et
+            kq = tl.load(chunk, mask=hm, other=0.0)
+            vq = tl.load(chunk + s_hkv, mask=hm, other=0.0)
+            k = dequantize_tiles(kq, tl.load(rows_e, mask=host[:, None], other=0)).to(k_ptr.dtype.element_ty)
+            v = dequantize_tiles(vq, tl.load(rows_e + s_ekv, mask=host[:, None], other=0)).to(v_ptr.dtype.element_ty)
+        else:
+            k = tl.load(chunk, mask=hm, other=0.0).to(k_ptr.dtype.element_ty)
+            v = tl.load(chunk + s_hkv, mask=hm, other=0.0).to(v_ptr.dtype.element_ty)
+        if VICTIMS:
+            back = (ok & (source >= 0))[:, None, None]
+            e1 = (victim_base + r * V + source.to(tl.int64)) * PAGE
+            k = tl.where(back, tl.load(k_ptr + (e1[:, None, None] + t3) * s_kt + h * s_kh + d3, mask=back), k)
+            v = tl.where(back, tl.load(v_ptr + (e1[:, None, None] + t3) * s_vt + h * s_vh + d3, mask=back), v)
+            # The outgoing chunks to their victim entries; every thread's read of a slot precedes any write to it.
+            out = (ok & (evict >= 0))[:, None, None]
+            e0 = (victim_base + r * V + evict.to(tl.int64)) * PAGE
+            tl.store(k_ptr + (e0[:, None, None] + t3) * s_kt + h * s_kh + d3, tl.load(k_dst, mask=out), mask=out)
+            tl.store(v_ptr + (e0[:, None, None] + t3) * s_vt + h * s_vh + d3, tl.load(v_dst, mask=out), mask=out)
+            tl.debug_barrier()
+        tl.store(k_dst, k, mask=ok[:, None, None])
+        tl.store(v_dst, v, mask=ok[:, None, None])
 
 
 def recall_pages(

@@ -13,7 +13,12 @@ from ..churn_replay.naive import PROMOTED, TIE, check_rate
 from ..churn_replay.triton import CHURN_BLOCK, _replay_row, replay_churn
 from ..page_rerank.triton import POOL_BLOCK, _full_scan, _pool, _pool_row
 from ..page_select.triton import _heads_args, _select_row, one_stage, select_launch, select_slots
-from .naive import LsePool, Replay, check_pool
+from ..recall.naive import check_victim_args
+from ..recall.triton import _recall_row, recall_pages
+from ..token_index.naive import check_q_rows
+from ..token_index.triton import _EMPTY_KEY, _SLOTS, _TILE, _head_token_row, head_token_index
+from ..fp8_rows.naive import check_host_scales
+from .naive import LsePool, RecallNow, Replay, TokenLists, after_selection, check_pool
 
 
 @triton.jit
@@ -29,9 +34,18 @@ def _select_chain_kernel(
     VICTIMS: tl.constexpr, VP: tl.constexpr, HIT_STATS: tl.constexpr, SHIFT: tl.constexpr, SCRATCH: tl.constexpr,
     POOL: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, POOL_BLOCK: tl.constexpr,
     REPLAY: tl.constexpr, R_KP: tl.constexpr, R_BLOCK: tl.constexpr, PROMOTED: tl.constexpr, TIE: tl.constexpr,
+    lrow_ptr, nsink_ptr, nslots_ptr, lpages_ptr, tokens_ptr, start_ptr, lout_ptr, q_ptr, qr_ptr,
+    lr_b, lr_i, lg_b, lg_k, lq_b, lq_h, lq_d,
+    LISTS: tl.constexpr, L_PAGE: tl.constexpr, L_SB: tl.constexpr, L_PB: tl.constexpr, L_EMPTY: tl.constexpr,
+    L_Q: tl.constexpr, L_G: tl.constexpr, L_GP: tl.constexpr, L_D: tl.constexpr, L_DP: tl.constexpr,
+    host_ptr, exp_ptr, k_ptr, v_ptr, pt_ptr, spages_ptr, victim_base,
+    s_hp, s_hh, s_hkv, s_ht, s_ep, s_eh, s_ekv, s_et, s_kt, s_kh, s_vt, s_vh, spt_r, spt_m, sg_b, sg_k,
+    RECALL: tl.constexpr, C_PAGE: tl.constexpr, C_D: tl.constexpr, C_SCALED: tl.constexpr, C_M: tl.constexpr,
 ):
     """Row b, KV head h of the phase: POOL, the scores row in_ptr[b, h] from the log-sum-exps (_pool_row); REPLAY,
-    the replay's scores over it (_replay_row); then, for every head, _select_row, which reads that row."""
+    the replay's scores over it (_replay_row); then, for every head, _select_row, which reads that row. After the
+    commit, every program: LISTS, its (row, head)'s token list (_head_token_row); RECALL, its entries of the phase
+    recalled (_recall_row)."""
     pid = tl.program_id(0)
     b = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
@@ -51,6 +65,73 @@ def _select_chain_kernel(
         sv_r, sv_h, sv_e, sa_r, sa_h, sa_e, so_b, so_h, so_k, row_ptr, m, sw_b, sw_h, sw_j,
         KP, CHUNK, PACKED_IN, PHASE, WANT, RECALL_ALL, STATS, NEG_INF_KEY, HYST, VICTIMS, VP, HIT_STATS, SHIFT,
         SCRATCH)
+    if LISTS or RECALL:
+        tl.debug_barrier()  # the commit's stores (slots, codes, victim ops) land before this program reads them
+    if LISTS:
+        _head_token_row(b, h, slots_ptr, req_ptr, lrow_ptr, nsink_ptr, nslots_ptr, lpages_ptr, tokens_ptr, start_ptr,
+                        lout_ptr, q_ptr, qr_ptr, H, K, st_r, st_h, st_k, lr_b, lr_i, lg_b, lg_k, lq_b, lq_h, lq_d,
+                        L_PAGE, L_SB, L_PB, L_EMPTY, L_Q, L_G, L_GP, L_D, L_DP)
+    if RECALL:
+        r = tl.load(req_ptr + b * s_req).to(tl.int64)
+        _recall_row(host_ptr, exp_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, spages_ptr, recall_ptr, vops_ptr, b, h, r, K,
+                    victim_base, V, s_hp, s_hh, s_hkv, s_ht, s_ep, s_eh, s_ekv, s_et, s_kt, s_kh, s_vt, s_vh, spt_r,
+                    spt_m, st_r, st_h, st_k, sg_b, sg_k, sr_b, sr_h, sr_k, so_b, so_h, so_k,
+                    PHASE, C_PAGE, C_D, KP, VICTIMS, SHIFT, C_SCALED, C_M)
+
+
+_LIST_ARGS = ("lrow_ptr", "nsink_ptr", "nslots_ptr", "lpages_ptr", "tokens_ptr", "start_ptr", "lout_ptr", "q_ptr",
+              "qr_ptr", "lr_b", "lr_i", "lg_b", "lg_k", "lq_b", "lq_h", "lq_d")
+_RECALL_ARGS = ("host_ptr", "exp_ptr", "k_ptr", "v_ptr", "pt_ptr", "spages_ptr", "victim_base", "s_hp", "s_hh", "s_hkv",
+                "s_ht", "s_ep", "s_eh", "s_ekv", "s_et", "s_kt", "s_kh", "s_vt", "s_vh", "spt_r", "spt_m", "sg_b", "sg_k")
+
+
+def _lists_launch(lists: TokenLists | None, slots: torch.Tensor, req_slots: torch.Tensor) -> dict:
+    """The token lists' kernel arguments and constexprs by name (head_token_index's checks), placeholders without."""
+    if lists is None:
+        return dict(zip(_LIST_ARGS, (slots,) * 9 + (0,) * 7), LISTS=False, L_PAGE=1, L_SB=1, L_PB=1,
+                    L_EMPTY=_EMPTY_KEY, L_Q=False, L_G=1, L_GP=1, L_D=1, L_DP=1)
+    lt = lists
+    B, H, K = req_slots.shape[0], slots.shape[1], slots.shape[2]
+    check_device(lt.row_table, lt.n_sink, lt.n_slots, lt.slot_pages, lt.row_tokens, lt.row_start, lt.out)
+    check_index_vectors(req_slots=req_slots, n_sink=lt.n_sink, n_slots=lt.n_slots, row_tokens=lt.row_tokens,
+                        row_start=lt.row_start, out=lt.out)
+    assert lt.row_table.shape[0] == B and lt.slot_pages.shape == (B, K)
+    assert all(t.shape == (B,) for t in (lt.n_sink, lt.n_slots, lt.row_tokens, lt.row_start))
+    G, D = check_q_rows(lt.q, lt.q_rows, B, H)
+    if lt.q is not None:
+        check_device(lt.q, lt.q_rows)
+    q, qr = (slots, slots) if lt.q is None else (lt.q, lt.q_rows)
+    args = (lt.row_table, lt.n_sink, lt.n_slots, lt.slot_pages, lt.row_tokens, lt.row_start, lt.out, q, qr,
+            *lt.row_table.stride(), *lt.slot_pages.stride(), *((0, 0, 0) if lt.q is None else lt.q.stride()))
+    return dict(zip(_LIST_ARGS, args), LISTS=True, L_PAGE=lt.page_size,
+                L_SB=min(triton.next_power_of_2(max(K, 1)), _SLOTS), L_PB=_TILE // lt.page_size, L_EMPTY=_EMPTY_KEY,
+                L_Q=lt.q is not None, L_G=G, L_GP=triton.next_power_of_2(G), L_D=D, L_DP=triton.next_power_of_2(D))
+
+
+def _recall_launch(rn: RecallNow | None, slots: torch.Tensor, recall: torch.Tensor,
+                   victim_ops: torch.Tensor | None) -> dict:
+    """The recall's kernel arguments and constexprs by name (recall_pages' checks), placeholders without it."""
+    if rn is None:
+        return dict(zip(_RECALL_ARGS, (slots,) * 6 + (0,) * 17), RECALL=False, C_PAGE=1, C_D=1, C_SCALED=False,
+                    C_M=1)
+    hl = rn.host_layer
+    B, H, K = recall.shape
+    check_device(hl, rn.k_cache, rn.v_cache, rn.page_table, rn.slot_pages)
+    D = hl.shape[-1]
+    assert rn.v_cache.shape == rn.k_cache.shape and rn.k_cache.shape[1:] == (hl.shape[1], D) and H == hl.shape[1]
+    assert hl.shape[2:] == (2, rn.page_size, D) and rn.slot_pages.shape == (B, K)
+    assert hl.stride(-1) == 1 and rn.k_cache.stride(-1) == 1 and rn.v_cache.stride(-1) == 1
+    check_victim_args(victim_ops, recall, rn.victim_base, rn.victim_entries, rn.k_cache, rn.page_size, slots.shape[0])
+    scaled = check_host_scales(hl, rn.host_scales)
+    if scaled:
+        check_device(rn.host_scales)
+    if rn.in_flight < 1 or rn.in_flight & (rn.in_flight - 1):
+        raise ValueError(f"in_flight must be a power of two, got {rn.in_flight!r}")
+    args = (hl, rn.host_scales if scaled else recall, rn.k_cache, rn.v_cache, rn.page_table, rn.slot_pages,
+            rn.victim_base, *hl.stride()[:4], *(rn.host_scales.stride() if scaled else (0, 0, 0, 0)),
+            rn.k_cache.stride(0), rn.k_cache.stride(1), rn.v_cache.stride(0), rn.v_cache.stride(1),
+            *rn.page_table.stride(), *rn.slot_pages.stride())
+    return dict(zip(_RECALL_ARGS, args), RECALL=True, C_PAGE=rn.page_size, C_D=D, C_SCALED=scaled, C_M=rn.in_flight)
 
 
 def select_chain(
@@ -69,9 +150,14 @@ def select_chain(
     victim_age: torch.Tensor | None = None,
     victim_ops: torch.Tensor | None = None,
     replay: Replay | None = None,
+    recall_now: RecallNow | None = None,
+    lists: TokenLists | None = None,
 ) -> None:
-    """See naive_select_chain. Scores given and no replay: select_slots itself."""
+    """See naive_select_chain. Scores given and no replay: select_slots itself (then the lists' and the recall's
+    launches, as past 1,024 pages, where the staged top-k takes several launches anyway)."""
     B, H = req_slots.shape[0], slots.shape[1]
+    ops = victim_ops if victims is not None else None
+    after = (slots, req_slots, phase, recall, ops, recall_now, lists, recall_pages, head_token_index)
     pool = scores if isinstance(scores, LsePool) else None
     if pool is not None:
         check_pool(pool, B, H)
@@ -88,7 +174,8 @@ def select_chain(
     select = (slots, req_slots, heads, phase, flags, recall, recall_all, stats, pad_slot, hysteresis, victims,
               victim_age, victim_ops)
     if pool is None and replay is None:
-        return select_slots(scores, *select)
+        select_slots(scores, *select)
+        return after_selection(*after)
     if not one_stage(scores.shape[2], slots.shape[2]):  # the staged top-k reads the scores from its first launch
         if pool is not None:
             C, cand_args = _full_scan(req_slots, pool.cand_start, pool.cand_end, pool.num_pages)
@@ -96,12 +183,14 @@ def select_chain(
                   pool.group)
         if replay is not None:
             replay_churn(scores, slots, req_slots, heads, phase, replay.draws, replay.rate, victims, replay.returns)
-        return select_slots(scores, *select, scratch=pool is not None)
+        select_slots(scores, *select, scratch=pool is not None)
+        return after_selection(*after)
     # Pooled here, the scores are this launch's own: the slot delta and the victim moves may go through them.
     launch = select_launch(scores, *select, scratch=pool is not None)
     if launch is None:
-        return None
+        return after_selection(*after)
     args, constexprs, num_warps = launch
+    after_args = {**_lists_launch(lists, slots, req_slots), **_recall_launch(recall_now, slots, recall, ops)}
     lse = scores if pool is None else pool.lse
     cend = req_slots if pool is None else pool.cand_end
     draws = scores if replay is None else replay.draws
@@ -116,6 +205,7 @@ def select_chain(
         POOL=pool is not None, G=1 if pool is None else pool.group, GP=1 if pool is None else lse.shape[3],
         POOL_BLOCK=POOL_BLOCK, REPLAY=replay is not None, R_KP=triton.next_power_of_2(max(K, 1)), R_BLOCK=CHURN_BLOCK,
         PROMOTED=PROMOTED, TIE=TIE,
+        **after_args,
         num_warps=num_warps,
     )
     return None

@@ -31,8 +31,17 @@ def _head_token_index_kernel(slots_ptr, req_ptr, row_ptr, nsink_ptr, nslots_ptr,
                              PAGE: tl.constexpr, SB: tl.constexpr, PB: tl.constexpr, EMPTY_KEY: tl.constexpr,
                              Q: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
     pid = tl.program_id(0)
-    b = (pid // H).to(tl.int64)
-    h = (pid % H).to(tl.int64)
+    _head_token_row((pid // H).to(tl.int64), (pid % H).to(tl.int64), slots_ptr, req_ptr, row_ptr, nsink_ptr,
+                    nslots_ptr, spages_ptr, tokens_ptr, start_ptr, out_ptr, q_ptr, qr_ptr, H, K, st_r, st_h, st_k,
+                    sr_b, sr_i, sg_b, sg_k, sq_b, sq_h, sq_d, PAGE, SB, PB, EMPTY_KEY, Q, G, GP, D, DP)
+
+
+@triton.jit
+def _head_token_row(b, h, slots_ptr, req_ptr, row_ptr, nsink_ptr, nslots_ptr, spages_ptr, tokens_ptr, start_ptr,
+                    out_ptr, q_ptr, qr_ptr, H, K, st_r, st_h, st_k, sr_b, sr_i, sg_b, sg_k, sq_b, sq_h, sq_d,
+                    PAGE: tl.constexpr, SB: tl.constexpr, PB: tl.constexpr, EMPTY_KEY: tl.constexpr,
+                    Q: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    """Row b, KV head h's token list (and its query rows with Q), from the slot table as it stands."""
     if Q:  # q[b, h * G + g] -> q_rows[b * H + h, g], contiguous [B * H, G, D]
         g = tl.arange(0, GP)
         d = tl.arange(0, DP)
