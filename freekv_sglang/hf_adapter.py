@@ -184,7 +184,8 @@ class FreeKVModel:
 
     def stats(self) -> dict:
         """The engines' stats() merged: per-layer entries under model layer numbers, totals summed."""
-        return merged_stats([(eng.stats_snapshot(), 0 if eng is self.engine else self.tsp[0] + 1) for eng in self.engines])
+        return merged_stats([(eng.stats_snapshot(), 0 if eng is self.engine else self.tsp[0] + 1)
+                             for eng in self.engines])
 
     @torch.no_grad()
     def decode_step(self, slots: list[int], tokens: list[int]) -> list[int]:

@@ -82,7 +82,8 @@ def _select_chain_kernel(
 _LIST_ARGS = ("lrow_ptr", "nsink_ptr", "nslots_ptr", "lpages_ptr", "tokens_ptr", "start_ptr", "lout_ptr", "q_ptr",
               "qr_ptr", "lr_b", "lr_i", "lg_b", "lg_k", "lq_b", "lq_h", "lq_d")
 _RECALL_ARGS = ("host_ptr", "exp_ptr", "k_ptr", "v_ptr", "pt_ptr", "spages_ptr", "victim_base", "s_hp", "s_hh", "s_hkv",
-                "s_ht", "s_ep", "s_eh", "s_ekv", "s_et", "s_kt", "s_kh", "s_vt", "s_vh", "spt_r", "spt_m", "sg_b", "sg_k")
+                "s_ht", "s_ep", "s_eh", "s_ekv", "s_et", "s_kt", "s_kh", "s_vt", "s_vh", "spt_r", "spt_m", "sg_b",
+                "sg_k")
 
 
 def _lists_launch(lists: TokenLists | None, slots: torch.Tensor, req_slots: torch.Tensor) -> dict:
@@ -157,6 +158,9 @@ def select_chain(
     launches, as past 1,024 pages, where the staged top-k takes several launches anyway)."""
     B, H = req_slots.shape[0], slots.shape[1]
     ops = victim_ops if victims is not None else None
+    if recall_now is not None and victims is not None and recall_now.victim_entries != victims.shape[2]:
+        raise ValueError(f"recall_now names {recall_now.victim_entries} victim entries a head, the victim cache holds "
+                         f"{victims.shape[2]}")
     after = (slots, req_slots, phase, recall, ops, recall_now, lists, recall_pages, head_token_index)
     pool = scores if isinstance(scores, LsePool) else None
     if pool is not None:
@@ -206,6 +210,6 @@ def select_chain(
         POOL_BLOCK=POOL_BLOCK, REPLAY=replay is not None, R_KP=triton.next_power_of_2(max(K, 1)), R_BLOCK=CHURN_BLOCK,
         PROMOTED=PROMOTED, TIE=TIE,
         **after_args,
-        num_warps=num_warps,
+        num_warps=num_warps if recall_now is None else max(num_warps, 8),  # the recall's tiles: 32 values a thread
     )
     return None

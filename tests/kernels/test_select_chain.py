@@ -221,6 +221,10 @@ def test_select_chain_recalls_and_lists_after_its_commit(G, H, M, K, V, phase, f
 def test_select_chain_refuses_bad_inputs():
     inputs = chain_inputs(4, 2, 60, 8, 4, seed=1)
     lse, cand_end, req_slots, slots, victims, age, heads, flags, recall, ops, draws = inputs
+    rn, _ = after_inputs(inputs, 4, 60, 8, 4, 16, 64, False, seed=1)
+    with pytest.raises(ValueError, match="recall_now names 5 victim entries a head, the victim cache holds 4"):
+        select_chain(LsePool(lse, START, cand_end, 4, 60), slots, req_slots, heads, PHASE_NOW, flags, recall,
+                     victims=victims, victim_age=age, victim_ops=ops, recall_now=rn._replace(victim_entries=5))
     with pytest.raises(ValueError, match="lse must be fp32"):
         select_chain(LsePool(lse[..., :2], START, cand_end, 4, 60), slots, req_slots, heads, PHASE_NOW, flags, recall)
     with pytest.raises(ValueError, match="victim cache"):
