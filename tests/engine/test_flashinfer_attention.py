@@ -8,6 +8,7 @@ replays equal to eager; past the budget it matches the engine's own kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -151,9 +152,9 @@ def test_past_the_budget_it_matches_the_engine_kernel_and_replays_in_a_graph(rec
                        recall_before=recall_before)
     lens, bs = [900, 1500, 333], 4
     eng, fi, hist, slots = setup(G, H, cfg, lens, bs)
-    # A twin engine with the same history attends with its own split-K kernel.
-    twin = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=bs, max_context=4096, dtype=BF,
-                        device="cuda", backend="triton", pad_slot=0, dense_outside=True)
+    # A twin engine with the same history attends with its own split-K kernel (and so recalls in its own launch).
+    twin = FreeKVEngine(dataclasses.replace(cfg, recall_before="launch"), ModelShape(L, H * G, H, D), max_requests=bs,
+                        max_context=4096, dtype=BF, device="cuda", backend="triton", pad_slot=0, dense_outside=True)
     for s, n, (k, v) in zip(slots, lens, hist):
         twin.add_request(s)
         twin.begin_prefill(s, n)
