@@ -28,7 +28,7 @@ class HeadRows:
         written into self.indices from the layer's slot table `slots`, and q [B, H * G, D] as the rows' queries
         [B * H, G, D], written by the same launch (SGLang's q is a strided view of the QKV projection)."""
         lists = self.lists(plan, q)
-        head_token_index(slots, plan.req_slots, *lists[:-2], q, lists.q_rows)
+        head_token_index(slots, plan.req_slots, *lists)
         return lists.q_rows
 
     def lists(self, plan: StepPlan, q: torch.Tensor) -> TokenLists:

@@ -160,6 +160,25 @@ def _recall_row(
         tl.store(v_dst, v, mask=ok[:, None, None])
 
 
+def check_recall(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall, page_size, victim_ops,
+                 victim_base, victim_entries, host_scales) -> bool:
+    """recall_pages' argument checks (select_chain's recall takes them too); whether the arena is FP8 (scaled)."""
+    check_device(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall)
+    check_index_vectors(req_slots=req_slots)
+    B, H, K = recall.shape
+    D = host_layer.shape[-1]
+    assert v_cache.shape == k_cache.shape and k_cache.shape[1:] == (host_layer.shape[1], D) and H == k_cache.shape[1]
+    assert host_layer.shape[2:] == (2, page_size, D)
+    assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
+    check_victim_args(victim_ops, recall, victim_base, victim_entries, k_cache, page_size, slots.shape[0])
+    if check_host_scales(host_layer, host_scales):
+        check_device(host_scales)
+    if victim_ops is not None:
+        check_device(victim_ops)
+    return host_scales is not None
+
+
 def recall_pages(
     host_layer: torch.Tensor,
     k_cache: torch.Tensor,
@@ -190,20 +209,10 @@ def recall_pages(
     programs: smaller blocks spread a row's entries over more programs (benchmarks/kernels.py --recall-blocks).
     victim_ops, victim_base, victim_entries: the victim cache's moves, as in naive_recall_pages.
     """
-    check_device(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall)
-    check_index_vectors(req_slots=req_slots)
+    scaled = check_recall(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall, page_size,
+                          victim_ops, victim_base, victim_entries, host_scales)
     B, H, K = recall.shape
     D = host_layer.shape[-1]
-    assert v_cache.shape == k_cache.shape and k_cache.shape[1:] == (host_layer.shape[1], D) and H == k_cache.shape[1]
-    assert host_layer.shape[2:] == (2, page_size, D)
-    assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
-    check_victim_args(victim_ops, recall, victim_base, victim_entries, k_cache, page_size, slots.shape[0])
-    if check_host_scales(host_layer, host_scales):
-        check_device(host_scales)
-    scaled = host_scales is not None
-    if victim_ops is not None:
-        check_device(victim_ops)
     if slot_block < 0 or slot_block & (slot_block - 1):
         raise ValueError(f"slot_block must be 0 or a power of two, got {slot_block!r}")
     if B * H * K == 0:

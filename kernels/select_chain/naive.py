@@ -46,8 +46,8 @@ class RecallNow(NamedTuple):
 
 
 class TokenLists(NamedTuple):
-    """head_token_index's arguments that the selection does not hold: with them select_chain also writes every
-    (row, KV head)'s token list (and query rows, given q and q_rows) from the committed slots."""
+    """head_token_index's arguments after the slot table and req_slots, in its order: with them select_chain also
+    writes every (row, KV head)'s token list (and query rows, given q and q_rows) from the committed slots."""
     row_table: torch.Tensor
     n_sink: torch.Tensor
     n_slots: torch.Tensor
@@ -65,8 +65,7 @@ def after_selection(slots: torch.Tensor, req_slots: torch.Tensor, phase: int, re
                     recall_fn=naive_recall_pages, lists_fn=naive_head_token_index) -> None:
     """What select_chain does after the commit, as the ops it replaces: the token lists, then the recall."""
     if lists is not None:
-        lists_fn(slots, req_slots, lists.row_table, lists.n_sink, lists.n_slots, lists.slot_pages, lists.row_tokens,
-                 lists.row_start, lists.page_size, lists.out, lists.q, lists.q_rows)
+        lists_fn(slots, req_slots, *lists)
     if recall_now is not None:
         rn = recall_now
         cache = {} if victim_ops is None else dict(victim_ops=victim_ops, victim_base=rn.victim_base,

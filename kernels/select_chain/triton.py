@@ -13,11 +13,8 @@ from ..churn_replay.naive import PROMOTED, TIE, check_rate
 from ..churn_replay.triton import CHURN_BLOCK, _replay_row, replay_churn
 from ..page_rerank.triton import POOL_BLOCK, _full_scan, _pool, _pool_row
 from ..page_select.triton import _heads_args, _select_row, one_stage, select_launch, select_slots
-from ..recall.naive import check_victim_args
-from ..recall.triton import _recall_row, recall_pages
-from ..token_index.naive import check_q_rows
-from ..token_index.triton import _EMPTY_KEY, _SLOTS, _TILE, _head_token_row, head_token_index
-from ..fp8_rows.naive import check_host_scales
+from ..recall.triton import _recall_row, check_recall, recall_pages
+from ..token_index.triton import _EMPTY_KEY, _SLOTS, _TILE, _head_token_row, check_lists, head_token_index
 from .naive import LsePool, RecallNow, Replay, TokenLists, after_selection, check_pool
 
 
@@ -91,16 +88,8 @@ def _lists_launch(lists: TokenLists | None, slots: torch.Tensor, req_slots: torc
     if lists is None:
         return dict(zip(_LIST_ARGS, (slots,) * 9 + (0,) * 7), LISTS=False, L_PAGE=1, L_SB=1, L_PB=1,
                     L_EMPTY=_EMPTY_KEY, L_Q=False, L_G=1, L_GP=1, L_D=1, L_DP=1)
-    lt = lists
-    B, H, K = req_slots.shape[0], slots.shape[1], slots.shape[2]
-    check_device(lt.row_table, lt.n_sink, lt.n_slots, lt.slot_pages, lt.row_tokens, lt.row_start, lt.out)
-    check_index_vectors(req_slots=req_slots, n_sink=lt.n_sink, n_slots=lt.n_slots, row_tokens=lt.row_tokens,
-                        row_start=lt.row_start, out=lt.out)
-    assert lt.row_table.shape[0] == B and lt.slot_pages.shape == (B, K)
-    assert all(t.shape == (B,) for t in (lt.n_sink, lt.n_slots, lt.row_tokens, lt.row_start))
-    G, D = check_q_rows(lt.q, lt.q_rows, B, H)
-    if lt.q is not None:
-        check_device(lt.q, lt.q_rows)
+    lt, K = lists, slots.shape[2]
+    G, D = check_lists(slots, req_slots, *lists)
     q, qr = (slots, slots) if lt.q is None else (lt.q, lt.q_rows)
     args = (lt.row_table, lt.n_sink, lt.n_slots, lt.slot_pages, lt.row_tokens, lt.row_start, lt.out, q, qr,
             *lt.row_table.stride(), *lt.slot_pages.stride(), *((0, 0, 0) if lt.q is None else lt.q.stride()))
@@ -109,23 +98,15 @@ def _lists_launch(lists: TokenLists | None, slots: torch.Tensor, req_slots: torc
                 L_Q=lt.q is not None, L_G=G, L_GP=triton.next_power_of_2(G), L_D=D, L_DP=triton.next_power_of_2(D))
 
 
-def _recall_launch(rn: RecallNow | None, slots: torch.Tensor, recall: torch.Tensor,
+def _recall_launch(rn: RecallNow | None, slots: torch.Tensor, req_slots: torch.Tensor, recall: torch.Tensor,
                    victim_ops: torch.Tensor | None) -> dict:
     """The recall's kernel arguments and constexprs by name (recall_pages' checks), placeholders without it."""
     if rn is None:
         return dict(zip(_RECALL_ARGS, (slots,) * 6 + (0,) * 17), RECALL=False, C_PAGE=1, C_D=1, C_SCALED=False,
                     C_M=1)
-    hl = rn.host_layer
-    B, H, K = recall.shape
-    check_device(hl, rn.k_cache, rn.v_cache, rn.page_table, rn.slot_pages)
-    D = hl.shape[-1]
-    assert rn.v_cache.shape == rn.k_cache.shape and rn.k_cache.shape[1:] == (hl.shape[1], D) and H == hl.shape[1]
-    assert hl.shape[2:] == (2, rn.page_size, D) and rn.slot_pages.shape == (B, K)
-    assert hl.stride(-1) == 1 and rn.k_cache.stride(-1) == 1 and rn.v_cache.stride(-1) == 1
-    check_victim_args(victim_ops, recall, rn.victim_base, rn.victim_entries, rn.k_cache, rn.page_size, slots.shape[0])
-    scaled = check_host_scales(hl, rn.host_scales)
-    if scaled:
-        check_device(rn.host_scales)
+    hl, D = rn.host_layer, rn.host_layer.shape[-1]
+    scaled = check_recall(hl, rn.k_cache, rn.v_cache, rn.page_table, slots, req_slots, rn.slot_pages, recall,
+                          rn.page_size, victim_ops, rn.victim_base, rn.victim_entries, rn.host_scales)
     if rn.in_flight < 1 or rn.in_flight & (rn.in_flight - 1):
         raise ValueError(f"in_flight must be a power of two, got {rn.in_flight!r}")
     args = (hl, rn.host_scales if scaled else recall, rn.k_cache, rn.v_cache, rn.page_table, rn.slot_pages,
@@ -194,7 +175,7 @@ def select_chain(
     if launch is None:
         return after_selection(*after)
     args, constexprs, num_warps = launch
-    after_args = {**_lists_launch(lists, slots, req_slots), **_recall_launch(recall_now, slots, recall, ops)}
+    after_args = {**_lists_launch(lists, slots, req_slots), **_recall_launch(recall_now, slots, req_slots, recall, ops)}
     lse = scores if pool is None else pool.lse
     cend = req_slots if pool is None else pool.cand_end
     draws = scores if replay is None else replay.draws
