@@ -41,12 +41,11 @@ import torch
 import triton
 
 from freekv_kernels.offload import naive_offload_pages, offload_pages
-from freekv_kvstore import ArenaGeometry
-from freekv_kvstore.client import arena_views
 from freekv_kernels.recall import naive_recall_pages, recall_pages
 
 from freekv_sglang.config import DEFAULT_SKETCH_CHANNELS, HOST_DTYPES
 from gpu_timing import graph_replay_ms, time_ms
+from host_arena import HostLayer, pinned_empty
 
 DEVICE = torch.device("cuda")
 GiB = 1 << 30
@@ -55,25 +54,6 @@ GiB = 1 << 30
 HQ, H, D, PAGE, DTYPE = 32, 8, 128, 32, torch.bfloat16
 CHUNK_BYTES = 2 * PAGE * D * DTYPE.itemsize  # one (page, head): K then V, 16 KiB
 SLOTS = 64  # selection slots per (row, head): a 2048-token budget
-
-
-class HostLayer:
-    """A layer of a pinned host arena (FP8: with its row exponents) and the bytes of one (page, head) chunk in it."""
-
-    def __init__(self, pages: int, dtype: str):
-        g = ArenaGeometry(1, H, PAGE, D, dtype)
-        self.layer, self.scales = (None if t is None else t[:, 0]
-                                   for t in arena_views(pinned_empty(pages * g.page_bytes, dtype=torch.uint8), g, pages))
-        self.chunk_bytes = g.page_bytes // H
-        self.kw = {} if self.scales is None else {"host_scales": self.scales}
-
-    @property
-    def pages(self) -> int:
-        return self.layer.shape[0]
-
-
-def pinned_empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(*shape, dtype=dtype, pin_memory=True)
 
 
 def gbps(nbytes: int, ms: float) -> float:
@@ -517,7 +497,7 @@ def main() -> None:
         return
     # The arena's content is irrelevant to a copy's speed: left unfilled, it costs only the pinning.
     host_layer = HostLayer(max(int(args.arena_gib * GiB) // (H * CHUNK_BYTES), max(args.offload_pages)),
-                           str(DTYPE) if args.host_dtype == "auto" else args.host_dtype)
+                           str(DTYPE) if args.host_dtype == "auto" else args.host_dtype, H, PAGE, D)
     if args.recall_blocks or args.only_recall_blocks:
         results["recall_blocks"] = bench_recall_blocks(host_layer, args.recall_batch, args.recall_flagged,
                                                        args.recall_changed, args.recall_programs,

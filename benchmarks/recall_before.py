@@ -26,9 +26,8 @@ from pathlib import Path
 import torch
 from freekv_kernels.page_select.naive import victim_op
 from freekv_kernels.recall import recall_pages
-from freekv_kvstore import ArenaGeometry
-from freekv_kvstore.client import arena_views
 from gpu_timing import graph_replay_ms, time_ms
+from host_arena import HostLayer
 
 SHAPES = {"llama": 8, "qwen": 4}  # KV heads
 K, PAGE, D, V = 64, 32, 128, 64  # slots, page, head dim, victim entries a head (--kv-victim 2048)
@@ -69,11 +68,10 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/recall_before.py needs a CUDA device")
     H = SHAPES[args.shape]
-    geometry = ArenaGeometry(1, H, PAGE, D, "float8_e4m3fn")
     host_pages = 8192
-    raw = torch.empty(host_pages * geometry.page_bytes, dtype=torch.uint8, pin_memory=True)
-    layer, scales = (t[:, 0] for t in arena_views(raw, geometry, host_pages))
-    chunk = geometry.page_bytes // H  # one (page, KV head): K and V and their row exponents
+    arena = HostLayer(host_pages, "float8_e4m3fn", H, PAGE, D)
+    layer, scales = arena.layer, arena.scales
+    chunk = arena.chunk_bytes  # one (page, KV head): K and V and their row exponents
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     blocks = ints(args.blocks)
     print(f"{torch.cuda.get_device_name()}: the recall before attention per call (graph of {CALLS}), {H} KV heads, "

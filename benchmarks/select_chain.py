@@ -38,9 +38,8 @@ from freekv_kernels.page_select import triton as page_select_triton
 from freekv_kernels.recall import recall_pages
 from freekv_kernels.select_chain import LsePool, RecallNow, Replay, TokenLists, select_chain
 from freekv_kernels.token_index import head_token_index
-from freekv_kvstore import ArenaGeometry
-from freekv_kvstore.client import arena_views
 from gpu_timing import graph_replay_ms
+from host_arena import HostLayer
 
 SHAPES = {"llama": (8, 4), "qwen": (4, 7)}  # KV heads, group: Llama-3.1-8B's and Qwen2.5-7B's attention
 K = 64
@@ -87,7 +86,7 @@ def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries
             recall_pages(rn.host_layer, rn.k_cache, rn.v_cache, rn.page_table, slots, c["req_slots"], rn.slot_pages,
                          recall, phase, rn.page_size, victim_ops=ops, victim_base=rn.victim_base,
                          victim_entries=rn.victim_entries, host_scales=rn.host_scales)
-            head_token_index(slots, c["req_slots"], *lists[:-2], lists.q, lists.q_rows)
+            head_token_index(slots, c["req_slots"], *lists)
     return run
 
 
@@ -97,10 +96,9 @@ def after_args(c: dict, entries: int, phase: int) -> tuple[RecallNow, TokenLists
     and window pages and the rows' queries."""
     batch, H, pages = c["lse"].shape[:3]
     G, dev, p, D = c["group"], c["lse"].device, 32, 128
-    geometry = ArenaGeometry(1, H, p, D, "float8_e4m3fn")
     host_pages = 4096
-    raw = torch.zeros(host_pages * geometry.page_bytes, dtype=torch.uint8, pin_memory=True)
-    host, scales = (t[:, 0] for t in arena_views(raw, geometry, host_pages))
+    arena = HostLayer(host_pages, "float8_e4m3fn", H, p, D)
+    host, scales = arena.layer, arena.scales
     page_table = torch.randint(0, host_pages, (batch, pages), dtype=torch.int32, device=dev)
     k_cache, v_cache = torch.zeros(2, (batch * K + batch * entries) * p, H, D, dtype=torch.bfloat16, device=dev)
     slot_pages = torch.arange(batch * K, dtype=torch.int32, device=dev).view(batch, K)
