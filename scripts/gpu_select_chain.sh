@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # select_chain on one GPU in one call (carry .gpu-wheels), ~8 min on a fresh machine (the tests compile for ~5 min
-# when its Triton cache is cold; session 47 cut them at 240 s, 21 s warm): the CUDA tests of the selection, recall
+# when its Triton cache is cold, so they run last in the time left; 21 s warm): the CUDA tests of the selection, recall
 # and token-list kernels and of the engine's row-kernel attention (with --kv-recall-before select); select_chain
 # before attention at the Qwen2.5-7B and Llama-3.1-8B shapes with what follows it (+after: the recall and the
 # token lists as two more launches; fused: in select_chain's launch); the recall before attention alone by
@@ -12,9 +12,6 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-results}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the benchmarks run from benchmarks/
 source scripts/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
-timeout 360 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_select_chain.py tests/kernels/test_recall.py \
-  tests/kernels/test_token_index.py tests/kernels/test_page_select_victims.py tests/engine/test_triton_head_attention.py \
-  tests/engine/test_flashinfer_attention.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 4
 cd benchmarks
 for shape in qwen llama; do
   timeout 120 python3 select_chain.py --shape "$shape" --batches 16,1 --stages +replay,+after,fused \
@@ -22,3 +19,8 @@ for shape in qwen llama; do
   timeout 120 python3 recall_before.py --shape "$shape" --batches 16,1 --out "$OUT/recall-before-$shape.json" 2>&1 \
     | tee "$OUT/recall-before-$shape.log" | tail -n 4
 done
+cd ..
+# The tests last, in the time left of a 600 s call (cold Triton caches compile for ~5 min).
+timeout $((570 - SECONDS)) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_select_chain.py tests/kernels/test_recall.py \
+  tests/kernels/test_token_index.py tests/kernels/test_page_select_victims.py tests/engine/test_triton_head_attention.py \
+  tests/engine/test_flashinfer_attention.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 4
