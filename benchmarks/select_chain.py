@@ -8,11 +8,9 @@ one call per layer timed as the replay of a CUDA graph of 32 calls (a step's spa
   +victims     and the victim cache (--victims: entries a head; 64 is --kv-victim 2048, one budget)
   +pool        scores pooled from the channel sketch's per-page log-sum-exps first: the served chain
   +replay      and the realistic benchmark's churn replay (benchmarks only)
-  +after       and what follows the selection before attention under --kv-attention backend, as launched by
-               default: recall_pages of the changed slots (FP8 host pages, their victim moves) and head_token_index
-               (the token lists and query rows), two more launches
-  fused        the same in select_chain's launch (--kv-recall-before select: RecallNow, TokenLists), two chunks
-               in flight a program
+  +after       and what follows the selection before attention under --kv-attention backend: recall_pages of the
+               changed slots (FP8 host pages, their victim moves) and head_token_index (the token lists and query
+               rows), two more launches (session 48 measured them inside select_chain's launch: 5-11 µs slower)
 
 for the heads that select before attention (a share --flagged of them, PHASE_NOW) and for every head (the
 speculative phase). The slots start full. Only the replay changes them from call to call (its draws differ per call
@@ -36,7 +34,7 @@ import torch
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW, select_slots
 from freekv_kernels.page_select import triton as page_select_triton
 from freekv_kernels.recall import recall_pages
-from freekv_kernels.select_chain import LsePool, RecallNow, Replay, TokenLists, select_chain
+from freekv_kernels.select_chain import LsePool, Replay, select_chain
 from freekv_kernels.token_index import head_token_index
 from gpu_timing import graph_replay_ms
 from host_arena import HostLayer
@@ -44,7 +42,7 @@ from host_arena import HostLayer
 SHAPES = {"llama": (8, 4), "qwen": (4, 7)}  # KV heads, group: Llama-3.1-8B's and Qwen2.5-7B's attention
 K = 64
 HYSTERESIS = 1.0  # freekv_sglang.config.DEFAULT_HYSTERESIS
-STAGES = ("select", "+hyst", "+victims", "+pool", "+replay", "+after", "fused")
+STAGES = ("select", "+hyst", "+victims", "+pool", "+replay", "+after")
 SINK, WINDOW = 4, 16  # pages: the served --kv-sink 128 and --kv-window 512 at page 32
 
 
@@ -72,28 +70,28 @@ def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries
     hyst = HYSTERESIS if upto >= 1 else 0.0
     heads = c["now"]
 
-    rn, lists = after_args(c, entries, phase) if upto >= 5 else (None, None)
+    recall_args, lists = after_args(c, entries) if upto >= 5 else (None, None)
 
     def run(i: int):
         replay = Replay(c["draws"][i], churn, returns) if upto >= 4 else None
         scores = LsePool(c["lse"], 0, c["cand_end"], c["group"], c["lse"].shape[2]) if upto >= 3 else c["scores"]
         if upto == 0:
             return select_slots(scores, slots, c["req_slots"], heads, phase, heads, recall)
-        fused = dict(recall_now=rn, lists=lists) if upto == 6 else {}
         select_chain(scores, slots, c["req_slots"], heads, phase, heads, recall, hysteresis=hyst, victims=victims,
-                     victim_age=age, victim_ops=ops, replay=replay, **fused)
+                     victim_age=age, victim_ops=ops, replay=replay)
         if upto == 5:
-            recall_pages(rn.host_layer, rn.k_cache, rn.v_cache, rn.page_table, slots, c["req_slots"], rn.slot_pages,
-                         recall, phase, rn.page_size, victim_ops=ops, victim_base=rn.victim_base,
-                         victim_entries=rn.victim_entries, host_scales=rn.host_scales)
+            a = recall_args
+            recall_pages(a["host"], a["k_cache"], a["v_cache"], a["page_table"], slots, c["req_slots"],
+                         a["slot_pages"], recall, phase, a["page_size"], victim_ops=ops, victim_base=a["victim_base"],
+                         victim_entries=entries, host_scales=a["scales"])
             head_token_index(slots, c["req_slots"], *lists)
     return run
 
 
-def after_args(c: dict, entries: int, phase: int) -> tuple[RecallNow, TokenLists]:
+def after_args(c: dict, entries: int) -> tuple[dict, tuple]:
     """What the recall and the token lists take beside the selection's state, as served: an FP8 arena in kvstore's
     layout behind random page tables, the GPU caches (slot pages, then the victim entries), the lists of sink, slots
-    and window pages and the rows' queries."""
+    and window pages and the rows' queries: recall_pages' arguments by name, head_token_index's after its first two."""
     batch, H, pages = c["lse"].shape[:3]
     G, dev, p, D = c["group"], c["lse"].device, 32, 128
     host_pages = 4096
@@ -104,15 +102,16 @@ def after_args(c: dict, entries: int, phase: int) -> tuple[RecallNow, TokenLists
     slot_pages = torch.arange(batch * K, dtype=torch.int32, device=dev).view(batch, K)
     W = SINK + K + WINDOW
     tokens = torch.full((batch,), W * p, dtype=torch.int32, device=dev)
-    rn = RecallNow(host, k_cache, v_cache, page_table, slot_pages, p, batch * K, entries, scales)
-    lists = TokenLists(torch.randint(0, batch * K, (batch, W), dtype=torch.int32, device=dev),
-                       torch.full((batch,), SINK, dtype=torch.int32, device=dev),
-                       torch.full((batch,), K, dtype=torch.int32, device=dev), slot_pages, tokens,
-                       torch.cumsum(tokens, 0, dtype=torch.int32) - tokens, p,
-                       torch.empty(batch * W * p * H, dtype=torch.int32, device=dev),
-                       torch.randn(batch, H * G, D, dtype=torch.bfloat16, device=dev),
-                       torch.empty(batch * H, G, D, dtype=torch.bfloat16, device=dev))
-    return rn, lists
+    recall_args = dict(host=host, k_cache=k_cache, v_cache=v_cache, page_table=page_table, slot_pages=slot_pages,
+                       page_size=p, victim_base=batch * K, scales=scales)
+    lists = (torch.randint(0, batch * K, (batch, W), dtype=torch.int32, device=dev),
+             torch.full((batch,), SINK, dtype=torch.int32, device=dev),
+             torch.full((batch,), K, dtype=torch.int32, device=dev), slot_pages, tokens,
+             torch.cumsum(tokens, 0, dtype=torch.int32) - tokens, p,
+             torch.empty(batch * W * p * H, dtype=torch.int32, device=dev),
+             torch.randn(batch, H * G, D, dtype=torch.bfloat16, device=dev),
+             torch.empty(batch * H, G, D, dtype=torch.bfloat16, device=dev))
+    return recall_args, lists
 
 
 def main() -> None:

@@ -50,12 +50,8 @@ args=(
   # over many pages so the recall does not take SMs from the GEMMs (0 = one program per page).
   --kv-recall-programs 32
   # Slots per GPU program of the recall before attention (0 = one program per request, KV head and slot; B blocks of
-  # B slots, each recalled one page after another; not yet measured in a served step, docs/results/session36).
+  # B slots, each recalled one page after another; slower at every B alone, docs/results/session48).
   --kv-recall-block 0
-  # Where the recall before attention runs with --kv-attention backend: "launch" (default) its own launch after the
-  # selection; "select" inside the selection's launch, each request and KV head's program recalling its slots and
-  # writing its token list (not yet measured in a served step, docs/results/session47).
-  --kv-recall-before launch
   # GPU programs of the channels selection's speculative scoring beside the GEMMs (0 = one per request, KV head and
   # chunk of pages; not yet measured in a served step, docs/results/session30).
   --kv-score-programs 0
@@ -86,9 +82,9 @@ args=(
   # --kv-retrieval louiskv instead retrieves only at semantic boundaries (the query's similarity to the previous
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
   # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
-  # (--kv-correction-threshold, --kv-recall-programs, --kv-recall-before, --kv-score-programs, --kv-speculate-at,
-  # --kv-selection, --kv-rerank-factor, --kv-sketch-channels, --kv-hysteresis, --kv-bench-correction-rate,
-  # --kv-bench-churn, --kv-bench-returns).
+  # (--kv-correction-threshold, --kv-recall-programs, --kv-score-programs, --kv-speculate-at, --kv-selection,
+  # --kv-rerank-factor, --kv-sketch-channels, --kv-hysteresis, --kv-bench-correction-rate, --kv-bench-churn,
+  # --kv-bench-returns).
   # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
   # --disable-radix-cache (README, LouisKV).
   # --kv-prefill tsp (FastKV's token-selective propagation after layer --kv-tsp-layer, keeping --kv-tsp-keep tokens)

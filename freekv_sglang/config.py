@@ -37,7 +37,6 @@ DEFAULT_HYSTERESIS = 1.0
 # (freekv_kernels.fp8_rows).
 HOST_DTYPES = ("auto", "fp8_e4m3")
 SPECULATE_AT = ("attention", "next_recall")
-RECALL_BEFORE = ("launch", "select")
 # FastKV's observation window: the last prompt tokens, whose queries score the prompt and which always propagate
 # (freekv_kernels.tsp_select.WINDOW; a test keeps the two equal).
 TSP_WINDOW = 8
@@ -97,8 +96,7 @@ class FreeKVConfig:
         a request's layer retrieves only at a semantic boundary, where the mean cosine similarity over all query
         heads of the adjacent queries falls below boundary_tau, scoring k-means clusters of the prompt's keys and
         temporal segments of later tokens by their centroids; tau, selection, rerank_factor, sketch_channels,
-        recall_programs, recall_before and speculate_at are FreeKV's and unused by it (it selects nothing after
-        attention).
+        recall_programs and speculate_at are FreeKV's and unused by it (it selects nothing after attention).
     prefill: "full" (default) or "tsp", FastKV's token-selective propagation: layers 0..tsp_layer prefill the whole
         prompt; at tsp_layer the last TSP_WINDOW prompt queries score every prompt token (softmax per query head,
         summed over the window, averaged over the heads, 7-wide average pool; freekv_kernels.tsp_select) and only
@@ -128,11 +126,6 @@ class FreeKVConfig:
         they run in several waves, each waiting on a PCIe round trip. B: one program per block of B slots, which
         recalls its block's pages one after another (session 36's trace: 81 us a layer at 16 requests for ~1.5 MB
         from the host; to be measured with --kv-recall-block).
-    recall_before: where the recall before attention runs under attention "backend". "launch" (default): its own
-        launch after the selection's, beside the token lists' launch. "select": in the selection's launch, after its
-        commit, each (request, KV head) program recalling its own slots (two chunks in flight) and writing its token
-        list and query rows: two launches fewer and no ~4,000-program recall grid on the critical chain, but one
-        program per head moves that head's pages (session 47; to be measured).
     score_programs: GPU programs of the channels selection's speculative scoring, which runs after a layer's
         attention beside the model's GEMMs (each program strides over (request, head, chunk of pages) items); 0
         (default) launches one per item, ~4,000 at 16 x 32K, which queue ahead of the output projection (session 30's
@@ -193,7 +186,6 @@ class FreeKVConfig:
     recall: str = "delta"
     recall_programs: int = 32
     recall_block: int = 0
-    recall_before: str = "launch"
     score_programs: int = 0
     speculate_at: str = "next_recall"
     attention: str = "backend"
@@ -260,11 +252,6 @@ class FreeKVConfig:
             raise ValueError(f"recall_block must be 0 or a power of two, got {self.recall_block!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
-        if self.recall_before not in RECALL_BEFORE:
-            raise ValueError(f"recall_before must be one of {', '.join(RECALL_BEFORE)}, got {self.recall_before!r}")
-        if self.recall_before == "select" and self.attention != "backend":
-            raise ValueError("recall_before 'select' writes the backend attention's token lists: it needs "
-                             "--kv-attention backend, or drop --kv-recall-before")
         if not _is_int(self.score_programs) or self.score_programs < 0:
             raise ValueError(f"score_programs must be a non-negative integer, got {self.score_programs!r}")
         if self.score_programs and self.selection != "channels":

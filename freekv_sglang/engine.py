@@ -59,7 +59,7 @@ from collections.abc import Callable
 import torch
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 from freekv_kvstore import ArenaGeometry
-from freekv_kernels.select_chain import RecallNow, Replay, TokenLists
+from freekv_kernels.select_chain import Replay
 
 from .config import RETRIEVALS, FreeKVConfig
 from .host_pool import HostPool, LayerSlice, LocalHostPool
@@ -83,11 +83,8 @@ class ModelShape:
 
 # An outside attention kernel for sparse layers, in two calls: (q, k_cache, v_cache, plan, slots) does what needs only
 # the layer's slot table [R, H, k] (the token lists) and returns the call that attends, () -> output. The engine makes
-# the first beside the recall before attention and the second after it (see FreeKVEngine.attend). Under
-# cfg.recall_before "select" the selection's launch writes the lists from the kernel's Lists (plan, q) -> TokenLists,
-# and the first call takes their query rows: (q, k_cache, v_cache, plan, slots, rows).
-Attention = Callable[..., Callable[[], torch.Tensor]]
-Lists = Callable[[StepPlan, torch.Tensor], TokenLists]
+# the first beside the recall before attention and the second after it (see FreeKVEngine.attend).
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, StepPlan, torch.Tensor], Callable[[], torch.Tensor]]
 
 # The retrieval policies of cfg.retrieval (FreeKV: selection by cfg.selection, speculative with correction; LouisKV:
 # retrieval at semantic boundaries) and StreamingLLM-style dropping (sink + window only, nothing selected).
@@ -804,7 +801,7 @@ class FreeKVEngine:
         self._step_lens[:len(slots)].copy_(host[1], non_blocking=True)
 
     def attend(self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               attention: Attention | None = None, lists: Lists | None = None) -> torch.Tensor:
+               attention: Attention | None = None) -> torch.Tensor:
         """Store this step's K/V [B, H, D] and return the attention output [B, Hq, D] for q [B, Hq, D].
 
         attention: for a sparse layer, an outside kernel (engine.Attention) instead of the engine's own: called as
@@ -813,7 +810,7 @@ class FreeKVEngine:
         head holds, -1 if empty); the call it returns attends after that recall. SGLang's FlashInfer wrapper uses
         it so FreeKV attention rounds exactly as the server's full attention does: freekv_kernels.token_index lists
         each head's tokens from it in logical order (the request's whole context in order when every page is
-        selected). lists: that kernel's token lists as TokenLists (engine.Lists), for cfg.recall_before "select"."""
+        selected)."""
         p, ops = self.cfg.page_size, self.ops
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         if self.dense[layer]:
@@ -833,30 +830,18 @@ class FreeKVEngine:
                                  self.shape.group, self._stat_sim[layer] if self.collect_stats else None, self.pad_slot,
                                  kv=kv)
         e_q = e_sel = e_now = st.record() if self.retrieval else None
-        # Under recall_before "select" the selection's launch also recalls and writes the attention's token lists.
-        after = None
-        if self.method == "freekv" and self.cfg.recall_before == "select":
-            if lists is None or attention is None:
-                raise ValueError("recall_before 'select' writes an outside attention kernel's token lists: attend "
-                                 "needs that kernel (attention) and its lists (engine.Lists)")
-            after = lists(plan, q)
         if self.retrieval:
             with st.on("select"):
                 st.wait(e_q)
-                self._select(plan, layer, q, PHASE_NOW, flags, lists=after)
-                e_sel = e_now = st.record()
-                if after is None:
-                    self._recall_phase(plan, layer, PHASE_NOW)
-                    e_now = st.record()
+                self._select(plan, layer, q, PHASE_NOW, flags)
+                e_sel = st.record()
+                self._recall_phase(plan, layer, PHASE_NOW)
+                e_now = st.record()
             self._flush_speculation(e_sel)  # the previous layer's, beside this layer's recall before attention
         # The slot table is final once the selection has committed: the attention's first call runs beside the
         # recall, which writes only the pages of the slots coded PHASE_NOW, and its second after it.
         st.wait(e_sel)
-        slots = self.slot_table[layer]
-        if after is not None:
-            finish = attention(q, kc, vc, plan, slots, rows=after.q_rows)
-        else:
-            finish = (attention or functools.partial(self._attend_split, layer))(q, kc, vc, plan, slots)
+        finish = (attention or functools.partial(self._attend_split, layer))(q, kc, vc, plan, self.slot_table[layer])
         st.wait(e_now)
         out = finish()
         if self.probe is not None:
@@ -912,16 +897,13 @@ class FreeKVEngine:
         return lambda: ops.attend_recalled(q, kc, vc, plan.slot_pages, plan.n_slots, recall, PHASE_NOW, self.scale, p,
                                            kept)
 
-    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None,
-                lists: TokenLists | None = None):
+    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
         """Select with q for the heads of `phase` (PHASE_NOW: those with _now_heads set, PHASE_LATER: the others,
         with q by request slot) and commit their slots; _recall_phase then recalls them (PHASE_NOW's on the select
         stream, PHASE_LATER's on the recall stream). Before attention: flagged heads attend with q_i's selection, and so
         does every head whose selection grew into an empty slot (attention must not miss pages it could hold), so
         those slots are recalled now; the other changed slots (the latter heads' evictions) wait for the recall after
-        attention, with the speculative heads'. lists (cfg.recall_before "select"): the same launch then writes
-        them and recalls the phase's slots itself, in place of _recall_phase (whose time the timer then counts in
-        the selection's)."""
+        attention, with the speculative heads'."""
         ops, B = self.ops, plan.req_slots.shape[0]
         heads, recall = self._now_heads[layer][:B], self._recall[layer][:B]
         timer = self.timer
@@ -933,19 +915,11 @@ class FreeKVEngine:
                                                             self._victim_ops[layer][:B])
         replay = None if self.cfg.replay_churn is None else Replay(self._replay_u[layer, :B], self.cfg.replay_churn,
                                                                    self.cfg.replay_returns or 0.0)
-        after = {}
-        if lists is not None:
-            on = victims is not None
-            after = dict(lists=lists, recall_now=RecallNow(
-                self.host.arena[:, layer], self.k_cache[layer], self.v_cache[layer], self.page_table, plan.slot_pages,
-                self.cfg.page_size, self.layout.victim_base(self.num_slots) if on else 0,
-                self.cfg.victim_pages if on else 0, self.host_scales(layer)))
         ops.select_chain(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
                          self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
-                         self.pad_slot, self.cfg.selection_hysteresis, *cache, replay=replay, **after)
+                         self.pad_slot, self.cfg.selection_hysteresis, *cache, replay=replay)
         if timer is not None:
-            for mark in (1, 2, 3) if lists is not None else (1,):
-                timer.mark(layer, phase, mark)
+            timer.mark(layer, phase, 1)
 
     def _recall_phase(self, plan: StepPlan, layer: int, phase: int, programs: int = 0) -> None:
         """Recall the slots that the phase's selection marked in _recall; programs as recall_pages takes it (0: one

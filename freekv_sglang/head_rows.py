@@ -6,7 +6,6 @@ per layer on the device inside the step."""
 from __future__ import annotations
 
 import torch
-from freekv_kernels.select_chain import TokenLists
 from freekv_kernels.token_index import head_token_index
 
 from .config import FreeKVConfig
@@ -27,13 +26,7 @@ class HeadRows:
         """What the kernel's rows need before the recall before attention lands: each (row, KV head)'s token rows
         written into self.indices from the layer's slot table `slots`, and q [B, H * G, D] as the rows' queries
         [B * H, G, D], written by the same launch (SGLang's q is a strided view of the QKV projection)."""
-        lists = self.lists(plan, q)
-        head_token_index(slots, plan.req_slots, *lists)
-        return lists.q_rows
-
-    def lists(self, plan: StepPlan, q: torch.Tensor) -> TokenLists:
-        """prepare's writes as head_token_index's arguments beyond the slot table, its rows allocated: what the
-        selection's launch writes itself under cfg.recall_before "select" (then attend takes its q_rows)."""
         rows = torch.empty(q.shape[0] * self.H, self.G, self.D, dtype=q.dtype, device=q.device)
-        return TokenLists(plan.row_table, plan.n_sink, plan.n_slots, plan.slot_pages, plan.row_tokens, plan.row_start,
-                          self.cfg.page_size, self.indices, q, rows)
+        head_token_index(slots, plan.req_slots, plan.row_table, plan.n_sink, plan.n_slots, plan.slot_pages,
+                         plan.row_tokens, plan.row_start, self.cfg.page_size, self.indices, q, rows)
+        return rows

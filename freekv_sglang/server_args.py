@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .config import (ATTENTIONS, BENCH_SELECTIONS, DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS, HOST_DTYPES, PREFILLS,
-                     RECALL_BEFORE, RECALL_MODES, SERVABLE_SELECTIONS, SPECULATE_AT, FreeKVConfig)
+                     RECALL_MODES, SERVABLE_SELECTIONS, SPECULATE_AT, FreeKVConfig)
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
 ENV_FREEKV_ARGS = "FREEKV_ARGS"
@@ -57,7 +57,6 @@ _KNOB_FLAGS = {
     "kv_recall": ("--kv-recall", "recall"),
     "kv_recall_programs": ("--kv-recall-programs", "recall_programs"),
     "kv_recall_block": ("--kv-recall-block", "recall_block"),
-    "kv_recall_before": ("--kv-recall-before", "recall_before"),
     "kv_score_programs": ("--kv-score-programs", "score_programs"),
     "kv_speculate_at": ("--kv-speculate-at", "speculate_at"),
     "kv_attention": ("--kv-attention", "attention"),
@@ -77,9 +76,9 @@ _KNOB_FLAGS = {
     "kv_bench_returns": ("--kv-bench-returns", "replay_returns"),
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
-_FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_recall_before", "kv_score_programs",
-                "kv_speculate_at", "kv_selection", "kv_rerank_factor", "kv_sketch_channels", "kv_hysteresis",
-                "kv_bench_correction_rate", "kv_bench_churn", "kv_bench_returns")
+_FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_score_programs", "kv_speculate_at", "kv_selection",
+                "kv_rerank_factor", "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate",
+                "kv_bench_churn", "kv_bench_returns")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb", "kvstore_timeout")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb",
@@ -186,10 +185,6 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
     g.add_argument("--kv-recall-block", type=int, default=None, metavar="B",
                    help="slots per GPU program of the recall before attention (0 or a power of two); 0 = one "
                         f"program per (request, KV head, slot) (default {_DEFAULTS.recall_block})")
-    g.add_argument("--kv-recall-before", choices=RECALL_BEFORE, default=None,
-                   help="where the recall before attention runs with --kv-attention backend: 'launch' its own launch "
-                        "after the selection; 'select' inside the selection's launch, each (request, KV head) "
-                        f"program recalling its slots and writing its token list (default {_DEFAULTS.recall_before})")
     g.add_argument("--kv-score-programs", type=int, default=None, metavar="N",
                    help="GPU programs of the 'channels' selection's speculative scoring, which runs beside the "
                         "model's GEMMs; 0 = one per (request, KV head, chunk of pages) "

@@ -169,10 +169,6 @@ class FreeKVAttnBackend(AttentionBackend):
             from .flashinfer_attention import FlashInferHeadAttention as head_cls
         elif backend == "TritonAttnBackend":
             from .triton_attention import TritonHeadAttention as head_cls
-        if head_cls is None and cfg.recall_before == "select":
-            raise RuntimeError(f"--kv-recall-before select writes the token lists of the attention backend's FreeKV "
-                               f"row kernel, and {type(inner).__name__} has none; serve with the flashinfer or triton "
-                               "attention backend, or drop --kv-recall-before")
         if head_cls is not None:
             self.head_attention = head_cls(inner, cfg, Hq, H, shape.head_dim, self.engine.num_slots, runner.device)
             if self.late is not None:
@@ -711,8 +707,7 @@ class FreeKVAttnBackend(AttentionBackend):
             raise RuntimeError(f"layer {lid}: FreeKV's own attention kernels take no KV scales; serve a scaled KV "
                                "cache with --kv-attention backend and the flashinfer or triton attention backend")
         attention = None if head is None else functools.partial(head.attend, layer)
-        o = eng.attend(plan, local, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention,
-                       lists=None if head is None else head.lists)
+        o = eng.attend(plan, local, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention)
         if lid == self.last_layer and not _capturing():
             for e in self._engines():
                 e.end_step()  # eager; a captured graph joins in _join_after_forward

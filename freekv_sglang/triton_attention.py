@@ -62,11 +62,10 @@ class TritonHeadAttention(HeadRows):
             )
 
     def attend(self, layer, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: StepPlan,
-               slots: torch.Tensor, rows: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+               slots: torch.Tensor) -> Callable[[], torch.Tensor]:
         """The engine's outside attention kernel (engine.Attention): slots is the layer's slot table. The rows'
-        token lists and queries are made now, beside the recall before attention, unless the selection's launch
-        wrote them (rows: their queries, from lists()); the returned call attends."""
-        rows = self.prepare(plan, slots, q) if rows is None else rows
+        token lists and queries are made now, beside the recall before attention; the returned call attends."""
+        rows = self.prepare(plan, slots, q)
         B, D, n = q.shape[0], self.D, q.shape[0] * self.H
 
         def finish() -> torch.Tensor:

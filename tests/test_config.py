@@ -151,15 +151,6 @@ def test_recall_block():
             FreeKVConfig(recall_block=bad)
 
 
-def test_recall_before():
-    assert FreeKVConfig().recall_before == "launch"
-    assert FreeKVConfig(recall_before="select").recall_before == "select"
-    with pytest.raises(ValueError, match="^recall_before must be one of launch, select"):
-        FreeKVConfig(recall_before="attention")
-    with pytest.raises(ValueError, match="needs --kv-attention backend, or drop --kv-recall-before"):
-        FreeKVConfig(recall_before="select", attention="split")
-
-
 def test_score_programs():
     assert FreeKVConfig().score_programs == 0  # one program per item
     assert FreeKVConfig(score_programs=132).score_programs == 132

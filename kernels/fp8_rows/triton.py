@@ -52,12 +52,6 @@ def dequantize_tile(q, e):
 
 
 @triton.jit
-def dequantize_tiles(q, e):
-    """q [M, R, D] (e4m3 or float32), e [M, R] int -> q * 2**e in float32, exact: dequantize_tile over M tiles."""
-    return q.to(tl.float32) * pow2(e.to(tl.int32))[:, :, None]
-
-
-@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, e_ptr, N, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)

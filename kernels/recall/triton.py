@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..fp8_rows.naive import check_host_scales
-from ..fp8_rows.triton import dequantize_tile, dequantize_tiles
+from ..fp8_rows.triton import dequantize_tile
 from ..page_select.naive import VICTIM_SHIFT
 from .._utils import capped_grid, check_device, check_index_vectors
 from .naive import check_victim_args
@@ -97,88 +97,6 @@ def _recall_pages_kernel(
                     tl.store(v_dst, v)
 
 
-@triton.jit
-def _recall_row(
-    host_ptr, exp_ptr, k_ptr, v_ptr, pt_ptr, slots_ptr, spages_ptr, recall_ptr, vops_ptr, b, h, r, K, victim_base, V,
-    s_hp, s_hh, s_hkv, s_ht, s_ep, s_eh, s_ekv, s_et, s_kt, s_kh, s_vt, s_vh, spt_r, spt_m, st_r, st_h, st_k,
-    sg_b, sg_k, sr_b, sr_h, sr_k, so_b, so_h, so_k,
-    PHASE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, KP: tl.constexpr, VICTIMS: tl.constexpr,
-    SHIFT: tl.constexpr, SCALED: tl.constexpr, M: tl.constexpr,
-):
-    """_recall_pages_kernel's copies for the entries of row b (request slot r), KV head h, in one program, M at a
-    time: the M entries' indices and chunks are gathered as [M] and [M, PAGE, D] tensors, so M PCIe reads are in
-    flight at once (select_chain's program recalls its own head's slots this way)."""
-    t = tl.arange(0, PAGE).to(tl.int64)
-    t3 = t[None, :, None]
-    d3 = tl.arange(0, D)[None, None, :]
-    j = tl.arange(0, KP)
-    codes = tl.load(recall_ptr + b * sr_b + h * sr_h + j * sr_k, mask=j < K, other=0)
-    hit = ((codes.to(tl.int32) == PHASE) & (j < K)).to(tl.int32)
-    rank = tl.cumsum(hit, 0) - 1  # an entry's place among the row's entries
-    n_hit = tl.sum(hit, 0)
-    mi = tl.arange(0, M)
-    for c in range(0, n_hit, M):
-        want = c + mi
-        ok = want < n_hit
-        s = tl.sum(tl.where((rank[None, :] == want[:, None]) & (hit[None, :] != 0), j[None, :], 0), 1)
-        page = tl.load(slots_ptr + r * st_r + h * st_h + s * st_k, mask=ok, other=0).to(tl.int64)
-        row0 = tl.load(spages_ptr + b * sg_b + s * sg_k, mask=ok, other=0).to(tl.int64) * PAGE
-        k_dst = k_ptr + (row0[:, None, None] + t3) * s_kt + h * s_kh + d3
-        v_dst = v_ptr + (row0[:, None, None] + t3) * s_vt + h * s_vh + d3
-        source = tl.full([M], -1, tl.int32)
-        evict = tl.full([M], -1, tl.int32)
-        if VICTIMS:
-            op = tl.load(vops_ptr + b * so_b + h * so_h + s * so_k, mask=ok, other=0)
-            evict = (op & ((1 << SHIFT) - 1)) - 1
-            source = (op >> SHIFT) - 1
-        host = ok & (source < 0)
-        src = tl.load(pt_ptr + r * spt_r + page * spt_m, mask=host, other=0).to(tl.int64)
-        chunk = host_ptr + src[:, None, None] * s_hp + h * s_hh + t3 * s_ht + d3
-        hm = host[:, None, None]
-        # Every load of the M chunks is issued before any store.
-        if SCALED:
-            rows_e = exp_ptr + src[:, None] * s_ep + h * s_eh + t[None, :] * s_et
-            kq = tl.load(chunk, mask=hm, other=0.0)
-            vq = tl.load(chunk + s_hkv, mask=hm, other=0.0)
-            k = dequantize_tiles(kq, tl.load(rows_e, mask=host[:, None], other=0)).to(k_ptr.dtype.element_ty)
-            v = dequantize_tiles(vq, tl.load(rows_e + s_ekv, mask=host[:, None], other=0)).to(v_ptr.dtype.element_ty)
-        else:
-            k = tl.load(chunk, mask=hm, other=0.0).to(k_ptr.dtype.element_ty)
-            v = tl.load(chunk + s_hkv, mask=hm, other=0.0).to(v_ptr.dtype.element_ty)
-        if VICTIMS:
-            back = (ok & (source >= 0))[:, None, None]
-            e1 = (victim_base + r * V + source.to(tl.int64)) * PAGE
-            k = tl.where(back, tl.load(k_ptr + (e1[:, None, None] + t3) * s_kt + h * s_kh + d3, mask=back), k)
-            v = tl.where(back, tl.load(v_ptr + (e1[:, None, None] + t3) * s_vt + h * s_vh + d3, mask=back), v)
-            # The outgoing chunks to their victim entries; every thread's read of a slot precedes any write to it.
-            out = (ok & (evict >= 0))[:, None, None]
-            e0 = (victim_base + r * V + evict.to(tl.int64)) * PAGE
-            tl.store(k_ptr + (e0[:, None, None] + t3) * s_kt + h * s_kh + d3, tl.load(k_dst, mask=out), mask=out)
-            tl.store(v_ptr + (e0[:, None, None] + t3) * s_vt + h * s_vh + d3, tl.load(v_dst, mask=out), mask=out)
-            tl.debug_barrier()
-        tl.store(k_dst, k, mask=ok[:, None, None])
-        tl.store(v_dst, v, mask=ok[:, None, None])
-
-
-def check_recall(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall, page_size, victim_ops,
-                 victim_base, victim_entries, host_scales) -> bool:
-    """recall_pages' argument checks (select_chain's recall takes them too); whether the arena is FP8 (scaled)."""
-    check_device(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall)
-    check_index_vectors(req_slots=req_slots)
-    B, H, K = recall.shape
-    D = host_layer.shape[-1]
-    assert v_cache.shape == k_cache.shape and k_cache.shape[1:] == (host_layer.shape[1], D) and H == k_cache.shape[1]
-    assert host_layer.shape[2:] == (2, page_size, D)
-    assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
-    check_victim_args(victim_ops, recall, victim_base, victim_entries, k_cache, page_size, slots.shape[0])
-    if check_host_scales(host_layer, host_scales):
-        check_device(host_scales)
-    if victim_ops is not None:
-        check_device(victim_ops)
-    return host_scales is not None
-
-
 def recall_pages(
     host_layer: torch.Tensor,
     k_cache: torch.Tensor,
@@ -209,10 +127,20 @@ def recall_pages(
     programs: smaller blocks spread a row's entries over more programs (benchmarks/kernels.py --recall-blocks).
     victim_ops, victim_base, victim_entries: the victim cache's moves, as in naive_recall_pages.
     """
-    scaled = check_recall(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall, page_size,
-                          victim_ops, victim_base, victim_entries, host_scales)
+    check_device(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall)
+    check_index_vectors(req_slots=req_slots)
     B, H, K = recall.shape
     D = host_layer.shape[-1]
+    assert v_cache.shape == k_cache.shape and k_cache.shape[1:] == (host_layer.shape[1], D) and H == k_cache.shape[1]
+    assert host_layer.shape[2:] == (2, page_size, D)
+    assert host_layer.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    assert slots.shape[1:] == (H, K) and req_slots.shape == (B,) and slot_pages.shape == (B, K)
+    check_victim_args(victim_ops, recall, victim_base, victim_entries, k_cache, page_size, slots.shape[0])
+    if check_host_scales(host_layer, host_scales):
+        check_device(host_scales)
+    scaled = host_scales is not None
+    if victim_ops is not None:
+        check_device(victim_ops)
     if slot_block < 0 or slot_block & (slot_block - 1):
         raise ValueError(f"slot_block must be 0 or a power of two, got {slot_block!r}")
     if B * H * K == 0:

@@ -8,8 +8,6 @@ import torch
 
 from ..churn_replay.naive import naive_replay_churn
 from ..page_select.naive import in_phase, naive_select_slots
-from ..recall.naive import naive_recall_pages
-from ..token_index.naive import naive_head_token_index
 
 
 class LsePool(NamedTuple):
@@ -28,50 +26,6 @@ class Replay(NamedTuple):
     draws: torch.Tensor
     rate: float
     returns: float = 0.0
-
-
-class RecallNow(NamedTuple):
-    """recall_pages' arguments that the selection does not hold: with them select_chain also recalls its phase's
-    entries, each (row, KV head)'s program its own (in_flight chunks at a time), instead of a recall launch after."""
-    host_layer: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    page_table: torch.Tensor
-    slot_pages: torch.Tensor
-    page_size: int
-    victim_base: int = 0
-    victim_entries: int = 0
-    host_scales: torch.Tensor | None = None
-    in_flight: int = 2
-
-
-class TokenLists(NamedTuple):
-    """head_token_index's arguments after the slot table and req_slots, in its order: with them select_chain also
-    writes every (row, KV head)'s token list (and query rows, given q and q_rows) from the committed slots."""
-    row_table: torch.Tensor
-    n_sink: torch.Tensor
-    n_slots: torch.Tensor
-    slot_pages: torch.Tensor
-    row_tokens: torch.Tensor
-    row_start: torch.Tensor
-    page_size: int
-    out: torch.Tensor
-    q: torch.Tensor | None = None
-    q_rows: torch.Tensor | None = None
-
-
-def after_selection(slots: torch.Tensor, req_slots: torch.Tensor, phase: int, recall: torch.Tensor,
-                    victim_ops: torch.Tensor | None, recall_now: RecallNow | None, lists: TokenLists | None,
-                    recall_fn=naive_recall_pages, lists_fn=naive_head_token_index) -> None:
-    """What select_chain does after the commit, as the ops it replaces: the token lists, then the recall."""
-    if lists is not None:
-        lists_fn(slots, req_slots, *lists)
-    if recall_now is not None:
-        rn = recall_now
-        cache = {} if victim_ops is None else dict(victim_ops=victim_ops, victim_base=rn.victim_base,
-                                                   victim_entries=rn.victim_entries)
-        recall_fn(rn.host_layer, rn.k_cache, rn.v_cache, rn.page_table, slots, req_slots, rn.slot_pages, recall, phase,
-                  rn.page_size, host_scales=rn.host_scales, **cache)
 
 
 def check_pool(pool: LsePool, batch: int, num_kv_heads: int) -> None:
@@ -120,14 +74,10 @@ def naive_select_chain(
     victim_age: torch.Tensor | None = None,
     victim_ops: torch.Tensor | None = None,
     replay: Replay | None = None,
-    recall_now: RecallNow | None = None,
-    lists: TokenLists | None = None,
 ) -> None:
     """naive_select_slots (its arguments, its effects) over `scores`: page scores [B, H, M] (changed in place), or
     an LsePool pooled first (naive_pool_lse); with `replay`, naive_replay_churn rewrites the phase's scores
-    between (the victim cache is select_slots'). Then, from the committed slots: with `lists`,
-    naive_head_token_index for every (row, KV head); with `recall_now`, naive_recall_pages of the phase's entries
-    (through victim_ops when the victim cache is on)."""
+    between (the victim cache is select_slots')."""
     if isinstance(scores, LsePool):
         check_pool(scores, req_slots.shape[0], slots.shape[1])
         scores = naive_pool_lse(scores, heads, phase)
@@ -135,4 +85,3 @@ def naive_select_chain(
         naive_replay_churn(scores, slots, req_slots, heads, phase, replay.draws, replay.rate, victims, replay.returns)
     naive_select_slots(scores, slots, req_slots, heads, phase, flags, recall, recall_all, stats, pad_slot, hysteresis,
                        victims, victim_age, victim_ops)
-    after_selection(slots, req_slots, phase, recall, victim_ops if victims is not None else None, recall_now, lists)

@@ -31,17 +31,8 @@ def _head_token_index_kernel(slots_ptr, req_ptr, row_ptr, nsink_ptr, nslots_ptr,
                              PAGE: tl.constexpr, SB: tl.constexpr, PB: tl.constexpr, EMPTY_KEY: tl.constexpr,
                              Q: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
     pid = tl.program_id(0)
-    _head_token_row((pid // H).to(tl.int64), (pid % H).to(tl.int64), slots_ptr, req_ptr, row_ptr, nsink_ptr,
-                    nslots_ptr, spages_ptr, tokens_ptr, start_ptr, out_ptr, q_ptr, qr_ptr, H, K, st_r, st_h, st_k,
-                    sr_b, sr_i, sg_b, sg_k, sq_b, sq_h, sq_d, PAGE, SB, PB, EMPTY_KEY, Q, G, GP, D, DP)
-
-
-@triton.jit
-def _head_token_row(b, h, slots_ptr, req_ptr, row_ptr, nsink_ptr, nslots_ptr, spages_ptr, tokens_ptr, start_ptr,
-                    out_ptr, q_ptr, qr_ptr, H, K, st_r, st_h, st_k, sr_b, sr_i, sg_b, sg_k, sq_b, sq_h, sq_d,
-                    PAGE: tl.constexpr, SB: tl.constexpr, PB: tl.constexpr, EMPTY_KEY: tl.constexpr,
-                    Q: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
-    """Row b, KV head h's token list (and its query rows with Q), from the slot table as it stands."""
+    b = (pid // H).to(tl.int64)
+    h = (pid % H).to(tl.int64)
     if Q:  # q[b, h * G + g] -> q_rows[b * H + h, g], contiguous [B * H, G, D]
         g = tl.arange(0, GP)
         d = tl.arange(0, DP)
@@ -83,11 +74,11 @@ def _head_token_row(b, h, slots_ptr, req_ptr, row_ptr, nsink_ptr, nslots_ptr, sp
         tl.store(out + t, val.to(out_ptr.dtype.element_ty), mask=keep[:, None] & (t < n))
 
 
-def check_lists(slots: torch.Tensor, req_slots: torch.Tensor, row_table: torch.Tensor, n_sink: torch.Tensor,
-                n_slots: torch.Tensor, slot_pages: torch.Tensor, row_tokens: torch.Tensor, row_start: torch.Tensor,
-                page_size: int, out: torch.Tensor, q: torch.Tensor | None = None,
-                q_rows: torch.Tensor | None = None) -> tuple[int, int]:
-    """head_token_index's argument checks (select_chain's lists take them too); (G, D) of the query rows."""
+def head_token_index(slots: torch.Tensor, req_slots: torch.Tensor, row_table: torch.Tensor, n_sink: torch.Tensor,
+                     n_slots: torch.Tensor, slot_pages: torch.Tensor, row_tokens: torch.Tensor, row_start: torch.Tensor,
+                     page_size: int, out: torch.Tensor, q: torch.Tensor | None = None,
+                     q_rows: torch.Tensor | None = None) -> None:
+    """See naive_head_token_index."""
     check_device(slots, req_slots, row_table, n_sink, n_slots, slot_pages, row_tokens, row_start, out)
     check_index_vectors(req_slots=req_slots, n_sink=n_sink, n_slots=n_slots, row_tokens=row_tokens,
                         row_start=row_start, out=out)
@@ -98,17 +89,6 @@ def check_lists(slots: torch.Tensor, req_slots: torch.Tensor, row_table: torch.T
     G, D = check_q_rows(q, q_rows, B, H)
     if q is not None:
         check_device(q, q_rows)
-    return G, D
-
-
-def head_token_index(slots: torch.Tensor, req_slots: torch.Tensor, row_table: torch.Tensor, n_sink: torch.Tensor,
-                     n_slots: torch.Tensor, slot_pages: torch.Tensor, row_tokens: torch.Tensor, row_start: torch.Tensor,
-                     page_size: int, out: torch.Tensor, q: torch.Tensor | None = None,
-                     q_rows: torch.Tensor | None = None) -> None:
-    """See naive_head_token_index."""
-    G, D = check_lists(slots, req_slots, row_table, n_sink, n_slots, slot_pages, row_tokens, row_start, page_size,
-                       out, q, q_rows)
-    B, H, K = row_table.shape[0], slots.shape[1], slots.shape[2]
     if B * H == 0:
         return
     sb = min(triton.next_power_of_2(max(K, 1)), _SLOTS)

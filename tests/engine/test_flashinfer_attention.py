@@ -8,7 +8,6 @@ replays equal to eager; past the budget it matches the engine's own kernel.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -109,20 +108,8 @@ def setup(G, H, cfg, lens, bs, mode=MODES["default"]):
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("G,H", [(1, 4), (3, 3), (4, 2), (8, 1)])
 def test_budget_covering_context_is_bit_identical_to_full_kv_flashinfer(G, H, graph, mode):
-    bit_identical(G, H, graph, mode, "launch")
-
-
-@pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("G,H", [(3, 3), (8, 1)])
-def test_with_the_recall_in_the_selection_it_is_bit_identical_too(G, H, graph):
-    """--kv-recall-before select: the selection's launch writes the lists and query rows FlashInfer reads."""
-    bit_identical(G, H, graph, "default", "select")
-
-
-def bit_identical(G, H, graph, mode, recall_before):
     p = 16 if G % 2 else 32
-    cfg = FreeKVConfig(budget=96 * p, sink=p, window=2 * p, page_size=p, tau=0.8, dense_layers=1, selection="sketch",
-                       recall_before=recall_before)
+    cfg = FreeKVConfig(budget=96 * p, sink=p, window=2 * p, page_size=p, tau=0.8, dense_layers=1, selection="sketch")
     lens = [5, 3 * p + 1, 700, 1201, 33]
     bs = len(lens) + 1  # one padding row, as in a captured bucket
     eng, fi, hist, slots = setup(G, H, cfg, lens, bs, MODES[mode])
@@ -134,7 +121,7 @@ def bit_identical(G, H, graph, mode, recall_before):
         plan = eng.plan(bs)
         q = torch.randn(bs, H * G, D, device="cuda", dtype=BF)
         k, v = torch.randn(bs, H, D, device="cuda", dtype=BF), torch.randn(bs, H, D, device="cuda", dtype=BF)
-        o = eng.attend(plan, 1, q, k, v, attention=lambda *a, **kw: fi.attend(layer_of(1), *a, **kw), lists=fi.lists)
+        o = eng.attend(plan, 1, q, k, v, attention=lambda *a: fi.attend(layer_of(1), *a))
         eng.end_step()
         for b in range(len(lens)):
             hist[b] = [torch.cat([hist[b][0], k[b:b + 1]]), torch.cat([hist[b][1], v[b:b + 1]])]
@@ -145,16 +132,14 @@ def bit_identical(G, H, graph, mode, recall_before):
         assert torch.equal(o[:len(lens)], ref[:len(lens)]), (step, (o - ref).abs().max().item())
 
 
-@pytest.mark.parametrize("recall_before", ["launch", "select"])
-def test_past_the_budget_it_matches_the_engine_kernel_and_replays_in_a_graph(recall_before):
+def test_past_the_budget_it_matches_the_engine_kernel_and_replays_in_a_graph():
     G, H = 4, 2
-    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1, selection="sketch",
-                       recall_before=recall_before)
+    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1, selection="sketch")
     lens, bs = [900, 1500, 333], 4
     eng, fi, hist, slots = setup(G, H, cfg, lens, bs)
-    # A twin engine with the same history attends with its own split-K kernel (and so recalls in its own launch).
-    twin = FreeKVEngine(dataclasses.replace(cfg, recall_before="launch"), ModelShape(L, H * G, H, D), max_requests=bs,
-                        max_context=4096, dtype=BF, device="cuda", backend="triton", pad_slot=0, dense_outside=True)
+    # A twin engine with the same history attends with its own split-K kernel.
+    twin = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=bs, max_context=4096, dtype=BF,
+                        device="cuda", backend="triton", pad_slot=0, dense_outside=True)
     for s, n, (k, v) in zip(slots, lens, hist):
         twin.add_request(s)
         twin.begin_prefill(s, n)
@@ -164,11 +149,11 @@ def test_past_the_budget_it_matches_the_engine_kernel_and_replays_in_a_graph(rec
     v = torch.zeros_like(k)
 
     def step(e, attention):
-        out = e.attend(e.plan(bs), 1, q, k, v, attention=attention, lists=None if attention is None else fi.lists)
+        out = e.attend(e.plan(bs), 1, q, k, v, attention=attention)
         e.end_step()
         return out
 
-    run_fi = lambda *a, **kw: fi.attend(layer_of(1), *a, **kw)
+    run_fi = lambda *a: fi.attend(layer_of(1), *a)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -38,8 +38,8 @@ def test_next_recall_selects_and_attends_as_attention(selection, prefill_alike, 
 def _phases(monkeypatch, eng: FreeKVEngine, prefill_alike) -> list[tuple]:
     """(layer, phase) of every selection of one decode step, with ('end',) where end_step returns."""
     seen, select = [], eng._select
-    monkeypatch.setattr(eng, "_select", lambda plan, layer, q, phase, *a, **kw: (
-        seen.append((layer, phase)), select(plan, layer, q, phase, *a, **kw)))
+    monkeypatch.setattr(eng, "_select", lambda plan, layer, q, phase, *a: (seen.append((layer, phase)),
+                                                                          select(plan, layer, q, phase, *a)))
     slots = prefill_alike([eng], [150], device=DEV)
     shape = eng.shape
     plan = eng.begin_step(slots)
@@ -80,8 +80,8 @@ def test_the_last_sparse_layers_speculative_lane_runs_on_the_select_stream(monke
 
     monkeypatch.setattr(eng.streams, "on", tracked)
     lanes, select, recall, offload = {}, eng._select, eng._recall_phase, eng._offload
-    monkeypatch.setattr(eng, "_select", lambda plan, layer, q, phase, *a, **kw: (
-        lanes.__setitem__(("select", layer, phase), lane[0]), select(plan, layer, q, phase, *a, **kw)))
+    monkeypatch.setattr(eng, "_select", lambda plan, layer, q, phase, *a: (
+        lanes.__setitem__(("select", layer, phase), lane[0]), select(plan, layer, q, phase, *a)))
     monkeypatch.setattr(eng, "_recall_phase", lambda plan, layer, phase, programs=0: (
         lanes.__setitem__(("recall", layer, phase), (lane[0], programs)), recall(plan, layer, phase, programs)))
     monkeypatch.setattr(eng, "_offload", lambda layer, *a: (lanes.__setitem__(("offload", layer), lane[0]),
@@ -102,8 +102,8 @@ def test_a_step_cut_short_flushes_at_end_step(monkeypatch, prefill_alike):
     layer's speculative selection, before end_step returns."""
     eng = make_engine(CFG)  # next_recall by default
     seen, select = [], eng._select
-    monkeypatch.setattr(eng, "_select", lambda plan, layer, q, phase, *a, **kw: (
-        seen.append((layer, phase)), select(plan, layer, q, phase, *a, **kw)))
+    monkeypatch.setattr(eng, "_select", lambda plan, layer, q, phase, *a: (seen.append((layer, phase)),
+                                                                          select(plan, layer, q, phase, *a)))
     slots = prefill_alike([eng], [150], device=DEV)
     shape, plan = eng.shape, eng.begin_step(slots)
     seen.clear()

@@ -8,7 +8,6 @@ own kernel. On CPU the kernels run under TRITON_INTERPRET in fp16 (the interpret
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -136,49 +135,3 @@ def test_past_the_budget_it_matches_the_engine_kernel(mode):
             e.end_step()
         torch.testing.assert_close(outs[1][:3], outs[0][:3], atol=2e-2, rtol=2e-2)
     assert eng.stats()["recall_bytes_now"] == twin.stats()["recall_bytes_now"]
-
-
-def test_recall_before_select_matches_its_own_launch():
-    """cfg.recall_before "select": the selection's launch recalls the flagged heads' slots (from the host or the
-    victim cache, their outgoing chunks to it) and writes the token lists and query rows the row kernel reads.
-    Outputs, slot tables, caches, victim entries and statistics equal those of the recall's own launch after the
-    selection, step after step past the budget."""
-    G, H, mode = 4, 2, "default"
-    # The benchmarks' churn replay: half the slots change a step, half of those back from the victim cache.
-    base = FreeKVConfig(budget=256, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1, victim=256,
-                        replay_correction_rate=0.5, replay_churn=0.5, replay_returns=0.5)
-    lens, bs = [700, 1100, 333], 4
-    runs = []
-    for cfg in (base, dataclasses.replace(base, recall_before="select")):
-        torch.manual_seed(3)
-        eng, ta, hist, slots = setup(G, H, cfg, lens, bs, mode)
-        runs.append((eng, ta, slots))
-    for step in range(int(STEPS * 40)):
-        q = torch.randn(bs, H * G, D, device=DEV, dtype=DT)
-        k, v = torch.randn(bs, H, D, device=DEV, dtype=DT), torch.randn(bs, H, D, device=DEV, dtype=DT)
-        lens = [n + 1 for n in lens]
-        outs = []
-        for eng, ta, slots in runs:
-            torch.manual_seed(100 + step)  # the replay's draws: the same for both
-            eng.prepare_step(slots, pad_to=bs, lens=lens)
-            ta.plan(lens + [1], graph=False)
-            outs.append(eng.attend(eng.plan(bs), 1, q, k, v, attention=lambda *a, ta=ta, **kw: ta.attend(
-                layer_of(1), *a, **kw), lists=ta.lists))
-            eng.end_step()
-        assert torch.equal(outs[0], outs[1]), step
-    (a, _, _), (b, _, _) = runs
-    assert torch.equal(a.slot_table[1], b.slot_table[1])
-    assert torch.equal(a.k_cache[1], b.k_cache[1]) and torch.equal(a.v_cache[1], b.v_cache[1])
-    assert torch.equal(a.victims[1], b.victims[1])
-    sa, sb = a.stats(), b.stats()
-    assert sa == sb and sa["recall_pages_now"] > 0 and sa["victim_hits_now"] > 0
-
-
-def test_recall_before_select_needs_an_outside_kernel():
-    """Without the outside kernel's lists the engine refuses rather than recall in a launch of its own."""
-    cfg = FreeKVConfig(budget=128, sink=32, window=64, page_size=32, tau=0.8, dense_layers=1, recall_before="select")
-    eng, ta, hist, slots = setup(4, 2, cfg, [700], 2, "default")
-    eng.prepare_step(slots, pad_to=2, lens=[701])
-    q, k = torch.randn(2, 8, D, device=DEV, dtype=DT), torch.randn(2, 2, D, device=DEV, dtype=DT)
-    with pytest.raises(ValueError, match="recall_before 'select' writes an outside attention kernel's token lists"):
-        eng.attend(eng.plan(2), 1, q, k, k.clone())

@@ -8,7 +8,7 @@ from freekv_kernels.churn_replay import replay_churn
 from freekv_kernels.page_rerank.triton import _full_scan, _pool
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW, select_slots
 from freekv_kernels.page_select.triton import _heads_args, one_stage
-from freekv_kernels.select_chain import LsePool, RecallNow, Replay, TokenLists, naive_select_chain, select_chain
+from freekv_kernels.select_chain import LsePool, Replay, naive_select_chain, select_chain
 from freekv_kernels.select_chain.naive import naive_pool_lse
 from freekv_kernels.testing import assert_close, device, poisoned_outputs, run_without_interpreter
 from test_channel_sketch import B as SKETCH_B
@@ -146,85 +146,9 @@ def test_unpooled_channel_sketch_pools_to_its_scores(G, p, phase):
     assert_close("lse", ref_lse[written], lse.cpu()[written], atol=1e-4, rtol=1e-4)
 
 
-def after_inputs(inputs, G, M, K, V, p, D, fp8, seed):
-    """What the recall and the token lists take beside the selection's state: each request's page table over a host
-    arena (FP8 with its row exponents, or bf16), K/V caches (the rows' slot pages, then the victim entries) holding
-    random chunks, every row's list (sink, slots, window; partial last pages) and its queries. The selection's state
-    made consistent for a recall: an entry of a phase holds a page, last step's ops move nothing (select_chain
-    writes the selecting heads' own)."""
-    from freekv_kvstore import ArenaGeometry
-    from freekv_kvstore.client import arena_views
-
-    g = torch.Generator().manual_seed(seed)
-    req_slots, slots, recall, ops = inputs[2], inputs[3], inputs[8], inputs[9]
-    H, P = slots.shape[1], 40
-    recall.masked_fill_(slots[req_slots.long()] < 0, 0)
-    ops.zero_()
-    page_table = torch.randint(0, P, (R, M), dtype=torch.int32, generator=g)
-    geometry = ArenaGeometry(1, H, p, D, "float8_e4m3fn" if fp8 else "bfloat16")
-    raw = torch.randint(0, 256, (P * geometry.page_bytes,), dtype=torch.uint8, generator=g)
-    host, scales = arena_views(raw.pin_memory() if DEV.type == "cuda" else raw, geometry, P)
-    if fp8:
-        host.view(torch.uint8).bitwise_and_(0xF7)  # finite e4m3 bytes of either sign (no 0x7F / 0xFF: NaN)
-        scales.copy_(torch.randint(-8, 9, scales.shape, dtype=torch.int8, generator=g))
-    else:
-        host.copy_(torch.randn(host.shape, generator=g))
-    rows = (B * K + R * max(V, 1)) * p
-    k_cache, v_cache = (torch.randn(rows, H, D, generator=g).to(torch.bfloat16).to(DEV) for _ in range(2))
-    slot_pages = torch.randperm(B * K, generator=g)[:B * K].int().view(B, K)
-    n_sink = torch.full((B,), 2, dtype=torch.int32)
-    n_slots = torch.randint(0, K + 1, (B,), dtype=torch.int32, generator=g)
-    n_slots[0] = K
-    W = 2 + K + 3
-    tokens = (W * p - torch.randint(0, p, (B,), generator=g)).int()
-    start = (torch.cumsum(tokens, 0) - tokens).int()
-    row_table = torch.randint(B * K + R * max(V, 1), 10**5, (B, W), dtype=torch.int32, generator=g)
-    out = torch.full((int(tokens.sum()) * H + 7,), -7, dtype=torch.int32)
-    q = torch.randn(B, H * G, D, generator=g).to(torch.bfloat16)
-    q_rows = torch.full((B * H, G, D), float("nan"), dtype=torch.bfloat16)
-    dev = [t.to(DEV) for t in (page_table, slot_pages, n_sink, n_slots, tokens, start, row_table, out, q, q_rows)]
-    page_table, slot_pages, n_sink, n_slots, tokens, start, row_table, out, q, q_rows = dev
-    recall_now = RecallNow(host[:, 0], k_cache, v_cache, page_table, slot_pages, p, B * K, V,
-                           scales[:, 0] if fp8 else None, 2)
-    lists = TokenLists(row_table, n_sink, n_slots, slot_pages, tokens, start, p, out, q, q_rows)
-    return recall_now, lists
-
-
-@pytest.mark.parametrize("G,H,M,K,V,phase,fp8,in_flight", [
-    (1, 2, 40, 8, 0, PHASE_NOW, False, 2), (4, 2, 200, 16, 16, PHASE_NOW, True, 2),
-    (3, 2, 120, 12, 24, PHASE_LATER, True, 4), (8, 1, 150, 16, 5, PHASE_NOW, False, 1),
-    (8, 1, 1100, 32, 8, PHASE_NOW, True, 2)])  # past 1,024 pages: the staged launches, then the two ops
-def test_select_chain_recalls_and_lists_after_its_commit(G, H, M, K, V, phase, fp8, in_flight):
-    """With RecallNow and TokenLists the launch also recalls the phase's entries (every head's: last step's too),
-    through the victim ops it wrote, and writes every (row, KV head)'s token list and query rows from the committed
-    slots: the caches, lists and rows the reference's recall_pages and head_token_index write after its selection,
-    bit for bit, and the selection's own state unchanged."""
-    p, D = (16, 64) if G % 2 else (32, 128)
-    inputs = chain_inputs(G, H, M, K, V, seed=G * 10 + M)
-    states = []
-    for fn in (naive_select_chain, select_chain):
-        rn, lists = after_inputs(inputs, G, M, K, V, p, D, fp8, seed=M)
-        rn = rn._replace(in_flight=in_flight)
-        lse, cand_end, req_slots, slots, victims, age, heads, flags, recall, ops, draws = inputs
-        slots, victims, age, recall, ops = (t.clone() for t in (slots, victims, age, recall, ops))
-        cache = (victims, age, ops) if V else (None, None, None)
-        fn(LsePool(lse, START, cand_end, G, M), slots, req_slots, heads, phase, flags, recall, False, None,
-           int(req_slots[3]), 1.0, *cache, replay=Replay(draws, 0.3, 0.5 if V else 0.0), recall_now=rn, lists=lists)
-        states.append((slots, recall, victims, age, ops, rn.k_cache, rn.v_cache, lists.out, lists.q_rows))
-    names = ("slots", "recall", "victims", "age", "ops", "k_cache", "v_cache", "lists", "q_rows")
-    for name, a, b in zip(names, *states):
-        assert torch.equal(a.cpu(), b.cpu()), f"{name} differs from the reference"
-    recalled = (states[0][1] == phase).sum()
-    assert recalled > 0 and not states[0][7].eq(-7)[:-7].any() and not states[0][8].isnan().any()
-
-
 def test_select_chain_refuses_bad_inputs():
     inputs = chain_inputs(4, 2, 60, 8, 4, seed=1)
     lse, cand_end, req_slots, slots, victims, age, heads, flags, recall, ops, draws = inputs
-    rn, _ = after_inputs(inputs, 4, 60, 8, 4, 16, 64, False, seed=1)
-    with pytest.raises(ValueError, match="recall_now names 5 victim entries a head, the victim cache holds 4"):
-        select_chain(LsePool(lse, START, cand_end, 4, 60), slots, req_slots, heads, PHASE_NOW, flags, recall,
-                     victims=victims, victim_age=age, victim_ops=ops, recall_now=rn._replace(victim_entries=5))
     with pytest.raises(ValueError, match="lse must be fp32"):
         select_chain(LsePool(lse[..., :2], START, cand_end, 4, 60), slots, req_slots, heads, PHASE_NOW, flags, recall)
     with pytest.raises(ValueError, match="victim cache"):
@@ -247,21 +171,9 @@ TYPES = {"lse_ptr": "*fp32", "cend_ptr": "*i32", "draws_ptr": "*fp32", "rate_k":
 CONSTEXPRS = {"KP": 64, "CHUNK": 1024, "PACKED_IN": False, "PHASE": 1, "WANT": 1, "RECALL_ALL": False, "STATS": True,
               "NEG_INF_KEY": page_select._NEG_INF_KEY, "HYST": True, "VICTIMS": True, "VP": 64, "HIT_STATS": True,
               "SHIFT": 16, "SCRATCH": True, "POOL": True, "G": 4, "GP": 4, "POOL_BLOCK": 1024, "REPLAY": True,
-              "R_KP": 64, "R_BLOCK": 1024, "PROMOTED": 1.0e4, "TIE": 1.0 / 1024,
-              "LISTS": False, "L_PAGE": 1, "L_SB": 1, "L_PB": 1, "L_EMPTY": 0x7FFFFFFF, "L_Q": False, "L_G": 1,
-              "L_GP": 1, "L_D": 1, "L_DP": 1, "RECALL": False, "C_PAGE": 1, "C_D": 1, "C_SCALED": False, "C_M": 1}
+              "R_KP": 64, "R_BLOCK": 1024, "PROMOTED": 1.0e4, "TIE": 1.0 / 1024}
 ptx = compile_sm90(select_chain._select_chain_kernel, CONSTEXPRS, TYPES, 8)
 assert ".entry _select_chain_kernel" in ptx and "bar.sync" in ptx
-print("compiled")
-# With the recall before attention (FP8 host pages, two chunks in flight) and the token lists with query rows.
-AFTER = {"LISTS": True, "L_PAGE": 32, "L_SB": 64, "L_PB": 64, "L_Q": True, "L_G": 4, "L_GP": 4, "L_D": 128,
-         "L_DP": 128, "RECALL": True, "C_PAGE": 32, "C_D": 128, "C_SCALED": True, "C_M": 2}
-AFTER_TYPES = {"lrow_ptr": "*i32", "nsink_ptr": "*i32", "nslots_ptr": "*i32", "lpages_ptr": "*i32",
-               "tokens_ptr": "*i32", "start_ptr": "*i32", "lout_ptr": "*i32", "q_ptr": "*bf16", "qr_ptr": "*bf16",
-               "host_ptr": "*fp8e4nv", "exp_ptr": "*i8", "k_ptr": "*bf16", "v_ptr": "*bf16", "pt_ptr": "*i32",
-               "spages_ptr": "*i32"}
-ptx = compile_sm90(select_chain._select_chain_kernel, {**CONSTEXPRS, **AFTER}, {**TYPES, **AFTER_TYPES}, 8)
-assert "e4m3x2" in ptx
 print("compiled")
 '''
 
@@ -269,4 +181,4 @@ print("compiled")
 def test_select_chain_kernel_compiles_for_sm90():
     """The fused kernel with every stage (pooling, replay with the victim cache, hysteresis, statistics) compiles for
     an H100 with its barriers, in a child process without the interpreter."""
-    assert run_without_interpreter(CHILD) == ["compiled", "compiled"]
+    assert run_without_interpreter(CHILD) == ["compiled"]

@@ -496,12 +496,3 @@ def test_the_last_query_is_seeded_in_the_engines_dtype(daemon, monkeypatch):
         for r in reqs:
             assert torch.equal(eng.prev_q[layer, r.slot], r.q[layer][-1].to(torch.bfloat16))
     assert eng.has_prev[CFG.dense_layers:, [2, 4]].all() and not eng.has_prev[:CFG.dense_layers].any()
-
-
-def test_recall_before_select_needs_a_row_kernel(daemon):
-    """--kv-recall-before select writes the token lists of FlashInfer's or SGLang's Triton row kernel; over another
-    backend it is refused at start-up, naming the flag, not silently served with the recall's own launch."""
-    import dataclasses
-
-    with pytest.raises(RuntimeError, match="Inner has none; .*drop --kv-recall-before"):
-        make_backend(daemon, cfg=dataclasses.replace(CFG, recall_before="select"))

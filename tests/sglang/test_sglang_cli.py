@@ -45,7 +45,6 @@ def test_freekv_settings_reach_server_args(prepare):
                         recall_programs=64, selection="means", rerank_factor=8)
     assert prepare([*FREEKV, "--kv-score-programs", "132"])._freekv.config.score_programs == 132
     assert prepare([*FREEKV, "--kv-recall-block", "8"])._freekv.config.recall_block == 8
-    assert prepare([*FREEKV, "--kv-recall-before", "select"])._freekv.config.recall_before == "select"
     assert prepare([*FREEKV, "--kv-speculate-at", "next_recall"])._freekv.config.speculate_at == "next_recall"
     assert prepare([*FREEKV, "--kv-attention", "split"])._freekv.config.attention == "split"
     assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0,
