@@ -339,10 +339,15 @@ class FreeKVEngine:
         self._owner[slot] = owner
         return slot
 
-    def remove_request(self, slot: int) -> None:
+    def remove_request(self, slot: int, free_host: bool = True) -> int | None:
+        """Free a slot. Returns the owner of its host pages, which the caller frees itself when not free_host (several
+        slots' in one kvstore call); None when this engine does not hold them."""
         self._check_slot(slot)
+        owner = None
         if self._pages_of is None:  # else pages_of frees the pages and clears the shared page table
-            self.host.free(self._owner[slot])
+            owner = self._owner[slot]
+            if free_host:
+                self.host.free(owner)
             self.page_table[slot] = -1
         self._host_pages[slot] = []
         self._shared[slot], self._sink_host[slot], self._complete[slot] = 0, [], 0
@@ -351,6 +356,7 @@ class FreeKVEngine:
         self._clear_victims(slot)
         self.has_prev[:, slot] = False
         self._free_slots.append(slot)
+        return owner
 
     def _clear_victims(self, slot: int, layer: int | None = None) -> None:
         """Empty a slot's victim cache (a new request must not take back another's pages): every layer, or one."""

@@ -255,25 +255,36 @@ class KVStoreHostPool:
         return True
 
     def free(self, owner: int) -> int:
-        """Drop an owner's pages; never raises for the daemon's sake (while down the FREE waits for it)."""
-        self._extra.pop(owner, None)
-        given = self._given.pop(owner, 0)
-        self._reserved.pop(owner, None)
-        epoch = self._epoch_of.pop(owner, self._epoch)
-        uncertain = owner in self._uncertain
-        self._uncertain.discard(owner)
-        if epoch != self._epoch or not (given or uncertain):  # held in a lost session, or nothing held
-            return given
-        self.used_pages -= given
+        """Drop an owner's pages; never raises for the daemon's sake (while down the FREE waits for it). Returns the
+        pages the daemon had given it."""
+        return self.free_many([owner])
+
+    def free_many(self, owners: list[int]) -> int:
+        """free() of several owners in one FREE round trip (a step's finished requests)."""
+        send, given_all = [], 0
+        for owner in owners:
+            self._extra.pop(owner, None)
+            given = self._given.pop(owner, 0)
+            given_all += given
+            self._reserved.pop(owner, None)
+            epoch = self._epoch_of.pop(owner, self._epoch)
+            uncertain = owner in self._uncertain
+            self._uncertain.discard(owner)
+            if epoch == self._epoch and (given or uncertain):  # else held in a lost session, or nothing held
+                self.used_pages -= given
+                send.append(owner)
+        if not send:
+            return given_all
         if self.state == "up":
             try:
-                return self.client.free(owner)
+                self.client.free_many(send)
+                return given_all
             except KVStoreError as e:
                 if not self._failed(e):
-                    logger.error("FreeKV: kvstore FREE of request %d at %s failed: %s", owner, self.endpoint, e)
+                    logger.error("FreeKV: kvstore FREE of requests %s at %s failed: %s", send, self.endpoint, e)
         if self.state == "down":
-            self._pending_free.add(owner)
-        return given
+            self._pending_free.update(send)
+        return given_all
 
     # ---- what the scheduler side calls ----------------------------------------------------------
 

@@ -595,3 +595,45 @@ def test_requests_finishing_in_one_step_are_exported_together(daemon):
         for layer in sparse:
             assert torch.equal(apart.engine.summaries[layer][list(pages_apart)],
                                together.engine.summaries[layer][list(pages_together)])
+
+
+@pytest.fixture(scope="module")
+def small_daemon():
+    handle = start_embedded(arena_gb=0.05)  # the module's daemon is full of its tests' arenas by the end of the file
+    yield handle
+    handle.stop()
+
+
+def test_a_steps_finished_requests_free_their_host_pages_in_one_kvstore_call(small_daemon, monkeypatch):
+    backend, runner = make_backend(small_daemon, port=30011)
+    rs = [Request(runner, slot, 70) for slot in (1, 2, 3)]
+    run_prefill(backend, rs, 1000)
+    held = arena_pages(backend)[0]
+    assert held > 0
+    calls = []
+    free_many = backend.host.client.free_many
+    monkeypatch.setattr(backend.host.client, "free_many", lambda ids: (calls.append(list(ids)), free_many(ids))[1])
+    for r in rs:
+        on_request_freed(r.slot)
+    backend._apply_frees()
+    assert [sorted(c) for c in calls] == [sorted(backend.engine._owner[r.slot] for r in rs)]
+    assert arena_pages(backend)[0] == 0 and backend.host.used_pages == 0
+    assert not any(backend.engine.is_active(r.slot) for r in rs)
+
+
+def test_a_request_matched_again_hashes_its_prompt_once(small_daemon, monkeypatch):
+    backend, runner = make_backend(small_daemon, port=30012)
+    cache = make_cache(runner)
+    tokens = list(range(4000, 4100))
+    a = Request(runner, 1, len(tokens))
+    run_prefill(backend, [a], 1000)
+    finish(cache, backend, runner, a, sglang_req("a", tokens))
+    backend._apply_frees()
+    req = sglang_req("x", tokens[:80] + [1, 2, 3])
+    hashed = []
+    keys = backend.radix.keys
+    monkeypatch.setattr(backend.radix, "keys", lambda *args: (hashed.append(1), keys(*args))[1])
+    for _ in range(3):  # not admitted: matched again every scheduling round, to the same retained prefix
+        assert len(match(cache, req).device_indices) == 5 * P
+        backend.radix.release_unadmitted(SimpleNamespace(reqs=[]))
+    assert len(hashed) == 1
