@@ -637,3 +637,27 @@ def test_a_request_matched_again_hashes_its_prompt_once(small_daemon, monkeypatc
         assert len(match(cache, req).device_indices) == 5 * P
         backend.radix.release_unadmitted(SimpleNamespace(reqs=[]))
     assert len(hashed) == 1
+
+
+def test_a_prompt_completed_in_a_step_is_retained_once_the_steps_results_are_processed(small_daemon):
+    """Its forward wrote its pages; the RETAIN_CHAIN waits for the end of batched_exports (after the step's tokens
+    went out), before the exports of the requests the step finished."""
+    backend, runner = make_backend(small_daemon, port=30013)
+    cache, radix = make_cache(runner), backend.radix
+    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
+    tokens, done_tokens = list(range(5000, 5090)), list(range(6000, 6090))  # 5 full pages each
+    a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
+    b, req_b = Request(runner, 2, len(done_tokens)), sglang_req("b", done_tokens)
+    run_prefill(backend, [b], 1000)
+    decode(backend, [b], 2)
+    run_prefill(backend, [a], 1000)
+    assert backend.forward_exported(1) == 5
+    exported = radix.exported_pages
+    with radix.batched_exports():
+        prefilled(cache, a, req_a)
+        finish(cache, backend, runner, b, req_b)
+        assert radix.exported_pages == exported
+        assert backend.host.client.lookup_longest(radix.keys(tokens[:5 * P], None)) is None
+    assert radix.exported_pages == exported + 10
+    assert backend.host.client.lookup_longest(radix.keys(tokens[:5 * P], None))[0] == 4
+    assert backend.host.client.lookup_longest(radix.keys(done_tokens[:5 * P], None))[0] == 4
