@@ -6,8 +6,10 @@ reply, a typed result or a typed error, and nothing raised while serving one req
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import gc
 import logging
 import os
 import signal
@@ -27,6 +29,45 @@ log = logging.getLogger("freekv_kvstore")
 # Past this ZMQ drops the connection without a reply; below it, MAX_BODY_BYTES gets a typed error.
 _HARD_MESSAGE_LIMIT = 64 * MAX_BODY_BYTES
 _BATCH = 256  # requests served between two housekeeping ticks
+# Python's collections of its oldest generation scan every live object, and the page tables hold a bytes key and a
+# tuple of pages for each retained prefix page: at 59K retained keys such a collection took tens of ms on a 2-core
+# host, inside whichever call allocated past the threshold (benchmarks/kvstore_prompts.py). A daemon process leaves
+# the young generations to Python and collects the oldest one itself: once idle, or at the latest every few minutes.
+_GC_IDLE_S = 1.0  # no message for this long: the daemon is idle
+_GC_IDLE_GAP_S = 30.0  # idle collections at most this often
+_GC_MAX_GAP_S = 300.0  # and one at least this often, idle or not (cyclic garbage is not kept longer)
+_GC_NEVER = 2**31 - 1  # an oldest-generation threshold Python never reaches
+
+
+class OldGenerationCollector:
+    """Full collections between calls: when the daemon has been idle for _GC_IDLE_S (at most every _GC_IDLE_GAP_S),
+    and at least every _GC_MAX_GAP_S."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self._clock = clock
+        self.busy = self.last = clock()
+        self.collections = 0
+
+    def served(self) -> None:
+        self.busy = self._clock()
+
+    def tick(self) -> None:
+        now = self._clock()
+        idle = now - self.busy >= _GC_IDLE_S and now - self.last >= _GC_IDLE_GAP_S
+        if idle or now - self.last >= _GC_MAX_GAP_S:
+            gc.collect()
+            self.last, self.collections = now, self.collections + 1
+
+
+@contextlib.contextmanager
+def daemon_gc():
+    """This process's automatic collections stop at the young generations (OldGenerationCollector does the rest)."""
+    before = gc.get_threshold()
+    gc.set_threshold(before[0], before[1], _GC_NEVER)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 class KVStoreServer:
@@ -38,6 +79,7 @@ class KVStoreServer:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._core: KVStoreCore | None = None
+        self.collector = OldGenerationCollector()
         try:
             self._bind()
         except BaseException:
@@ -64,11 +106,13 @@ class KVStoreServer:
                     self._serve(frames)
                     if core.stop_requested:
                         break
+                self.collector.served()
             if time.monotonic() >= next_tick:
                 try:
                     core.tick()
                 except Exception:  # housekeeping must not take the pages of every client down with it
                     log.exception("housekeeping failed; retrying at the next tick")
+                self.collector.tick()
                 next_tick = time.monotonic() + self.config.reap_interval_s
 
     def close(self) -> None:
@@ -199,7 +243,8 @@ def serve(config: DaemonConfig) -> None:
             flush=True,
         )
         try:
-            server.serve_forever()
+            with daemon_gc():
+                server.serve_forever()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
