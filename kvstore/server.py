@@ -33,14 +33,14 @@ _BATCH = 256  # requests served between two housekeeping ticks
 # tuple of pages for each retained prefix page: at 59K retained keys such a collection took tens of ms on a 2-core
 # host, inside whichever call allocated past the threshold (benchmarks/kvstore_prompts.py). A daemon process leaves
 # the young generations to Python and collects the oldest one itself: once idle, or at the latest every few minutes.
-_GC_IDLE_S = 1.0  # no message for this long: the daemon is idle
+_IDLE_S = 1.0  # no message for this long: the daemon is idle (for its collections and its journal's compaction)
 _GC_IDLE_GAP_S = 30.0  # idle collections at most this often
 _GC_MAX_GAP_S = 300.0  # and one at least this often, idle or not (cyclic garbage is not kept longer)
 _GC_NEVER = 2**31 - 1  # an oldest-generation threshold Python never reaches
 
 
 class OldGenerationCollector:
-    """Full collections between calls: when the daemon has been idle for _GC_IDLE_S (at most every _GC_IDLE_GAP_S),
+    """Full collections between calls: when the daemon has been idle for _IDLE_S (at most every _GC_IDLE_GAP_S),
     and at least every _GC_MAX_GAP_S."""
 
     def __init__(self, clock=time.monotonic) -> None:
@@ -51,10 +51,12 @@ class OldGenerationCollector:
     def served(self) -> None:
         self.busy = self._clock()
 
+    def idle(self) -> bool:
+        return self._clock() - self.busy >= _IDLE_S
+
     def tick(self) -> None:
         now = self._clock()
-        idle = now - self.busy >= _GC_IDLE_S and now - self.last >= _GC_IDLE_GAP_S
-        if idle or now - self.last >= _GC_MAX_GAP_S:
+        if (self.idle() and now - self.last >= _GC_IDLE_GAP_S) or now - self.last >= _GC_MAX_GAP_S:
             gc.collect()
             self.last, self.collections = now, self.collections + 1
 
@@ -109,7 +111,7 @@ class KVStoreServer:
                 self.collector.served()
             if time.monotonic() >= next_tick:
                 try:
-                    core.tick()
+                    core.tick(idle=self.collector.idle())
                 except Exception:  # housekeeping must not take the pages of every client down with it
                     log.exception("housekeeping failed; retrying at the next tick")
                 self.collector.tick()

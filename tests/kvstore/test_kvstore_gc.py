@@ -34,13 +34,13 @@ def test_full_collections_run_once_the_daemon_is_idle_or_overdue(monkeypatch):
     c.served()
     c.tick()
     assert full == [()]
-    clock.t += server._GC_IDLE_S  # idle, but too soon after the last
+    clock.t += server._IDLE_S  # idle, but too soon after the last
     c.tick()
     assert len(full) == 1
     clock.t += server._GC_IDLE_GAP_S
     c.tick()
     assert len(full) == 2 and c.collections == 2
-    clock.t += server._GC_IDLE_GAP_S + server._GC_IDLE_S
+    clock.t += server._GC_IDLE_GAP_S + server._IDLE_S
     c.served()  # a message just now: not idle
     c.tick()
     assert len(full) == 2

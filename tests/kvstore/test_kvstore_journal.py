@@ -199,3 +199,31 @@ def test_a_journal_of_another_endpoint_is_refused(tmp_path):
         os.replace(f"{store_prefix(str(tmp_path), ENDPOINT)}{suffix}", f"{other}{suffix}")
     with pytest.raises(StateRejected, match="belongs to ipc://test"):
         KVStoreCore(DaemonConfig(endpoint=f"ipc://{tmp_path}/x.sock", shm_dir=str(tmp_path)), "ipc://elsewhere")
+
+
+def test_a_busy_daemon_defers_its_journal_compaction(tmp_path, monkeypatch):
+    """The snapshot holds the next call (tens of ms at many retained keys): while calls come, only a journal 4x past
+    due is compacted; an idle daemon compacts it once due."""
+    monkeypatch.setattr(core_mod, "_COMPACT_BYTES", 2048)
+    core = make_core(tmp_path)
+    sid = hello(core, "a", num_pages=200)
+    journal, call_id = core._journal, 0
+
+    def grow_past(limit: int) -> None:
+        nonlocal call_id
+        while journal.log_bytes <= limit:
+            call_id += 1
+            core.handle(Opcode.ALLOC, sid, AllocRequest([1], [1]), call_id)
+            core.handle(Opcode.FREE, sid, FreeRequest([1]), call_id + 100_000)
+
+    due = max(2048, 4 * journal.snapshot_bytes)
+    grow_past(due)
+    core.tick(idle=False)
+    assert journal.log_bytes > due  # deferred
+    core.tick(idle=True)
+    assert journal.log_bytes == 0  # compacted once idle
+    busy_due = core_mod._COMPACT_BUSY_FACTOR * max(2048, 4 * journal.snapshot_bytes)
+    grow_past(busy_due)
+    core.tick(idle=False)
+    assert journal.log_bytes == 0  # far past due: compacted while busy
+    core.close()
