@@ -31,6 +31,7 @@ scheduler admits.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -85,6 +86,19 @@ class _Export:
     dense_rows: torch.Tensor
 
 
+@dataclasses.dataclass(frozen=True)
+class _Written:
+    """A stashed chunk's export, its copies queued on the device: retained once they have landed (`landed`: an event
+    after them, None on CPU), if the slot still holds the same request."""
+
+    req: Any
+    slot: int
+    generation: int
+    pages: list[int]
+    done: int
+    landed: Any
+
+
 # What a retained page holds, in its keys: pages retained before the dense layers' slices were exported (format 1)
 # must not be loaded into the dense layers by a newer server on the same arena.
 PAGE_FORMAT = 2
@@ -123,6 +137,8 @@ class PrefixSharing:
         # Inside batched_exports: prompts its step completed, written by their forward (req, slot, pages, done); their
         # pages are retained when it ends, so the step's first tokens do not wait for the RETAIN_CHAIN round trip.
         self._retain_later: list[tuple[Any, int, list[int], int]] = []
+        # Stashed chunks' exports whose copies are still on the device, oldest first (see retain_written).
+        self._written: collections.deque[_Written] = collections.deque()
         self._warm_page_copies()
 
     def _warm_page_copies(self) -> None:
@@ -280,6 +296,7 @@ class PrefixSharing:
             retains, self._retain_later = self._retain_later, []
             t0 = time.perf_counter()
             try:
+                self.retain_written()
                 for args in retains:  # before the finished requests': theirs link to their prompts' keys
                     self._retain(*args, None)
                 self._export_together(jobs)
@@ -288,6 +305,7 @@ class PrefixSharing:
 
     def _export(self, req: Any, kv_len: int) -> int:
         b, eng, p = self.backend, self.backend.engine, self.page_size
+        self.retain_written()
         slot = getattr(req, "req_pool_idx", None)
         if (slot is None or not eng.is_active(slot) or slot in b._lost
                 or b._generation.get(slot) != int(b.req_pool.req_generation[slot])):
@@ -297,31 +315,73 @@ class PrefixSharing:
         if num_pages <= done:
             return 0
         if b.forward_exported(slot) >= num_pages:  # its prefill's forward wrote them whole (_export_in_forward)
+            self.retain_written()  # its stashed chunks' copies ran before that forward: theirs first
             pages = eng.exported_by_caller(slot, num_pages)
             if self._deferred is not None:
                 self._retain_later.append((req, slot, pages, done))
                 return 0
             return self._retain(req, slot, pages, done, None)
-        staged = None
-        if b.staging.pages(slot):  # still in prefill: its sink pages are in staging, and the chunk may be in flight
-            if eng.device.type == "cuda":
-                # SGLang stashes a chunk (cache_unfinished_req(chunked=True)) before that chunk's forward is known
-                # to be done (under the overlap scheduler it is still running): its staging and dense slots, and
-                # store_staged's offload of its pages, must be written before they are read and retained.
-                torch.cuda.synchronize(eng.device)
-            staged = (b.layer_kv, self.prefix_staging(slot) + b.staging.pages(slot))
-        elif self._deferred is not None:
+        if b.staging.pages(slot):  # still in prefill: its sink pages are in staging
+            return self._export_chunk(req, slot, num_pages, done)
+        if self._deferred is not None:
             self._chain_keys(req, num_pages)  # from its tokens now: the export retains when the batch ends
             self._deferred = [job for job in self._deferred if job.slot != slot]  # a later export of it covers it
             self._deferred.append(_Export(req, slot, num_pages, done, self._dense_rows(slot, done, num_pages)))
             return 0
         try:
-            pages = eng.export_prefix(slot, num_pages, staged)
+            pages = eng.export_prefix(slot, num_pages)
         except HostPagesUnavailable as e:
             self._unshared(num_pages, e)
             return 0
         self._write_dense(self._dense_rows(slot, done, num_pages), pages[done:])
-        return self._retain(req, slot, pages, done, staged)
+        return self._retain(req, slot, pages, done, None)
+
+    def _export_chunk(self, req: Any, slot: int, num_pages: int, done: int) -> int:
+        """A prompt still in prefill, stashed by SGLang (cache_unfinished_req(chunked=True)) right after it launched
+        the chunk's forward, which under the overlap scheduler still runs: the copies from its staging and dense rows
+        are queued behind that forward on the device, and its pages retained once they have landed (retain_written),
+        never waited for here. A device synchronisation here held the scheduler until the chunk's forward was done, so
+        it built and launched the next batch with the GPU idle, and streamed the step's first tokens after that."""
+        b, eng = self.backend, self.backend.engine
+        if eng.device.type == "cuda":
+            ready = b.chunk_done(slot)
+            if ready is None:
+                raise RuntimeError(f"request slot {slot}: a chunk stashed before FreeKV saw its forward")
+            torch.cuda.current_stream(eng.device).wait_event(ready)
+        staged = (b.layer_kv, self.prefix_staging(slot) + b.staging.pages(slot))
+        try:
+            pages = eng.export_prefix(slot, num_pages, staged)
+        except HostPagesUnavailable as e:
+            self._unshared(num_pages, e)
+            return 0
+        self._write_dense(self._dense_rows(slot, done, num_pages), pages[done:], wait=False)
+        generation = int(b.req_pool.req_generation[slot])
+        self._written.append(_Written(req, slot, generation, pages, done, self._copies_queued()))
+        return self.retain_written()
+
+    def _copies_queued(self) -> Any:
+        """An event after the device work queued so far (None on CPU, where it is done once queued)."""
+        if self.backend.engine.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def retain_written(self) -> int:
+        """Retain the stashed chunks whose copies have landed, oldest first, without waiting for any (a chunk's export
+        links to the one before it); a chunk whose request left its slot meanwhile is dropped. Returns the pages newly
+        exported."""
+        b, exported = self.backend, 0
+        while self._written and (self._written[0].landed is None or self._written[0].landed.query()):
+            w = self._written.popleft()
+            if (not b.engine.is_active(w.slot) or w.slot in b._lost
+                    or b._generation.get(w.slot) != w.generation):
+                continue
+            # Its staging pages, while the prompt is still in prefill, serve hits on it (stage_prefix's _inflight).
+            staging = b.staging.pages(w.slot)
+            staged = (b.layer_kv, self.prefix_staging(w.slot) + staging) if staging else None
+            exported += self._retain(w.req, w.slot, w.pages, w.done, staged)
+        return exported
 
     def _unshared(self, num_pages: int, e: HostPagesUnavailable) -> None:
         # No host pages for its sink (arena full, daemon refusing): the prompt is not shared, the request goes on; the
@@ -396,9 +456,10 @@ class PrefixSharing:
         p, eng = self.page_size, self.backend.engine
         return self.backend.req_pool.req_to_token[slot, first * p:num_pages * p].to(eng.device, torch.int64)
 
-    def _write_dense(self, rows: torch.Tensor, pages: list[int]) -> None:
+    def _write_dense(self, rows: torch.Tensor, pages: list[int], wait: bool = True) -> None:
         """Copy the dense layers' K/V at SGLang's token rows into host pages (one per page of rows): the engine does
-        not hold dense layers under SGLang, and a retained prefix must be whole."""
+        not hold dense layers under SGLang, and a retained prefix must be whole. wait: for these copies and
+        export_prefix's (else the caller retains the pages once they have landed)."""
         eng, pool = self.backend.engine, self.backend.pool
         if pages:
             dst = upload(pages, torch.int32, eng.device)
@@ -406,7 +467,7 @@ class PrefixSharing:
                 if eng.dense[layer]:
                     eng.ops.pages_to_host(pool.get_key_buffer(layer), pool.get_value_buffer(layer), rows,
                                           eng.host.arena[:, layer], dst, host_scales=eng.host_scales(layer))
-        if eng.device.type == "cuda":  # export_prefix's pages and these in the arena before they are retained
+        if wait and eng.device.type == "cuda":  # export_prefix's pages and these in the arena before they are retained
             torch.cuda.synchronize(eng.device)
 
     # ---- forward side --------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class StagedPrefill:
     resident_dst: torch.Tensor
     completed: list[int]
     whole: list[tuple[int, torch.Tensor]]
+    continuing: list[int] = dataclasses.field(default_factory=list)  # prompts still in prefill after this batch
     dense_rows: torch.Tensor | None = None  # radix export in the forward: the dense layers' token rows to copy
     dense_dst: torch.Tensor | None = None  # and their host pages (one per page_size rows)
     # Prompts this batch completes with their host pages: the batch row of each one's last token (its query seeds
@@ -180,6 +181,8 @@ class FreeKVAttnBackend(AttentionBackend):
         # Radix sharing: slot -> [full pages its completing prefill forward writes whole into the arena, an event after
         # that forward's copies (None before the forward ran, and on CPU)]; see _export_in_forward.
         self._forward_export: dict[int, list] = {}
+        # Radix sharing: slot -> an event after the forward that wrote its prompt's last chunk so far (CUDA only).
+        self._chunk_done: dict[int, torch.cuda.Event] = {}
         self._plan = self._late_plan = None
         self._extend: StagedPrefill | None = None
         self._translated = False
@@ -241,6 +244,8 @@ class FreeKVAttnBackend(AttentionBackend):
         # Deferred to the forward stream's next metadata step so in-flight work on the slot finishes first. Their host
         # pages go back in one kvstore call: a call each put a round trip a finished request before the next prompt's
         # forward (16 finished requests: 7.9 ms on a 2-core CPU host, session 48).
+        if self.radix is not None and self._freed:
+            self.radix.retain_written()  # stashed chunks whose copies landed, before their pages are freed
         owners = []
         for slot in self._freed:
             for eng in self._engines():
@@ -253,6 +258,7 @@ class FreeKVAttnBackend(AttentionBackend):
             self._generation.pop(slot, None)
             self._lost.pop(slot, None)
             self._forward_export.pop(slot, None)
+            self._chunk_done.pop(slot, None)
         self._freed.clear()
         if owners:
             self.host.free_many(owners)
@@ -313,7 +319,7 @@ class FreeKVAttnBackend(AttentionBackend):
         gens = self.req_pool.req_generation[slots].tolist()
         lists: dict[str, list[int]] = {k: [] for k in ("map_slot", "map_col", "map_page", "off_src", "off_dst",
                                                          "res_src", "res_dst")}
-        completed, whole, dense_export = [], [], []
+        completed, whole, dense_export, continuing = [], [], [], []
         last: list[tuple[int, int, list[int]]] = []  # (batch row of the last token, slot, staging pages)
         row = 0
         for slot, a, n, fin, gen, pin in zip(slots, fb.extend_prefix_lens_cpu, fb.seq_lens_cpu[:raw_bs].tolist(),
@@ -331,6 +337,7 @@ class FreeKVAttnBackend(AttentionBackend):
                 self._unstage(slot)
                 self._lost.pop(slot, None)
                 self._forward_export.pop(slot, None)
+                self._chunk_done.pop(slot, None)
                 self._tsp_drop.pop(slot, None)
                 eng.add_request(slot, owner=None if pin is None else pin.owner)
                 if self.late is not None:
@@ -351,8 +358,7 @@ class FreeKVAttnBackend(AttentionBackend):
                 lists["map_col"].append(j * p)
                 lists["map_page"].append(page)
             row += n - a
-            if fin:
-                completed.append(slot)
+            (completed if fin else continuing).append(slot)
             if self.late is not None:
                 if a or not fin:
                     raise RuntimeError(f"request slot {slot}: --kv-prefill tsp needs each prompt whole in one extend "
@@ -384,7 +390,7 @@ class FreeKVAttnBackend(AttentionBackend):
             self.pool.page_map[(locs // p).long()] = t["map_page"]
         whole = [(slot, upload(staged, torch.int32, dev)) for slot, staged in whole]
         self._extend = StagedPrefill(t["off_src"], t["off_dst"], torch.ones_like(t["off_src"], dtype=torch.bool),
-                                     t["res_src"].long(), t["res_dst"].long(), completed, whole)
+                                     t["res_src"].long(), t["res_dst"].long(), completed, whole, continuing)
         if last:
             ext = self._extend
             ext.last_rows, ext.last_slots = (upload(x, torch.int64, dev)
@@ -421,6 +427,10 @@ class FreeKVAttnBackend(AttentionBackend):
             lists["off_dst"].append(pages[j])
         dense_export.append((slot, first, pages[first:]))
         self._forward_export[slot] = [num_pages, None]
+
+    def chunk_done(self, slot: int) -> torch.cuda.Event | None:
+        """An event after the forward that wrote the slot's prompt's last chunk so far (None on CPU)."""
+        return self._chunk_done.get(slot)
 
     def forward_exported(self, slot: int) -> int:
         """Full pages of the slot's prompt its completed prefill forward wrote whole into the arena (0: none), after
@@ -627,12 +637,14 @@ class FreeKVAttnBackend(AttentionBackend):
                 # Their slots, from the staging pages, before those are released: the first decode step then recalls
                 # only what its correction changes.
                 self.engine.fill_slots(ext.fill, staged=(self.layer_kv, ext.fill_pages))
-                if self.engine.device.type == "cuda" and any(s in self._forward_export for s in ext.completed):
+                exported = [slot for slot in ext.completed if slot in self._forward_export]
+                if self.engine.device.type == "cuda" and (exported or ext.continuing and self.radix is not None):
                     done = torch.cuda.Event()
                     done.record()
-                    for slot in ext.completed:
-                        if slot in self._forward_export:
-                            self._forward_export[slot][1] = done
+                    for slot in exported:
+                        self._forward_export[slot][1] = done
+                    for slot in ext.continuing:  # a chunk SGLang stashes next: its export waits for this on the GPU
+                        self._chunk_done[slot] = done
                 for slot in ext.completed:
                     self._unstage(slot)
                 self._extend = None

@@ -661,3 +661,47 @@ def test_a_prompt_completed_in_a_step_is_retained_once_the_steps_results_are_pro
     assert radix.exported_pages == exported + 10
     assert backend.host.client.lookup_longest(radix.keys(tokens[:5 * P], None))[0] == 4
     assert backend.host.client.lookup_longest(radix.keys(done_tokens[:5 * P], None))[0] == 4
+
+
+class Landed:
+    """A device event as retain_written reads it: query() is whether the copies queued before it are done."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_a_stashed_chunk_is_retained_once_its_copies_land_oldest_first(small_daemon, monkeypatch):
+    """No wait at a stash: its copies are queued, and its pages retained by a later export (or the end of a step's
+    results) once they have landed, in stash order (a chunk's keys link to the one before); a chunk whose request
+    left its slot meanwhile is dropped."""
+    backend, runner = make_backend(small_daemon, port=30014)
+    cache, radix = make_cache(runner), backend.radix
+    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
+    events = []
+    monkeypatch.setattr(radix, "_copies_queued", lambda: (events.append(Landed()), events[-1])[1])
+    tokens = list(range(7000, 7150))
+    a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
+    keys = radix.keys(tokens[:9 * P], None)
+    exported = radix.exported_pages
+    for _ in range(2):
+        prefill_chunk(backend, [a], 40)
+        stash(cache, a, req_a)
+    assert radix.exported_pages == exported and len(events) == 2  # both in flight: nothing retained
+    assert backend.host.client.lookup_longest(keys) is None
+    events[1].done = True
+    assert radix.retain_written() == 0  # the second landed, but the first (its parent) not yet
+    events[0].done = True
+    with radix.batched_exports():  # the end of a step's results retains what landed
+        pass
+    assert radix.exported_pages == exported + 5 and backend.host.client.lookup_longest(keys)[0] == 4
+
+    prefill_chunk(backend, [a], 40)
+    stash(cache, a, req_a)  # in flight when A is aborted and its slot freed
+    on_request_freed(a.slot)
+    backend._apply_frees()
+    events[2].done = True
+    assert radix.retain_written() == 0 and radix.exported_pages == exported + 5
+    assert backend.host.client.lookup_longest(keys)[0] == 4  # its first chunks stay retained, the third never was
