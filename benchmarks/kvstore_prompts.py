@@ -50,8 +50,8 @@ def run(prompts: int, pages: int, seed: int) -> dict:
                 timed("retain_chain", c.retain_chain, keys, sink + own)
                 if r:
                     timed("free", c.free, r - 1)
-            retained = c.stats()["arenas"][0]["cached_pages"]
-    out = {"prompts": prompts, "pages": pages, "retained_pages_at_end": retained, "calls": {}}
+            retained = c.stats()["arenas"][0]["prefixes"]
+    out = {"prompts": prompts, "pages": pages, "retained_keys_at_end": retained, "calls": {}}
     for name, t in calls.items():
         ms = sorted(x * 1e3 for x in t)
         out["calls"][name] = {"p50_ms": statistics.median(ms), "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--out", default="results/kvstore_prompts.json")
     args = ap.parse_args()
     res = run(args.prompts, args.pages, args.seed)
-    print(f"{args.prompts} prompts of {args.pages} pages; {res['retained_pages_at_end']:,} pages retained at the end")
+    print(f"{args.prompts} prompts of {args.pages} pages; {res['retained_keys_at_end']:,} keys retained at the end")
     print(f"{'call':>13} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'> 10 ms':>8}")
     for name, m in res["calls"].items():
         print(f"{name:>13} {m['p50_ms']:>8.2f} {m['p99_ms']:>8.2f} {m['max_ms']:>8.2f} {m['over_10ms']:>8}")
