@@ -401,6 +401,7 @@ class PrefixSharing:
         eng.write_exports([(job.slot, job.num_pages, pages) for job, pages in ready])
         self._write_dense(torch.cat([job.dense_rows for job, _ in ready]),
                           [hp for job, pages in ready for hp in pages[job.done:]])
+        self.retain_written()  # the device is synchronised: every stashed chunk has landed, and their keys go first
         for job, pages in ready:
             self._retain(job.req, job.slot, pages, job.done, None)
 
