@@ -520,14 +520,15 @@ class FreeKVEngine:
         sink pages get host pages, its resident window pages are offloaded with their summaries, engine-held dense
         layers are copied; pages already complete are left alone) and return their host pages, for the caller to
         retain under the prefix key. Call between steps (after end_step). With dense_outside the caller writes the
-        dense layers' slices of these host pages itself, and synchronises the device before the pages are read.
+        dense layers' slices of these host pages itself. The writes are queued on the current stream: the caller
+        retains the pages once they have landed (a synchronisation or an event after them).
 
         staged: for a prompt still being prefilled outside the engine (stage_prefill, store_staged), where its pages
         are: (kv, pages), kv(layer) giving a sparse layer's outside paged cache k, v [T, H, D] and pages the staging
         page of each logical page. Its sink pages are only there until the prompt completes (store_staged then copies
         them to the engine's GPU pages) and store_staged offloaded its full pages past the sink as chunks filled, so
-        only the sink pages are written. The caller makes sure the staging pages hold their chunks (their forward is
-        done)."""
+        only the sink pages are written. The caller orders these writes after the forward that filled the staging
+        pages (the current stream waits for it)."""
         if staged is not None and not self.dense_outside:
             raise ValueError("a staged prompt's dense layers are the caller's: export from staging needs dense_outside")
         pages = self.export_pages(slot, num_pages)

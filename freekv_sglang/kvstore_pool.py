@@ -273,18 +273,24 @@ class KVStoreHostPool:
             if epoch == self._epoch and (given or uncertain):  # else held in a lost session, or nothing held
                 self.used_pages -= given
                 send.append(owner)
-        if not send:
-            return given_all
+        if send:
+            self._send_free(send)
+        return given_all
+
+    def _send_free(self, owners: list[int]) -> None:
         if self.state == "up":
             try:
-                self.client.free_many(send)
-                return given_all
+                self.client.free_many(owners)
+                return
             except KVStoreError as e:
                 if not self._failed(e):
-                    logger.error("FreeKV: kvstore FREE of requests %s at %s failed: %s", send, self.endpoint, e)
+                    if len(owners) > 1:  # the daemon refuses a FREE whole: one refused owner keeps no other's pages
+                        for owner in owners:
+                            self._send_free([owner])
+                        return
+                    logger.error("FreeKV: kvstore FREE of request %d at %s failed: %s", owners[0], self.endpoint, e)
         if self.state == "down":
-            self._pending_free.update(send)
-        return given_all
+            self._pending_free.update(owners)
 
     # ---- what the scheduler side calls ----------------------------------------------------------
 

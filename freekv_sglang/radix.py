@@ -38,7 +38,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -94,6 +94,7 @@ class _Written:
     req: Any
     slot: int
     generation: int
+    owner: int  # its host pages' owner: a kvstore session lost meanwhile took them
     pages: list[int]
     done: int
     landed: Any
@@ -308,7 +309,8 @@ class PrefixSharing:
         self.retain_written()
         slot = getattr(req, "req_pool_idx", None)
         if (slot is None or not eng.is_active(slot) or slot in b._lost
-                or b._generation.get(slot) != int(b.req_pool.req_generation[slot])):
+                or b._generation.get(slot) != int(b.req_pool.req_generation[slot])
+                or b.host.owner_lost(b._owner(slot))):  # its pages went with a lost kvstore session
             return 0
         num_pages = min(kv_len, eng.seq_len(slot)) // p
         done = eng._complete[slot]  # pages complete in the arena: exported before, or a hit's shared prefix
@@ -334,6 +336,7 @@ class PrefixSharing:
             self._unshared(num_pages, e)
             return 0
         self._write_dense(self._dense_rows(slot, done, num_pages), pages[done:])
+        self.retain_written()  # synchronised: its stashed chunks have landed, and their keys go first
         return self._retain(req, slot, pages, done, None)
 
     def _export_chunk(self, req: Any, slot: int, num_pages: int, done: int) -> int:
@@ -356,7 +359,7 @@ class PrefixSharing:
             return 0
         self._write_dense(self._dense_rows(slot, done, num_pages), pages[done:], wait=False)
         generation = int(b.req_pool.req_generation[slot])
-        self._written.append(_Written(req, slot, generation, pages, done, self._copies_queued()))
+        self._written.append(_Written(req, slot, generation, b._owner(slot), pages, done, self._copies_queued()))
         return self.retain_written()
 
     def _copies_queued(self) -> Any:
@@ -367,15 +370,20 @@ class PrefixSharing:
         event.record()
         return event
 
-    def retain_written(self) -> int:
+    def retain_written(self, freeing: Collection[int] = ()) -> int:
         """Retain the stashed chunks whose copies have landed, oldest first, without waiting for any (a chunk's export
-        links to the one before it); a chunk whose request left its slot meanwhile is dropped. Returns the pages newly
+        links to the one before it); a chunk whose request left its slot meanwhile, or whose host pages went with a
+        lost kvstore session, is dropped. freeing: slots about to give their host pages back, whose copies are waited
+        for (the daemon could hand a page to another client while a copy still writes it). Returns the pages newly
         exported."""
         b, exported = self.backend, 0
+        for w in self._written:
+            if w.slot in freeing and w.landed is not None:
+                w.landed.synchronize()
         while self._written and (self._written[0].landed is None or self._written[0].landed.query()):
             w = self._written.popleft()
-            if (not b.engine.is_active(w.slot) or w.slot in b._lost
-                    or b._generation.get(w.slot) != w.generation):
+            if (not b.engine.is_active(w.slot) or w.slot in b._lost or b._generation.get(w.slot) != w.generation
+                    or b._owner(w.slot) != w.owner or b.host.owner_lost(w.owner)):
                 continue
             # Its staging pages, while the prompt is still in prefill, serve hits on it (stage_prefix's _inflight).
             staging = b.staging.pages(w.slot)

@@ -245,23 +245,25 @@ class FreeKVAttnBackend(AttentionBackend):
         # pages go back in one kvstore call: a call each put a round trip a finished request before the next prompt's
         # forward (16 finished requests: 7.9 ms on a 2-core CPU host, session 48).
         if self.radix is not None and self._freed:
-            self.radix.retain_written()  # stashed chunks whose copies landed, before their pages are freed
+            self.radix.retain_written(freeing=self._freed)  # their stashed chunks' copies land before the pages go
         owners = []
-        for slot in self._freed:
-            for eng in self._engines():
-                if eng.is_active(slot):
-                    owner = eng.remove_request(slot, free_host=False)
-                    if owner is not None:
-                        owners.append(owner)
-            self._tsp_drop.pop(slot, None)
-            self._unstage(slot)  # a prompt aborted mid-prefill
-            self._generation.pop(slot, None)
-            self._lost.pop(slot, None)
-            self._forward_export.pop(slot, None)
-            self._chunk_done.pop(slot, None)
-        self._freed.clear()
-        if owners:
-            self.host.free_many(owners)
+        try:
+            for slot in self._freed:
+                for eng in self._engines():
+                    if eng.is_active(slot):
+                        owner = eng.remove_request(slot, free_host=False)
+                        if owner is not None:
+                            owners.append(owner)
+                self._tsp_drop.pop(slot, None)
+                self._unstage(slot)  # a prompt aborted mid-prefill
+                self._generation.pop(slot, None)
+                self._lost.pop(slot, None)
+                self._forward_export.pop(slot, None)
+                self._chunk_done.pop(slot, None)
+            self._freed.clear()
+        finally:
+            if owners:
+                self.host.free_many(owners)
 
     def _engines(self) -> list[FreeKVEngine]:
         return [self.engine] if self.late is None else [self.late, self.engine]  # late first: it uses the pages

@@ -9,9 +9,9 @@ prefix comes from the kvstore arena (freekv_sglang.radix). So:
   - cache_finished_req: the finished request's full pages are exported to the arena and retained under their keys
     before SGLang inserts its tokens (a radix node's eviction leaves the arena's keys to the arena's LRU);
   - cache_unfinished_req after each chunk of a prompt (chunked=True) and once its prefill completed: its full pages
-    so far are exported the same way (a prompt still in prefill from its staging pages, the device synchronised
-    first), so requests admitted while it still prefills, or decodes, hit the part already computed; each export
-    writes only the pages the last one did not.
+    so far are exported the same way (a prompt still in prefill from its staging pages, its copies queued behind the
+    chunk's forward and its keys retained once they have landed), so requests admitted while it still prefills, or
+    decodes, hit the part already computed; each export writes only the pages the last one did not.
 A match without a request (the scheduling policy's prefix estimate) is the tree's alone.
 """
 

@@ -271,3 +271,31 @@ def test_a_process_that_exits_removes_its_state_and_one_killed_is_ignored(daemon
     assert not Path(out["exit"]).exists()
     assert Path(out["kill"]).exists() and json.loads(Path(out["kill"]).read_text())["state"] == "lost"
     assert read_pool_states(identity) == []  # its process is gone
+
+
+def test_a_free_refused_for_one_owner_keeps_no_other_owners_pages(daemon, state_dir, monkeypatch, caplog):
+    """A step's finished requests go back in one FREE, which the daemon refuses whole: the pool then frees them one
+    by one, so only the refused owner's pages stay (and it is logged)."""
+    from freekv_kvstore.errors import InvalidArgument
+
+    pool = make_pool(daemon, 0)
+    try:
+        for owner in (1, 2, 3):
+            pool.reserve(owner, 3)
+        real, calls = pool.client.free_many, []
+
+        def refuse_owner_2(ids):
+            calls.append(sorted(ids))
+            if 2 in ids:
+                raise InvalidArgument("owner 2 refused")
+            return real(ids)
+
+        monkeypatch.setattr(pool.client, "free_many", refuse_owner_2)
+        with caplog.at_level("ERROR", logger="freekv_sglang.kvstore_pool"):
+            pool.free_many([1, 2, 3])
+        assert calls == [[1, 2, 3], [1], [2], [3]] and pool.state == "up"
+        arena = next(a for a in pool.client.stats()["arenas"] if a["client_id"] == pool.client.client_id)
+        assert arena["used_pages"] == 3  # owner 2's only
+        assert "FREE of request 2" in caplog.text
+    finally:
+        pool.close()

@@ -664,19 +664,24 @@ def test_a_prompt_completed_in_a_step_is_retained_once_the_steps_results_are_pro
 
 
 class Landed:
-    """A device event as retain_written reads it: query() is whether the copies queued before it are done."""
+    """A device event as retain_written reads it: query() is whether the copies queued before it are done;
+    synchronize() waits for them."""
 
     def __init__(self) -> None:
-        self.done = False
+        self.done = self.waited = False
 
     def query(self) -> bool:
         return self.done
 
+    def synchronize(self) -> None:
+        self.done = self.waited = True
+
 
 def test_a_stashed_chunk_is_retained_once_its_copies_land_oldest_first(small_daemon, monkeypatch):
     """No wait at a stash: its copies are queued, and its pages retained by a later export (or the end of a step's
-    results) once they have landed, in stash order (a chunk's keys link to the one before); a chunk whose request
-    left its slot meanwhile is dropped."""
+    results) once they have landed, in stash order (a chunk's keys link to the one before). A slot freed with its
+    copies in flight waits for them before its pages go back (and retains them); a chunk whose host pages went with
+    a lost kvstore session is dropped."""
     backend, runner = make_backend(small_daemon, port=30014)
     cache, radix = make_cache(runner), backend.radix
     runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
@@ -702,6 +707,14 @@ def test_a_stashed_chunk_is_retained_once_its_copies_land_oldest_first(small_dae
     stash(cache, a, req_a)  # in flight when A is aborted and its slot freed
     on_request_freed(a.slot)
     backend._apply_frees()
-    events[2].done = True
-    assert radix.retain_written() == 0 and radix.exported_pages == exported + 5
-    assert backend.host.client.lookup_longest(keys)[0] == 4  # its first chunks stay retained, the third never was
+    assert events[2].waited and radix.exported_pages == exported + 7
+    assert backend.host.client.lookup_longest(keys)[0] == 6 and not backend.engine.is_active(a.slot)
+
+    b_tokens = list(range(8000, 8150))
+    b, req_b = Request(runner, 2, len(b_tokens)), sglang_req("b", b_tokens)
+    prefill_chunk(backend, [b], 40)
+    stash(cache, b, req_b)  # in flight when the kvstore session holding B's pages is lost
+    monkeypatch.setattr(backend.host, "owner_lost", lambda owner: owner == backend._owner(b.slot))
+    events[3].done = True
+    assert radix.retain_written() == 0 and not radix._written
+    assert backend.host.client.lookup_longest(radix.keys(b_tokens[:2 * P], None)) is None
