@@ -306,11 +306,8 @@ class PrefixSharing:
 
     def _export(self, req: Any, kv_len: int) -> int:
         b, eng, p = self.backend, self.backend.engine, self.page_size
-        self.retain_written()
         slot = getattr(req, "req_pool_idx", None)
-        if (slot is None or not eng.is_active(slot) or slot in b._lost
-                or b._generation.get(slot) != int(b.req_pool.req_generation[slot])
-                or b.host.owner_lost(b._owner(slot))):  # its pages went with a lost kvstore session
+        if slot is None or not self._holds(slot, int(b.req_pool.req_generation[slot])):
             return 0
         num_pages = min(kv_len, eng.seq_len(slot)) // p
         done = eng._complete[slot]  # pages complete in the arena: exported before, or a hit's shared prefix
@@ -382,14 +379,20 @@ class PrefixSharing:
                 w.landed.synchronize()
         while self._written and (self._written[0].landed is None or self._written[0].landed.query()):
             w = self._written.popleft()
-            if (not b.engine.is_active(w.slot) or w.slot in b._lost or b._generation.get(w.slot) != w.generation
-                    or b._owner(w.slot) != w.owner or b.host.owner_lost(w.owner)):
+            if not self._holds(w.slot, w.generation) or b._owner(w.slot) != w.owner:
                 continue
             # Its staging pages, while the prompt is still in prefill, serve hits on it (stage_prefix's _inflight).
             staging = b.staging.pages(w.slot)
             staged = (b.layer_kv, self.prefix_staging(w.slot) + staging) if staging else None
             exported += self._retain(w.req, w.slot, w.pages, w.done, staged)
         return exported
+
+    def _holds(self, slot: int, generation: int) -> bool:
+        """Whether the slot still holds that request with its host pages (not lost, nor gone with a lost kvstore
+        session)."""
+        b = self.backend
+        return (b.engine.is_active(slot) and slot not in b._lost and b._generation.get(slot) == generation
+                and not b.host.owner_lost(b._owner(slot)))
 
     def _unshared(self, num_pages: int, e: HostPagesUnavailable) -> None:
         # No host pages for its sink (arena full, daemon refusing): the prompt is not shared, the request goes on; the
