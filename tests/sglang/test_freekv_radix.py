@@ -343,14 +343,21 @@ def test_a_prompt_aborted_mid_prefill_leaves_its_exported_chunks_to_the_tree_and
     decode(backend, [c], 12, ref, ref_slots)
 
 
-def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon, caplog):
-    backend, runner = make_backend(daemon, port=30001)
+def finished_prompt(daemon, port, first_token):
+    """A backend with its radix cache, and prompt A (100 tokens from first_token) prefilled, finished and freed as the
+    next step does: A's own pages gone, its retained prefix (6 full pages) cached."""
+    backend, runner = make_backend(daemon, port=port)
     cache = make_cache(runner)
-    tokens = list(range(1000, 1100))
+    tokens = list(range(first_token, first_token + 100))
     a = Request(runner, 1, len(tokens))
     run_prefill(backend, [a], 1000)
     finish(cache, backend, runner, a, sglang_req("a", tokens))
-    backend._apply_frees()  # what the next step does: A's own pages go, its retained prefix stays cached
+    backend._apply_frees()
+    return backend, runner, cache, tokens
+
+
+def test_a_pin_not_admitted_is_let_go_and_staging_bounds_hits(daemon, caplog):
+    backend, runner, cache, tokens = finished_prompt(daemon, 30001, 1000)
 
     assert arena_pages(backend)[0] == 0
     waiting = sglang_req("w", tokens[:80] + [1])
@@ -622,13 +629,7 @@ def test_a_steps_finished_requests_free_their_host_pages_in_one_kvstore_call(sma
 
 
 def test_a_request_matched_again_hashes_its_prompt_once(small_daemon, monkeypatch):
-    backend, runner = make_backend(small_daemon, port=30012)
-    cache = make_cache(runner)
-    tokens = list(range(4000, 4100))
-    a = Request(runner, 1, len(tokens))
-    run_prefill(backend, [a], 1000)
-    finish(cache, backend, runner, a, sglang_req("a", tokens))
-    backend._apply_frees()
+    backend, runner, cache, tokens = finished_prompt(small_daemon, 30012, 4000)
     req = sglang_req("x", tokens[:80] + [1, 2, 3])
     hashed = []
     keys = backend.radix.keys
