@@ -15,8 +15,8 @@ class HostLayer:
 
     def __init__(self, pages: int, dtype: str, heads: int, page: int = 32, dim: int = 128):
         g = ArenaGeometry(1, heads, page, dim, dtype)
-        self.layer, self.scales = (None if t is None else t[:, 0]
-                                   for t in arena_views(pinned_empty(pages * g.page_bytes, dtype=torch.uint8), g, pages))
+        raw = pinned_empty(pages * g.page_bytes, dtype=torch.uint8)
+        self.layer, self.scales = (None if t is None else t[:, 0] for t in arena_views(raw, g, pages))
         self.chunk_bytes = g.page_bytes // heads
         self.kw = {} if self.scales is None else {"host_scales": self.scales}
 

@@ -117,7 +117,8 @@ def test_tsp_prefill_propagates_then_decodes_like_fastkvs_two_engines(daemon):
         early.end_step()
         late.end_step()
     assert backend.late.seq_len(3) == TSP.tsp_keep + 24 and backend.engine.seq_len(3) == 150 + 24
-    assert set(merged_stats(backend._snapshots())["correction_rate"]) == {1, 2}  # both engines' sparse layers, by model layer
+    # Both engines' sparse layers, by model layer.
+    assert set(merged_stats(backend._snapshots())["correction_rate"]) == {1, 2}
 
     on_request_freed(3)  # both engines let the slot go; a new prompt in it propagates afresh
     fb = decode_batch(reqs[1:])
