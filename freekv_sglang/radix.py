@@ -13,8 +13,9 @@ a hit needs the arena's (every layer's bytes) and token slots holding its dense 
 - Match (match_prefix with a request): the arena's longest retained prefix of the request's tokens, whose pages are
   pinned for the request at once (LOOKUP with a pending owner id, which the engine takes as the request's owner), so
   no eviction can take them before the prefill. The radix match is cut to it or, where the tree lacks it, its dense
-  layers are loaded into new token slots (load_dense). Pins of requests the scheduler did not admit into the new
-  prefill batch are let go when get_new_batch_prefill returns (release_unadmitted).
+  layers are loaded into new token slots (load_dense). A match that shares a stashed chunk whose copies are still in
+  flight waits for them (_await_written). Pins of requests the scheduler did not admit into the new prefill batch are
+  let go when get_new_batch_prefill returns (release_unadmitted).
 - Prefill (FreeKVAttnBackend._prepare_extend): a hit row starts with FreeKVEngine.begin_prefill_shared; its prefix pages
   are staged once per host page (shared by every row of that prefix, filled from the arena layer by layer before the
   wrapped backend reads them) and its own suffix is staged and offloaded as any prompt's.
@@ -97,6 +98,7 @@ class _Written:
     owner: int  # its host pages' owner: a kvstore session lost meanwhile took them
     pages: list[int]
     done: int
+    keys: list[bytes]  # the chain keys of its pages, which a match compares with a waiting request's
     landed: Any
 
 
@@ -182,6 +184,7 @@ class PrefixSharing:
         if len(keys) < n:
             keys = self.keys(token_ids[:n * p], getattr(req, "extra_key", None))
             self._remember_keys(req, keys)
+        self._await_written(keys)
         hit = self._lookup(keys)
         # Staging holds each host page once per batch: only pages not staged or pinned yet cost room.
         room, fits = self._stage_room(), 0
@@ -210,6 +213,21 @@ class PrefixSharing:
         self._pending[id(req)] = req
         self._pending_hp.update(hit)
         return len(hit) * p
+
+    def _await_written(self, keys: list[bytes]) -> None:
+        """A request that shares a stashed chunk whose copies are still in flight (sent while a prompt prefills, and
+        matched while that prompt's chunk runs) waits for them and has them retained, as full KV's tree holds an
+        in-flight chunk's token slots; else it would prefill that chunk again (~0.4 s for 8K tokens at 32K)."""
+        last = -1
+        for i, w in enumerate(self._written):
+            if len(keys) > w.done and keys[w.done] == w.keys[w.done]:
+                last = i
+        if last < 0:
+            return
+        for w in itertools.islice(self._written, last + 1):
+            if w.landed is not None:
+                w.landed.synchronize()
+        self.retain_written()
 
     def _lookup(self, keys: list[bytes]) -> _Hit:
         owner = next(self._owners)
@@ -355,8 +373,8 @@ class PrefixSharing:
             self._unshared(num_pages, e)
             return 0
         self._write_dense(self._dense_rows(slot, done, num_pages), pages[done:], wait=False)
-        generation = int(b.req_pool.req_generation[slot])
-        self._written.append(_Written(req, slot, generation, b._owner(slot), pages, done, self._copies_queued()))
+        generation, keys = int(b.req_pool.req_generation[slot]), self._chain_keys(req, num_pages)
+        self._written.append(_Written(req, slot, generation, b._owner(slot), pages, done, keys, self._copies_queued()))
         return self.retain_written()
 
     def _copies_queued(self) -> Any:

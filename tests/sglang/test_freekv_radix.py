@@ -719,3 +719,30 @@ def test_a_stashed_chunk_is_retained_once_its_copies_land_oldest_first(small_dae
     events[3].done = True
     assert radix.retain_written() == 0 and not radix._written
     assert backend.host.client.lookup_longest(radix.keys(b_tokens[:2 * P], None)) is None
+
+
+def test_a_request_sharing_a_chunk_in_flight_waits_for_its_copies_and_hits_it(small_daemon, monkeypatch):
+    """A sharer matched while the prompt's chunk still runs (its copies queued, not landed) waits for them and hits
+    the chunk, as full KV's tree holds an in-flight chunk; a request that shares nothing of it does not wait."""
+    backend, runner = make_backend(small_daemon, port=30015)
+    cache, radix = make_cache(runner), backend.radix
+    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
+    events = []
+    monkeypatch.setattr(radix, "_copies_queued", lambda: (events.append(Landed()), events[-1])[1])
+    tokens = list(range(9000, 9150))
+    a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
+    for _ in range(2):
+        prefill_chunk(backend, [a], 40)
+        stash(cache, a, req_a)
+    assert len(events) == 2 and not any(e.done for e in events)
+
+    other = sglang_req("o", list(range(20000, 20100)))
+    assert len(match(cache, other).device_indices) == 0
+    assert not any(e.waited for e in events) and len(radix._written) == 2
+    first_chunk = sglang_req("c", tokens[:40] + [1, 2, 3] * 20)  # shares only the first chunk's pages
+    assert len(match(cache, first_chunk).device_indices) == 40 // P * P
+    assert events[0].waited and not events[1].waited and len(radix._written) == 1
+    radix.release_unadmitted(SimpleNamespace(reqs=[]))
+    sharer = sglang_req("s", tokens[:80] + [1, 2, 3])
+    assert len(match(cache, sharer).device_indices) == 80 // P * P
+    assert events[1].waited and not radix._written
