@@ -13,9 +13,10 @@ a hit needs the arena's (every layer's bytes) and token slots holding its dense 
 - Match (match_prefix with a request): the arena's longest retained prefix of the request's tokens, whose pages are
   pinned for the request at once (LOOKUP with a pending owner id, which the engine takes as the request's owner), so
   no eviction can take them before the prefill. The radix match is cut to it or, where the tree lacks it, its dense
-  layers are loaded into new token slots (load_dense). A match that shares a stashed chunk whose copies are still in
-  flight waits for them (_await_written). Pins of requests the scheduler did not admit into the new prefill batch are
-  let go when get_new_batch_prefill returns (release_unadmitted).
+  layers are loaded into new token slots (load_dense). A request that shares a stashed chunk whose copies are still
+  in flight waits for them and is matched again when the batch can admit it (await_in_flight). Pins of requests the
+  scheduler did not admit into the new prefill batch are let go when get_new_batch_prefill returns
+  (release_unadmitted).
 - Prefill (FreeKVAttnBackend._prepare_extend): a hit row starts with FreeKVEngine.begin_prefill_shared; its prefix pages
   are staged once per host page (shared by every row of that prefix, filled from the arena layer by layer before the
   wrapped backend reads them) and its own suffix is staged and offloaded as any prompt's.
@@ -177,6 +178,7 @@ class PrefixSharing:
         length in tokens (0: prefill from scratch, or wait: see deferred)."""
         self.drop_pin(req)
         req.__dict__.pop("_freekv_defer", None)
+        req.__dict__.pop("_freekv_in_flight", None)
         p, n = self.page_size, max_tokens // self.page_size
         # A request not admitted is matched again every scheduling round; its keys hash a prefix of its tokens alone
         # (as _chain_keys reuses them), ~1.7 ms for 32K tokens.
@@ -184,7 +186,9 @@ class PrefixSharing:
         if len(keys) < n:
             keys = self.keys(token_ids[:n * p], getattr(req, "extra_key", None))
             self._remember_keys(req, keys)
-        self._await_written(keys)
+        in_flight = self._in_flight_shared(keys)
+        if in_flight is not None:  # the adder seam waits for it if the batch can take req, then matches again
+            req._freekv_in_flight = in_flight
         hit = self._lookup(keys)
         # Staging holds each host page once per batch: only pages not staged or pinned yet cost room.
         room, fits = self._stage_room(), 0
@@ -214,19 +218,32 @@ class PrefixSharing:
         self._pending_hp.update(hit)
         return len(hit) * p
 
-    def _await_written(self, keys: list[bytes]) -> None:
-        """A request that shares a stashed chunk whose copies are still in flight (sent while a prompt prefills, and
-        matched while that prompt's chunk runs) waits for them and has them retained, as full KV's tree holds an
-        in-flight chunk's token slots; else it would prefill that chunk again (~0.4 s for 8K tokens at 32K)."""
-        last = -1
-        for i, w in enumerate(self._written):
+    def _in_flight_shared(self, keys: list[bytes]) -> _Written | None:
+        """The newest stashed chunk whose copies are still in flight that a request with these keys shares (its first
+        new page's chain key is the request's at that index), if any."""
+        shared = None
+        for w in self._written:
             if len(keys) > w.done and keys[w.done] == w.keys[w.done]:
-                last = i
-        if last < 0:
-            return
-        for w in itertools.islice(self._written, last + 1):
+                shared = w
+        return shared
+
+    def shares_in_flight(self, req: Any) -> bool:
+        """Whether req's last match stopped short of a stashed chunk it shares whose copies are still in flight."""
+        return "_freekv_in_flight" in req.__dict__
+
+    def await_in_flight(self, req: Any) -> None:
+        """Wait for the copies of the in-flight chunk req shares (and the older ones) and retain them, so that a match
+        again hits it. The adder seam calls this only when the batch being built can admit req: SGLang matches the
+        head of its waiting queue every round, also while a chunked prompt fills the whole batch, and waiting then
+        would hold the scheduler at every chunk again. Without it, a request sent while a prompt prefills, and matched
+        while that prompt's last chunk runs, would prefill that chunk again (~0.4 s for 8K tokens at 32K): full KV's
+        tree serves an in-flight chunk's token slots."""
+        last = req.__dict__.pop("_freekv_in_flight", None)
+        for w in self._written:
             if w.landed is not None:
                 w.landed.synchronize()
+            if w is last:
+                break
         self.retain_written()
 
     def _lookup(self, keys: list[bytes]) -> _Hit:

@@ -721,9 +721,15 @@ def test_a_stashed_chunk_is_retained_once_its_copies_land_oldest_first(small_dae
     assert backend.host.client.lookup_longest(radix.keys(b_tokens[:2 * P], None)) is None
 
 
-def test_a_request_sharing_a_chunk_in_flight_waits_for_its_copies_and_hits_it(small_daemon, monkeypatch):
-    """A sharer matched while the prompt's chunk still runs (its copies queued, not landed) waits for them and hits
-    the chunk, as full KV's tree holds an in-flight chunk; a request that shares nothing of it does not wait."""
+def test_a_request_sharing_a_chunk_in_flight_waits_for_it_when_the_batch_can_take_it(small_daemon, monkeypatch):
+    """A sharer matched while the prompt's chunk still runs (its copies queued, not landed) stops short of it; the adder
+    seam waits for those copies and matches it again when the batch being built has room for it, so it hits the chunk
+    (full KV's tree serves an in-flight chunk). With no room (the chunked prompt fills the batch) nothing waits; a
+    request sharing nothing of the chunks never waits."""
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    from freekv_patches import prefill_adder_add_one_req as adder_seam
+
     backend, runner = make_backend(small_daemon, port=30015)
     cache, radix = make_cache(runner), backend.radix
     runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
@@ -736,13 +742,21 @@ def test_a_request_sharing_a_chunk_in_flight_waits_for_its_copies_and_hits_it(sm
         stash(cache, a, req_a)
     assert len(events) == 2 and not any(e.done for e in events)
 
-    other = sglang_req("o", list(range(20000, 20100)))
-    assert len(match(cache, other).device_indices) == 0
+    def admit(req, budget):
+        """SGLang's loop: match the request (init_next_round_input), then ask the adder (through the seam)."""
+        req.init_next_round_input(cache)
+        adder = SimpleNamespace(budget_state=lambda: budget, tree_cache=cache)
+        assert adder_seam.hook(lambda *args: AddReqResult.CONTINUE, adder, req, True, None) == AddReqResult.CONTINUE
+        matched = len(req.prefix_indices)
+        radix.release_unadmitted(SimpleNamespace(reqs=[]))
+        return matched
+
+    assert admit(sglang_req("o", list(range(20000, 20100))), AddReqResult.CONTINUE) == 0
+    sharer = sglang_req("s", tokens[:80] + [1, 2, 3])
+    assert admit(sharer, AddReqResult.OTHER) == 0  # the chunked prompt fills the batch: no wait
     assert not any(e.waited for e in events) and len(radix._written) == 2
     first_chunk = sglang_req("c", tokens[:40] + [1, 2, 3] * 20)  # shares only the first chunk's pages
-    assert len(match(cache, first_chunk).device_indices) == 40 // P * P
+    assert admit(first_chunk, AddReqResult.CONTINUE) == 40 // P * P
     assert events[0].waited and not events[1].waited and len(radix._written) == 1
-    radix.release_unadmitted(SimpleNamespace(reqs=[]))
-    sharer = sglang_req("s", tokens[:80] + [1, 2, 3])
-    assert len(match(cache, sharer).device_indices) == 80 // P * P
+    assert admit(sharer, AddReqResult.CONTINUE) == 80 // P * P
     assert events[1].waited and not radix._written
