@@ -3,8 +3,9 @@
     python3 benchmarks/trace_summary.py TRACE.json[.gz] [--top 25] [--match freekv,sglang/srt]
 
 Prints, over the trace's window: the span of CPU and GPU activity, GPU busy time (kernels and copies merged), the
-kernels and copies by total time, the CUDA runtime calls that block (synchronize, blocking copies) by total time and
-by the innermost --match Python function they ran in (traces recorded with_stack),
+kernels and copies by total time, the CUDA runtime calls that block (synchronize, blocking copies, and launches that
+took over 0.1 ms: a launch waits once the driver's queue of pending work is full) by total time and by the innermost
+--match Python function they ran in (traces recorded with_stack),
 and the Python functions (traces recorded with_stack) whose file matches --match by inclusive time. Inclusive times
 of nested calls overlap, so read the Python table top-down, as a profile's call tree.
 Then, per GPU stream: its busy time (its kernels and copies merged), its share of the GPU span, and its kernels by
@@ -20,6 +21,10 @@ import argparse
 import gzip
 import json
 from collections import defaultdict
+
+
+# A kernel or graph launch takes a few µs of host time; one far longer waited for room in the launch queue.
+LONG_LAUNCH_US = 100
 
 
 def load(path: str) -> list[dict]:
@@ -104,6 +109,8 @@ def main() -> None:
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             group = "gpu"
         elif cat == "cuda_runtime" and any(s in name for s in ("Synchronize", "Memcpy", "EventSynchronize")):
+            group = "blocking"
+        elif cat in ("cuda_runtime", "cuda_driver") and "Launch" in name and e["dur"] > LONG_LAUNCH_US:
             group = "blocking"
         elif cat == "python_function" and any(k in name for k in keys):
             group = "python"

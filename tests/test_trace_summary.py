@@ -21,6 +21,7 @@ def test_summary_of_a_small_trace(tmp_path, capsys):
         ev("python_function", "other/lib.py(2): f", 0, 5_000),
         ev("cuda_runtime", "cudaDeviceSynchronize", 2_000, 3_000),
         ev("cuda_runtime", "cudaLaunchKernel", 1_000, 10),
+        ev("cuda_driver", "cuLaunchKernelEx", 5_000, 2_500),  # waited for room in the launch queue
         ev("kernel", "_page_copy_kernel", 1_000, 2_000),
         ev("kernel", "_page_copy_kernel", 2_500, 2_000),  # overlaps the first: busy 1000..4500
         ev("kernel", "_fwd_kernel", 6_000, 1_000, stream=9),
@@ -35,7 +36,8 @@ def test_summary_of_a_small_trace(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "CPU span 10.00 ms, GPU span 6.00 ms, GPU busy 4.50 ms" in out
     assert "    4.00      2  _page_copy_kernel" in out and "    1.00      1  _fwd_kernel" in out
-    assert "    3.00      1  cudaDeviceSynchronize" in out and "cudaLaunchKernel" not in out
+    assert "    3.00      1  cudaDeviceSynchronize" in out and "cudaLaunchKernel" not in out  # a launch's usual µs
+    assert "    2.50      1  cuLaunchKernelEx in freekv_sglang/radix.py(1): export" in out
     assert "   10.00      1  freekv_sglang/radix.py(1): export" in out and "other/lib.py" not in out
     # The sync ran inside export (other/lib.py also encloses it, but does not match --match).
     assert "    3.00      1  cudaDeviceSynchronize in freekv_sglang/radix.py(1): export" in out
