@@ -186,7 +186,6 @@ class FreeKVAttnBackend(AttentionBackend):
         self._plan = self._late_plan = None
         self._extend: StagedPrefill | None = None
         self._translated = False
-        self._staged_loc = None  # this extend batch's out_cache_loc in staging rows (_extend_from_pool)
         self._prefix_fill: list[tuple[int, int]] = []  # (staging page, host page) of hit prefixes to fill per layer
         self._prefix_index: tuple[torch.Tensor, torch.Tensor] | None = None  # their device indices (prefix_fill_index)
         self._steps = 0
@@ -303,7 +302,8 @@ class FreeKVAttnBackend(AttentionBackend):
         A prompt stays staged until its last chunk is in (its prefix is read from staging), so a whole-prompt
         retrieval (LouisKV) offloads it then, from staging."""
         self._apply_frees()
-        self._extend, self._translated, self._prefix_fill, self._staged_loc = None, False, [], None
+        self._extend, self._translated, self._prefix_fill = None, False, []
+        self.pool.forget_staged_rows()  # page_map changes below
         self._prefix_index = None
         self._tsp_rows, self._tsp_kept = [], None
         slots, raw_bs, done = fb._freekv_req_slots_cpu, fb._freekv_raw_bs, fb._freekv_prefill_done_cpu
@@ -703,9 +703,7 @@ class FreeKVAttnBackend(AttentionBackend):
             pool = self.pool
             pool.set_kv_buffer(layer, fb.out_cache_loc, k.view(-1, pool.head_num, pool.head_dim),
                                v.view(-1, pool.head_num, pool.v_head_dim), *scales)
-        if self._staged_loc is None:
-            self._staged_loc = self.pool.translate(fb.out_cache_loc)
-        raw, fb.out_cache_loc = fb.out_cache_loc, self._staged_loc
+        raw, fb.out_cache_loc = fb.out_cache_loc, self.pool.staged_rows(fb.out_cache_loc)
         try:
             return self.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=False, **kwargs)
         finally:

@@ -30,6 +30,7 @@ def staging_pool_class(base: type) -> type:
             super().__init__(*args, **kwargs)
             pages = (self.size + self.page_size) // self.page_size
             self.page_map = torch.full((pages,), self.staging.trash, dtype=torch.int32, device=self.device)
+            self._staged_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (locations, rows) of this batch
 
         def is_staged(self, layer_id: int) -> bool:
             return layer_id >= self.freekv_dense_layers
@@ -50,10 +51,27 @@ def staging_pool_class(base: type) -> type:
         def translate(self, loc: torch.Tensor) -> torch.Tensor:
             return translate(self.page_map, loc, self.page_size)
 
+        def staged_rows(self, loc: torch.Tensor) -> torch.Tensor:
+            """Staging rows of an extend batch's token locations, translated once for all its staged layers (each
+            writes at the same locations; the translation is ~6 launches, recomputed for every layer before). Valid
+            until page_map changes (forget_staged_rows). Not while a graph is captured: the graph must record the
+            translation, not read rows computed outside it."""
+            capturing = loc.is_cuda and torch.cuda.is_current_stream_capturing()
+            memo = self._staged_rows
+            if memo is not None and memo[0] is loc and not capturing:
+                return memo[1]
+            rows = self.translate(loc)
+            if not capturing:
+                self._staged_rows = (loc, rows)
+            return rows
+
+        def forget_staged_rows(self) -> None:
+            self._staged_rows = None
+
         def set_kv_buffer(self, layer, loc_info, cache_k, cache_v, *args, **kwargs):
             layer_id = kwargs.get("layer_id_override")
             if self.is_staged(layer.layer_id if layer_id is None else layer_id):
-                loc_info = self.translate(unwrap_write_loc(loc_info)[0])
+                loc_info = self.staged_rows(unwrap_write_loc(loc_info)[0])
             return super().set_kv_buffer(layer, loc_info, cache_k, cache_v, *args, **kwargs)
 
         def _store_kv_layer(self, layer_idx: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor):

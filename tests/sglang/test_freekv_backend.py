@@ -300,6 +300,24 @@ def test_deterministic_triton_reads_the_chunk_from_staging(daemon):
     ref.end_step()
 
 
+@pytest.mark.parametrize("inner", [Inner, UnifiedInner])
+def test_an_extend_batch_translates_its_locations_once_for_its_staged_layers(daemon, inner, monkeypatch):
+    """Every staged layer of an extend batch writes the chunk at the same token locations: they go to staging rows
+    once a batch, not once a layer, and a new batch (new page_map entries) translates its own. The prefix reads
+    (and the unified kernel's chunk reads) still see the prompt's keys."""
+    backend, runner = make_backend(daemon, inner=inner)
+    pool, calls = runner.token_to_kv_pool, []
+    translate = pool.translate
+    monkeypatch.setattr(pool, "translate", lambda loc: (calls.append(len(loc)), translate(loc))[1])
+    r = Request(runner, 1, 90)
+    assert L - CFG.dense_layers > 1
+    extend_once(backend, [r], 40)
+    assert calls == [40]
+    calls.clear()
+    extend_once(backend, [r], 40)
+    assert sorted(calls) == [40, 40]  # the chunk's locations, and the prefix's planned indices (40 tokens)
+
+
 def test_a_prompt_freed_mid_prefill_releases_its_staging(daemon):
     backend, runner = make_backend(daemon)
     staging = runner.token_to_kv_pool.staging
