@@ -485,6 +485,7 @@ class FreeKVAttnBackend(AttentionBackend):
 
     def _prepare_decode(self, fb, in_capture: bool, graph: bool) -> None:
         self._apply_frees()
+        self.pool.forget_staged_rows()  # the locations' buffers are rewritten for this step
         if in_capture:
             for eng, head in self._heads():
                 eng.prepare_step([], pad_to=fb.batch_size)

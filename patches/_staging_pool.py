@@ -53,12 +53,15 @@ def staging_pool_class(base: type) -> type:
 
         def staged_rows(self, loc: torch.Tensor) -> torch.Tensor:
             """Staging rows of an extend batch's token locations, translated once for all its staged layers (each
-            writes at the same locations; the translation is ~6 launches, recomputed for every layer before). Valid
-            until page_map changes (forget_staged_rows). Not while a graph is captured: the graph must record the
-            translation, not read rows computed outside it."""
+            writes at the same locations; the translation is ~6 launches, recomputed for every layer before). Staged
+            layers are written only by extend forwards, each prepared by the backend, which forgets the rows before
+            it changes page_map (forget_staged_rows), and again at every decode step. Not while a graph is captured:
+            the graph must record the translation, not read rows computed outside it. The locations are matched by
+            what they view, not by object: SGLang's breakable prefill graph hands each layer a new view of them (the
+            memo holds the first, so no other tensor can take its memory meanwhile)."""
             capturing = loc.is_cuda and torch.cuda.is_current_stream_capturing()
             memo = self._staged_rows
-            if memo is not None and memo[0] is loc and not capturing:
+            if memo is not None and not capturing and _same_view(memo[0], loc):
                 return memo[1]
             rows = self.translate(loc)
             if not capturing:
@@ -86,3 +89,8 @@ def staging_pool_class(base: type) -> type:
 
     FreeKVTokenToKVPool.__name__ = FreeKVTokenToKVPool.__qualname__ = f"FreeKV{base.__name__}"
     return FreeKVTokenToKVPool
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype and a.device == b.device)

@@ -309,13 +309,23 @@ def test_an_extend_batch_translates_its_locations_once_for_its_staged_layers(dae
     pool, calls = runner.token_to_kv_pool, []
     translate = pool.translate
     monkeypatch.setattr(pool, "translate", lambda loc: (calls.append(len(loc)), translate(loc))[1])
-    r = Request(runner, 1, 90)
+    r = Request(runner, 1, 150)
     assert L - CFG.dense_layers > 1
     extend_once(backend, [r], 40)
     assert calls == [40]
     calls.clear()
     extend_once(backend, [r], 40)
     assert sorted(calls) == [40, 40]  # the chunk's locations, and the prefix's planned indices (40 tokens)
+    # A new view of the same locations (SGLang's breakable prefill graph gives each layer its own) is the same
+    # translation; other locations, or the next batch's, are not.
+    fb, _ = extend_batch([r], 10)
+    backend.init_forward_metadata(fb)
+    rows = pool.staged_rows(fb.out_cache_loc)
+    assert pool.staged_rows(fb.out_cache_loc[:]) is rows and pool.staged_rows(fb.out_cache_loc[:5]) is not rows
+    r.n += 10
+    fb, _ = extend_batch([r], 10)
+    backend.init_forward_metadata(fb)  # maps the new chunk's pages: the rows of the last batch are forgotten
+    assert pool._staged_rows is None
 
 
 def test_a_prompt_freed_mid_prefill_releases_its_staging(daemon):
