@@ -493,12 +493,26 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
     if settings.config.host_dtype != "auto" and kv_dtype not in (None, "auto", "bf16", "bfloat16", "fp16", "float16"):
         problems.append(f"drop --kv-host-dtype {settings.config.host_dtype}: it narrows a 16-bit KV cache, and "
                         f"--kv-cache-dtype is {kv_dtype}")
+    if _prefill_graph_backend(g) == "full":
+        problems.append("--cuda-graph-backend-prefill is full: FreeKV plans each prefill batch's staging and offload "
+                        "on the host, which a whole-forward prefill graph would replay from its capture (pass "
+                        "--cuda-graph-backend-prefill breakable, SGLang's default on CUDA, or "
+                        "--disable-prefill-cuda-graph)")
     if settings.config.prefill == "tsp":
         problems += _tsp_problems(g)
     if settings.config.retrieval == "louiskv" and not g("disable_radix_cache", False):
         problems.append("pass --disable-radix-cache with --kv-retrieval louiskv: LouisKV writes each prompt's host "
                         "pages in the order of its own k-means clusters, so no request can share them as a prefix")
     return problems + _backend_problems(g, "FreeKV", f" (pass {{flag}} {DEFAULT_ATTENTION_BACKEND})")
+
+
+def _prefill_graph_backend(g) -> str | None:
+    """The prefill CUDA graph's backend: --cuda-graph-config's (JSON before SGLang resolves it, which wins over the
+    per-phase flag; the resolved config after), else --cuda-graph-backend-prefill."""
+    config = g("cuda_graph_config")
+    prefill = config.get("prefill") if isinstance(config, dict) else getattr(config, "prefill", None)
+    backend = prefill.get("backend") if isinstance(prefill, dict) else getattr(prefill, "backend", None)
+    return backend if backend is not None else g("cuda_graph_backend_prefill")
 
 
 def _backend_problems(g, who: str, hint: str = "") -> list[str]:

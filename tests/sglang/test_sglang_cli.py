@@ -99,6 +99,8 @@ REFUSED = [
     (["--decode-attention-backend", "fa3"], "--decode-attention-backend"),
     (["--prefill-attention-backend", "fa3"], "--prefill-attention-backend"),
     (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
+    (["--cuda-graph-backend-prefill", "full"], "--cuda-graph-backend-prefill"),
+    (["--cuda-graph-config", '{"prefill": {"backend": "full"}}'], "--cuda-graph-backend-prefill"),
     (["--tokenizer-worker-num", "2"], "--tokenizer-worker-num"),
     (["--kv-budget", "100"], "--kv-budget"),
     (["--kv-budget", "0"], "--kv-budget"),
