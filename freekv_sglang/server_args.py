@@ -493,7 +493,12 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
     if settings.config.host_dtype != "auto" and kv_dtype not in (None, "auto", "bf16", "bfloat16", "fp16", "float16"):
         problems.append(f"drop --kv-host-dtype {settings.config.host_dtype}: it narrows a 16-bit KV cache, and "
                         f"--kv-cache-dtype is {kv_dtype}")
-    if _prefill_graph_backend(g) == "full":
+    if _graph_backend(g, "decode") == "breakable":
+        problems.append("--cuda-graph-backend-decode is breakable: FreeKV's decode step is built for one captured "
+                        "graph (its side streams join after the whole forward, through capture_tail_hooks), not for "
+                        "attention run eagerly between captured segments (drop it: SGLang's default full decode "
+                        "graph serves, and so does --disable-decode-cuda-graph)")
+    if _graph_backend(g, "prefill") == "full":
         problems.append("--cuda-graph-backend-prefill is full: FreeKV plans each prefill batch's staging and offload "
                         "on the host, which a whole-forward prefill graph would replay from its capture (pass "
                         "--cuda-graph-backend-prefill breakable, SGLang's default on CUDA, or "
@@ -506,13 +511,13 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
     return problems + _backend_problems(g, "FreeKV", f" (pass {{flag}} {DEFAULT_ATTENTION_BACKEND})")
 
 
-def _prefill_graph_backend(g) -> str | None:
-    """The prefill CUDA graph's backend: --cuda-graph-config's (JSON before SGLang resolves it, which wins over the
-    per-phase flag; the resolved config after), else --cuda-graph-backend-prefill."""
+def _graph_backend(g, phase: str) -> str | None:
+    """A phase's CUDA graph backend: --cuda-graph-config's (JSON before SGLang resolves it, which wins over the
+    per-phase flag; the resolved config after), else --cuda-graph-backend-{phase}."""
     config = g("cuda_graph_config")
-    prefill = config.get("prefill") if isinstance(config, dict) else getattr(config, "prefill", None)
-    backend = prefill.get("backend") if isinstance(prefill, dict) else getattr(prefill, "backend", None)
-    return backend if backend is not None else g("cuda_graph_backend_prefill")
+    settings = config.get(phase) if isinstance(config, dict) else getattr(config, phase, None)
+    backend = settings.get("backend") if isinstance(settings, dict) else getattr(settings, "backend", None)
+    return backend if backend is not None else g(f"cuda_graph_backend_{phase}")
 
 
 def _backend_problems(g, who: str, hint: str = "") -> list[str]:

@@ -101,6 +101,8 @@ REFUSED = [
     (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
     (["--cuda-graph-backend-prefill", "full"], "--cuda-graph-backend-prefill"),
     (["--cuda-graph-config", '{"prefill": {"backend": "full"}}'], "--cuda-graph-backend-prefill"),
+    (["--cuda-graph-backend-decode", "breakable"], "--cuda-graph-backend-decode"),
+    (["--cuda-graph-config", '{"decode": {"backend": "breakable"}}'], "--cuda-graph-backend-decode"),
     (["--tokenizer-worker-num", "2"], "--tokenizer-worker-num"),
     (["--kv-budget", "100"], "--kv-budget"),
     (["--kv-budget", "0"], "--kv-budget"),
