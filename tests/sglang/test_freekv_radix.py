@@ -74,10 +74,14 @@ class Allocator:
 
 
 def make_cache(runner):
+    """The FreeKV radix cache over the runner's pools (whose req_to_token rows SGLang's cache writes back to through
+    req_to_token_pool.write, as a stash does)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
     from freekv_patches._radix_cache import radix_cache_class
 
+    pool = runner.req_to_token_pool
+    pool.write = lambda idx, values: pool.req_to_token.__setitem__(idx, values)
     return radix_cache_class()(CacheInitParams(disable=False, req_to_token_pool=runner.req_to_token_pool,
                                                token_to_kv_pool_allocator=Allocator(runner), page_size=P))
 
@@ -192,7 +196,6 @@ def arena_pages(backend):
 def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon, chunk, export_at, monkeypatch):
     backend, runner = make_backend(daemon)
     cache, staging = make_cache(runner), runner.token_to_kv_pool.staging
-    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
     tokens = list(range(100, 190))  # 90 tokens: 5 full pages and a partial one
     a = Request(runner, 1, len(tokens))
     req_a = sglang_req("a", tokens)
@@ -244,7 +247,6 @@ def test_a_hit_skips_the_shared_prefill_and_decodes_like_the_whole_prompt(daemon
 def test_a_chunked_prompt_is_shared_chunk_by_chunk_while_it_prefills(daemon):
     backend, runner = make_backend(daemon, port=30007)
     cache, radix, eng = make_cache(runner), backend.radix, backend.engine
-    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
     tokens = list(range(5000, 5150))  # 150 tokens: 9 full pages and a partial one, in chunks of 40 (2.5 pages)
     a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
     exported = radix.exported_pages
@@ -291,7 +293,6 @@ def prompt_in_prefill(daemon, port, first_token):
     stashed after each: 120 tokens in, 7 full pages exported, its last chunk to come."""
     backend, runner = make_backend(daemon, port=port)
     cache = make_cache(runner)
-    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
     tokens = list(range(first_token, first_token + 150))
     a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
     for _ in range(3):
@@ -528,7 +529,6 @@ def test_a_full_arena_at_export_leaves_the_prompt_unshared_and_the_request_runni
     nothing raises into the scheduler, the request decodes on, and a later match finds nothing in the arena."""
     backend, runner = make_backend(daemon, port=30009)
     cache, radix, client = make_cache(runner), backend.radix, backend.host.client
-    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
     tokens = list(range(7000, 7100))
     a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
     arena = next(s for s in client.stats()["arenas"] if s["client_id"] == client.client_id)
@@ -556,7 +556,6 @@ def finish_two(daemon, port, together):
     torch.manual_seed(7)
     backend, runner = make_backend(daemon, port=port)
     cache = make_cache(runner)
-    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
     rs = [Request(runner, slot, 90) for slot in (1, 2)]
     reqs = [sglang_req(name, list(range(first, first + 90))) for name, first in (("a", 100), ("b", 300))]
     run_prefill(backend, rs, 1000)
@@ -645,7 +644,6 @@ def test_a_prompt_completed_in_a_step_is_retained_once_the_steps_results_are_pro
     went out), before the exports of the requests the step finished."""
     backend, runner = make_backend(small_daemon, port=30013)
     cache, radix = make_cache(runner), backend.radix
-    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
     tokens, done_tokens = list(range(5000, 5090)), list(range(6000, 6090))  # 5 full pages each
     a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
     b, req_b = Request(runner, 2, len(done_tokens)), sglang_req("b", done_tokens)
@@ -678,6 +676,13 @@ class Landed:
         self.done = self.waited = True
 
 
+def stand_in_landings(radix, monkeypatch) -> list[Landed]:
+    """The events the stashes record from now on (a Landed each, in order), which the test completes by hand."""
+    events = []
+    monkeypatch.setattr(radix, "_copies_queued", lambda: (events.append(Landed()), events[-1])[1])
+    return events
+
+
 def test_a_stashed_chunk_is_retained_once_its_copies_land_oldest_first(small_daemon, monkeypatch):
     """No wait at a stash: its copies are queued, and its pages retained by a later export (or the end of a step's
     results) once they have landed, in stash order (a chunk's keys link to the one before). A slot freed with its
@@ -685,9 +690,7 @@ def test_a_stashed_chunk_is_retained_once_its_copies_land_oldest_first(small_dae
     a lost kvstore session is dropped."""
     backend, runner = make_backend(small_daemon, port=30014)
     cache, radix = make_cache(runner), backend.radix
-    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
-    events = []
-    monkeypatch.setattr(radix, "_copies_queued", lambda: (events.append(Landed()), events[-1])[1])
+    events = stand_in_landings(radix, monkeypatch)
     tokens = list(range(7000, 7150))
     a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
     keys = radix.keys(tokens[:9 * P], None)
@@ -732,9 +735,7 @@ def test_a_request_sharing_a_chunk_in_flight_waits_for_it_when_the_batch_can_tak
 
     backend, runner = make_backend(small_daemon, port=30015)
     cache, radix = make_cache(runner), backend.radix
-    runner.req_to_token_pool.write = lambda idx, values: runner.req_to_token_pool.req_to_token.__setitem__(idx, values)
-    events = []
-    monkeypatch.setattr(radix, "_copies_queued", lambda: (events.append(Landed()), events[-1])[1])
+    events = stand_in_landings(radix, monkeypatch)
     tokens = list(range(9000, 9150))
     a, req_a = Request(runner, 1, len(tokens)), sglang_req("a", tokens)
     for _ in range(2):
