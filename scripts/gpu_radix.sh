@@ -10,6 +10,8 @@
 # polled during the burst: used = held by requests, cached = held only by retained prefixes).
 # HITS=N more hits after the first (default 4; the ratio takes their median); PROFILE_HIT=1 profiles one more hit
 # (SGLang's /start_profile, summarised by benchmarks/trace_summary.py into radix-NAME-hit-profile.txt).
+# HOST_DTYPE: FreeKV's --kv-host-dtype (default fp8_e4m3, as benchmarks/decode.py's cells; auto: the KV cache's bf16,
+# which doubles a hit's fill of its prefix from host pages).
 # Fits one 10-minute device call. Needs /tmp/site (the wheelhouse). Usage: [RUNS=a,b] bash scripts/gpu_radix.sh [BACKEND]
 # (RUNS: which of the three servers, in order; default all). The arena holds 16 unshared 32K prompts (freekv-plain).
 set -uo pipefail
@@ -23,7 +25,7 @@ COMMON=(--model-path /tmp/llama8b --load-format dummy --port $PORT --attention-b
         --sampling-backend pytorch --grammar-backend none --context-length 34000 --max-running-requests 16
         --chunked-prefill-size 8192 --mem-fraction-static 0.6)
 FREEKV=(--kv-retrieval freekv --kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32
-        --kvstore-endpoint $KV --kvstore-arena-gb 72)
+        --kvstore-endpoint $KV --kvstore-arena-gb 72 --kv-host-dtype "${HOST_DTYPE:-fp8_e4m3}")
 
 setsid python3 -m freekv_kvstore --endpoint $KV --arena-gb 74 >"$OUT/radix-kvstore.log" 2>&1 &
 DPID=$!
