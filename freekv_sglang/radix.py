@@ -398,7 +398,9 @@ class PrefixSharing:
         """An event after the device work queued so far (None on CPU, where it is done once queued)."""
         if self.backend.engine.device.type != "cuda":
             return None
-        event = torch.cuda.Event()
+        # Blocking: await_in_flight may wait out a whole chunk's forward here, and a spin would hold a host core that
+        # the kvstore daemon and SGLang's other processes share.
+        event = torch.cuda.Event(blocking=True)
         event.record()
         return event
 
