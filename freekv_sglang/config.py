@@ -37,6 +37,7 @@ DEFAULT_HYSTERESIS = 1.0
 # (freekv_kernels.fp8_rows).
 HOST_DTYPES = ("auto", "fp8_e4m3")
 SPECULATE_AT = ("attention", "next_recall")
+CORRECT_AT = ("layer", "previous_mlp")
 # FastKV's observation window: the last prompt tokens, whose queries score the prompt and which always propagate
 # (freekv_kernels.tsp_select.WINDOW; a test keeps the two equal).
 TSP_WINDOW = 8
@@ -138,6 +139,17 @@ class FreeKVConfig:
         scoring's programs behind it); the last sparse layer's starts after its own attention. The selections and
         recalls are the same either way; only their time in the step moves (session 43, H200: the median step -4.2% at
         16 x 32K, within 1% at 1 request and on the Qwen2.5-7B shape).
+    correct_at: where the correction (a KV head's selection with the present query, recalled before attention)
+        starts. "layer" (default): the paper's, after the layer's QKV projection, on the critical path: at a
+        correction rate of 0.3 that chain is ~100 us a layer at 16 x 32K on the Llama-3.1-8B shape (sessions 43-49).
+        "previous_mlp": also one layer early, while the previous layer's MLP runs: the caller predicts the layer's
+        query from the previous layer's mid residual (after its attention; FreeKVEngine.anticipate), heads whose
+        predicted query turned are selected with it and recalled then, and the check after the QKV projection
+        compares the real query with the query each head's selection was made with, so only the heads the
+        prediction missed are corrected on the critical path (benchmarks/cross_layer_query.py, SmolLM2-135M at
+        7.5K: predicted queries 0.96-0.97 cosine to the real ones, previous steps' 0.83-0.86; 5% of heads corrected
+        late against 32-74%, covered attention mass within 0.002 of the paper's correction). FreeKV's channels,
+        means, quest and oracle selections, which score with the query itself (not the sketch's picks).
     attention: how a served sparse layer attends. "backend" (default): through the wrapped backend's own decode kernel
         (FlashInfer's or SGLang's Triton one), one row per (request, KV head), so with a budget that covers the
         context the answers match a full-KV server token for token; it starts after the recall before attention.
@@ -188,6 +200,7 @@ class FreeKVConfig:
     recall_block: int = 0
     score_programs: int = 0
     speculate_at: str = "next_recall"
+    correct_at: str = "layer"
     attention: str = "backend"
     selection: str = "channels"
     rerank_factor: int = 2
@@ -259,6 +272,18 @@ class FreeKVConfig:
                              "drop --kv-score-programs or use --kv-selection channels")
         if self.speculate_at not in SPECULATE_AT:
             raise ValueError(f"speculate_at must be one of {', '.join(SPECULATE_AT)}, got {self.speculate_at!r}")
+        if self.correct_at not in CORRECT_AT:
+            raise ValueError(f"correct_at must be one of {', '.join(CORRECT_AT)}, got {self.correct_at!r}")
+        if self.correct_at != "layer" and self.retrieval != "freekv":
+            raise ValueError(f"correct_at {self.correct_at!r} moves FreeKV's correction, which retrieval "
+                             f"{self.retrieval!r} does not run: drop correct_at")
+        if self.correct_at != "layer" and self.sketches:
+            raise ValueError(f"correct_at {self.correct_at!r} selects with a predicted query, which FreeKV's channels, "
+                             f"means, quest and oracle selections score with; not {self.selection!r}, whose scoring "
+                             f"reads the picks the similarity check made: drop correct_at or pick another selection")
+        if self.correct_at != "layer" and self.replay_correction_rate is not None:
+            raise ValueError(f"correct_at {self.correct_at!r} has no replayed correction rate yet (its early and late "
+                             "corrections would need one each): drop replay_correction_rate (--kv-bench-correction-rate)")
         if self.retrieval not in RETRIEVALS:
             raise ValueError(f"retrieval must be one of {', '.join(RETRIEVALS)}, got {self.retrieval!r}")
         bt = self.boundary_tau

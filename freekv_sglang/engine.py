@@ -166,8 +166,9 @@ class StatsSnapshot:
     A server logs them once ready(): a host sync between steps would idle the GPU for the scheduler's whole step."""
 
     engine: "FreeKVEngine"
-    sim: torch.Tensor  # host copies of _stat_sim and _stat_recall
+    sim: torch.Tensor  # host copies of _stat_sim, _stat_recall and _stat_early
     recall: torch.Tensor
+    early: torch.Tensor
     steps: int
     checks: int
     copied: "torch.cuda.Event | None"  # None: the copies were synchronous
@@ -280,6 +281,11 @@ class FreeKVEngine:
                            for d in self.dense]
         self._recall = [None if d else torch.zeros(R, H, k, dtype=torch.int8, device=self.device)
                         for d in self.dense]
+        # cfg.correct_at "previous_mlp": per sparse layer, by batch row, the heads anticipate() selected with the
+        # predicted query; and the event after that selection, per layer anticipated this step (attend waits for it).
+        self._early_heads = [None if d or cfg.correct_at == "layer" else
+                             torch.zeros(R, H, dtype=torch.bool, device=self.device) for d in self.dense]
+        self._anticipated: dict[int, torch.cuda.Event | None] = {}
         # cfg.victim: per sparse layer the victim cache's entries (the logical page each holds, -1 empty) and their
         # insertion stamps by request slot, and the victim op of every (row, head, slot) recalled this step (by batch
         # row, written with the recall codes and read by the same recalls).
@@ -318,6 +324,7 @@ class FreeKVEngine:
         # Per layer, accumulated by select_slots: (page, head) chunks put into slots before attention, and after it;
         # then those of them taken from the victim cache instead of the host.
         self._stat_recall = torch.zeros(L, 4, **z)
+        self._stat_early = torch.zeros(L, **z)  # per layer: (row, KV head)s anticipate() selected
         self._stat_checks = 0  # (row, KV head) checks per sparse layer
         self._stat_steps = 0
 
@@ -831,6 +838,8 @@ class FreeKVEngine:
         # writes the step's K/V: into a sink or window page, which no selection or recall touches.
         kv = (k, v, kc, vc, plan.sparse_loc)
         if self.retrieval:
+            if layer in self._anticipated:  # the check reads the previous queries and slots anticipate() wrote
+                st.wait(self._anticipated.pop(layer))
             flags = self.selector.trigger(plan, layer, q, self._now_heads[layer][:q.shape[0]], kv)
         else:
             ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
@@ -859,6 +868,39 @@ class FreeKVEngine:
         else:
             self._after_attention(plan, layer, e_attn)
         return out
+
+    def anticipate(self, plan: StepPlan, layer: int, predict: Callable[[], torch.Tensor]) -> None:
+        """cfg.correct_at "previous_mlp": predict() -> [B, Hq, D], a prediction of sparse layer `layer`'s query this
+        step, made while the layer before runs its MLP (from that layer's mid residual); it is called on the select
+        stream, so its projection runs beside that MLP too. On the select stream, the heads whose
+        predicted query turned (group-mean cosine to the previous query below tau) select with it and recall now,
+        off the critical path; their previous query becomes the predicted one, which their selection now follows.
+        attend(layer)'s check then compares the real query with the query each head's selection was made with, so
+        it corrects only the heads the prediction missed, and the speculative selection after attention stores the
+        real query as before. Rows without a previous query are left to that check. Call before attend(layer)."""
+        if self._early_heads[layer] is None:
+            raise ValueError(f"layer {layer}: anticipate needs a sparse layer and correct_at 'previous_mlp', got "
+                             f"{'a dense layer' if self.dense[layer] else repr(self.cfg.correct_at)}")
+        H, G = self.shape.num_kv_heads, self.shape.group
+        st, rows = self.streams, plan.req_slots.long()
+        e = st.record()
+        with st.on("select"):
+            st.wait(e)
+            q = predict()
+            B = q.shape[0]
+            prev = self.prev_q[layer][rows]
+            qf, pf = q.float(), prev.float()
+            cos = (qf * pf).sum(-1) / (qf.norm(dim=-1) * pf.norm(dim=-1)).clamp_min(1e-12)  # [B, Hq]
+            turned = (cos.view(B, H, G).mean(-1) < self.tau) & (self.tau > 0) | (self.tau >= 1)
+            flags = self._early_heads[layer][:B]
+            torch.logical_and(turned, (self.has_prev[layer][rows] & (plan.req_slots != self.pad_slot))[:, None],
+                              out=flags)
+            if self.collect_stats:
+                self._stat_early[layer] += flags.sum()
+            self.prev_q[layer][rows] = torch.where(flags.repeat_interleave(G, dim=1)[..., None], q.to(prev.dtype), prev)
+            self._select(plan, layer, q, PHASE_NOW, flags, heads=flags)
+            self._anticipated[layer] = st.record()
+            self._recall_phase(plan, layer, PHASE_NOW)
 
     def _after_attention(self, plan: StepPlan, layer: int, anchor: torch.cuda.Event | None) -> None:
         """A layer's side-stream work after its attention, once `anchor` (recorded after that attention) is reached:
@@ -904,7 +946,8 @@ class FreeKVEngine:
         return lambda: ops.attend_recalled(q, kc, vc, plan.slot_pages, plan.n_slots, recall, PHASE_NOW, self.scale, p,
                                            kept)
 
-    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None):
+    def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None,
+                heads: torch.Tensor | None = None):
         """Select with q for the heads of `phase` (PHASE_NOW: those with _now_heads set, PHASE_LATER: the others,
         with q by request slot) and commit their slots; _recall_phase then recalls them (PHASE_NOW's on the select
         stream, PHASE_LATER's on the recall stream). Before attention: flagged heads attend with q_i's selection, and so
@@ -912,7 +955,8 @@ class FreeKVEngine:
         those slots are recalled now; the other changed slots (the latter heads' evictions) wait for the recall after
         attention, with the speculative heads'."""
         ops, B = self.ops, plan.req_slots.shape[0]
-        heads, recall = self._now_heads[layer][:B], self._recall[layer][:B]
+        heads = self._now_heads[layer][:B] if heads is None else heads  # anticipate(): the heads it flagged
+        recall = self._recall[layer][:B]
         timer = self.timer
         if timer is not None:
             timer.mark(layer, phase, 0)
@@ -974,7 +1018,9 @@ class FreeKVEngine:
                 for i, kind in enumerate(("selection", "recall"))}
 
     def stats(self) -> dict:
-        """Per sparse layer: correction rate (flagged KV-head checks), mean adjacent-query cosine, and
+        """Per sparse layer: correction rate (flagged KV-head checks; with cfg.correct_at "previous_mlp" the ones
+        the prediction missed, and early_correction_rate the heads anticipate() selected), mean adjacent-query
+        cosine, and
         recalled bytes (before attention / speculative), counted in pages of one KV head (`recall_page_bytes`
         each: its K and V as the host arena holds them). The raw totals over the sparse layers too: (row, KV head) checks, the flagged ones,
         and the pages of one KV head recalled from the host before attention / speculatively, and those taken from
@@ -986,15 +1032,15 @@ class FreeKVEngine:
 
     def stats_snapshot(self) -> StatsSnapshot:
         """The counters of stats() copied without a wait; StatsSnapshot.stats() reads them."""
-        sim, recall, copied = self._stat_sim, self._stat_recall, None
-        if sim.is_cuda:
-            sim = torch.empty(sim.shape, dtype=sim.dtype, pin_memory=True).copy_(sim, non_blocking=True)
-            recall = torch.empty(recall.shape, dtype=recall.dtype, pin_memory=True).copy_(recall, non_blocking=True)
+        counters, copied = (self._stat_sim, self._stat_recall, self._stat_early), None
+        if self._stat_sim.is_cuda:
+            counters = [torch.empty(c.shape, dtype=c.dtype, pin_memory=True).copy_(c, non_blocking=True)
+                        for c in counters]
             copied = torch.cuda.Event()
             copied.record()
         else:
-            sim, recall = sim.clone(), recall.clone()
-        return StatsSnapshot(self, sim, recall, self._stat_steps, self._stat_checks, copied)
+            counters = [c.clone() for c in counters]
+        return StatsSnapshot(self, *counters, self._stat_steps, self._stat_checks, copied)
 
     def _stats_of(self, snap: StatsSnapshot) -> dict:
         layers = [layer for layer in range(self.shape.num_layers) if not self.dense[layer]]
@@ -1008,12 +1054,14 @@ class FreeKVEngine:
         return {
             "steps": snap.steps,
             "correction_rate": {layer: flags[layer] / checks for layer in layers},
+            "early_correction_rate": {layer: float(snap.early[layer]) / checks for layer in layers},
             "mean_cosine": {layer: cos[layer] / max(cos_n[layer], 1) for layer in layers},
             "recall_bytes_now": sum(now[layer] for layer in layers) * chunk,
             "recall_bytes_speculative": sum(later[layer] for layer in layers) * chunk,
             "recall_page_bytes": chunk,
             "checks": snap.checks * len(layers),
             "flagged": round(sum(flags[layer] for layer in layers)),
+            "flagged_early": round(sum(float(snap.early[layer]) for layer in layers)),
             "recall_pages_now": round(sum(now[layer] for layer in layers)),
             "recall_pages_speculative": round(sum(later[layer] for layer in layers)),
             "victim_hits_now": round(sum(hits_now[layer] for layer in layers)),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,9 +104,29 @@ class FreeKVModel:
         cos, sin = self.rotary(h[None], positions[None])
         return cos[0].to(h.dtype), sin[0].to(h.dtype)
 
-    def _finish_layer(self, layer, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(self, layer, residual: torch.Tensor, attn_out: torch.Tensor,
+                      on_mid: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         h = residual + layer.self_attn.o_proj(attn_out.flatten(1))
+        if on_mid is not None:  # the mid residual, before the MLP
+            on_mid(h)
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _anticipate(self, i: int, plans: dict, cos: torch.Tensor, sin: torch.Tensor):
+        """cfg.correct_at "previous_mlp": the call that predicts model layer i's query from the previous layer's mid
+        residual and hands it to its engine's anticipate (None where layer i corrects only after its projection)."""
+        if i >= len(self.layers):
+            return None
+        eng, local = self._layer(i)
+        if eng.cfg.correct_at != "previous_mlp" or eng.dense[local]:
+            return None
+        layer, s = self.layers[i], self.shape
+
+        def on_mid(mid: torch.Tensor) -> None:
+            def predict() -> torch.Tensor:
+                q = layer.self_attn.q_proj(layer.input_layernorm(mid)).view(mid.shape[0], s.num_q_heads, s.head_dim)
+                return _rope(q, cos, sin)
+            eng.anticipate(plans[id(eng)], local, predict)
+        return on_mid
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.norm(h)).float()
@@ -198,7 +219,8 @@ class FreeKVModel:
             x = layer.input_layernorm(h)
             q, k, v = self._qkv(layer, x, cos, sin)
             eng, local = self._layer(i)
-            h = self._finish_layer(layer, h, eng.attend(plans[id(eng)], local, q, k, v))
+            h = self._finish_layer(layer, h, eng.attend(plans[id(eng)], local, q, k, v),
+                                   self._anticipate(i + 1, plans, cos, sin))
         for eng in self.engines:
             eng.end_step()
         return self._logits(h).argmax(-1).tolist()

@@ -96,6 +96,9 @@ class FreeKVAttnBackend(AttentionBackend):
         self.inner = inner
         self.settings = settings
         cfg = settings.config
+        if cfg.correct_at != "layer":  # no flag sets it: SGLang's decoder layers do not predict queries yet
+            raise ValueError(f"correct_at {cfg.correct_at!r} runs in the engine and its Hugging Face adapter, not in "
+                             "SGLang's models yet")
         mc = runner.model_config
         tp_size = getattr(runner, "tp_size", 1)
         self.rank = getattr(runner, "tp_rank", 0)

@@ -52,6 +52,7 @@ class MethodSpec:
     rerank_factor: int | None = None  # FreeKVConfig.rerank_factor (None: its default)
     sketch_channels: int | None = None  # FreeKVConfig.sketch_channels (None: its default)
     hysteresis: float | None = None  # FreeKVConfig.hysteresis (None: its default)
+    correct_at: str | None = None  # FreeKVConfig.correct_at (None: its default)
     boundary_tau: float | None = None  # LouisKV's threshold (engine method louiskv)
     tsp: tuple[int, int] | None = None  # (tsp_layer, tsp_keep) with FastKV's prefill, None for the full prefill
 
@@ -75,7 +76,8 @@ class MethodSpec:
                             selection=self.selection, **({} if self.rerank_factor is None else
                                                          {"rerank_factor": self.rerank_factor}),
                             **({} if self.sketch_channels is None else {"sketch_channels": self.sketch_channels}),
-                            **({} if self.hysteresis is None else {"hysteresis": self.hysteresis}))
+                            **({} if self.hysteresis is None else {"hysteresis": self.hysteresis}),
+                            **({} if self.correct_at is None else {"correct_at": self.correct_at}))
 
 
 METHOD_NAMES = ("dense", "oracle", "rerank", "sketch", "means", "channels", "quest", "louiskv", "streaming")
@@ -83,9 +85,11 @@ METHOD_NAMES = ("dense", "oracle", "rerank", "sketch", "means", "channels", "que
 
 def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None,
                   louiskv_tau: float = FreeKVConfig().boundary_tau,
-                  sketch_channels: int | None = None, hysteresis: list[float] | None = None) -> list[MethodSpec]:
+                  sketch_channels: int | None = None, hysteresis: list[float] | None = None,
+                  correct_at: list[str] | None = None) -> list[MethodSpec]:
     """'dense,oracle,rerank,sketch,means,channels,quest,louiskv,streaming' -> specs; rerank, sketch, means and
-    channels expand to one spec per tau and, when given, per hysteresis (labelled /hH)."""
+    channels expand to one spec per tau and, when given, per hysteresis (labelled /hH) and per correct_at (labelled
+    /early for "previous_mlp")."""
     out: list[MethodSpec] = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
         if name == "dense":
@@ -95,9 +99,10 @@ def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None
             channels = sketch_channels if name in ("rerank", "sketch", "channels") else None
             label = name if factor is None else f"{name}/{factor}"  # rerank/N: N x budget candidates, 0 every page
             label += "" if channels is None else f"/c{channels}"  # the sketch's channels
-            out.extend(MethodSpec(f"{label}{'' if h is None else f'/h{h:g}'}(tau={t:g})", "freekv", tau=t,
-                                  selection=name, rerank_factor=factor, sketch_channels=channels, hysteresis=h)
-                       for h in (hysteresis or [None]) for t in taus)
+            out.extend(MethodSpec(f"{label}{'' if h is None else f'/h{h:g}'}{'/early' if at == 'previous_mlp' else ''}"
+                                  f"(tau={t:g})", "freekv", tau=t, selection=name, rerank_factor=factor,
+                                  sketch_channels=channels, hysteresis=h, correct_at=at)
+                       for h in (hysteresis or [None]) for at in (correct_at or [None]) for t in taus)
         elif name in ("quest", "oracle"):
             out.append(MethodSpec(name, "freekv", tau=1.0, selection=name))
         elif name == "louiskv":

@@ -73,3 +73,37 @@ def test_channels_selection_calibrates_and_finds_the_passkey(smollm2):
     assert (sel._cal[1].step > 0).all() and sel._cal[1].channels.shape == (model.config.num_key_value_heads, 32)
     out = fm.generate([ids], 8)[0]
     assert "58213" in tok.decode(out)
+
+
+@pytest.mark.parametrize("mlp", ["zero", "random"])
+def test_the_previous_mlp_correction_predicts_each_layers_query(mlp):
+    """correct_at "previous_mlp": every step each sparse layer gets a query predicted from the previous layer's mid
+    residual. With the MLPs zeroed that residual is the layer's input, so the prediction is the real query (its norm,
+    projection and rotation right): the tokens are the paper's correction's, its corrections all made one layer
+    early, and the check after the projection finds nothing left to correct."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
+                                         num_attention_heads=6, num_key_value_heads=2,
+                                         max_position_embeddings=1024)).eval()
+    for layer in model.model.layers:
+        torch.nn.init.uniform_(layer.input_layernorm.weight, 0.2, 2.0)  # with unit weights a norm only rescales
+        if mlp == "zero":
+            torch.nn.init.zeros_(layer.mlp.down_proj.weight)
+    ids = torch.randint(0, 97, (400,)).tolist()
+    runs = {}
+    for at in ("layer", "previous_mlp"):
+        cfg = FreeKVConfig(budget=64, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="means",
+                           correct_at=at)
+        fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=512)
+        calls = []
+        anticipate = fm.engine.anticipate
+        fm.engine.anticipate = lambda plan, layer, q: (calls.append(layer), anticipate(plan, layer, q))
+        runs[at] = fm.generate([ids], 6)[0], fm.engine.stats(), calls
+    (tokens, late, _), (early_tokens, early, calls) = runs["layer"], runs["previous_mlp"]
+    assert calls == [1, 2, 3] * 5  # each sparse layer, each decode step (the first token is the prefill's)
+    assert early["flagged_early"] > 0
+    if mlp == "zero":
+        assert early_tokens == tokens
+        assert early["flagged"] == 0 and early["flagged_early"] == late["flagged"] > 0

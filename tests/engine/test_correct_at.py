@@ -1,0 +1,112 @@
+"""cfg.correct_at "previous_mlp": FreeKVEngine.anticipate selects the heads whose predicted query turned one layer
+early, and attend's check corrects against the query each head's selection follows: a perfect prediction leaves
+nothing to correct on the critical path and attends as the paper's correction does; a wrong one is corrected there."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from freekv_kernels.testing import device
+from freekv_sglang.config import FreeKVConfig
+from freekv_sglang.engine import FreeKVEngine, ModelShape
+
+DEV = device()
+CFG = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.05, dense_layers=1, victim=32)
+
+
+def make_engine(cfg: FreeKVConfig) -> FreeKVEngine:
+    shape = ModelShape(num_layers=4, num_q_heads=6, num_kv_heads=2, head_dim=32)
+    return FreeKVEngine(cfg, shape, max_requests=3, max_context=1024, dtype=torch.float32, device=DEV,
+                        backend="torch")
+
+
+def decode(engines, predict, slots, steps):
+    """Steps of the slots plus a padding row, the same random queries and K/V in every engine; an engine with
+    correct_at "previous_mlp" is handed predict(q) for each sparse layer before attending it. Each step the outputs
+    (real rows) and the pages each head's slots hold must match the first engine's. Returns every engine's
+    statistics."""
+    shape, n = engines[0].shape, len(slots)
+    L, Hq, H, D = shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
+    for _ in range(steps):
+        q = torch.randn(L, n + 1, Hq, D, device=DEV)
+        kv = torch.randn(2, L, n + 1, H, D, device=DEV)
+        outs = []
+        for e in engines:
+            plan, out = e.begin_step(slots, pad_to=n + 1), []
+            for layer in range(L):
+                if e.cfg.correct_at == "previous_mlp" and not e.dense[layer]:
+                    e.anticipate(plan, layer, lambda: predict(q[layer]))
+                out.append(e.attend(plan, layer, q[layer], kv[0, layer], kv[1, layer]))
+            e.end_step()
+            outs.append(out)
+        for out, e in zip(outs[1:], engines[1:]):
+            for layer in range(L):
+                torch.testing.assert_close(out[layer][:n], outs[0][layer][:n], atol=1e-4, rtol=1e-4)
+            # The same pages; a head selected twice in a step may hold them in other slots.
+            assert torch.equal(engines[0].slot_table[:, slots].sort(-1).values, e.slot_table[:, slots].sort(-1).values)
+    return [e.stats() for e in engines]
+
+
+@pytest.mark.parametrize("selection", ["channels", "means"])
+def test_a_perfect_prediction_corrects_early_what_the_layer_would(selection, prefill_alike):
+    """Predicted queries equal to the real ones: the same outputs and slots every step, the early corrections are
+    the paper's corrections and none is left for the check after the projection (the first step's rows, which have
+    no previous query, excepted), and the same pages are recalled before attention."""
+    cfg = dataclasses.replace(CFG, selection=selection)
+    engines = [make_engine(dataclasses.replace(cfg, correct_at=at)) for at in ("layer", "previous_mlp")]
+    torch.manual_seed(5)
+    slots = prefill_alike(engines, [200, 90], device=DEV)
+    first = [e.stats() for e in engines]
+    late, early = decode(engines, lambda q: q, slots, 12)
+    assert early["flagged_early"] - first[1]["flagged_early"] == late["flagged"] - first[0]["flagged"] > 0
+    assert early["flagged"] == first[1]["flagged"]
+    assert early["recall_pages_now"] == late["recall_pages_now"] > 0
+    assert late["flagged_early"] == 0
+
+
+def test_a_wrong_prediction_is_corrected_before_attention(prefill_alike):
+    """Predicted queries unrelated to the real ones, every head checked as turned (tau 1): each is selected with the
+    prediction first and corrected with the real query after the projection, so attention reads the paper's
+    selection (no hysteresis keeps a predicted page)."""
+    cfg = dataclasses.replace(CFG, tau=1.0, hysteresis=0.0)
+    engines = [make_engine(dataclasses.replace(cfg, correct_at=at)) for at in ("layer", "previous_mlp")]
+    torch.manual_seed(6)
+    slots = prefill_alike(engines, [200, 90], device=DEV)
+    late, early = decode(engines, torch.randn_like, slots, 6)
+    assert early["flagged"] == late["flagged"] > 0 and early["flagged_early"] > 0
+    assert early["recall_pages_now"] > late["recall_pages_now"]  # the predicted selection's pages, recalled in vain
+
+
+def test_anticipate_needs_the_previous_mlp_correction_and_a_sparse_layer(prefill_alike):
+    eng = make_engine(CFG)
+    slots = prefill_alike([eng], [100], device=DEV)
+    plan, q = eng.begin_step(slots), torch.randn(1, 6, 32, device=DEV)
+    with pytest.raises(ValueError, match="correct_at 'previous_mlp', got 'layer'"):
+        eng.anticipate(plan, 1, lambda: q)
+    eng = make_engine(dataclasses.replace(CFG, correct_at="previous_mlp"))
+    slots = prefill_alike([eng], [100], device=DEV)
+    with pytest.raises(ValueError, match="got a dense layer"):
+        eng.anticipate(eng.begin_step(slots), 0, lambda: q)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(correct_at="mlp"), "correct_at must be one of layer, previous_mlp"),
+    (dict(correct_at="previous_mlp", selection="sketch"), "not 'sketch'"),
+    (dict(correct_at="previous_mlp", retrieval="louiskv"), "retrieval .louiskv. does not run"),
+    (dict(correct_at="previous_mlp", replay_correction_rate=0.3), "--kv-bench-correction-rate"),
+])
+def test_refused_settings(change, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(CFG, **change)
+
+
+def test_the_harness_runs_channels_and_means_once_per_correct_at():
+    from freekv_sglang.accuracy.methods import Geometry, parse_methods
+
+    specs = parse_methods("channels,means,quest", [0.9], correct_at=["layer", "previous_mlp"])
+    assert [s.name for s in specs] == ["channels(tau=0.9)", "channels/early(tau=0.9)", "means(tau=0.9)",
+                                       "means/early(tau=0.9)", "quest"]
+    assert [s.config(256, Geometry(), 30).correct_at for s in specs] == ["layer", "previous_mlp"] * 2 + ["layer"]
