@@ -192,8 +192,9 @@ def main() -> None:
     generated = [tok.decode(study(model, taps, ids, args, acc)) for ids in prompts]
     n = acc.pop("cases")
     res = {k: v / n for k, v in acc.items()}
-    row = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(x) for x in prompts], "new": args.new, "budget": args.budget, "sink": args.sink,
-           "window": args.window, "page_size": args.page_size, "tau": args.tau, "text": args.task or Path(args.text).name,
+    row = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(x) for x in prompts], "new": args.new,
+           "budget": args.budget, "sink": args.sink, "window": args.window, "page_size": args.page_size,
+           "tau": args.tau, "text": args.task or Path(args.text).name,
            "generated": generated, **{k: round(v, 4) for k, v in res.items()}}
     print(json.dumps({k: v for k, v in row.items() if k != "generated"}))
     print("| query | mass covered | cos to q_L |\n| --- | ---: | ---: |")

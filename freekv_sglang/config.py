@@ -283,7 +283,8 @@ class FreeKVConfig:
                              f"reads the picks the similarity check made: drop correct_at or pick another selection")
         if self.correct_at != "layer" and self.replay_correction_rate is not None:
             raise ValueError(f"correct_at {self.correct_at!r} has no replayed correction rate yet (its early and late "
-                             "corrections would need one each): drop replay_correction_rate (--kv-bench-correction-rate)")
+                             "corrections would need one each): drop replay_correction_rate "
+                             "(--kv-bench-correction-rate)")
         if self.retrieval not in RETRIEVALS:
             raise ValueError(f"retrieval must be one of {', '.join(RETRIEVALS)}, got {self.retrieval!r}")
         bt = self.boundary_tau

@@ -58,8 +58,8 @@ def parser() -> argparse.ArgumentParser:
                     help="comma-separated hysteresis values: rerank, sketch and means once per value, labelled /hH "
                          "(default: FreeKVConfig's, unlabelled)")
     ap.add_argument("--correct-at", default=None,
-                    help="comma-separated FreeKVConfig.correct_at values (layer, previous_mlp): channels and means once "
-                         "per value, previous_mlp labelled /early (default: FreeKVConfig's, unlabelled)")
+                    help="comma-separated FreeKVConfig.correct_at values (layer, previous_mlp): channels and means "
+                         "once per value, previous_mlp labelled /early (default: FreeKVConfig's, unlabelled)")
     ap.add_argument("--kv-prefill", default="full",
                     help="comma-separated from full, tsp: tsp runs every method after FastKV's token-selective "
                          "propagation too, once per --kv-tsp-keep")
@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                                                            None if args.hysteresis is None else
                                                            _floats(args.hysteresis),
                                                            None if args.correct_at is None else
-                                                           [a.strip() for a in args.correct_at.split(",") if a.strip()]),
+                                                           [a.strip() for a in args.correct_at.split(",")
+                                                            if a.strip()]),
                                              [p.strip() for p in args.kv_prefill.split(",") if p.strip()],
                                              args.kv_tsp_layer, _ints(args.kv_tsp_keep)), geometry=geo,
                         seed=args.seed,
