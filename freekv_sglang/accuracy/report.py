@@ -44,9 +44,13 @@ def summarize(records: list[dict]) -> dict:
         tot = sum(w) or 1
         layers = runs[0]["layers"]
         corr = [sum(wi * r["correction_rate"][j] for wi, r in zip(w, runs)) / tot for j in range(len(layers))]
+        # Records before session 50 have no early corrections (correct_at "previous_mlp"), which they never made.
+        early = [sum(wi * r.get("early_correction_rate", [0.0] * len(layers))[j] for wi, r in zip(w, runs)) / tot
+                 for j in range(len(layers))]
         cos = [sum(wi * r["mean_cosine"][j] for wi, r in zip(w, runs)) / tot for j in range(len(layers))]
         stats.append(dict(method=m, length=n, budget=b, layers=layers, decode_rows=sum(w),
                           correction_rate=corr, mean_correction_rate=sum(corr) / len(corr),
+                          mean_early_correction_rate=sum(early) / len(early),
                           mean_cosine=cos, recall_bytes_now=sum(r["recall_bytes_now"] for r in runs),
                           recall_bytes_speculative=sum(r["recall_bytes_speculative"] for r in runs)))
     # Score by needle depth (fifths of the context): where in the context retrieval fails.
@@ -150,17 +154,25 @@ def depth_table(summary: dict) -> str:
 
 
 def correction_table(summary: dict) -> str:
-    """Markdown: mean correction rate over sparse layers per method (rows) and (length, budget)."""
+    """Markdown: mean correction rate over sparse layers per method (rows) and (length, budget); with early
+    corrections (correct_at "previous_mlp") the late ones, on the critical path, then the early ones."""
     st = [s for s in summary["engine_stats"] if s["method"] != "streaming"]
     if not st:
         return "(no engine statistics)"
     cols = sorted({(s["length"], s["budget"]) for s in st})
-    cell = {(s["method"], s["length"], s["budget"]): s["mean_correction_rate"] for s in st}
+    cell = {(s["method"], s["length"], s["budget"]): (s["mean_correction_rate"], s.get("mean_early_correction_rate"))
+            for s in st}
+
+    def fmt(c) -> str:
+        if c is None:
+            return _fmt(None, 3)
+        late, early = c
+        return _fmt(late, 3) if not early else f"{_fmt(late, 3)} (early {_fmt(early, 3)})"
     methods = _order([s["method"] for s in st])
     lines = ["| method | " + " | ".join(f"{n}/{b}" for n, b in cols) + " |",
              "| --- | " + " | ".join("---:" for _ in cols) + " |"]
     for m in methods:
-        lines.append(f"| {m} | " + " | ".join(_fmt(cell.get((m, n, b)), 3) for n, b in cols) + " |")
+        lines.append(f"| {m} | " + " | ".join(fmt(cell.get((m, n, b))) for n, b in cols) + " |")
     return "\n".join(lines)
 
 

@@ -158,6 +158,7 @@ class EngineBackend:
         return dict(kind="stats", task=s.task, length=s.length, method=spec.name, budget=budget,
                     decode_rows=sum(len(o) - 1 for o in outs), layers=layers,
                     correction_rate=[st["correction_rate"][i] for i in layers],
+                    early_correction_rate=[st["early_correction_rate"][i] for i in layers],
                     mean_cosine=[st["mean_cosine"][i] for i in layers],
                     recall_bytes_now=st["recall_bytes_now"], recall_bytes_speculative=st["recall_bytes_speculative"],
                     decode_s=decode_s, prefill_s=prefill_s, samples=len(outs))

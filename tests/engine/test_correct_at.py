@@ -110,3 +110,14 @@ def test_the_harness_runs_channels_and_means_once_per_correct_at():
     assert [s.name for s in specs] == ["channels(tau=0.9)", "channels/early(tau=0.9)", "means(tau=0.9)",
                                        "means/early(tau=0.9)", "quest"]
     assert [s.config(256, Geometry(), 30).correct_at for s in specs] == ["layer", "previous_mlp"] * 2 + ["layer"]
+
+
+def test_the_harness_table_gives_late_then_early_corrections():
+    from freekv_sglang.accuracy.report import correction_table
+
+    stats = [dict(method="channels(tau=0.9)", length=8192, budget=512, mean_correction_rate=0.49,
+                  mean_early_correction_rate=0.0),
+             dict(method="channels/early(tau=0.9)", length=8192, budget=512, mean_correction_rate=0.048,
+                  mean_early_correction_rate=0.5)]
+    rows = correction_table({"engine_stats": stats}).splitlines()[2:]
+    assert rows == ["| channels(tau=0.9) | 0.490 |", "| channels/early(tau=0.9) | 0.048 (early 0.500) |"]
