@@ -283,7 +283,7 @@ class FreeKVEngine:
                         for d in self.dense]
         # cfg.correct_at "previous_mlp": per sparse layer, by batch row, the heads anticipate() selected with the
         # predicted query; and the event after that selection, per layer anticipated this step (attend waits for it).
-        self._early_heads = [None if d or cfg.correct_at == "layer" else
+        self._early_heads = [None if d or cfg.correct_at == "layer" or not self.retrieval else
                              torch.zeros(R, H, dtype=torch.bool, device=self.device) for d in self.dense]
         self._anticipated: dict[int, torch.cuda.Event | None] = {}
         # cfg.victim: per sparse layer the victim cache's entries (the logical page each holds, -1 empty) and their
@@ -879,8 +879,10 @@ class FreeKVEngine:
         it corrects only the heads the prediction missed, and the speculative selection after attention stores the
         real query as before. Rows without a previous query are left to that check. Call before attend(layer)."""
         if self._early_heads[layer] is None:
-            raise ValueError(f"layer {layer}: anticipate needs a sparse layer and correct_at 'previous_mlp', got "
-                             f"{'a dense layer' if self.dense[layer] else repr(self.cfg.correct_at)}")
+            got = "a dense layer" if self.dense[layer] else "no retrieval" if not self.retrieval else \
+                repr(self.cfg.correct_at)
+            raise ValueError(f"layer {layer}: anticipate needs a sparse layer with retrieval and correct_at "
+                             f"'previous_mlp', got {got}")
         H, G = self.shape.num_kv_heads, self.shape.group
         st, rows = self.streams, plan.req_slots.long()
         e = st.record()
