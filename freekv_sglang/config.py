@@ -281,6 +281,10 @@ class FreeKVConfig:
             raise ValueError(f"correct_at {self.correct_at!r} selects with a predicted query, which FreeKV's channels, "
                              f"means, quest and oracle selections score with; not {self.selection!r}, whose scoring "
                              f"reads the picks the similarity check made: drop correct_at or pick another selection")
+        if self.correct_at != "layer" and self.prefill == "tsp":
+            raise ValueError(f"correct_at {self.correct_at!r} predicts queries within one engine's layers; with "
+                             "prefill 'tsp' the layers after the TSP layer run in another: drop correct_at "
+                             "(--kv-correct-at)")
         if self.correct_at != "layer" and self.replay_correction_rate is not None:
             raise ValueError(f"correct_at {self.correct_at!r} has no replayed correction rate yet (its early and late "
                              "corrections would need one each): drop replay_correction_rate "

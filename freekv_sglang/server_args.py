@@ -23,8 +23,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .config import (ATTENTIONS, BENCH_SELECTIONS, DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS, HOST_DTYPES, PREFILLS,
-                     RECALL_MODES, SERVABLE_SELECTIONS, SPECULATE_AT, FreeKVConfig)
+from .config import (ATTENTIONS, BENCH_SELECTIONS, CORRECT_AT, DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS,
+                     HOST_DTYPES, PREFILLS, RECALL_MODES, SERVABLE_SELECTIONS, SPECULATE_AT, FreeKVConfig)
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
 ENV_FREEKV_ARGS = "FREEKV_ARGS"
@@ -59,6 +59,7 @@ _KNOB_FLAGS = {
     "kv_recall_block": ("--kv-recall-block", "recall_block"),
     "kv_score_programs": ("--kv-score-programs", "score_programs"),
     "kv_speculate_at": ("--kv-speculate-at", "speculate_at"),
+    "kv_correct_at": ("--kv-correct-at", "correct_at"),
     "kv_attention": ("--kv-attention", "attention"),
     "kv_selection": ("--kv-selection", "selection"),
     "kv_rerank_factor": ("--kv-rerank-factor", "rerank_factor"),
@@ -76,7 +77,8 @@ _KNOB_FLAGS = {
     "kv_bench_returns": ("--kv-bench-returns", "replay_returns"),
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
-_FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_score_programs", "kv_speculate_at", "kv_selection",
+_FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_score_programs", "kv_speculate_at",
+                "kv_correct_at", "kv_selection",
                 "kv_rerank_factor", "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate",
                 "kv_bench_churn", "kv_bench_returns")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
@@ -193,6 +195,11 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="where a layer's speculative selection starts: 'attention' right after the layer's attention; "
                         "'next_recall' beside the next sparse layer's recall before attention, so its scoring does not "
                         f"hold the SMs ahead of the output projection (default {_DEFAULTS.speculate_at})")
+    g.add_argument("--kv-correct-at", choices=CORRECT_AT, default=None,
+                   help="where the correction starts: 'layer' after the layer's QKV projection (the paper's); "
+                        "'previous_mlp' also one layer early, from a query predicted off the previous layer's mid "
+                        "residual while its MLP runs, so the check after the projection corrects only the heads the "
+                        f"prediction missed (default {_DEFAULTS.correct_at})")
     g.add_argument("--kv-attention", choices=ATTENTIONS, default=None,
                    help="sparse layers' attention: 'backend' through the attention backend's decode kernel (exact "
                         "as full KV when the budget covers the context; waits for the correction's recall), "

@@ -96,9 +96,6 @@ class FreeKVAttnBackend(AttentionBackend):
         self.inner = inner
         self.settings = settings
         cfg = settings.config
-        if cfg.correct_at != "layer":  # no flag sets it: SGLang's decoder layers do not predict queries yet
-            raise ValueError(f"correct_at {cfg.correct_at!r} runs in the engine and its Hugging Face adapter, not in "
-                             "SGLang's models yet")
         mc = runner.model_config
         tp_size = getattr(runner, "tp_size", 1)
         self.rank = getattr(runner, "tp_rank", 0)
@@ -142,6 +139,12 @@ class FreeKVAttnBackend(AttentionBackend):
         else:
             self.engine = FreeKVEngine(cfg, shape, host_pool=host, **kw)
         self.split = cfg.tsp_layer + 1 if self.late is not None else shape.num_layers  # first layer of `late`
+        if cfg.correct_at == "previous_mlp":  # the wrapped decoder layers hand each sparse layer's predicted query
+            early = getattr(runner, "_freekv_early", None)
+            if early is None:
+                raise RuntimeError("--kv-correct-at previous_mlp: the model's decoder layers are not wrapped to "
+                                   "predict queries (freekv_patches' model-runner hook did not run)")
+            early.target = self._anticipate
         self._tsp_rows: list[tuple[int, int]] = []  # this extend batch's (slot, prompt tokens), in batch order
         self._tsp_kept: list[int] | None = None  # their propagated tokens, once the TSP layer picked them
         self._tsp_drop: dict[int, int] = {}  # slot -> tokens its prompt did not propagate (late length = len - drop)
@@ -712,6 +715,15 @@ class FreeKVAttnBackend(AttentionBackend):
             return self.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=False, **kwargs)
         finally:
             fb.out_cache_loc = raw
+
+    def _anticipate(self, lid: int, predict) -> None:
+        """--kv-correct-at previous_mlp: decoder layer lid's query predicted from the layer before's mid residual, in a
+        decode forward ([T, Hq * D]); its engine corrects the heads whose prediction turned while that layer's MLP
+        runs."""
+        if self._plan is None or self.engine.dense[lid]:
+            return
+        s = self.shape
+        self.engine.anticipate(self._plan, lid, lambda: predict().view(-1, s.num_q_heads, s.head_dim))
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         lid = layer.layer_id

@@ -11,6 +11,10 @@ the attention backends are built and the CUDA graphs captured. With FreeKV on it
   - marks the ReqToTokenPool so the free() hook reports freed slots, and gives ForwardBatch class-level None
     defaults for _freekv_req_slots_cpu / _freekv_raw_bs / _freekv_prefill_done_cpu (batches no hook saw read
     None, not AttributeError);
+  - with --kv-correct-at previous_mlp, wraps the decoder layers and their post-attention norms so each sparse layer's
+    query is predicted from the previous layer's mid residual (freekv_sglang.early_query; state on the runner,
+    runner._freekv_early, for the FreeKV backend): the next layer's input norm, the Q rows of its qkv_proj and its
+    rotary embedding, as Llama's and Qwen2's attention hold them; unquantized weights and no QK norm;
   - with --kv-prefill tsp (with FreeKV or alone), wraps the model's decoder layers (model.model.layers, called as Llama's and Qwen2's are)
     for token-selective propagation (freekv_sglang.tsp_propagation) and leaves their shared state on the runner
     (runner._freekv_tsp) for the FreeKV backend.
@@ -72,6 +76,8 @@ def hook(result, self):
         server_args._freekv = settings = settings.with_endpoint(endpoint)
     if settings.config.prefill == "tsp":
         _install_tsp(self, settings.config.tsp_layer)
+    if settings.config.correct_at == "previous_mlp":
+        _install_early(self, settings.config.dense_layers)
     pool = getattr(self, "req_to_token_pool", None)
     if pool is not None:
         pool._freekv_enabled = True
@@ -99,3 +105,51 @@ def _install_tsp(runner, tsp_layer: int) -> None:
                               "that one rank runs whole; drop --kv-prefill")
     runner._freekv_tsp = state = Propagation()
     install(layers, tsp_layer, state)
+
+
+def _install_early(runner, dense_layers: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from freekv_sglang.early_query import EarlyQuery, install
+    from freekv_sglang.server_args import FreeKVArgsError
+
+    model = getattr(runner, "model", None)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or getattr(model.model, "start_layer", 0) != 0 or \
+            getattr(model.model, "end_layer", len(layers)) != len(layers):
+        raise FreeKVArgsError(f"--kv-correct-at previous_mlp: {type(model).__name__} has no decoder-layer list "
+                              "model.model.layers that one rank runs whole; drop --kv-correct-at")
+
+    def predictor(j: int):
+        layer = layers[j]
+        attn, norm = getattr(layer, "self_attn", None), getattr(layer, "input_layernorm", None)
+        qkv, rope = getattr(attn, "qkv_proj", None), getattr(attn, "rotary_emb", None)
+        weight, q_size = getattr(qkv, "weight", None), getattr(attn, "q_size", None)
+        if norm is None or rope is None or q_size is None or getattr(attn, "kv_size", None) is None or \
+                not isinstance(weight, torch.Tensor) or \
+                not hasattr(layers[j - 1], "post_attention_layernorm"):
+            raise FreeKVArgsError(f"--kv-correct-at previous_mlp: decoder layer {j} of {type(model).__name__} has "
+                                  "no input_layernorm, self_attn.qkv_proj.weight, q_size, kv_size and rotary_emb as "
+                                  "Llama's "
+                                  "and Qwen2's do, to predict its query from; drop --kv-correct-at")
+        if not weight.is_floating_point() or weight.element_size() < 2 or \
+                type(getattr(qkv, "quant_method", None)).__name__ not in ("UnquantizedLinearMethod", "NoneType"):
+            raise FreeKVArgsError(f"--kv-correct-at previous_mlp: decoder layer {j}'s QKV projection is quantized "
+                                  f"({weight.dtype}); its query is predicted from unquantized weights only: drop "
+                                  "--kv-correct-at")
+        if getattr(attn, "q_norm", None) is not None:
+            raise FreeKVArgsError(f"--kv-correct-at previous_mlp: decoder layer {j} normalises its queries (QK "
+                                  "norm), which the prediction does not: drop --kv-correct-at")
+        w = weight[:q_size]
+        bias = getattr(qkv, "bias", None)
+        b = None if bias is None else bias[:q_size]
+
+        def predict(mid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            q = F.linear(norm(mid), w, b)
+            q, _ = rope(positions, q, torch.zeros_like(q[:, :attn.kv_size]))
+            return q
+        return predict
+
+    runner._freekv_early = state = EarlyQuery()
+    install(layers, state, {j: predictor(j) for j in range(max(dense_layers, 1), len(layers))})

@@ -9,6 +9,7 @@ decode rows FreeKV never prefilled, are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -108,7 +109,7 @@ def daemon():
     handle.stop()
 
 
-def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0, cfg=CFG, tsp=None, head_dim=D):
+def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0, cfg=CFG, tsp=None, head_dim=D, early=None):
     model_config = SimpleNamespace(num_hidden_layers=L, num_attention_heads=HQ, head_dim=head_dim,
                                    get_num_kv_heads=lambda tp: H // tp)
     req_pool = SimpleNamespace(size=SIZE, req_to_token=torch.zeros(SIZE + 1, CTX, dtype=torch.int32),
@@ -120,6 +121,8 @@ def make_backend(daemon, tail_hooks=True, inner=Inner, timeout_s=5.0, cfg=CFG, t
         del runner.capture_tail_hooks
     if tsp is not None:
         runner._freekv_tsp = tsp
+    if early is not None:
+        runner._freekv_early = early
     settings = FreeKVServerSettings(config=cfg, kvstore_endpoint=daemon.endpoint, kvstore_arena_gb=0.01,
                                     kvstore_timeout_s=timeout_s)
     return FreeKVAttnBackend(runner, inner(runner), settings), runner
@@ -524,3 +527,35 @@ def test_the_last_query_is_seeded_in_the_engines_dtype(daemon, monkeypatch):
         for r in reqs:
             assert torch.equal(eng.prev_q[layer, r.slot], r.q[layer][-1].to(torch.bfloat16))
     assert eng.has_prev[CFG.dense_layers:, [2, 4]].all() and not eng.has_prev[:CFG.dense_layers].any()
+
+
+def test_predicted_queries_reach_the_engine_in_decode_forwards(daemon):
+    """--kv-correct-at previous_mlp: the wrapped layers hand the backend each sparse layer's predicted query [T, Hq *
+    D] during a decode forward; the engine corrects with it one layer early. A perfect prediction attends as the
+    paper's correction does (a reference engine with correct_at "layer"), with every correction made early."""
+    from freekv_sglang.early_query import EarlyQuery
+
+    cfg = dataclasses.replace(CFG, selection="means", correct_at="previous_mlp")
+    with pytest.raises(RuntimeError, match="not wrapped to predict queries"):
+        make_backend(daemon, cfg=cfg)
+    early = EarlyQuery()
+    backend, runner = make_backend(daemon, cfg=cfg, early=early)
+    assert early.target == backend._anticipate
+    reqs = [Request(runner, 3, 150), Request(runner, 5, 70)]
+    prefill(backend, reqs, 64)
+    ref, ref_slots = reference_engine(reqs, dataclasses.replace(cfg, correct_at="layer"))
+    torch.manual_seed(4)
+    for _ in range(8):
+        fb = decode_batch(reqs)
+        backend.init_forward_metadata(fb)
+        plan = ref.begin_step(ref_slots)
+        for layer in layers():
+            q, k, v = torch.randn(2, HQ * D), torch.randn(2, H * D), torch.randn(2, H * D)
+            early.target(layer.layer_id, lambda: q)  # a dense layer's prediction is dropped
+            out = backend.forward_decode(q, k, v, layer, fb)
+            if layer.layer_id >= cfg.dense_layers:
+                want = ref.attend(plan, layer.layer_id, q.view(2, HQ, D), k.view(2, H, D), v.view(2, H, D))
+                torch.testing.assert_close(out, want.reshape(2, HQ * D), atol=1e-6, rtol=1e-6)
+        ref.end_step()
+    got, want = backend.engine.stats(), ref.stats()
+    assert got["flagged_early"] == want["flagged"] > 0 and got["flagged"] == 0

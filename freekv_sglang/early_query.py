@@ -1,0 +1,66 @@
+"""FreeKV's correction one layer early in a served model (correct_at "previous_mlp", FreeKVEngine.anticipate).
+
+In a decode forward, once decoder layer i has added its attention's output to the residual (its post-attention
+norm, called as norm(hidden_states, residual) -> (normed, residual) in SGLang's fused add-and-norm, returns that mid
+residual), layer i + 1's query is predicted from it and handed to the FreeKV backend, which selects and recalls the
+heads whose predicted query turned while layer i's MLP runs. Extend forwards pass through unchanged.
+
+The layers must follow SGLang's decoder-layer call, layer(positions, hidden_states, forward_batch, residual), as
+Llama and Qwen2 do; freekv_patches builds each layer's prediction from its own modules and installs the wrappers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# predict(mid residual [T, hidden], positions [T]) -> the layer's query [T, Hq * D], rotated
+Predictor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class EarlyQuery:
+    """The wrappers' shared state: the decode forward in flight (its positions), and where predictions go, set by the
+    FreeKV backend: target(layer, predict) with predict() -> [T, Hq * D]."""
+
+    def __init__(self) -> None:
+        self.target: Callable[[int, Callable[[], torch.Tensor]], None] | None = None
+        self.positions: torch.Tensor | None = None
+
+
+def install(layers, state: EarlyQuery, predictors: dict[int, Predictor]) -> None:
+    """Wrap layers (a model's decoder layers, in call order) so that in a decode forward layer i's mid residual
+    predicts layer i + 1's query with predictors[i + 1] (the layers to predict, from 1 on)."""
+    for j in predictors:
+        if not 1 <= j < len(layers):
+            raise ValueError(f"layer {j} has no layer before it among the model's {len(layers)} to predict it from")
+    for i, layer in enumerate(layers):
+        if getattr(layer, "_freekv_early", False):
+            raise RuntimeError(f"decoder layer {i} is already wrapped for the early correction")
+        layer.forward = _wrap_layer(layer.forward, state)
+        if i + 1 in predictors:
+            norm = layer.post_attention_layernorm
+            norm.forward = _wrap_norm(norm.forward, state, i + 1, predictors[i + 1])
+        layer._freekv_early = True
+
+
+def _wrap_layer(forward, state: EarlyQuery):
+    def wrapped(positions, hidden_states, forward_batch, residual, *args, **kwargs):
+        state.positions = positions if forward_batch.forward_mode.is_decode() else None
+        return forward(positions, hidden_states, forward_batch, residual, *args, **kwargs)
+    return wrapped
+
+
+def _wrap_norm(forward, state: EarlyQuery, layer: int, predict: Predictor):
+    def wrapped(hidden_states, residual=None, *args, **kwargs):
+        out = forward(hidden_states, residual, *args, **kwargs)
+        positions = state.positions
+        if positions is not None and state.target is not None:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise RuntimeError(f"decoder layer {layer - 1}'s post-attention norm returned no (normed, residual) "
+                                   "pair: this model's layers do not follow SGLang's fused add-and-norm, which "
+                                   "--kv-correct-at previous_mlp reads the mid residual from")
+            mid = out[1]  # the residual after the attention's output was added
+            state.target(layer, lambda: predict(mid, positions))
+        return out
+    return wrapped

@@ -1,0 +1,151 @@
+"""--kv-correct-at previous_mlp in a served model: freekv_patches wraps decoder layers that follow SGLang's call
+(layer(positions, hidden_states, forward_batch, residual), fused add-and-norm) so each sparse layer's query is
+predicted from the previous layer's mid residual in decode forwards. Stand-in layers with Llama's attributes, CPU."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from freekv_patches.model_runner_post_pool import _install_early
+from freekv_sglang.server_args import FreeKVArgsError
+
+HIDDEN, HQ, HKV, D = 48, 6, 2, 8
+
+
+class Norm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(HIDDEN) + 0.5)
+
+    def forward(self, x, residual=None):
+        if residual is not None:
+            x = residual = x + residual
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return y if residual is None else (y, residual)
+
+
+def rope(positions, q, k):
+    """A stand-in rotation that depends on the position (enough to catch a wrong one)."""
+    ang = positions[:, None].float() * 0.1
+    return q * torch.cos(ang) + q.roll(1, -1) * torch.sin(ang), k
+
+
+class Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_size, self.kv_size = HQ * D, HKV * D
+        self.qkv_proj = torch.nn.Linear(HIDDEN, self.q_size + 2 * self.kv_size)
+        self.o_proj = torch.nn.Linear(self.q_size, HIDDEN)
+        self.rotary_emb = rope
+        self.seen: list[torch.Tensor] = []  # the rotated queries of the forwards run
+
+    def forward(self, positions, h):
+        q = rope(positions, self.qkv_proj(h)[:, :self.q_size], None)[0]
+        self.seen.append(q)
+        return self.o_proj(q)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = Norm(), Norm()
+        self.self_attn = Attention()
+        self.mlp = torch.nn.Linear(HIDDEN, HIDDEN)
+        torch.nn.init.zeros_(self.mlp.weight)  # the next layer's input is then this layer's mid residual
+        torch.nn.init.zeros_(self.mlp.bias)
+
+    def forward(self, positions, hidden_states, forward_batch, residual):
+        if residual is None:
+            residual, h = hidden_states, self.input_layernorm(hidden_states)
+        else:
+            h, residual = self.input_layernorm(hidden_states, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual)
+        return self.mlp(h), residual
+
+
+def runner_of(layers):
+    return SimpleNamespace(model=SimpleNamespace(model=SimpleNamespace(layers=layers)))
+
+
+def run(layers, decode: bool, tokens: int = 5):
+    fb = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: decode))
+    positions = torch.arange(100, 100 + tokens)
+    h, residual = torch.randn(tokens, HIDDEN), None
+    for layer in layers:
+        h, residual = layer(positions, h, fb, residual)
+
+
+def test_decode_forwards_predict_each_sparse_layers_query():
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Layer() for _ in range(4))
+    runner = runner_of(layers)
+    with torch.no_grad():
+        _install_early(runner, dense_layers=1)
+        calls = []
+        runner._freekv_early.target = lambda layer, predict: calls.append((layer, predict()))
+        run(layers, decode=False)
+        assert calls == []  # extend forwards pass through
+        run(layers, decode=True)
+    assert [j for j, _ in calls] == [1, 2, 3]
+    for j, q in calls:  # the MLPs are zero: the prediction is the layer's real query, norm, bias and rotation in
+        torch.testing.assert_close(q, layers[j].self_attn.seen[-1])
+
+
+def test_the_dense_layers_are_not_predicted():
+    layers = torch.nn.ModuleList(Layer() for _ in range(4))
+    runner = runner_of(layers)
+    _install_early(runner, dense_layers=2)
+    calls = []
+    runner._freekv_early.target = lambda layer, predict: calls.append(layer)
+    with torch.no_grad():
+        run(layers, decode=True)
+    assert calls == [2, 3]
+
+
+@pytest.mark.parametrize("spoil, match", [
+    (lambda layer: setattr(layer.self_attn, "q_norm", Norm()), "QK"),
+    (lambda layer: delattr(layer.self_attn, "rotary_emb"), "rotary_emb"),
+    (lambda layer: setattr(layer.self_attn.qkv_proj, "weight",
+                           torch.nn.Parameter(torch.zeros(64, HIDDEN, dtype=torch.int8), requires_grad=False)),
+     "quantized"),
+])
+def test_layers_it_cannot_predict_are_refused(spoil, match):
+    layers = torch.nn.ModuleList(Layer() for _ in range(3))
+    spoil(layers[2])
+    with pytest.raises(FreeKVArgsError, match=match) as e:
+        _install_early(runner_of(layers), dense_layers=1)
+    assert "--kv-correct-at" in str(e.value)
+
+
+def test_a_norm_without_the_residual_pair_is_an_error():
+    """A post-attention norm that returns one tensor (no fused residual) leaves no mid residual to predict from."""
+    layers = torch.nn.ModuleList(Layer() for _ in range(3))
+    layers[0].post_attention_layernorm.forward = lambda h, residual=None: h
+    runner = runner_of(layers)
+    _install_early(runner, dense_layers=1)
+    state = runner._freekv_early
+    state.target, state.positions = (lambda layer, predict: None), torch.arange(2)  # inside a decode forward
+    with pytest.raises(RuntimeError, match="fused add-and-norm"):
+        layers[0].post_attention_layernorm(torch.randn(2, HIDDEN), torch.randn(2, HIDDEN))
+
+
+@pytest.mark.parametrize("module, prefix", [("sglang.srt.models.llama", "Llama"), ("sglang.srt.models.qwen2", "Qwen2")])
+def test_sglangs_llama_and_qwen2_layers_hold_what_the_prediction_reads(module, prefix):
+    """The attributes _install_early reads, and the decoder-layer call and fused norm the wrappers assume, as SGLang
+    0.5.16's Llama and Qwen2 define them."""
+    import importlib
+    import inspect
+
+    mod = importlib.import_module(module)
+    attn = inspect.getsource(getattr(mod, f"{prefix}Attention").__init__)
+    for name in ("self.qkv_proj", "self.q_size", "self.kv_size", "self.rotary_emb"):
+        assert name in attn, name
+    layer = getattr(mod, f"{prefix}DecoderLayer")
+    for name in ("self.input_layernorm", "self.post_attention_layernorm"):
+        assert name in inspect.getsource(layer.__init__), name
+    assert list(inspect.signature(layer.forward).parameters)[:5] == ["self", "positions", "hidden_states",
+                                                                    "forward_batch", "residual"]
+    assert "self.post_attention_layernorm(hidden_states, residual)" in inspect.getsource(layer.forward)
