@@ -121,3 +121,50 @@ def test_the_harness_table_gives_late_then_early_corrections():
                   mean_early_correction_rate=0.5)]
     rows = correction_table({"engine_stats": stats}).splitlines()[2:]
     assert rows == ["| channels(tau=0.9) | 0.490 |", "| channels/early(tau=0.9) | 0.048 (early 0.500) |"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_replay_of_the_early_correction_equals_eager(prefill_alike):
+    """A decode step that anticipates every sparse layer (the prediction's projection on the select stream), captured
+    in a CUDA graph, replays like the same engine run eagerly: outputs, slots and early corrections."""
+    H, G, D, L, bs = 2, 4, 64, 3, 4
+    cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=0.8, dense_layers=1, selection="means",
+                       correct_at="previous_mlp")
+    shape = ModelShape(L, H * G, H, D)
+    eager, graphed = (FreeKVEngine(cfg, shape, max_requests=bs, max_context=2048, dtype=torch.bfloat16,
+                                   device="cuda", backend="triton") for _ in range(2))
+    slots = prefill_alike([eager, graphed], [700, 1031, 300], dtype=torch.bfloat16, device="cuda")
+    q = torch.zeros(L, bs, H * G, D, device="cuda", dtype=torch.bfloat16)
+    mix = torch.zeros_like(q)  # the prediction: q plus noise, made inside predict() as a projection would be
+    k, v = (torch.zeros(L, bs, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def step(e, plan, rows):
+        out = []
+        for layer in range(L):
+            if layer >= cfg.dense_layers:
+                e.anticipate(plan, layer, lambda layer=layer: q[layer, :rows] + 0.5 * mix[layer, :rows])
+            out.append(e.attend(plan, layer, q[layer, :rows], k[layer, :rows], v[layer, :rows]))
+        e.end_step()
+        return torch.stack(out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles) on an all-padding batch
+        graphed.prepare_step([], pad_to=bs)
+        step(graphed, graphed.plan(bs), bs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    graphed.prepare_step([], pad_to=bs)
+    with torch.cuda.graph(graph):
+        static_out = step(graphed, graphed.plan(bs), bs)
+    for _ in range(30):
+        for t in (q, mix, k, v):
+            t.normal_()
+        ref = step(eager, eager.begin_step(slots), 3)
+        graphed.prepare_step(slots, pad_to=bs)
+        graph.replay()
+        torch.testing.assert_close(static_out[:, :3], ref, atol=2e-2, rtol=2e-2)
+    torch.cuda.synchronize()
+    assert torch.equal(eager.slot_table[:, slots].sort(-1).values, graphed.slot_table[:, slots].sort(-1).values)
+    se, sg = eager.stats(), graphed.stats()
+    assert se["flagged_early"] == sg["flagged_early"] > 0 and se["flagged"] == sg["flagged"]
