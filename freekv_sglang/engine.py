@@ -872,8 +872,8 @@ class FreeKVEngine:
     def anticipate(self, plan: StepPlan, layer: int, predict: Callable[[], torch.Tensor]) -> None:
         """cfg.correct_at "previous_mlp": predict() -> [B, Hq, D], a prediction of sparse layer `layer`'s query this
         step, made while the layer before runs its MLP (from that layer's mid residual); it is called on the select
-        stream, so its projection runs beside that MLP too. On the select stream, the heads whose
-        predicted query turned (group-mean cosine to the previous query below tau) select with it and recall now,
+        stream, so its projection runs beside that MLP too. There the heads whose predicted query turned (group-mean
+        cosine to the previous query below tau) select with it and recall now,
         off the critical path; their previous query becomes the predicted one, which their selection now follows.
         attend(layer)'s check then compares the real query with the query each head's selection was made with, so
         it corrects only the heads the prediction missed, and the speculative selection after attention stores the
@@ -1022,8 +1022,7 @@ class FreeKVEngine:
     def stats(self) -> dict:
         """Per sparse layer: correction rate (flagged KV-head checks; with cfg.correct_at "previous_mlp" the ones
         the prediction missed, and early_correction_rate the heads anticipate() selected), mean adjacent-query
-        cosine, and
-        recalled bytes (before attention / speculative), counted in pages of one KV head (`recall_page_bytes`
+        cosine, and recalled bytes (before attention / speculative), counted in pages of one KV head (`recall_page_bytes`
         each: its K and V as the host arena holds them). The raw totals over the sparse layers too: (row, KV head) checks, the flagged ones,
         and the pages of one KV head recalled from the host before attention / speculatively, and those taken from
         the victim cache (cfg.victim) instead, which cross no link (all cumulative since the engine was built).
