@@ -1022,8 +1022,8 @@ class FreeKVEngine:
     def stats(self) -> dict:
         """Per sparse layer: correction rate (flagged KV-head checks; with cfg.correct_at "previous_mlp" the ones
         the prediction missed, and early_correction_rate the heads anticipate() selected), mean adjacent-query
-        cosine, and recalled bytes (before attention / speculative), counted in pages of one KV head (`recall_page_bytes`
-        each: its K and V as the host arena holds them). The raw totals over the sparse layers too: (row, KV head) checks, the flagged ones,
+        cosine, and recalled bytes (before attention / speculative), counted in pages of one KV head
+        (`recall_page_bytes` each: its K and V as the host arena holds them). The raw totals over the sparse layers too: (row, KV head) checks, the flagged ones,
         and the pages of one KV head recalled from the host before attention / speculatively, and those taken from
         the victim cache (cfg.victim) instead, which cross no link (all cumulative since the engine was built).
         LouisKV counts a boundary as every KV head of its row flagged (so the correction rate is the share of
