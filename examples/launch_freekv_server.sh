@@ -58,6 +58,10 @@ args=(
   # Where a layer's speculative selection starts: "next_recall" (default) beside the next sparse layer's recall before
   # attention; "attention" right after the layer's attention, as the paper (same selections, other place in the step).
   --kv-speculate-at next_recall
+  # Where the correction starts: "layer" (default) after the layer's QKV projection, as the paper; "previous_mlp" also
+  # one layer early, from a query predicted off the previous layer's mid residual while its MLP runs, leaving the
+  # check after the projection the heads the prediction missed (Llama/Qwen2 layers, unquantized; not yet timed on a GPU).
+  --kv-correct-at layer
   # Sparse layers' attention: "backend" (default) through the attention backend's decode kernel, exact as full KV when
   # the budget covers the context; "split" through FreeKV's own kernels beside the correction's recall (no faster
   # yet, docs/results/session32).
@@ -82,9 +86,9 @@ args=(
   # --kv-retrieval louiskv instead retrieves only at semantic boundaries (the query's similarity to the previous
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
   # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
-  # (--kv-correction-threshold, --kv-recall-programs, --kv-score-programs, --kv-speculate-at, --kv-selection,
-  # --kv-rerank-factor, --kv-sketch-channels, --kv-hysteresis, --kv-bench-correction-rate, --kv-bench-churn,
-  # --kv-bench-returns).
+  # (--kv-correction-threshold, --kv-recall-programs, --kv-score-programs, --kv-speculate-at, --kv-correct-at,
+  # --kv-selection, --kv-rerank-factor, --kv-sketch-channels, --kv-hysteresis, --kv-bench-correction-rate,
+  # --kv-bench-churn, --kv-bench-returns).
   # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
   # --disable-radix-cache (README, LouisKV).
   # --kv-prefill tsp (FastKV's token-selective propagation after layer --kv-tsp-layer, keeping --kv-tsp-keep tokens)
