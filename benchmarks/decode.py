@@ -30,6 +30,8 @@ Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args s
               (--kv-bench-returns 0.5; a real model's share: 0.46-0.58)
   realistic-victim2 / realistic-victim4  two / four budgets of victims (4096 / 8192 tokens), 0.6 / 0.65 of the churn
               returning (a real model's share: 0.55-0.67 / 0.60-0.70)
+  realistic-early  realistic-victim with --kv-correct-at previous_mlp: the 0.3 corrected one layer early, 0.05 of
+              the checks left after the QKV projection (--kv-bench-late-correction-rate 0.05; SmolLM2-135M: 0.048-0.056)
   long-input-victim  realistic-victim at the paper's long-input setting: tau 0.8 (--kv-correction-threshold 0.8; the
               server default, 0.9, is the paper's long-generation one) and its correction rate replayed, 0.14
               (FreeKV's paper, Table 9, LongBench v2 at tau 0.8: Llama-3.1-8B 0.14, Qwen2.5-7B 0.09; SmolLM2-135M
@@ -103,10 +105,14 @@ CONFIGS = {
     # a correction rate of 0.14 on Llama-3.1-8B and 0.09 on Qwen2.5-7B (LongBench v2): the larger one for both shapes.
     "long-input-victim": ["--kv-retrieval", "freekv", "--kv-correction-threshold", "0.8", "--kv-bench-correction-rate",
                           "0.14", "--kv-bench-churn", "0.15", "--kv-victim", "2048", "--kv-bench-returns", "0.5"],
+    # realistic-victim with the correction one layer early: the same 0.3 corrected while the previous layer's MLP runs,
+    # and 0.05 of the checks left to correct after the QKV projection (SmolLM2-135M: 0.048-0.056; session 50).
+    "realistic-early": [*REALISTIC, "--kv-victim", "2048", "--kv-bench-returns", "0.5", "--kv-correct-at",
+                        "previous_mlp", "--kv-bench-late-correction-rate", "0.05"],
 }
 STATS = re.compile(r"FreeKV rank 0: (\d+) decode steps, correction rate ([\d.]+) .*recall ([\d.]+) GB before "
                    r"attention \+ ([\d.]+) GB speculative(?:, victim cache (\d+) \+ (\d+) pages)?"
-                   r"(?:; (\d+) checks, (\d+) flagged, (\d+) \+ (\d+) pages recalled)?")
+                   r"(?:; (\d+) checks, (\d+) flagged, (\d+) \+ (\d+) pages recalled)?(?:, (\d+) flagged early)?")
 HOST = re.compile(r"(\d+) host pages \(([\d.]+) GB\)")
 KV_ALLOC = re.compile(r"KV Cache is allocated\. dtype: \S+, #tokens: (\d+), K size: ([\d.]+) GB, V size: ([\d.]+) GB")
 ROOM = re.compile(r"request slots \(room for (\d+)\)")
@@ -345,7 +351,9 @@ def engine_window(text: str, batch: int) -> dict:
     if len(inside) < 2 or inside[-1][6] <= inside[0][6]:
         return {}
     d = [b - a for a, b in zip(inside[0], inside[-1])]
+    # With --kv-correct-at previous_mlp the correction rate is the late checks', on the critical path.
     return {"window_checks": int(d[6]), "correction_rate": round(d[7] / d[6], 4),
+            "early_correction_rate": round(d[10] / d[6], 4),
             "recall_pages_per_check": round((d[8] + d[9]) / d[6], 4),
             "victim_pages_per_check": round((d[4] + d[5]) / d[6], 4)}
 

@@ -82,13 +82,15 @@ args=(
   # Benchmarks only, never to serve: --kv-bench-correction-rate R flags each check for correction with probability
   # R instead of by query similarity, and --kv-bench-churn S makes each selection replace a share S of the head's
   # pages at random (random-weight models have unrealistic query churn; benchmarks/decode.py --configs realistic);
-  # --kv-bench-returns B (with --kv-victim) draws a share B of those pages from the evicted ones.
+  # --kv-bench-returns B (with --kv-victim) draws a share B of those pages from the evicted ones;
+  # --kv-bench-late-correction-rate L (with --kv-correct-at previous_mlp, where R is then the early corrections' rate)
+  # flags the check after the QKV projection with probability L.
   # --kv-retrieval louiskv instead retrieves only at semantic boundaries (the query's similarity to the previous
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
   # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
   # (--kv-correction-threshold, --kv-recall-programs, --kv-score-programs, --kv-speculate-at, --kv-correct-at,
   # --kv-selection, --kv-rerank-factor, --kv-sketch-channels, --kv-hysteresis, --kv-bench-correction-rate,
-  # --kv-bench-churn, --kv-bench-returns).
+  # --kv-bench-churn, --kv-bench-returns, --kv-bench-late-correction-rate).
   # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
   # --disable-radix-cache (README, LouisKV).
   # --kv-prefill tsp (FastKV's token-selective propagation after layer --kv-tsp-layer, keeping --kv-tsp-keep tokens)

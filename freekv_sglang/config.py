@@ -176,6 +176,11 @@ class FreeKVConfig:
         queries nearly uncorrelated (the Llama-3.1-8B shape flags 99% of checks at tau 0.9) or nearly constant (the
         Qwen2.5-7B shape: 0.1%). This replays a real model's rate instead: FreeKV's paper reports 0.04-0.14 at tau
         0.8 and 0.17-0.43 at 0.9 on Llama-3.1-8B, SmolLM2-135M 0.13-0.16 at 0.8 and 0.5-0.8 at 0.9.
+    replay_late_rate: benchmarks only (None, the default: off), with correct_at "previous_mlp" and
+        replay_correction_rate (then the early corrections' rate): the check after the QKV projection flags each
+        (request, KV head) with this probability, drawn apart from the early ones, instead of by the similarity of
+        the real query to the one its selection follows (random weights predict nothing). SmolLM2-135M: 0.048-0.056
+        of the checks at tau 0.9 and 0.8 (benchmarks/cross_layer_query.py, the accuracy harness).
     replay_returns: benchmarks only (None, the default: off), with replay_churn and victim: about this share of the
         pages replay_churn promotes come back from the head's victim entries (the measured shares above), as a real
         model's selection returns to pages it evicted lately; replay_churn alone draws new pages at random and so
@@ -218,6 +223,7 @@ class FreeKVConfig:
     replay_correction_rate: float | None = None
     replay_churn: float | None = None
     replay_returns: float | None = None
+    replay_late_rate: float | None = None
 
     def __post_init__(self) -> None:
         p = self.page_size
@@ -285,10 +291,12 @@ class FreeKVConfig:
             raise ValueError(f"correct_at {self.correct_at!r} predicts queries within one engine's layers; with "
                              "prefill 'tsp' the layers after the TSP layer run in another: drop correct_at "
                              "(--kv-correct-at)")
-        if self.correct_at != "layer" and self.replay_correction_rate is not None:
-            raise ValueError(f"correct_at {self.correct_at!r} has no replayed correction rate yet (its early and late "
-                             "corrections would need one each): drop replay_correction_rate "
-                             "(--kv-bench-correction-rate)")
+        early = self.correct_at == "previous_mlp"
+        if (self.replay_late_rate is not None) != (early and self.replay_correction_rate is not None):
+            raise ValueError("correct_at 'previous_mlp' replays its early corrections at replay_correction_rate "
+                             "(--kv-bench-correction-rate) and the late ones at replay_late_rate "
+                             "(--kv-bench-late-correction-rate): set both or neither, and the latter only with "
+                             "--kv-correct-at previous_mlp")
         if self.retrieval not in RETRIEVALS:
             raise ValueError(f"retrieval must be one of {', '.join(RETRIEVALS)}, got {self.retrieval!r}")
         bt = self.boundary_tau
@@ -321,7 +329,8 @@ class FreeKVConfig:
                              f"(--kv-hysteresis 0)")
         for name, replays in (("replay_correction_rate", "FreeKV's correction"),
                               ("replay_churn", "FreeKV's per-step selection"),
-                              ("replay_returns", "FreeKV's returns to evicted pages")):
+                              ("replay_returns", "FreeKV's returns to evicted pages"),
+                              ("replay_late_rate", "the corrections an early prediction misses")):
             v = getattr(self, name)
             if v is None:
                 continue

@@ -305,6 +305,9 @@ class FreeKVEngine:
         self._replay_u = None
         if (cfg.replay_correction_rate is not None or cfg.replay_churn is not None) and self.retrieval:
             self._replay_u = torch.ones(L, R, H, dtype=torch.float32, device=self.device)
+        # cfg.replay_late_rate: the late check's own draws (anticipate's early flags take _replay_u's).
+        self._replay_late = None if cfg.replay_late_rate is None or not self.retrieval else \
+            torch.ones(L, R, H, dtype=torch.float32, device=self.device)
         self._free_slots = [s for s in range(R - 1, -1, -1) if s != self.pad_slot]
         self._len = [0] * R
         self._host_pages: list[list[int]] = [[] for _ in range(R)]
@@ -776,6 +779,8 @@ class FreeKVEngine:
                            cfg.window_pages, self.pad_slot, self.retrieval, **plan.outputs())
         if self._replay_u is not None:
             self._replay_u[:, :batch].uniform_()  # one launch a step; graph capture replays fresh draws
+        if self._replay_late is not None:
+            self._replay_late[:, :batch].uniform_()
         return plan
 
     def prepare_step(self, slots: list[int], pad_to: int | None = None, lens: list[int] | None = None) -> None:
@@ -891,9 +896,12 @@ class FreeKVEngine:
             q = predict()
             B = q.shape[0]
             prev = self.prev_q[layer][rows]
-            qf, pf = q.float(), prev.float()
-            cos = (qf * pf).sum(-1) / (qf.norm(dim=-1) * pf.norm(dim=-1)).clamp_min(1e-12)  # [B, Hq]
-            turned = (cos.view(B, H, G).mean(-1) < self.tau) & (self.tau > 0) | (self.tau >= 1)
+            if self.cfg.replay_correction_rate is None:
+                qf, pf = q.float(), prev.float()
+                cos = (qf * pf).sum(-1) / (qf.norm(dim=-1) * pf.norm(dim=-1)).clamp_min(1e-12)  # [B, Hq]
+                turned = (cos.view(B, H, G).mean(-1) < self.tau) & (self.tau > 0) | (self.tau >= 1)
+            else:  # benchmarks: drawn at the replayed rate (the prediction is still made, as its cost is real)
+                turned = self._replay_u[layer, :B] < self.cfg.replay_correction_rate
             flags = self._early_heads[layer][:B]
             torch.logical_and(turned, (self.has_prev[layer][rows] & (plan.req_slots != self.pad_slot))[:, None],
                               out=flags)

@@ -45,12 +45,16 @@ class Selector:
         return the flags [B, H] of select_slots (heads whose every changed slot is recalled before attention).
         FreeKV: heads whose group-mean cosine of adjacent queries is below tau, or with empty slots to fill, in the
         launch that writes the K/V."""
-        e = self.engine
+        e, B = self.engine, q.shape[0]
+        replay = None  # benchmarks: flags drawn at a replayed rate (the late one's own draws after anticipate's)
+        if e.cfg.replay_late_rate is not None:
+            replay = (e._replay_late[layer, :B], e.cfg.replay_late_rate)
+        elif e.cfg.replay_correction_rate is not None:
+            replay = (e._replay_u[layer, :B], e.cfg.replay_correction_rate)
         return e.ops.query_similarity(q, e.prev_q[layer], plan.req_slots, e.has_prev[layer], e.tau, e.shape.group,
                                       e._stat_sim[layer] if e.collect_stats else None, e.pad_slot,
                                       e.slot_table[layer], plan.n_slots, heads, self.picks(layer), e.scale, kv=kv,
-                                      replay=None if e.cfg.replay_correction_rate is None else
-                                      (e._replay_u[layer, :q.shape[0]], e.cfg.replay_correction_rate))
+                                      replay=replay)
 
     def picks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Buffers (by request slot) for the sketch's picks that the similarity check writes, or None."""

@@ -75,12 +75,13 @@ _KNOB_FLAGS = {
     "kv_bench_correction_rate": ("--kv-bench-correction-rate", "replay_correction_rate"),
     "kv_bench_churn": ("--kv-bench-churn", "replay_churn"),
     "kv_bench_returns": ("--kv-bench-returns", "replay_returns"),
+    "kv_bench_late_correction_rate": ("--kv-bench-late-correction-rate", "replay_late_rate"),
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
 _FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_score_programs", "kv_speculate_at",
                 "kv_correct_at", "kv_selection",
                 "kv_rerank_factor", "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate",
-                "kv_bench_churn", "kv_bench_returns")
+                "kv_bench_churn", "kv_bench_returns", "kv_bench_late_correction_rate")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
 FLAG_DESTS = ("kv_retrieval", *_KNOB_FLAGS, "kvstore_endpoint", "kvstore_arena_gb", "kvstore_timeout")
 FLAGS = ("--kv-retrieval", *(flag for flag, _ in _KNOB_FLAGS.values()), "--kvstore-endpoint", "--kvstore-arena-gb",
@@ -261,6 +262,10 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="benchmarks only, with --kv-bench-churn and --kv-victim: this share of the churned pages "
                         "returns to pages the head evicted lately (SmolLM2-135M: 0.58 with one budget of "
                         "--kv-victim); default: off")
+    g.add_argument("--kv-bench-late-correction-rate", type=float, default=None, metavar="RATE",
+                   help="benchmarks only, with --kv-correct-at previous_mlp and --kv-bench-correction-rate (then the "
+                        "early corrections' rate): the check after the QKV projection flags each (request, KV head) "
+                        "with this probability instead of by query similarity (SmolLM2-135M: ~0.05); default: off")
     g.add_argument("--kvstore-endpoint", default=None, metavar="URL",
                    help="an already running kvstore daemon (ipc://<path> or tcp://<host>:<port>; a tcp daemon's "
                         "token comes from $FREEKV_KVSTORE_TOKEN). Default: start an embedded daemon with this "

@@ -210,6 +210,9 @@ class FreeKVAttnBackend(AttentionBackend):
         if cfg.replay_correction_rate is not None:
             logger.warning("FreeKV benchmark mode (--kv-bench-correction-rate %g): correction is drawn at random, "
                            "not decided by query similarity; do not serve with it", cfg.replay_correction_rate)
+        if cfg.replay_late_rate is not None:
+            logger.warning("FreeKV benchmark mode (--kv-bench-late-correction-rate %g): the check after the QKV "
+                           "projection is drawn at random too; do not serve with it", cfg.replay_late_rate)
         if cfg.replay_churn is not None:
             logger.warning("FreeKV benchmark mode (--kv-bench-churn %g): selections replace pages at random, not by "
                            "their scores; do not serve with it", cfg.replay_churn)
@@ -549,10 +552,11 @@ class FreeKVAttnBackend(AttentionBackend):
         # The raw counts too, so that a benchmark can difference two lines exactly (benchmarks/decode.py).
         logger.info("FreeKV rank %d: %d decode steps, correction rate %.3f (layers %.3f..%.3f), recall %.2f GB "
                     "before attention + %.2f GB speculative, victim cache %d + %d pages; %d checks, %d flagged, "
-                    "%d + %d pages recalled", self.rank, st["steps"], sum(rates) / len(rates), min(rates), max(rates),
+                    "%d + %d pages recalled, %d flagged early", self.rank, st["steps"], sum(rates) / len(rates),
+                    min(rates), max(rates),
                     st["recall_bytes_now"] / 1e9, st["recall_bytes_speculative"] / 1e9, st["victim_hits_now"],
                     st["victim_hits_speculative"], st["checks"], st["flagged"], st["recall_pages_now"],
-                    st["recall_pages_speculative"])
+                    st["recall_pages_speculative"], st["flagged_early"])
         if self.radix is not None:
             r = self.radix
             logger.info("FreeKV rank %d radix: %d hits (%d tokens), %d pages exported in %.3f s, %d exports failed, "

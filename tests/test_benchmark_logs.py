@@ -120,11 +120,11 @@ def test_the_stats_line_the_server_logs_parses(caplog):
 
     st = {"steps": 64, "correction_rate": {1: 0.25, 2: 0.35}, "recall_bytes_now": 3e9, "recall_bytes_speculative": 5e9,
           "victim_hits_now": 7, "victim_hits_speculative": 11, "checks": 4096, "flagged": 1229,
-          "recall_pages_now": 183105, "recall_pages_speculative": 305175}
+          "recall_pages_now": 183105, "recall_pages_speculative": 305175, "flagged_early": 977}
     with caplog.at_level("INFO", logger="freekv_sglang.sglang_backend"):
         FreeKVAttnBackend._log_stats(SimpleNamespace(rank=0, radix=None, _metrics=None), st)
     found = decode.STATS.findall(caplog.text)
-    assert [float(x) for x in found[0]] == [64, 0.3, 3.0, 5.0, 7, 11, 4096, 1229, 183105, 305175]
+    assert [float(x) for x in found[0]] == [64, 0.3, 3.0, 5.0, 7, 11, 4096, 1229, 183105, 305175, 977]
 
 
 def test_stats_are_logged_once_their_copies_land_oldest_first():
@@ -169,9 +169,13 @@ def test_engine_window_differences_the_lines_logged_while_the_whole_batch_decode
         STATS.format(48, 3.0, 30, 556, 166, 1600, 2200), DECODE.format(4),
         STATS.format(64, 4.0, 50, 812, 245, 2300, 3000), DECODE.format(1)])
     win = decode.engine_window(text, 4)
-    assert win == {"window_checks": 512, "correction_rate": round(155 / 512, 4),
+    assert win == {"window_checks": 512, "correction_rate": round(155 / 512, 4), "early_correction_rate": 0.0,
                    "recall_pages_per_check": round((1300 + 1600) / 512, 4),
                    "victim_pages_per_check": round(40 / 512, 4)}
+    # --kv-correct-at previous_mlp: the lines end with the early corrections, differenced the same way.
+    early = "\n".join(line + f", {n} flagged early" if "pages recalled" in line else line
+                      for line, n in zip(text.splitlines(), [0, 7, 0, 20, 0, 40, 0, 75, 0]))
+    assert decode.engine_window(early, 4)["early_correction_rate"] == round(55 / 512, 4)
     assert decode.engine_window(text, 2) == {}  # one line while 2 decoded
     assert decode.engine_window("\n".join(text.splitlines()[:4]), 4) == {}  # one counted line
 

@@ -96,7 +96,10 @@ def test_anticipate_needs_the_previous_mlp_correction_and_a_sparse_layer(prefill
     (dict(correct_at="mlp"), "correct_at must be one of layer, previous_mlp"),
     (dict(correct_at="previous_mlp", selection="sketch"), "not 'sketch'"),
     (dict(correct_at="previous_mlp", retrieval="louiskv"), "retrieval .louiskv. does not run"),
-    (dict(correct_at="previous_mlp", replay_correction_rate=0.3), "--kv-bench-correction-rate"),
+    (dict(correct_at="previous_mlp", replay_correction_rate=0.3), "--kv-bench-late-correction-rate"),
+    (dict(replay_correction_rate=0.3, replay_late_rate=0.05), "only with --kv-correct-at previous_mlp"),
+    (dict(correct_at="previous_mlp", replay_late_rate=0.05), "set both or neither"),
+    (dict(correct_at="previous_mlp", replay_correction_rate=0.3, replay_late_rate=1.5), "replay_late_rate must be"),
 ])
 def test_refused_settings(change, match):
     with pytest.raises(ValueError, match=match):
@@ -168,3 +171,27 @@ def test_graph_replay_of_the_early_correction_equals_eager(prefill_alike):
     assert torch.equal(eager.slot_table[:, slots].sort(-1).values, graphed.slot_table[:, slots].sort(-1).values)
     se, sg = eager.stats(), graphed.stats()
     assert se["flagged_early"] == sg["flagged_early"] > 0 and se["flagged"] == sg["flagged"]
+
+
+def test_replayed_early_and_late_rates(prefill_alike):
+    """Benchmarks (random weights predict nothing): anticipate flags at replay_correction_rate, the check after the
+    projection at replay_late_rate, from draws of their own; the prediction is still made every time."""
+    cfg = dataclasses.replace(CFG, selection="means", correct_at="previous_mlp", replay_correction_rate=0.3,
+                              replay_late_rate=0.05)
+    eng = make_engine(cfg)
+    torch.manual_seed(7)
+    slots = prefill_alike([eng], [200, 90, 150], device=DEV)
+    before = eng.stats()
+    predicted = []
+    steps = 60
+
+    def predict(q):
+        predicted.append(1)
+        return q
+
+    decode([eng], predict, slots, steps)
+    st = eng.stats()
+    checks = st["checks"] - before["checks"]
+    assert checks == steps * 3 * 3 * 2 and len(predicted) == steps * 3
+    assert abs((st["flagged_early"] - before["flagged_early"]) / checks - 0.3) < 0.04
+    assert abs((st["flagged"] - before["flagged"]) / checks - 0.05) < 0.02

@@ -47,6 +47,9 @@ def test_freekv_settings_reach_server_args(prepare):
     assert prepare([*FREEKV, "--kv-recall-block", "8"])._freekv.config.recall_block == 8
     assert prepare([*FREEKV, "--kv-speculate-at", "next_recall"])._freekv.config.speculate_at == "next_recall"
     assert prepare([*FREEKV, "--kv-correct-at", "previous_mlp"])._freekv.config.correct_at == "previous_mlp"
+    early = prepare([*FREEKV, "--kv-correct-at", "previous_mlp", "--kv-bench-correction-rate", "0.3",
+                     "--kv-bench-late-correction-rate", "0.05"])._freekv.config
+    assert (early.replay_correction_rate, early.replay_late_rate) == (0.3, 0.05)
     assert prepare([*FREEKV, "--kv-attention", "split"])._freekv.config.attention == "split"
     assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0,
                                               kvstore_timeout_s=12.5)
@@ -117,7 +120,8 @@ REFUSED = [
     (["--kv-recall-block", "6"], "--kv-recall-block"),
     (["--kv-rerank-factor", "-1"], "--kv-rerank-factor"),
     (["--kv-correct-at", "previous_mlp", "--kv-selection", "sketch"], "--kv-correct-at"),
-    (["--kv-correct-at", "previous_mlp", "--kv-bench-correction-rate", "0.3"], "--kv-correct-at"),
+    (["--kv-correct-at", "previous_mlp", "--kv-bench-correction-rate", "0.3"], "--kv-bench-late-correction-rate"),
+    (["--kv-bench-correction-rate", "0.3", "--kv-bench-late-correction-rate", "0.05"], "--kv-correct-at"),
     (["--kv-correct-at", "previous_mlp", "--kv-prefill", "tsp", "--disable-radix-cache",
       "--chunked-prefill-size", "-1"], "--kv-correct-at"),
     (["--kvstore-arena-gb", "0"], "--kvstore-arena-gb"),
