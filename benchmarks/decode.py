@@ -395,7 +395,7 @@ def print_table(result: dict) -> None:
     print(f"\n{result['gpu']}, {result['shape']}, context {result['context']}, {result['output_len']} new tokens; FreeKV {result['freekv_args']}")
     print(f"{'config':<16} {'batch':>5} {'step ms':>8} {'x full':>7} {'p50 ms':>7} {'1st ms':>7} {'TPOT p50':>9} "
           f"{'tok/s':>8} {'TTFT s':>7} {'1st s':>6} {'gap s':>6} "
-          f"{'corr':>5} {'changed':>7} {'recall GB/s':>11} {'pool tok':>9} {'GB/req':>7} {'max conc':>8} "
+          f"{'corr':>5} {'early':>5} {'changed':>7} {'recall GB/s':>11} {'pool tok':>9} {'GB/req':>7} {'max conc':>8} "
           f"{'ran/queued':>10}")
     for c in result["cells"]:
         if "step_ms" not in c:
@@ -412,6 +412,7 @@ def print_table(result: dict) -> None:
               f"{c['output_tok_per_s']:>8.1f} "
               f"{c['ttft_s_p50']:>7.2f} {c.get('ttft_first_s', float('nan')):>6.2f} "
               f"{c.get('ttft_gap_s') or float('nan'):>6.3f} {c.get('correction_rate', float('nan')):>5.2f} "
+              f"{c.get('early_correction_rate', float('nan')):>5.2f} "
               f"{c.get('changed_share') or float('nan'):>7.3f} "
               f"{c.get('recall_gbps') or float('nan'):>11.2f} {c.get('gpu_pool_tokens') or 0:>9} "
               f"{c.get('kv_gb_per_request', float('nan')):>7.3f} {c.get('max_concurrent') or 0:>8} "
