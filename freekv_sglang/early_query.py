@@ -21,10 +21,10 @@ Predictor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 class EarlyQuery:
     """The wrappers' shared state: the decode forward in flight (its positions), and where predictions go, set by the
-    FreeKV backend: target(layer, predict) with predict() -> [T, Hq * D]."""
+    FreeKV backend: target(layer, predict, (mid, positions)) with predict(mid, positions) -> [T, Hq * D]."""
 
     def __init__(self) -> None:
-        self.target: Callable[[int, Callable[[], torch.Tensor]], None] | None = None
+        self.target: Callable[[int, Predictor, tuple[torch.Tensor, torch.Tensor]], None] | None = None
         self.positions: torch.Tensor | None = None
 
 
@@ -60,7 +60,6 @@ def _wrap_norm(forward, state: EarlyQuery, layer: int, predict: Predictor):
                 raise RuntimeError(f"decoder layer {layer - 1}'s post-attention norm returned no (normed, residual) "
                                    "pair: this model's layers do not follow SGLang's fused add-and-norm, which "
                                    "--kv-correct-at previous_mlp reads the mid residual from")
-            mid = out[1]  # the residual after the attention's output was added
-            state.target(layer, lambda: predict(mid, positions))
+            state.target(layer, predict, (out[1], positions))  # out[1]: the residual with the attention's output
         return out
     return wrapped

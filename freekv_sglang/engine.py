@@ -286,6 +286,7 @@ class FreeKVEngine:
         self._early_heads = [None if d or cfg.correct_at == "layer" or not self.retrieval else
                              torch.zeros(R, H, dtype=torch.bool, device=self.device) for d in self.dense]
         self._anticipated: dict[int, torch.cuda.Event | None] = {}
+        self._held: list[tuple[torch.Tensor, ...]] = []  # anticipate()'s input copies, until the step's join
         # cfg.victim: per sparse layer the victim cache's entries (the logical page each holds, -1 empty) and their
         # insertion stamps by request slot, and the victim op of every (row, head, slot) recalled this step (by batch
         # row, written with the recall codes and read by the same recalls).
@@ -842,8 +843,9 @@ class FreeKVEngine:
         # With retrieval, also which heads select before attention (flagged, or with slots to fill). The same launch
         # writes the step's K/V: into a sink or window page, which no selection or recall touches.
         kv = (k, v, kc, vc, plan.sparse_loc)
+        early = self.retrieval and layer in self._anticipated
         if self.retrieval:
-            if layer in self._anticipated:  # the check reads the previous queries and slots anticipate() wrote
+            if early:  # the check reads the previous queries and slots anticipate() wrote
                 st.wait(self._anticipated.pop(layer))
             flags = self.selector.trigger(plan, layer, q, self._now_heads[layer][:q.shape[0]], kv)
         else:
@@ -855,6 +857,12 @@ class FreeKVEngine:
             with st.on("select"):
                 st.wait(e_q)
                 self._select(plan, layer, q, PHASE_NOW, flags)
+                if early and self.cfg.replay_late_rate is not None:
+                    # Benchmarks: the heads corrected early are not reselected after attention. A real model's
+                    # reselection with the real query (~0.96 cosine to the predicted one) changes little, where the
+                    # replay would churn them again with the same draws (and bring back what it just evicted).
+                    B = q.shape[0]
+                    self._now_heads[layer][:B] |= self._early_heads[layer][:B]
                 e_sel = st.record()
                 self._recall_phase(plan, layer, PHASE_NOW)
                 e_now = st.record()
@@ -874,10 +882,14 @@ class FreeKVEngine:
             self._after_attention(plan, layer, e_attn)
         return out
 
-    def anticipate(self, plan: StepPlan, layer: int, predict: Callable[[], torch.Tensor]) -> None:
-        """cfg.correct_at "previous_mlp": predict() -> [B, Hq, D], a prediction of sparse layer `layer`'s query this
-        step, made while the layer before runs its MLP (from that layer's mid residual); it is called on the select
-        stream, so its projection runs beside that MLP too. There the heads whose predicted query turned (group-mean
+    def anticipate(self, plan: StepPlan, layer: int, predict: Callable[..., torch.Tensor],
+                   inputs: tuple[torch.Tensor, ...] = ()) -> None:
+        """cfg.correct_at "previous_mlp": predict(*inputs) -> [B, Hq, D], a prediction of sparse layer `layer`'s query
+        this step, made while the layer before runs its MLP (from that layer's mid residual); it is called on the
+        select stream, so its projection runs beside that MLP too. `inputs` (the tensors it reads) are copied on the
+        caller's stream first and held until the step's join: the next layer's fused add-and-norm overwrites
+        SGLang's residual in place, and a tensor freed on the caller's stream could be reused while the select stream
+        still reads it. There the heads whose predicted query turned (group-mean
         cosine to the previous query below tau) select with it and recall now,
         off the critical path; their previous query becomes the predicted one, which their selection now follows.
         attend(layer)'s check then compares the real query with the query each head's selection was made with, so
@@ -888,12 +900,14 @@ class FreeKVEngine:
                 repr(self.cfg.correct_at)
             raise ValueError(f"layer {layer}: anticipate needs a sparse layer with retrieval and correct_at "
                              f"'previous_mlp', got {got}")
-        H, G = self.shape.num_kv_heads, self.shape.group
-        st, rows = self.streams, plan.req_slots.long()
+        H, G, st = self.shape.num_kv_heads, self.shape.group, self.streams
+        inputs = tuple(t.clone() for t in inputs)
+        self._held.append(inputs)
         e = st.record()
         with st.on("select"):
             st.wait(e)
-            q = predict()
+            rows = plan.req_slots.long()
+            q = predict(*inputs)
             B = q.shape[0]
             prev = self.prev_q[layer][rows]
             if self.cfg.replay_correction_rate is None:
@@ -1003,6 +1017,7 @@ class FreeKVEngine:
     def end_step(self) -> None:
         self._flush_speculation()
         self.streams.join()
+        self._held.clear()  # the side streams that read them are joined
 
     # ---- statistics --------------------------------------------------------------------------
 

@@ -121,12 +121,10 @@ class FreeKVModel:
             return None
         layer, s = self.layers[i], self.shape
 
-        def on_mid(mid: torch.Tensor) -> None:
-            def predict() -> torch.Tensor:
-                q = layer.self_attn.q_proj(layer.input_layernorm(mid)).view(mid.shape[0], s.num_q_heads, s.head_dim)
-                return _rope(q, cos, sin)
-            eng.anticipate(plans[id(eng)], local, predict)
-        return on_mid
+        def predict(mid: torch.Tensor) -> torch.Tensor:
+            q = layer.self_attn.q_proj(layer.input_layernorm(mid)).view(mid.shape[0], s.num_q_heads, s.head_dim)
+            return _rope(q, cos, sin)
+        return lambda mid: eng.anticipate(plans[id(eng)], local, predict, (mid,))
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.norm(h)).float()

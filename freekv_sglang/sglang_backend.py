@@ -720,14 +720,14 @@ class FreeKVAttnBackend(AttentionBackend):
         finally:
             fb.out_cache_loc = raw
 
-    def _anticipate(self, lid: int, predict) -> None:
-        """--kv-correct-at previous_mlp: decoder layer lid's query predicted from the layer before's mid residual, in a
-        decode forward ([T, Hq * D]); its engine corrects the heads whose prediction turned while that layer's MLP
-        runs."""
+    def _anticipate(self, lid: int, predict, inputs) -> None:
+        """--kv-correct-at previous_mlp: decoder layer lid's query predicted by predict(*inputs) -> [T, Hq * D] from
+        the layer before's mid residual, in a decode forward; its engine corrects the heads whose prediction turned
+        while that layer's MLP runs."""
         if self._plan is None or self.engine.dense[lid]:
             return
         s = self.shape
-        self.engine.anticipate(self._plan, lid, lambda: predict().view(-1, s.num_q_heads, s.head_dim))
+        self.engine.anticipate(self._plan, lid, lambda *x: predict(*x).view(-1, s.num_q_heads, s.head_dim), inputs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         lid = layer.layer_id

@@ -108,6 +108,8 @@ def _install_tsp(runner, tsp_layer: int) -> None:
 
 
 def _install_early(runner, dense_layers: int) -> None:
+    import inspect
+
     import torch
     import torch.nn.functional as F
 
@@ -121,7 +123,18 @@ def _install_early(runner, dense_layers: int) -> None:
         raise FreeKVArgsError(f"--kv-correct-at previous_mlp: {type(model).__name__} has no decoder-layer list "
                               "model.model.layers that one rank runs whole; drop --kv-correct-at")
 
+    def fused_norm(layer) -> bool:  # SGLang's Llama/Qwen2 call: the post-attention norm adds the residual itself
+        try:
+            return "self.post_attention_layernorm(hidden_states, residual)" in inspect.getsource(type(layer).forward)
+        except (OSError, TypeError):
+            return False
+
     def predictor(j: int):
+        if not fused_norm(layers[j - 1]):
+            raise FreeKVArgsError(f"--kv-correct-at previous_mlp: decoder layer {j - 1} of {type(model).__name__} "
+                                  "does not call its post-attention norm with the residual (SGLang's fused "
+                                  "add-and-norm, which gives the mid residual the prediction reads): drop "
+                                  "--kv-correct-at")
         layer = layers[j]
         attn, norm = getattr(layer, "self_attn", None), getattr(layer, "input_layernorm", None)
         qkv, rope = getattr(attn, "qkv_proj", None), getattr(attn, "rotary_emb", None)

@@ -38,7 +38,7 @@ def decode(engines, predict, slots, steps):
             plan, out = e.begin_step(slots, pad_to=n + 1), []
             for layer in range(L):
                 if e.cfg.correct_at == "previous_mlp" and not e.dense[layer]:
-                    e.anticipate(plan, layer, lambda: predict(q[layer]))
+                    e.anticipate(plan, layer, predict, (q[layer],))
                 out.append(e.attend(plan, layer, q[layer], kv[0, layer], kv[1, layer]))
             e.end_step()
             outs.append(out)
@@ -85,11 +85,11 @@ def test_anticipate_needs_the_previous_mlp_correction_and_a_sparse_layer(prefill
     slots = prefill_alike([eng], [100], device=DEV)
     plan, q = eng.begin_step(slots), torch.randn(1, 6, 32, device=DEV)
     with pytest.raises(ValueError, match="correct_at 'previous_mlp', got 'layer'"):
-        eng.anticipate(plan, 1, lambda: q)
+        eng.anticipate(plan, 1, lambda x: x, (q,))
     eng = make_engine(dataclasses.replace(CFG, correct_at="previous_mlp"))
     slots = prefill_alike([eng], [100], device=DEV)
     with pytest.raises(ValueError, match="got a dense layer"):
-        eng.anticipate(eng.begin_step(slots), 0, lambda: q)
+        eng.anticipate(eng.begin_step(slots), 0, lambda x: x, (q,))
 
 
 @pytest.mark.parametrize("change, match", [
@@ -145,7 +145,7 @@ def test_graph_replay_of_the_early_correction_equals_eager(prefill_alike):
         out = []
         for layer in range(L):
             if layer >= cfg.dense_layers:
-                e.anticipate(plan, layer, lambda layer=layer: q[layer, :rows] + 0.5 * mix[layer, :rows])
+                e.anticipate(plan, layer, lambda a, b: a + 0.5 * b, (q[layer, :rows], mix[layer, :rows]))
             out.append(e.attend(plan, layer, q[layer, :rows], k[layer, :rows], v[layer, :rows]))
         e.end_step()
         return torch.stack(out)
@@ -195,3 +195,36 @@ def test_replayed_early_and_late_rates(prefill_alike):
     assert checks == steps * 3 * 3 * 2 and len(predicted) == steps * 3
     assert abs((st["flagged_early"] - before["flagged_early"]) / checks - 0.3) < 0.04
     assert abs((st["flagged"] - before["flagged"]) / checks - 0.05) < 0.02
+
+
+def test_anticipate_predicts_from_copies_held_until_the_steps_join(prefill_alike):
+    """The caller's tensors may change after anticipate returns (SGLang's next fused add-and-norm overwrites the
+    residual in place): predict reads copies, which stay referenced until end_step has joined the side streams."""
+    eng = make_engine(dataclasses.replace(CFG, selection="means", correct_at="previous_mlp"))
+    slots = prefill_alike([eng], [150, 120], device=DEV)
+    plan = eng.begin_step(slots)
+    mid = torch.randn(2, 6, 32, device=DEV)
+    seen = []
+    eng.anticipate(plan, 1, lambda x: (seen.append(x), x)[1], (mid,))
+    assert torch.equal(seen[0], mid) and seen[0].data_ptr() != mid.data_ptr() and eng._held
+    for layer in range(4):
+        eng.attend(plan, layer, torch.randn(2, 6, 32, device=DEV), *torch.randn(2, 2, 2, 32, device=DEV))
+    eng.end_step()
+    assert eng._held == []
+
+
+@pytest.mark.parametrize("early_rate", [0.0, 1.0])
+def test_replayed_early_heads_are_not_churned_again_after_attention(early_rate, prefill_alike):
+    """Benchmarks: a head corrected early keeps its selection through the speculative phase (the replay would churn
+    it twice a step); with every head corrected early and none late nothing is selected after attention."""
+    cfg = dataclasses.replace(CFG, selection="means", correct_at="previous_mlp", replay_correction_rate=early_rate,
+                              replay_late_rate=0.0, replay_churn=0.5)
+    eng = make_engine(cfg)
+    torch.manual_seed(8)
+    slots = prefill_alike([eng], [300, 260], device=DEV)
+    before = eng.stats()
+    decode([eng], lambda q: q, slots, 4)
+    st = eng.stats()
+    speculative = st["recall_pages_speculative"] - before["recall_pages_speculative"]
+    assert (speculative == 0) == (early_rate == 1.0)
+    assert (st["flagged_early"] - before["flagged_early"] == st["checks"] - before["checks"]) == (early_rate == 1.0)

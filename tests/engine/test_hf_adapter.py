@@ -99,7 +99,7 @@ def test_the_previous_mlp_correction_predicts_each_layers_query(mlp):
         fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=512)
         calls = []
         anticipate = fm.engine.anticipate
-        fm.engine.anticipate = lambda plan, layer, q: (calls.append(layer), anticipate(plan, layer, q))
+        fm.engine.anticipate = lambda plan, layer, *a: (calls.append(layer), anticipate(plan, layer, *a))
         runs[at] = fm.generate([ids], 6)[0], fm.engine.stats(), calls
     (tokens, late, _), (early_tokens, early, calls) = runs["layer"], runs["previous_mlp"]
     assert calls == [1, 2, 3] * 5  # each sparse layer, each decode step (the first token is the prefill's)

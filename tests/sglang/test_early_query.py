@@ -62,8 +62,17 @@ class Layer(torch.nn.Module):
             residual, h = hidden_states, self.input_layernorm(hidden_states)
         else:
             h, residual = self.input_layernorm(hidden_states, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual)
-        return self.mlp(h), residual
+        hidden_states = self.self_attn(positions, h)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class UnfusedLayer(Layer):
+    """A layer that adds its residual itself: its post-attention norm gets no residual to return."""
+
+    def forward(self, positions, hidden_states, forward_batch, residual):
+        h = hidden_states + self.self_attn(positions, self.input_layernorm(hidden_states))
+        return h + self.mlp(self.post_attention_layernorm(h)), None
 
 
 def runner_of(layers):
@@ -85,7 +94,7 @@ def test_decode_forwards_predict_each_sparse_layers_query():
     with torch.no_grad():
         _install_early(runner, dense_layers=1)
         calls = []
-        runner._freekv_early.target = lambda layer, predict: calls.append((layer, predict()))
+        runner._freekv_early.target = lambda layer, predict, inputs: calls.append((layer, predict(*inputs)))
         run(layers, decode=False)
         assert calls == []  # extend forwards pass through
         run(layers, decode=True)
@@ -99,7 +108,7 @@ def test_the_dense_layers_are_not_predicted():
     runner = runner_of(layers)
     _install_early(runner, dense_layers=2)
     calls = []
-    runner._freekv_early.target = lambda layer, predict: calls.append(layer)
+    runner._freekv_early.target = lambda layer, predict, inputs: calls.append(layer)
     with torch.no_grad():
         run(layers, decode=True)
     assert calls == [2, 3]
@@ -120,6 +129,13 @@ def test_layers_it_cannot_predict_are_refused(spoil, match):
     assert "--kv-correct-at" in str(e.value)
 
 
+def test_layers_whose_norm_adds_no_residual_are_refused():
+    layers = torch.nn.ModuleList([Layer(), UnfusedLayer(), Layer()])
+    with pytest.raises(FreeKVArgsError, match="decoder layer 1 .* fused add-and-norm") as e:
+        _install_early(runner_of(layers), dense_layers=1)
+    assert "--kv-correct-at" in str(e.value)
+
+
 def test_a_norm_without_the_residual_pair_is_an_error():
     """A post-attention norm that returns one tensor (no fused residual) leaves no mid residual to predict from."""
     layers = torch.nn.ModuleList(Layer() for _ in range(3))
@@ -127,7 +143,7 @@ def test_a_norm_without_the_residual_pair_is_an_error():
     runner = runner_of(layers)
     _install_early(runner, dense_layers=1)
     state = runner._freekv_early
-    state.target, state.positions = (lambda layer, predict: None), torch.arange(2)  # inside a decode forward
+    state.target, state.positions = (lambda layer, predict, inputs: None), torch.arange(2)  # inside a decode forward
     with pytest.raises(RuntimeError, match="fused add-and-norm"):
         layers[0].post_attention_layernorm(torch.randn(2, HIDDEN), torch.randn(2, HIDDEN))
 

@@ -551,7 +551,7 @@ def test_predicted_queries_reach_the_engine_in_decode_forwards(daemon):
         plan = ref.begin_step(ref_slots)
         for layer in layers():
             q, k, v = torch.randn(2, HQ * D), torch.randn(2, H * D), torch.randn(2, H * D)
-            early.target(layer.layer_id, lambda: q)  # a dense layer's prediction is dropped
+            early.target(layer.layer_id, lambda x: x, (q,))  # a dense layer's prediction is dropped
             out = backend.forward_decode(q, k, v, layer, fb)
             if layer.layer_id >= cfg.dense_layers:
                 want = ref.attend(plan, layer.layer_id, q.view(2, HQ, D), k.view(2, H, D), v.view(2, H, D))
