@@ -93,16 +93,24 @@ def _batch_defaults() -> None:
             setattr(ForwardBatch, name, None)
 
 
-def _install_tsp(runner, tsp_layer: int) -> None:
+def _whole_layers(runner, setting: str, flag: str):
+    """The model's decoder layers (model.model.layers), which `setting` wraps; refused naming `flag` unless one rank
+    runs them all."""
     from freekv_sglang.server_args import FreeKVArgsError
-    from freekv_sglang.tsp_propagation import Propagation, install
 
     model = getattr(runner, "model", None)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or getattr(model.model, "start_layer", 0) != 0 or \
             getattr(model.model, "end_layer", len(layers)) != len(layers):
-        raise FreeKVArgsError(f"--kv-prefill tsp: {type(model).__name__} has no decoder-layer list model.model.layers "
-                              "that one rank runs whole; drop --kv-prefill")
+        raise FreeKVArgsError(f"{setting}: {type(model).__name__} has no decoder-layer list model.model.layers "
+                              f"that one rank runs whole; drop {flag}")
+    return layers
+
+
+def _install_tsp(runner, tsp_layer: int) -> None:
+    from freekv_sglang.tsp_propagation import Propagation, install
+
+    layers = _whole_layers(runner, "--kv-prefill tsp", "--kv-prefill")
     runner._freekv_tsp = state = Propagation()
     install(layers, tsp_layer, state)
 
@@ -116,12 +124,8 @@ def _install_early(runner, dense_layers: int) -> None:
     from freekv_sglang.early_query import EarlyQuery, install
     from freekv_sglang.server_args import FreeKVArgsError
 
-    model = getattr(runner, "model", None)
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or getattr(model.model, "start_layer", 0) != 0 or \
-            getattr(model.model, "end_layer", len(layers)) != len(layers):
-        raise FreeKVArgsError(f"--kv-correct-at previous_mlp: {type(model).__name__} has no decoder-layer list "
-                              "model.model.layers that one rank runs whole; drop --kv-correct-at")
+    layers = _whole_layers(runner, "--kv-correct-at previous_mlp", "--kv-correct-at")
+    model = runner.model
 
     def fused_norm(layer) -> bool:  # SGLang's Llama/Qwen2 call: the post-attention norm adds the residual itself
         try:
