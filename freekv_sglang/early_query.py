@@ -30,18 +30,19 @@ class EarlyQuery:
 
 def install(layers, state: EarlyQuery, predictors: dict[int, Predictor]) -> None:
     """Wrap layers (a model's decoder layers, in call order) so that in a decode forward layer i's mid residual
-    predicts layer i + 1's query with predictors[i + 1] (the layers to predict, from 1 on)."""
+    predicts layer i + 1's query with predictors[i + 1] (the layers to predict, from 1 on). The first layer records
+    the forward's positions, which every layer of it shares."""
     for j in predictors:
         if not 1 <= j < len(layers):
             raise ValueError(f"layer {j} has no layer before it among the model's {len(layers)} to predict it from")
-    for i, layer in enumerate(layers):
-        if getattr(layer, "_freekv_early", False):
-            raise RuntimeError(f"decoder layer {i} is already wrapped for the early correction")
-        layer.forward = _wrap_layer(layer.forward, state)
-        if i + 1 in predictors:
-            norm = layer.post_attention_layernorm
-            norm.forward = _wrap_norm(norm.forward, state, i + 1, predictors[i + 1])
-        layer._freekv_early = True
+    first = layers[0]
+    if getattr(first, "_freekv_early", False):
+        raise RuntimeError("the decoder layers are already wrapped for the early correction")
+    first.forward = _wrap_layer(first.forward, state)
+    for j, predict in predictors.items():
+        norm = layers[j - 1].post_attention_layernorm
+        norm.forward = _wrap_norm(norm.forward, state, j, predict)
+    first._freekv_early = True
 
 
 def _wrap_layer(forward, state: EarlyQuery):
