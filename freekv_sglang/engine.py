@@ -900,28 +900,22 @@ class FreeKVEngine:
                 repr(self.cfg.correct_at)
             raise ValueError(f"layer {layer}: anticipate needs a sparse layer with retrieval and correct_at "
                              f"'previous_mlp', got {got}")
-        H, G, st = self.shape.num_kv_heads, self.shape.group, self.streams
+        G, st = self.shape.group, self.streams
         inputs = tuple(t.clone() for t in inputs)
         self._held.append(inputs)
         e = st.record()
         with st.on("select"):
             st.wait(e)
-            rows = plan.req_slots.long()
             q = predict(*inputs)
             B = q.shape[0]
-            prev = self.prev_q[layer][rows]
-            if self.cfg.replay_correction_rate is None:
-                qf, pf = q.float(), prev.float()
-                cos = (qf * pf).sum(-1) / (qf.norm(dim=-1) * pf.norm(dim=-1)).clamp_min(1e-12)  # [B, Hq]
-                turned = (cos.view(B, H, G).mean(-1) < self.tau) & (self.tau > 0) | (self.tau >= 1)
-            else:  # benchmarks: drawn at the replayed rate (the prediction is still made, as its cost is real)
-                turned = self._replay_u[layer, :B] < self.cfg.replay_correction_rate
-            flags = self._early_heads[layer][:B]
-            torch.logical_and(turned, (self.has_prev[layer][rows] & (plan.req_slots != self.pad_slot))[:, None],
-                              out=flags)
-            if self.collect_stats:
-                self._stat_early[layer] += flags.sum()
-            self.prev_q[layer][rows] = torch.where(flags.repeat_interleave(G, dim=1)[..., None], q.to(prev.dtype), prev)
+            # The turn test in query_similarity's early mode: only flagged heads' previous queries become q.
+            replay = None  # benchmarks: drawn at the replayed rate (the prediction is still made, as its cost is real)
+            if self.cfg.replay_correction_rate is not None:
+                replay = (self._replay_u[layer, :B], self.cfg.replay_correction_rate)
+            flags = self.ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
+                                              G, self._stat_early[layer:layer + 1] if self.collect_stats else None,
+                                              self.pad_slot, replay=replay, early=True,
+                                              out=self._early_heads[layer][:B])
             self._select(plan, layer, q, PHASE_NOW, flags, heads=flags)
             self._anticipated[layer] = st.record()
             self._recall_phase(plan, layer, PHASE_NOW)

@@ -25,6 +25,8 @@ def naive_query_similarity(
     pick_scale: float = 1.0,
     kv: tuple[torch.Tensor, ...] | None = None,
     replay: tuple[torch.Tensor, float] | None = None,
+    early: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Flags [B, H]: the KV heads whose group-mean cosine similarity of q and the slot's previous query is below
     tau (every head at tau >= 1, none at tau <= 0 unless the slot has no previous query); q becomes the previous
@@ -35,7 +37,11 @@ def naive_query_similarity(
     picks: (sel [R, H, NB] int32, qp [R, H, 4 NB, GP] fp32) receive naive_sketch_picks(q, group, NB, pick_scale)
     at rows req_slots. kv: (k, v, k_cache, v_cache, loc), the step's naive_write_kv, done in the same launch.
     replay: (u [B, H] float32 uniform draws, rate), benchmarks only: a head is flagged where u < rate (or its slot
-    has no previous query) instead of by tau; the cosines are still computed and counted."""
+    has no previous query) instead of by tau; the cosines are still computed and counted.
+    early: q is a prediction of the query, made one layer early (FreeKVEngine.anticipate): a head is flagged only where
+    its slot has a previous query and is not pad_slot, only flagged heads' previous queries become q, has_prev is left
+    as it is, and stats ([1] float64) accumulates the flagged heads; slots, heads, picks and kv are not taken.
+    out ([B, H] bool): the flags are written there and returned."""
     B, Hq, D = q.shape
     slots_idx = req_slots.long()
     prev = prev_q[slots_idx].float()  # a copy: read before the rows are overwritten below
@@ -43,10 +49,16 @@ def naive_query_similarity(
     cos = (qf * prev).sum(-1) / (qf.norm(dim=-1) * prev.norm(dim=-1)).clamp_min(EPS)  # [B, Hq]
     mean = cos.view(B, Hq // group, group).mean(-1)
     had = has_prev[slots_idx]
-    if replay is None:
-        flags = (mean < tau) & (tau > 0) | (tau >= 1) | ~had[:, None]
-    else:
-        flags = (replay[0] < replay[1]) | ~had[:, None]
+    turned = (mean < tau) & (tau > 0) | (tau >= 1) if replay is None else replay[0] < replay[1]
+    if early:
+        assert slots is None and heads is None and picks is None and kv is None, "early takes none of these"
+        flags = turned & (had & (req_slots != pad_slot))[:, None]
+        if stats is not None:
+            stats[0] += flags.sum()
+        prev_q[slots_idx] = torch.where(flags.repeat_interleave(group, dim=1)[..., None], q.to(prev_q.dtype),
+                                        prev_q[slots_idx])
+        return flags if out is None else out.copy_(flags)
+    flags = turned | ~had[:, None]
     if stats is not None:
         real = (req_slots != pad_slot)[:, None]
         counted = real & had[:, None]
@@ -64,4 +76,4 @@ def naive_query_similarity(
     has_prev[slots_idx] = True
     if kv is not None:
         naive_write_kv(*kv)
-    return flags
+    return flags if out is None else out.copy_(flags)

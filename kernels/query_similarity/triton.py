@@ -29,11 +29,12 @@ def _query_similarity_kernel(
     sk_b, sk_h, sv_b, sv_h, skc_t, skc_h, svc_t, svc_h, s_loc, su_b, su_h,
     G: tl.constexpr, HP: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
     STATS: tl.constexpr, HEADS: tl.constexpr, KP: tl.constexpr, NB: tl.constexpr, PER_BYTE: tl.constexpr,
-    WRITE_KV: tl.constexpr, REPLAY: tl.constexpr,
+    WRITE_KV: tl.constexpr, REPLAY: tl.constexpr, EARLY: tl.constexpr,
 ):
     """One program per batch row: all Hq heads as [HP, GP, D] (KV head, head in group, dim). NB > 0: also the
     sketch's picks of the row's query (naive_sketch_picks), by request slot, for both selection phases. WRITE_KV:
-    also the row's new K and V token into its cache row loc[b]. REPLAY: flags from uniform draws u < rate."""
+    also the row's new K and V token into its cache row loc[b]. REPLAY: flags from uniform draws u < rate. EARLY: q is a
+    prediction (naive_query_similarity's early): flags only where the slot has a previous query, prev_q only for them."""
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
     h = tl.arange(0, HP)
@@ -52,9 +53,14 @@ def _query_similarity_kernel(
     mean = tl.sum(dot / tl.maximum(norms, EPS), axis=1) / G  # padded heads have dot == 0
     if REPLAY:
         u = tl.load(u_ptr + b * su_b + h.to(tl.int64) * su_h, mask=h < H, other=1.0)
-        flags = (u < rate) | (has == 0)
+        turned = u < rate
     else:
-        flags = ((mean < tau) & (tau > 0)) | (tau >= 1) | (has == 0)
+        turned = ((mean < tau) & (tau > 0)) | (tau >= 1)
+    if EARLY:
+        real = (has != 0).to(tl.int32) * (slot != pad_slot).to(tl.int32)  # a real row with a previous query
+        flags = turned & (h < H) & (real != 0)
+    else:
+        flags = turned | (has == 0)
     tl.store(flags_ptr + b * sf_b + h.to(tl.int64) * sf_h, flags, mask=h < H)
     if HEADS:
         # Heads holding fewer pages than the row has slots to fill select before attention too.
@@ -63,7 +69,9 @@ def _query_similarity_kernel(
                        mask=(h < H)[:, None] & (i < K)[None, :], other=-1)
         short = tl.sum((held >= 0).to(tl.int32), axis=1) < tl.load(nslots_ptr + b * s_ns)
         tl.store(heads_ptr + b * sh_b + h.to(tl.int64) * sh_h, flags | short, mask=h < H)
-    if STATS:
+    if STATS and EARLY:
+        tl.atomic_add(stats_ptr, tl.sum(flags.to(tl.float64)))
+    if STATS and not EARLY:
         if slot != pad_slot:  # statistics count real rows only
             tl.atomic_add(stats_ptr, tl.sum((flags & (h < H)).to(tl.float64)))
             if has != 0:
@@ -98,8 +106,11 @@ def _query_similarity_kernel(
         tl.store(vc_ptr + row * svc_t + hk * svc_h + d[None, :], vt.to(vc_ptr.dtype.element_ty), mask=kvm)
     # Other threads of this program may still be reading prev_q elements that the stores below overwrite.
     tl.debug_barrier()
-    tl.store(p_ptrs, q.to(prev_ptr.dtype.element_ty), mask=mask)
-    tl.store(has_prev_ptr + slot * s_has, 1)
+    if EARLY:
+        tl.store(p_ptrs, q.to(prev_ptr.dtype.element_ty), mask=mask & flags[:, None, None])
+    else:
+        tl.store(p_ptrs, q.to(prev_ptr.dtype.element_ty), mask=mask)
+        tl.store(has_prev_ptr + slot * s_has, 1)
 
 
 def query_similarity(
@@ -118,16 +129,25 @@ def query_similarity(
     pick_scale: float = 1.0,
     kv: tuple[torch.Tensor, ...] | None = None,
     replay: tuple[torch.Tensor, float] | None = None,
+    early: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See naive_query_similarity."""
     check_device(q, prev_q, req_slots, has_prev)
     if stats is not None:
-        assert stats.shape == (3,) and stats.dtype == torch.float64 and stats.is_contiguous()
+        assert stats.shape == ((1,) if early else (3,)) and stats.dtype == torch.float64 and stats.is_contiguous()
     check_index_vectors(req_slots=req_slots, has_prev=has_prev)
     B, Hq, D = q.shape
     H = Hq // group
     assert Hq == H * group and prev_q.shape[1:] == (Hq, D) and D & (D - 1) == 0
-    flags = empty(B, H, dtype=torch.bool, device=q.device)
+    if early:
+        assert slots is None and heads is None and picks is None and kv is None, "early takes none of these"
+    if out is None:
+        flags = empty(B, H, dtype=torch.bool, device=q.device)
+    else:
+        check_device(out)
+        assert out.shape == (B, H) and out.dtype == torch.bool, f"out {tuple(out.shape)} {out.dtype}, not [B, H] bool"
+        flags = out
     with_heads = heads is not None
     if with_heads:
         check_device(slots, n_slots, heads)
@@ -165,6 +185,6 @@ def query_similarity(
         *(u.stride() if replay is not None else (0, 0)),
         G=group, HP=triton.next_power_of_2(H), GP=GP, D=D, EPS=EPS,
         STATS=stats is not None, HEADS=with_heads, KP=triton.next_power_of_2(K), NB=nb, PER_BYTE=PER_BYTE,
-        WRITE_KV=kv is not None, REPLAY=replay is not None, num_warps=8 if Hq * D > 4096 else 4,
+        WRITE_KV=kv is not None, REPLAY=replay is not None, EARLY=early, num_warps=8 if Hq * D > 4096 else 4,
     )
     return flags

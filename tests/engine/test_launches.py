@@ -73,12 +73,12 @@ def recorder(monkeypatch, eng):
 
 
 def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5, selection="sketch", factor=None,
-               retrieval="freekv", head_dim=D):
+               retrieval="freekv", head_dim=D, correct_at="layer"):
     """Launches per sparse layer of the third decode step of two requests (slots filled, some heads flagged)."""
     D = head_dim
     cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall,
                        selection=selection, rerank_factor=FreeKVConfig().rerank_factor if factor is None else factor,
-                       retrieval=retrieval, boundary_tau=tau)
+                       retrieval=retrieval, boundary_tau=tau, correct_at=correct_at)
     eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=512, dtype=torch.float32,
                        device=DEV, backend="triton", method=method, pad_slot=0, dense_outside=True)
     calibrate_synthetic(eng, gaussian_sample(eng))
@@ -103,8 +103,11 @@ def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5,
             eng.prepare_step(slots)
             plan = eng.plan(len(slots))
             inputs = [[torch.randn(len(slots), n, D, device=DEV) for n in (H * G, H, H)] for _ in range(L)]
+            predicted = [q + 0.1 * torch.randn_like(q) for q, _, _ in inputs]
             rec.on = step == 2
             for layer in range(1, L):
+                if correct_at == "previous_mlp":  # the prediction, a given query (predict's own launches are the model's)
+                    eng.anticipate(plan, layer, lambda q: q, (predicted[layer],))
                 eng.attend(plan, layer, *inputs[layer], attention=attention if outside else None)
             rec.on = False
             eng.end_step()
@@ -143,6 +146,22 @@ RECALL = {"_recall_pages_kernel": 1, "_offload_pages_kernel": 1}
 
 def speculative(select: dict) -> dict:
     return {k: v for k, v in select.items() if k != "_recall_pages_kernel"}
+
+
+def test_early_correction_launches(monkeypatch):
+    """The correction one layer early (correct_at "previous_mlp"): anticipate copies its input on the compute stream,
+    then on the select stream one launch tests the predicted query's turn and moves the flagged heads' previous
+    queries (query_similarity's early mode), the selection and the recall; attention's own check and chain follow
+    as without it."""
+    got = count_step(monkeypatch, selection="channels", head_dim=32, correct_at="previous_mlp")
+    channels = {"_channel_lse_kernel": 1, "_select_chain_kernel": 1, "_recall_pages_kernel": 1}
+    assert got == {
+        "compute": {"aten.clone": 1, "_query_similarity_kernel": 1, "_attend_kept_kernel": 1,
+                    "_attend_recalled_kernel": 1},
+        "select": {**{k: 2 * v for k, v in channels.items()}, "_query_similarity_kernel": 1},
+        "speculate": speculative(channels),
+        "recall": RECALL,
+    }
 
 
 @pytest.mark.parametrize("recall", ["delta", "all"])

@@ -215,3 +215,42 @@ def test_replayed_flags_follow_the_draws_not_tau(G, D):
         torch.testing.assert_close(s_tri, s_ref, rtol=1e-5, atol=1e-5)
         assert s_ref[2] > 0, "the cosines of rows with a previous query are still counted"
         assert torch.equal(p_tri.nan_to_num(), p_ref.nan_to_num()) and torch.equal(h_tri, h_ref)
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,D", [(1, 64), (3, 128), (4, 32), (8, 64)])
+def test_early_flags_only_rows_with_a_previous_query_and_moves_only_their_queries(G, D, dtype, replayed):
+    """early=True (the correction one layer early, q a prediction): flags where the cosine test (or the draw) says
+    so, but only for rows with a previous query and a real slot; only flagged heads' previous queries become q;
+    has_prev is untouched; stats [1] counts the flags; out receives them."""
+    q, prev_q, req_slots, has_prev = make_inputs(G, D, dtype)
+    dev = q.device
+    pad = int(req_slots[4])  # row 4 is padding: never flagged
+    has_prev[req_slots[4]] = True
+    u = torch.rand(B, H, device=dev)
+    replay = (u, 0.5) if replayed else None
+    tau = 0.5
+    turned = u < 0.5 if replayed else group_mean_cos(q, prev_q, req_slots, G) < tau
+    want = turned & (has_prev[req_slots.long()] & (req_slots != pad))[:, None]
+    assert want.any() and not want.all()
+    old_prev, old_has = prev_q.clone(), has_prev.clone()
+    p_ref, s_ref = prev_q.clone(), torch.tensor([2.0], dtype=torch.float64, device=dev)
+    p_tri, s_tri = prev_q.clone(), s_ref.clone()
+    out_ref, out = torch.ones(B, H, dtype=torch.bool, device=dev), torch.ones(B, H, dtype=torch.bool, device=dev)
+    ref = naive_query_similarity(q, p_ref, req_slots, has_prev, tau, G, s_ref, pad, replay=replay, early=True,
+                                 out=out_ref)
+    got = query_similarity(q, p_tri, req_slots, has_prev, tau, G, s_tri, pad, replay=replay, early=True, out=out)
+    for flags in (ref, out_ref, got, out):
+        assert torch.equal(flags, want)
+    assert got.data_ptr() == out.data_ptr(), "the flags go to out"
+    torch.testing.assert_close(s_tri, s_ref, rtol=0, atol=0)
+    assert s_ref.item() == 2.0 + want.sum().item()
+    assert torch.equal(has_prev, old_has), "has_prev is left as it is"
+    assert torch.equal(p_tri.isnan(), old_prev.isnan()), "prev_q rows outside the batch were written"
+    moved = want.repeat_interleave(G, dim=1)[..., None].expand(-1, -1, D)
+    rows = req_slots.long()
+    for p in (p_ref, p_tri):
+        assert torch.equal(p[rows][moved], q.to(p.dtype)[moved]), "a flagged head's previous query becomes q"
+        assert torch.equal(p[rows][~moved].nan_to_num(), old_prev[rows][~moved].nan_to_num()), \
+            "an unflagged head's previous query stays"
