@@ -54,6 +54,12 @@ class Server(ServerProcess):
         return [t[1] for t in out["meta_info"]["output_token_logprobs"]]
 
 
+def compare(a: list[list[int]], b: list[list[int]]) -> tuple[list[bool], list[int | None]]:
+    """Per prompt: whether two servers' greedy outputs are identical, and the first position where they differ."""
+    same = [x == y for x, y in zip(a, b)]
+    return same, [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), None) for p, q in zip(a, b)]
+
+
 def prompts(model: str, n: int, seed: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
@@ -94,6 +100,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--freekv-args", default="--kv-budget 8192 --kv-sink 64 --kv-window 128 --kv-page-size 32 "
                     "--kvstore-arena-gb 4")
+    ap.add_argument("--also", default="",
+                    help="a second FreeKV server with --freekv-args plus these, compared with plain and with the first "
+                         "(e.g. '--kv-correct-at previous_mlp' at a budget below the prompts)")
     ap.add_argument("--radix", action="store_true", help="both servers with the radix cache, prompts sharing prefixes")
     ap.add_argument("--extra-args", default="--enable-deterministic-inference",
                     help="passed to both servers, e.g. '--enable-deterministic-inference --disable-cuda-graph'")
@@ -104,12 +113,15 @@ def main() -> None:
     common = ["--attention-backend", args.attention_backend, *args.extra_args.split()]
     base_args = [a for a in COMMON if not (args.radix and a == "--disable-radix-cache")]
     result: dict = {"attention_backend": args.attention_backend, "freekv_args": args.freekv_args,
-                    "extra_args": args.extra_args, "radix": args.radix}
+                    "also": args.also, "extra_args": args.extra_args, "radix": args.radix}
+    freekv = common + ["--kv-retrieval", "freekv", *args.freekv_args.split()]
+    runs = [("plain", 30000, common), ("freekv", 30001, freekv)]
+    if args.also:
+        runs.append(("freekv-also", 30002, freekv + args.also.split()))
     servers: list[Server] = []
     try:
         # One after the other: servers that profile GPU memory at the same time see each other's buffers.
-        for name, port, extra in (("plain", 30000, common),
-                                  ("freekv", 30001, common + ["--kv-retrieval", "freekv", *args.freekv_args.split()])):
+        for name, port, extra in runs:
             s = Server(name, port, ["--model-path", args.model, *base_args, *extra], out / f"server-{name}.log")
             servers.append(s)
             result[f"{s.name}_healthy_s"] = round(s.wait(600), 1)
@@ -132,12 +144,16 @@ def main() -> None:
             if args.radix:  # what each sharer's admission found cached (its base, or more where a sharer came first)
                 result[f"{s.name}_sharer_cached_tokens"] = [h[0] for h in hits]
                 print(f"[{s.name}] sharers' cached tokens: {result[f'{s.name}_sharer_cached_tokens']}")
-        same = [a == b for a, b in zip(outs["plain"], outs["freekv"])]
-        first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                      for a, b in zip(outs["plain"], outs["freekv"])]
+        same, first_diff = compare(outs["plain"], outs["freekv"])
         result.update(identical=sum(same), total=len(same), first_divergence=first_diff, outputs=outs)
         print(f"greedy outputs identical: {sum(same)}/{len(same)}; first divergence per prompt: {first_diff}",
               flush=True)
+        if args.also:
+            for ref in ("plain", "freekv"):
+                also_same, also_diff = compare(outs[ref], outs["freekv-also"])
+                result[f"also_vs_{ref}_identical"], result[f"also_vs_{ref}_first_divergence"] = sum(also_same), also_diff
+                print(f"with {args.also!r} against {ref}: identical {sum(also_same)}/{len(also_same)}; "
+                      f"first divergence per prompt: {also_diff}", flush=True)
         # SGLang's own spread: the plain server again, one request at a time (other batch shapes, other
         # kernel splits). bf16 near-ties flip there too; FreeKV should agree with plain about as often.
         # The comparison above stands if this second pass fails.
@@ -155,10 +171,11 @@ def main() -> None:
             div_margin = [None if i is None else round(margins[j][i], 4) for j, i in enumerate(first_diff)]
             result["plain_top2_margin_at_divergence"] = div_margin
             print(f"plain server's top-2 logprob margin where FreeKV diverged: {div_margin}")
-        fk_log = servers[1].log.read_text(errors="replace").splitlines()
-        result["freekv_log"] = [ln for ln in fk_log if "FreeKV" in ln][-10:]
-        for ln in result["freekv_log"]:
-            print(ln)
+        for s in servers[1:]:
+            fk_log = s.log.read_text(errors="replace").splitlines()
+            result[f"{s.name}_log"] = [ln for ln in fk_log if "FreeKV" in ln][-10:]
+            for ln in result[f"{s.name}_log"]:
+                print(f"[{s.name}] {ln}")
     finally:
         for s in servers:
             s.stop()
