@@ -32,6 +32,8 @@ Configurations (FreeKV: budget 2048, sink 128, window 512 unless --freekv-args s
               returning (a real model's share: 0.55-0.67 / 0.60-0.70)
   realistic-early  realistic-victim with --kv-correct-at previous_mlp: the 0.3 corrected one layer early, 0.05 of
               the checks left after the QKV projection (--kv-bench-late-correction-rate 0.05; SmolLM2-135M: 0.048-0.056)
+  realistic-predicted  realistic-victim with --kv-correct-at previous_mlp_only: the 0.3 corrected one layer early,
+              nothing of the correction on the critical path
   long-input-victim  realistic-victim at the paper's long-input setting: tau 0.8 (--kv-correction-threshold 0.8; the
               server default, 0.9, is the paper's long-generation one) and its correction rate replayed, 0.14
               (FreeKV's paper, Table 9, LongBench v2 at tau 0.8: Llama-3.1-8B 0.14, Qwen2.5-7B 0.09; SmolLM2-135M
@@ -109,6 +111,9 @@ CONFIGS = {
     # and 0.05 of the checks left to correct after the QKV projection (SmolLM2-135M: 0.048-0.056; session 50).
     "realistic-early": [*REALISTIC, "--kv-victim", "2048", "--kv-bench-returns", "0.5", "--kv-correct-at",
                         "previous_mlp", "--kv-bench-late-correction-rate", "0.05"],
+    # The same 0.3 corrected one layer early and nothing after the QKV projection (--kv-correct-at previous_mlp_only).
+    "realistic-predicted": [*REALISTIC, "--kv-victim", "2048", "--kv-bench-returns", "0.5", "--kv-correct-at",
+                            "previous_mlp_only"],
 }
 STATS = re.compile(r"FreeKV rank 0: (\d+) decode steps, correction rate ([\d.]+) .*recall ([\d.]+) GB before "
                    r"attention \+ ([\d.]+) GB speculative(?:, victim cache (\d+) \+ (\d+) pages)?"

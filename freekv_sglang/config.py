@@ -37,7 +37,7 @@ DEFAULT_HYSTERESIS = 1.0
 # (freekv_kernels.fp8_rows).
 HOST_DTYPES = ("auto", "fp8_e4m3")
 SPECULATE_AT = ("attention", "next_recall")
-CORRECT_AT = ("layer", "previous_mlp")
+CORRECT_AT = ("layer", "previous_mlp", "previous_mlp_only")
 # FastKV's observation window: the last prompt tokens, whose queries score the prompt and which always propagate
 # (freekv_kernels.tsp_select.WINDOW; a test keeps the two equal).
 TSP_WINDOW = 8
@@ -150,6 +150,13 @@ class FreeKVConfig:
         7.5K: predicted queries 0.96-0.97 cosine to the real ones, previous steps' 0.83-0.86; 5% of heads corrected
         late against 32-74%, covered attention mass within 0.002 of the paper's correction). FreeKV's channels,
         means, quest and oracle selections, which score with the query itself (not the sketch's picks).
+        Served on an H200 (session 51) it is slower than "layer": the check after the projection costs nearly as much
+        with 5% of heads flagged as with 30% (its launches and stream hops, not its share of heads, set its length).
+        "previous_mlp_only": the correction one layer early alone, with no check after the QKV projection: nothing of
+        the correction stays on the critical path; a head whose predicted query missed its turn keeps last step's
+        selection for this step (session 50's study: attention mass within 0.002-0.003 of the paper's correction,
+        85-90% of what the correction adds over the speculative selection alone). The heads the prediction selects
+        are selected again with the real query after attention, as every head is.
     attention: how a served sparse layer attends. "backend" (default): through the wrapped backend's own decode kernel
         (FlashInfer's or SGLang's Triton one), one row per (request, KV head), so with a budget that covers the
         context the answers match a full-KV server token for token; it starts after the recall before attention.
@@ -291,8 +298,8 @@ class FreeKVConfig:
             raise ValueError(f"correct_at {self.correct_at!r} predicts queries within one engine's layers; with "
                              "prefill 'tsp' the layers after the TSP layer run in another: drop correct_at "
                              "(--kv-correct-at)")
-        early = self.correct_at == "previous_mlp"
-        if (self.replay_late_rate is not None) != (early and self.replay_correction_rate is not None):
+        late = self.correct_at == "previous_mlp"  # early corrections with a check after the projection
+        if (self.replay_late_rate is not None) != (late and self.replay_correction_rate is not None):
             raise ValueError("correct_at 'previous_mlp' replays its early corrections at replay_correction_rate "
                              "(--kv-bench-correction-rate) and the late ones at replay_late_rate "
                              "(--kv-bench-late-correction-rate): set both or neither, and the latter only with "
@@ -397,6 +404,17 @@ class FreeKVConfig:
         check): the sketch selection, and the rerank unless rerank_factor 0 rescores every page instead."""
         return self.retrieval == "freekv" and (self.selection == "sketch" or
                                                (self.selection == "rerank" and self.rerank_factor > 0))
+
+    @property
+    def anticipates(self) -> bool:
+        """Whether the correction runs one layer early (FreeKVEngine.anticipate): correct_at previous_mlp(_only)."""
+        return self.correct_at != "layer"
+
+    @property
+    def checks_late(self) -> bool:
+        """Whether the similarity check after the QKV projection corrects on the critical path (all but
+        correct_at previous_mlp_only)."""
+        return self.correct_at != "previous_mlp_only"
 
     def sketch_bytes(self, head_dim: int) -> int:
         """Code bytes (4 channels each) the sketch reads per KV head for a model of this head dim."""

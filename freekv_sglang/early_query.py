@@ -60,7 +60,7 @@ def _wrap_norm(forward, state: EarlyQuery, layer: int, predict: Predictor):
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise RuntimeError(f"decoder layer {layer - 1}'s post-attention norm returned no (normed, residual) "
                                    "pair: this model's layers do not follow SGLang's fused add-and-norm, which "
-                                   "--kv-correct-at previous_mlp reads the mid residual from")
+                                   "--kv-correct-at previous_mlp(_only) reads the mid residual from")
             state.target(layer, predict, (out[1], positions))  # out[1]: the residual with the attention's output
         return out
     return wrapped

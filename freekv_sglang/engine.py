@@ -281,11 +281,11 @@ class FreeKVEngine:
                            for d in self.dense]
         self._recall = [None if d else torch.zeros(R, H, k, dtype=torch.int8, device=self.device)
                         for d in self.dense]
-        # cfg.correct_at "previous_mlp": per sparse layer, by batch row, the heads anticipate() selected with the
-        # predicted query; and the event after that selection, per layer anticipated this step (attend waits for it).
+        # cfg.correct_at "previous_mlp"(_only): per sparse layer, by batch row, the heads anticipate() selected with the
+        # predicted query; and its events, per layer anticipated this step (attend waits for them).
         self._early_heads = [None if d or cfg.correct_at == "layer" or not self.retrieval else
                              torch.zeros(R, H, dtype=torch.bool, device=self.device) for d in self.dense]
-        self._anticipated: dict[int, torch.cuda.Event | None] = {}
+        self._anticipated: dict[int, tuple] = {}  # layer -> anticipate()'s events: selection committed, recalled
         self._held: list[tuple[torch.Tensor, ...]] = []  # anticipate()'s input copies, until the step's join
         # cfg.victim: per sparse layer the victim cache's entries (the logical page each holds, -1 empty) and their
         # insertion stamps by request slot, and the victim op of every (row, head, slot) recalled this step (by batch
@@ -844,16 +844,32 @@ class FreeKVEngine:
         # writes the step's K/V: into a sink or window page, which no selection or recall touches.
         kv = (k, v, kc, vc, plan.sparse_loc)
         early = self.retrieval and layer in self._anticipated
+        only = early and not self.cfg.checks_late  # anticipate() made the layer's only check
+        recalled = None
         if self.retrieval:
             if early:  # the check reads the previous queries and slots anticipate() wrote
-                st.wait(self._anticipated.pop(layer))
-            flags = self.selector.trigger(plan, layer, q, self._now_heads[layer][:q.shape[0]], kv)
+                commit, recalled = self._anticipated.pop(layer)
+                st.wait(commit)
+            B, now = q.shape[0], self._now_heads[layer][:q.shape[0]]
+            if only:
+                # Stores q for the speculative selection after attention and writes the step's K/V; at tau 0 it flags
+                # nothing, as anticipate's check gave every row a previous query and filled every head's slots.
+                ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], 0.0,
+                                     self.shape.group, None, self.pad_slot, self.slot_table[layer], plan.n_slots, now,
+                                     kv=kv)
+                if self.cfg.replay_correction_rate is not None:
+                    now |= self._early_heads[layer][:B]  # benchmarks: as below, not churned twice in a step
+            else:
+                flags = self.selector.trigger(plan, layer, q, now, kv)
         else:
             ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
                                  self.shape.group, self._stat_sim[layer] if self.collect_stats else None, self.pad_slot,
                                  kv=kv)
         e_q = e_sel = e_now = st.record() if self.retrieval else None
-        if self.retrieval:
+        if only:
+            e_now = recalled  # the slot table was final at anticipate's commit
+            self._flush_speculation(e_sel)
+        elif self.retrieval:
             with st.on("select"):
                 st.wait(e_q)
                 self._select(plan, layer, q, PHASE_NOW, flags)
@@ -861,8 +877,7 @@ class FreeKVEngine:
                     # Benchmarks: the heads corrected early are not reselected after attention. A real model's
                     # reselection with the real query (~0.96 cosine to the predicted one) changes little, where the
                     # replay would churn them again with the same draws (and bring back what it just evicted).
-                    B = q.shape[0]
-                    self._now_heads[layer][:B] |= self._early_heads[layer][:B]
+                    now |= self._early_heads[layer][:B]
                 e_sel = st.record()
                 self._recall_phase(plan, layer, PHASE_NOW)
                 e_now = st.record()
@@ -884,22 +899,25 @@ class FreeKVEngine:
 
     def anticipate(self, plan: StepPlan, layer: int, predict: Callable[..., torch.Tensor],
                    inputs: tuple[torch.Tensor, ...] = ()) -> None:
-        """cfg.correct_at "previous_mlp": predict(*inputs) -> [B, Hq, D], a prediction of sparse layer `layer`'s query
-        this step, made while the layer before runs its MLP (from that layer's mid residual); it is called on the
-        select stream, so its projection runs beside that MLP too. `inputs` (the tensors it reads) are copied on the
-        caller's stream first and held until the step's join: the next layer's fused add-and-norm overwrites
+        """cfg.correct_at "previous_mlp"(_only): predict(*inputs) -> [B, Hq, D], a prediction of sparse layer `layer`'s
+        query this step, made while the layer before runs its MLP (from that layer's mid residual); it is called on
+        the select stream, so its projection runs beside that MLP too. `inputs` (the tensors it reads) are copied on
+        the caller's stream first and held until the step's join: the next layer's fused add-and-norm overwrites
         SGLang's residual in place, and a tensor freed on the caller's stream could be reused while the select stream
-        still reads it. There the heads whose predicted query turned (group-mean
-        cosine to the previous query below tau) select with it and recall now,
-        off the critical path; their previous query becomes the predicted one, which their selection now follows.
+        still reads it. There the heads whose predicted query turned (group-mean cosine to the previous query below
+        tau) select with it and recall now, off the critical path.
+        "previous_mlp": their previous query becomes the predicted one, which their selection now follows;
         attend(layer)'s check then compares the real query with the query each head's selection was made with, so
-        it corrects only the heads the prediction missed, and the speculative selection after attention stores the
-        real query as before. Rows without a previous query are left to that check. Call before attend(layer)."""
+        it corrects only the heads the prediction missed. Rows without a previous query are left to that check.
+        "previous_mlp_only": this is the layer's only check (the paper's, with the predicted query: rows without a
+        previous query and heads with slots to fill select too, and it keeps the statistics attend's check keeps
+        otherwise); attend(layer) only waits for its recall.
+        Either way the speculative selection after attention selects with the real query. Call before attend(layer)."""
         if self._early_heads[layer] is None:
             got = "a dense layer" if self.dense[layer] else "no retrieval" if not self.retrieval else \
                 repr(self.cfg.correct_at)
             raise ValueError(f"layer {layer}: anticipate needs a sparse layer with retrieval and correct_at "
-                             f"'previous_mlp', got {got}")
+                             f"'previous_mlp' or 'previous_mlp_only', got {got}")
         G, st = self.shape.group, self.streams
         inputs = tuple(t.clone() for t in inputs)
         self._held.append(inputs)
@@ -908,17 +926,24 @@ class FreeKVEngine:
             st.wait(e)
             q = predict(*inputs)
             B = q.shape[0]
-            # The turn test in query_similarity's early mode: only flagged heads' previous queries become q.
             replay = None  # benchmarks: drawn at the replayed rate (the prediction is still made, as its cost is real)
             if self.cfg.replay_correction_rate is not None:
                 replay = (self._replay_u[layer, :B], self.cfg.replay_correction_rate)
-            flags = self.ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], self.tau,
-                                              G, self._stat_early[layer:layer + 1] if self.collect_stats else None,
-                                              self.pad_slot, replay=replay, early=True,
-                                              out=self._early_heads[layer][:B])
-            self._select(plan, layer, q, PHASE_NOW, flags, heads=flags)
-            self._anticipated[layer] = st.record()
+            heads = self._early_heads[layer][:B]
+            if self.cfg.checks_late:  # query_similarity's early mode: only flagged heads' previous queries become q
+                flags = self.ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer],
+                                                  self.tau, G,
+                                                  self._stat_early[layer:layer + 1] if self.collect_stats else None,
+                                                  self.pad_slot, replay=replay, early=True, out=heads)
+            else:
+                flags = self.ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer],
+                                                  self.tau, G, self._stat_sim[layer] if self.collect_stats else None,
+                                                  self.pad_slot, self.slot_table[layer], plan.n_slots, heads,
+                                                  replay=replay)
+            self._select(plan, layer, q, PHASE_NOW, flags, heads=heads)
+            commit = st.record()
             self._recall_phase(plan, layer, PHASE_NOW)
+            self._anticipated[layer] = (commit, st.record())
 
     def _after_attention(self, plan: StepPlan, layer: int, anchor: torch.cuda.Event | None) -> None:
         """A layer's side-stream work after its attention, once `anchor` (recorded after that attention) is reached:
@@ -1066,20 +1091,23 @@ class FreeKVEngine:
         # Bytes one KV head's page reads from the host: a one-layer, one-head arena page (FP8 rows' exponents included).
         chunk = ArenaGeometry(1, 1, self.cfg.page_size, self.shape.head_dim, self.host.arena.dtype).page_bytes
         flags, cos, cos_n = snap.sim.T.tolist()
+        early = snap.early.tolist()
+        if not self.cfg.checks_late:  # anticipate() made the only check, counted as attend's otherwise: none late
+            flags, early = [0.0] * len(flags), flags
         placed_now, placed_later, hits_now, hits_later = snap.recall.T.tolist()
         now = [a - b for a, b in zip(placed_now, hits_now)]
         later = [a - b for a, b in zip(placed_later, hits_later)]
         return {
             "steps": snap.steps,
             "correction_rate": {layer: flags[layer] / checks for layer in layers},
-            "early_correction_rate": {layer: float(snap.early[layer]) / checks for layer in layers},
+            "early_correction_rate": {layer: early[layer] / checks for layer in layers},
             "mean_cosine": {layer: cos[layer] / max(cos_n[layer], 1) for layer in layers},
             "recall_bytes_now": sum(now[layer] for layer in layers) * chunk,
             "recall_bytes_speculative": sum(later[layer] for layer in layers) * chunk,
             "recall_page_bytes": chunk,
             "checks": snap.checks * len(layers),
             "flagged": round(sum(flags[layer] for layer in layers)),
-            "flagged_early": round(sum(float(snap.early[layer]) for layer in layers)),
+            "flagged_early": round(sum(early[layer] for layer in layers)),
             "recall_pages_now": round(sum(now[layer] for layer in layers)),
             "recall_pages_speculative": round(sum(later[layer] for layer in layers)),
             "victim_hits_now": round(sum(hits_now[layer] for layer in layers)),

@@ -200,7 +200,9 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="where the correction starts: 'layer' after the layer's QKV projection (the paper's); "
                         "'previous_mlp' also one layer early, from a query predicted off the previous layer's mid "
                         "residual while its MLP runs, so the check after the projection corrects only the heads the "
-                        f"prediction missed (default {_DEFAULTS.correct_at})")
+                        "prediction missed (slower than 'layer' on an H200, session 51); 'previous_mlp_only' one layer "
+                        "early alone, with nothing of the correction on the critical path (a head the prediction "
+                        f"misses keeps last step's selection for the step) (default {_DEFAULTS.correct_at})")
     g.add_argument("--kv-attention", choices=ATTENTIONS, default=None,
                    help="sparse layers' attention: 'backend' through the attention backend's decode kernel (exact "
                         "as full KV when the budget covers the context; waits for the correction's recall), "

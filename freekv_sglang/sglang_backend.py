@@ -139,10 +139,10 @@ class FreeKVAttnBackend(AttentionBackend):
         else:
             self.engine = FreeKVEngine(cfg, shape, host_pool=host, **kw)
         self.split = cfg.tsp_layer + 1 if self.late is not None else shape.num_layers  # first layer of `late`
-        if cfg.correct_at == "previous_mlp":  # the wrapped decoder layers hand each sparse layer's predicted query
+        if cfg.anticipates:  # the wrapped decoder layers hand each sparse layer's predicted query
             early = getattr(runner, "_freekv_early", None)
             if early is None:
-                raise RuntimeError("--kv-correct-at previous_mlp: the model's decoder layers are not wrapped to "
+                raise RuntimeError(f"--kv-correct-at {cfg.correct_at}: the model's decoder layers are not wrapped to "
                                    "predict queries (freekv_patches' model-runner hook did not run)")
             early.target = self._anticipate
         self._tsp_rows: list[tuple[int, int]] = []  # this extend batch's (slot, prompt tokens), in batch order

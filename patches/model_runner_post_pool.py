@@ -11,7 +11,7 @@ the attention backends are built and the CUDA graphs captured. With FreeKV on it
   - marks the ReqToTokenPool so the free() hook reports freed slots, and gives ForwardBatch class-level None
     defaults for _freekv_req_slots_cpu / _freekv_raw_bs / _freekv_prefill_done_cpu (batches no hook saw read
     None, not AttributeError);
-  - with --kv-correct-at previous_mlp, wraps the decoder layers and their post-attention norms so each sparse layer's
+  - with --kv-correct-at previous_mlp(_only), wraps the decoder layers and their post-attention norms so each sparse layer's
     query is predicted from the previous layer's mid residual (freekv_sglang.early_query; state on the runner,
     runner._freekv_early, for the FreeKV backend): the next layer's input norm, the Q rows of its qkv_proj and its
     rotary embedding, as Llama's and Qwen2's attention hold them; unquantized weights and no QK norm;
@@ -76,8 +76,8 @@ def hook(result, self):
         server_args._freekv = settings = settings.with_endpoint(endpoint)
     if settings.config.prefill == "tsp":
         _install_tsp(self, settings.config.tsp_layer)
-    if settings.config.correct_at == "previous_mlp":
-        _install_early(self, settings.config.dense_layers)
+    if settings.config.anticipates:
+        _install_early(self, settings.config.dense_layers, settings.config.correct_at)
     pool = getattr(self, "req_to_token_pool", None)
     if pool is not None:
         pool._freekv_enabled = True
@@ -115,7 +115,7 @@ def _install_tsp(runner, tsp_layer: int) -> None:
     install(layers, tsp_layer, state)
 
 
-def _install_early(runner, dense_layers: int) -> None:
+def _install_early(runner, dense_layers: int, correct_at: str) -> None:
     import inspect
 
     import torch
@@ -124,7 +124,8 @@ def _install_early(runner, dense_layers: int) -> None:
     from freekv_sglang.early_query import EarlyQuery, install
     from freekv_sglang.server_args import FreeKVArgsError
 
-    layers = _whole_layers(runner, "--kv-correct-at previous_mlp", "--kv-correct-at")
+    flag = f"--kv-correct-at {correct_at}"
+    layers = _whole_layers(runner, flag, "--kv-correct-at")
     model = runner.model
 
     def fused_norm(layer) -> bool:  # SGLang's Llama/Qwen2 call: the post-attention norm adds the residual itself
@@ -135,7 +136,7 @@ def _install_early(runner, dense_layers: int) -> None:
 
     def predictor(j: int):
         if not fused_norm(layers[j - 1]):
-            raise FreeKVArgsError(f"--kv-correct-at previous_mlp: decoder layer {j - 1} of {type(model).__name__} "
+            raise FreeKVArgsError(f"{flag}: decoder layer {j - 1} of {type(model).__name__} "
                                   "does not call its post-attention norm with the residual (SGLang's fused "
                                   "add-and-norm, which gives the mid residual the prediction reads): drop "
                                   "--kv-correct-at")
@@ -146,17 +147,17 @@ def _install_early(runner, dense_layers: int) -> None:
         if norm is None or rope is None or q_size is None or getattr(attn, "kv_size", None) is None or \
                 not isinstance(weight, torch.Tensor) or \
                 not hasattr(layers[j - 1], "post_attention_layernorm"):
-            raise FreeKVArgsError(f"--kv-correct-at previous_mlp: decoder layer {j} of {type(model).__name__} has "
+            raise FreeKVArgsError(f"{flag}: decoder layer {j} of {type(model).__name__} has "
                                   "no input_layernorm, self_attn.qkv_proj.weight, q_size, kv_size and rotary_emb as "
                                   "Llama's "
                                   "and Qwen2's do, to predict its query from; drop --kv-correct-at")
         if not weight.is_floating_point() or weight.element_size() < 2 or \
                 type(getattr(qkv, "quant_method", None)).__name__ not in ("UnquantizedLinearMethod", "NoneType"):
-            raise FreeKVArgsError(f"--kv-correct-at previous_mlp: decoder layer {j}'s QKV projection is quantized "
+            raise FreeKVArgsError(f"{flag}: decoder layer {j}'s QKV projection is quantized "
                                   f"({weight.dtype}); its query is predicted from unquantized weights only: drop "
                                   "--kv-correct-at")
         if getattr(attn, "q_norm", None) is not None:
-            raise FreeKVArgsError(f"--kv-correct-at previous_mlp: decoder layer {j} normalises its queries (QK "
+            raise FreeKVArgsError(f"{flag}: decoder layer {j} normalises its queries (QK "
                                   "norm), which the prediction does not: drop --kv-correct-at")
         w = weight[:q_size]
         bias = getattr(qkv, "bias", None)

@@ -58,8 +58,9 @@ def parser() -> argparse.ArgumentParser:
                     help="comma-separated hysteresis values: rerank, sketch and means once per value, labelled /hH "
                          "(default: FreeKVConfig's, unlabelled)")
     ap.add_argument("--correct-at", default=None,
-                    help="comma-separated FreeKVConfig.correct_at values (layer, previous_mlp): channels and means "
-                         "once per value, previous_mlp labelled /early (default: FreeKVConfig's, unlabelled)")
+                    help="comma-separated FreeKVConfig.correct_at values (layer, previous_mlp, previous_mlp_only): "
+                         "channels and means once per value, previous_mlp labelled /early, previous_mlp_only "
+                         "/predicted (default: FreeKVConfig's, unlabelled)")
     ap.add_argument("--kv-prefill", default="full",
                     help="comma-separated from full, tsp: tsp runs every method after FastKV's token-selective "
                          "propagation too, once per --kv-tsp-keep")

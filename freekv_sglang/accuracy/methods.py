@@ -80,6 +80,8 @@ class MethodSpec:
                             **({} if self.correct_at is None else {"correct_at": self.correct_at}))
 
 
+# Labels of the correction one layer early (correct_at), after the method's.
+EARLY_LABELS = {"previous_mlp": "/early", "previous_mlp_only": "/predicted"}
 METHOD_NAMES = ("dense", "oracle", "rerank", "sketch", "means", "channels", "quest", "louiskv", "streaming")
 
 
@@ -89,7 +91,7 @@ def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None
                   correct_at: list[str] | None = None) -> list[MethodSpec]:
     """'dense,oracle,rerank,sketch,means,channels,quest,louiskv,streaming' -> specs; rerank, sketch, means and
     channels expand to one spec per tau and, when given, per hysteresis (labelled /hH) and per correct_at (labelled
-    /early for "previous_mlp")."""
+    as EARLY_LABELS says)."""
     out: list[MethodSpec] = []
     for name in [s.strip() for s in spec.split(",") if s.strip()]:
         if name == "dense":
@@ -99,7 +101,7 @@ def parse_methods(spec: str, taus: list[float], rerank_factor: int | None = None
             channels = sketch_channels if name in ("rerank", "sketch", "channels") else None
             label = name if factor is None else f"{name}/{factor}"  # rerank/N: N x budget candidates, 0 every page
             label += "" if channels is None else f"/c{channels}"  # the sketch's channels
-            out.extend(MethodSpec(f"{label}{'' if h is None else f'/h{h:g}'}{'/early' if at == 'previous_mlp' else ''}"
+            out.extend(MethodSpec(f"{label}{'' if h is None else f'/h{h:g}'}{EARLY_LABELS.get(at, '')}"
                                   f"(tau={t:g})", "freekv", tau=t, selection=name, rerank_factor=factor,
                                   sketch_channels=channels, hysteresis=h, correct_at=at)
                        for h in (hysteresis or [None]) for at in (correct_at or [None]) for t in taus)

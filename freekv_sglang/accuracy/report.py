@@ -155,7 +155,7 @@ def depth_table(summary: dict) -> str:
 
 def correction_table(summary: dict) -> str:
     """Markdown: mean correction rate over sparse layers per method (rows) and (length, budget); with early
-    corrections (correct_at "previous_mlp") the late ones, on the critical path, then the early ones."""
+    corrections (correct_at "previous_mlp"(_only)) the late ones, on the critical path, then the early ones."""
     st = [s for s in summary["engine_stats"] if s["method"] != "streaming"]
     if not st:
         return "(no engine statistics)"

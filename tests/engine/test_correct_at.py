@@ -1,6 +1,7 @@
 """cfg.correct_at "previous_mlp": FreeKVEngine.anticipate selects the heads whose predicted query turned one layer
 early, and attend's check corrects against the query each head's selection follows: a perfect prediction leaves
-nothing to correct on the critical path and attends as the paper's correction does; a wrong one is corrected there."""
+nothing to correct on the critical path and attends as the paper's correction does; a wrong one is corrected there.
+"previous_mlp_only": anticipate's check is the only one; a wrong prediction is not corrected before attention."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def make_engine(cfg: FreeKVConfig) -> FreeKVEngine:
 
 def decode(engines, predict, slots, steps):
     """Steps of the slots plus a padding row, the same random queries and K/V in every engine; an engine with
-    correct_at "previous_mlp" is handed predict(q) for each sparse layer before attending it. Each step the outputs
+    correct_at "previous_mlp"(_only) is handed predict(q) for each sparse layer before attending it. Each step the outputs
     (real rows) and the pages each head's slots hold must match the first engine's. Returns every engine's
     statistics."""
     shape, n = engines[0].shape, len(slots)
@@ -37,7 +38,7 @@ def decode(engines, predict, slots, steps):
         for e in engines:
             plan, out = e.begin_step(slots, pad_to=n + 1), []
             for layer in range(L):
-                if e.cfg.correct_at == "previous_mlp" and not e.dense[layer]:
+                if e.cfg.anticipates and not e.dense[layer]:
                     e.anticipate(plan, layer, predict, (q[layer],))
                 out.append(e.attend(plan, layer, q[layer], kv[0, layer], kv[1, layer]))
             e.end_step()
@@ -80,11 +81,67 @@ def test_a_wrong_prediction_is_corrected_before_attention(prefill_alike):
     assert early["recall_pages_now"] > late["recall_pages_now"]  # the predicted selection's pages, recalled in vain
 
 
+@pytest.mark.parametrize("selection", ["channels", "means"])
+def test_a_perfect_prediction_alone_attends_as_the_paper(selection, prefill_alike):
+    """previous_mlp_only with predicted queries equal to the real ones: anticipate's check is the paper's, made one
+    layer early, so the outputs and slots match the paper's every step; nothing is flagged after the projection, and
+    the same pages are recalled before attention (off the critical path now)."""
+    cfg = dataclasses.replace(CFG, selection=selection)
+    engines = [make_engine(dataclasses.replace(cfg, correct_at=at)) for at in ("layer", "previous_mlp_only")]
+    torch.manual_seed(5)
+    slots = prefill_alike(engines, [200, 90], device=DEV)
+    first = [e.stats() for e in engines]
+    paper, only = decode(engines, lambda q: q, slots, 12)
+    assert only["flagged_early"] - first[1]["flagged_early"] == paper["flagged"] - first[0]["flagged"] > 0
+    assert only["flagged"] == 0
+    assert only["recall_pages_now"] == paper["recall_pages_now"] > 0
+
+
+def test_a_wrong_prediction_alone_is_not_corrected(prefill_alike):
+    """previous_mlp_only with predicted queries unrelated to the real ones, every head turned (tau 1): every head
+    selects with the prediction one layer early and attends with that selection (no check after the projection), so
+    the outputs leave the paper's; previous_mlp, with the same predictions, corrects them back."""
+    cfg = dataclasses.replace(CFG, tau=1.0, hysteresis=0.0)
+    stats = {}
+    for at in ("previous_mlp", "previous_mlp_only"):
+        engines = [make_engine(dataclasses.replace(cfg, correct_at=c)) for c in ("layer", at)]
+        torch.manual_seed(6)  # the same prompts, queries and predictions for both pairs
+        slots = prefill_alike(engines, [200, 90], device=DEV)
+        gen = torch.Generator(device=DEV).manual_seed(1)
+
+        def predict(q):
+            return torch.randn(q.shape, generator=gen, device=q.device)
+
+        if at == "previous_mlp":
+            stats[at] = decode(engines, predict, slots, 6)[1]  # attends as the paper's correction: checked inside
+        else:
+            with pytest.raises(AssertionError):
+                decode(engines, predict, slots, 6)
+            stats[at] = engines[1].stats()
+    assert stats["previous_mlp"]["flagged"] > 0
+    only = stats["previous_mlp_only"]
+    assert only["flagged"] == 0 and only["flagged_early"] == only["checks"] > 0
+
+
+def test_replayed_early_rate_alone(prefill_alike):
+    """Benchmarks, previous_mlp_only: anticipate flags at replay_correction_rate, nothing after the projection."""
+    cfg = dataclasses.replace(CFG, selection="means", correct_at="previous_mlp_only", replay_correction_rate=0.3)
+    eng = make_engine(cfg)
+    torch.manual_seed(7)
+    slots = prefill_alike([eng], [200, 90, 150], device=DEV)
+    before = eng.stats()
+    decode([eng], lambda q: q, slots, 60)
+    st = eng.stats()
+    checks = st["checks"] - before["checks"]
+    assert abs((st["flagged_early"] - before["flagged_early"]) / checks - 0.3) < 0.04
+    assert st["flagged"] == 0
+
+
 def test_anticipate_needs_the_previous_mlp_correction_and_a_sparse_layer(prefill_alike):
     eng = make_engine(CFG)
     slots = prefill_alike([eng], [100], device=DEV)
     plan, q = eng.begin_step(slots), torch.randn(1, 6, 32, device=DEV)
-    with pytest.raises(ValueError, match="correct_at 'previous_mlp', got 'layer'"):
+    with pytest.raises(ValueError, match="correct_at 'previous_mlp' or 'previous_mlp_only', got 'layer'"):
         eng.anticipate(plan, 1, lambda x: x, (q,))
     eng = make_engine(dataclasses.replace(CFG, correct_at="previous_mlp"))
     slots = prefill_alike([eng], [100], device=DEV)
@@ -93,12 +150,13 @@ def test_anticipate_needs_the_previous_mlp_correction_and_a_sparse_layer(prefill
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(correct_at="mlp"), "correct_at must be one of layer, previous_mlp"),
+    (dict(correct_at="mlp"), "correct_at must be one of layer, previous_mlp, previous_mlp_only"),
     (dict(correct_at="previous_mlp", selection="sketch"), "not 'sketch'"),
     (dict(correct_at="previous_mlp", retrieval="louiskv"), "retrieval .louiskv. does not run"),
     (dict(correct_at="previous_mlp", replay_correction_rate=0.3), "--kv-bench-late-correction-rate"),
     (dict(replay_correction_rate=0.3, replay_late_rate=0.05), "only with --kv-correct-at previous_mlp"),
     (dict(correct_at="previous_mlp", replay_late_rate=0.05), "set both or neither"),
+    (dict(correct_at="previous_mlp_only", replay_correction_rate=0.3, replay_late_rate=0.05), "only with"),
     (dict(correct_at="previous_mlp", replay_correction_rate=0.3, replay_late_rate=1.5), "replay_late_rate must be"),
 ])
 def test_refused_settings(change, match):

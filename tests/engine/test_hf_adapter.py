@@ -80,7 +80,8 @@ def test_the_previous_mlp_correction_predicts_each_layers_query(mlp):
     """correct_at "previous_mlp": every step each sparse layer gets a query predicted from the previous layer's mid
     residual. With the MLPs zeroed that residual is the layer's input, so the prediction is the real query (its norm,
     projection and rotation right): the tokens are the paper's correction's, its corrections all made one layer
-    early, and the check after the projection finds nothing left to correct."""
+    early, and the check after the projection finds nothing left to correct. previous_mlp_only, which has no such
+    check, then gives the same tokens too."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(3)
@@ -93,7 +94,7 @@ def test_the_previous_mlp_correction_predicts_each_layers_query(mlp):
             torch.nn.init.zeros_(layer.mlp.down_proj.weight)
     ids = torch.randint(0, 97, (400,)).tolist()
     runs = {}
-    for at in ("layer", "previous_mlp"):
+    for at in ("layer", "previous_mlp", "previous_mlp_only"):
         cfg = FreeKVConfig(budget=64, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="means",
                            correct_at=at)
         fm = FreeKVModel.build(model, cfg, max_requests=1, max_context=512)
@@ -104,6 +105,8 @@ def test_the_previous_mlp_correction_predicts_each_layers_query(mlp):
     (tokens, late, _), (early_tokens, early, calls) = runs["layer"], runs["previous_mlp"]
     assert calls == [1, 2, 3] * 5  # each sparse layer, each decode step (the first token is the prefill's)
     assert early["flagged_early"] > 0
+    only_tokens, only, only_calls = runs["previous_mlp_only"]
+    assert only_calls == calls and only["flagged"] == 0 and only["flagged_early"] > 0
     if mlp == "zero":
-        assert early_tokens == tokens
-        assert early["flagged"] == 0 and early["flagged_early"] == late["flagged"] > 0
+        assert early_tokens == tokens == only_tokens
+        assert early["flagged"] == 0 and early["flagged_early"] == late["flagged"] == only["flagged_early"] > 0

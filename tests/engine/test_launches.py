@@ -106,7 +106,7 @@ def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5,
             predicted = [q + 0.1 * torch.randn_like(q) for q, _, _ in inputs]
             rec.on = step == 2
             for layer in range(1, L):
-                if correct_at == "previous_mlp":  # the prediction, a given query (predict's own launches are the model's)
+                if correct_at != "layer":  # the prediction, a given query (predict's own launches are the model's)
                     eng.anticipate(plan, layer, lambda q: q, (predicted[layer],))
                 eng.attend(plan, layer, *inputs[layer], attention=attention if outside else None)
             rec.on = False
@@ -159,6 +159,20 @@ def test_early_correction_launches(monkeypatch):
         "compute": {"aten.clone": 1, "_query_similarity_kernel": 1, "_attend_kept_kernel": 1,
                     "_attend_recalled_kernel": 1},
         "select": {**{k: 2 * v for k, v in channels.items()}, "_query_similarity_kernel": 1},
+        "speculate": speculative(channels),
+        "recall": RECALL,
+    }
+
+
+def test_early_correction_alone_launches(monkeypatch):
+    """correct_at "previous_mlp_only": the early lane as above, and nothing of the correction on the compute stream's
+    path: the similarity check there only stores the query and writes the step's K/V."""
+    got = count_step(monkeypatch, selection="channels", head_dim=32, correct_at="previous_mlp_only")
+    channels = {"_channel_lse_kernel": 1, "_select_chain_kernel": 1, "_recall_pages_kernel": 1}
+    assert got == {
+        "compute": {"aten.clone": 1, "_query_similarity_kernel": 1, "_attend_kept_kernel": 1,
+                    "_attend_recalled_kernel": 1},
+        "select": {**channels, "_query_similarity_kernel": 1},
         "speculate": speculative(channels),
         "recall": RECALL,
     }

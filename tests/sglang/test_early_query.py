@@ -92,7 +92,7 @@ def test_decode_forwards_predict_each_sparse_layers_query():
     layers = torch.nn.ModuleList(Layer() for _ in range(4))
     runner = runner_of(layers)
     with torch.no_grad():
-        _install_early(runner, dense_layers=1)
+        _install_early(runner, dense_layers=1, correct_at="previous_mlp")
         calls = []
         runner._freekv_early.target = lambda layer, predict, inputs: calls.append((layer, predict(*inputs)))
         run(layers, decode=False)
@@ -106,7 +106,7 @@ def test_decode_forwards_predict_each_sparse_layers_query():
 def test_the_dense_layers_are_not_predicted():
     layers = torch.nn.ModuleList(Layer() for _ in range(4))
     runner = runner_of(layers)
-    _install_early(runner, dense_layers=2)
+    _install_early(runner, dense_layers=2, correct_at="previous_mlp")
     calls = []
     runner._freekv_early.target = lambda layer, predict, inputs: calls.append(layer)
     with torch.no_grad():
@@ -125,14 +125,14 @@ def test_layers_it_cannot_predict_are_refused(spoil, match):
     layers = torch.nn.ModuleList(Layer() for _ in range(3))
     spoil(layers[2])
     with pytest.raises(FreeKVArgsError, match=match) as e:
-        _install_early(runner_of(layers), dense_layers=1)
+        _install_early(runner_of(layers), dense_layers=1, correct_at="previous_mlp")
     assert "--kv-correct-at" in str(e.value)
 
 
 def test_layers_whose_norm_adds_no_residual_are_refused():
     layers = torch.nn.ModuleList([Layer(), UnfusedLayer(), Layer()])
     with pytest.raises(FreeKVArgsError, match="decoder layer 1 .* fused add-and-norm") as e:
-        _install_early(runner_of(layers), dense_layers=1)
+        _install_early(runner_of(layers), dense_layers=1, correct_at="previous_mlp")
     assert "--kv-correct-at" in str(e.value)
 
 
@@ -141,7 +141,7 @@ def test_a_norm_without_the_residual_pair_is_an_error():
     layers = torch.nn.ModuleList(Layer() for _ in range(3))
     layers[0].post_attention_layernorm.forward = lambda h, residual=None: h
     runner = runner_of(layers)
-    _install_early(runner, dense_layers=1)
+    _install_early(runner, dense_layers=1, correct_at="previous_mlp")
     state = runner._freekv_early
     state.target, state.positions = (lambda layer, predict, inputs: None), torch.arange(2)  # inside a decode forward
     with pytest.raises(RuntimeError, match="fused add-and-norm"):

@@ -529,13 +529,14 @@ def test_the_last_query_is_seeded_in_the_engines_dtype(daemon, monkeypatch):
     assert eng.has_prev[CFG.dense_layers:, [2, 4]].all() and not eng.has_prev[:CFG.dense_layers].any()
 
 
-def test_predicted_queries_reach_the_engine_in_decode_forwards(daemon):
-    """--kv-correct-at previous_mlp: the wrapped layers hand the backend each sparse layer's predicted query [T, Hq *
-    D] during a decode forward; the engine corrects with it one layer early. A perfect prediction attends as the
-    paper's correction does (a reference engine with correct_at "layer"), with every correction made early."""
+@pytest.mark.parametrize("correct_at", ["previous_mlp", "previous_mlp_only"])
+def test_predicted_queries_reach_the_engine_in_decode_forwards(daemon, correct_at):
+    """--kv-correct-at previous_mlp(_only): the wrapped layers hand the backend each sparse layer's predicted query
+    [T, Hq * D] during a decode forward; the engine corrects with it one layer early. A perfect prediction attends as
+    the paper's correction does (a reference engine with correct_at "layer"), with every correction made early."""
     from freekv_sglang.early_query import EarlyQuery
 
-    cfg = dataclasses.replace(CFG, selection="means", correct_at="previous_mlp")
+    cfg = dataclasses.replace(CFG, selection="means", correct_at=correct_at)
     with pytest.raises(RuntimeError, match="not wrapped to predict queries"):
         make_backend(daemon, cfg=cfg)
     early = EarlyQuery()

@@ -47,6 +47,8 @@ def test_freekv_settings_reach_server_args(prepare):
     assert prepare([*FREEKV, "--kv-recall-block", "8"])._freekv.config.recall_block == 8
     assert prepare([*FREEKV, "--kv-speculate-at", "next_recall"])._freekv.config.speculate_at == "next_recall"
     assert prepare([*FREEKV, "--kv-correct-at", "previous_mlp"])._freekv.config.correct_at == "previous_mlp"
+    only = prepare([*FREEKV, "--kv-correct-at", "previous_mlp_only", "--kv-bench-correction-rate", "0.3"])
+    assert (only._freekv.config.correct_at, only._freekv.config.replay_correction_rate) == ("previous_mlp_only", 0.3)
     early = prepare([*FREEKV, "--kv-correct-at", "previous_mlp", "--kv-bench-correction-rate", "0.3",
                      "--kv-bench-late-correction-rate", "0.05"])._freekv.config
     assert (early.replay_correction_rate, early.replay_late_rate) == (0.3, 0.05)
