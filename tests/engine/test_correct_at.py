@@ -185,12 +185,13 @@ def test_the_harness_table_gives_late_then_early_corrections():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_graph_replay_of_the_early_correction_equals_eager(prefill_alike):
+@pytest.mark.parametrize("correct_at", ["previous_mlp", "previous_mlp_only"])
+def test_graph_replay_of_the_early_correction_equals_eager(prefill_alike, correct_at):
     """A decode step that anticipates every sparse layer (the prediction's projection on the select stream), captured
     in a CUDA graph, replays like the same engine run eagerly: outputs, slots and early corrections."""
     H, G, D, L, bs = 2, 4, 64, 3, 4
     cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=0.8, dense_layers=1, selection="means",
-                       correct_at="previous_mlp")
+                       correct_at=correct_at)
     shape = ModelShape(L, H * G, H, D)
     eager, graphed = (FreeKVEngine(cfg, shape, max_requests=bs, max_context=2048, dtype=torch.bfloat16,
                                    device="cuda", backend="triton") for _ in range(2))
