@@ -112,6 +112,8 @@ CONFIGS = {
     "realistic-early": [*REALISTIC, "--kv-victim", "2048", "--kv-bench-returns", "0.5", "--kv-correct-at",
                         "previous_mlp", "--kv-bench-late-correction-rate", "0.05"],
     # The same 0.3 corrected one layer early and nothing after the QKV projection (--kv-correct-at previous_mlp_only).
+    # Replayed, the heads corrected early skip the speculative selection after attention (served, every head takes
+    # it), so this understates the speculate lane's scoring by up to 0.3 of it; the same holds for realistic-early.
     "realistic-predicted": [*REALISTIC, "--kv-victim", "2048", "--kv-bench-returns", "0.5", "--kv-correct-at",
                             "previous_mlp_only"],
 }

@@ -306,6 +306,8 @@ class FreeKVEngine:
         self._replay_u = None
         if (cfg.replay_correction_rate is not None or cfg.replay_churn is not None) and self.retrieval:
             self._replay_u = torch.ones(L, R, H, dtype=torch.float32, device=self.device)
+        # Replayed, a head corrected early is not selected again after attention: the draws would churn it twice.
+        self._replaying = self._replay_u is not None
         # cfg.replay_late_rate: the late check's own draws (anticipate's early flags take _replay_u's).
         self._replay_late = None if cfg.replay_late_rate is None or not self.retrieval else \
             torch.ones(L, R, H, dtype=torch.float32, device=self.device)
@@ -328,7 +330,9 @@ class FreeKVEngine:
         # Per layer, accumulated by select_slots: (page, head) chunks put into slots before attention, and after it;
         # then those of them taken from the victim cache instead of the host.
         self._stat_recall = torch.zeros(L, 4, **z)
-        self._stat_early = torch.zeros(L, **z)  # per layer: (row, KV head)s anticipate() selected
+        # Per layer, accumulated by anticipate(): as _stat_sim, of its checks of the predicted query (previous_mlp
+        # counts only the flagged ones: its check covers rows with a previous query, and attend's check follows).
+        self._stat_early = torch.zeros(L, 3, **z)
         self._stat_checks = 0  # (row, KV head) checks per sparse layer
         self._stat_steps = 0
 
@@ -857,7 +861,7 @@ class FreeKVEngine:
                 ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], 0.0,
                                      self.shape.group, None, self.pad_slot, self.slot_table[layer], plan.n_slots, now,
                                      kv=kv)
-                if self.cfg.replay_correction_rate is not None:
+                if self._replaying:
                     now |= self._early_heads[layer][:B]  # benchmarks: as below, not churned twice in a step
             else:
                 flags = self.selector.trigger(plan, layer, q, now, kv)
@@ -873,7 +877,7 @@ class FreeKVEngine:
             with st.on("select"):
                 st.wait(e_q)
                 self._select(plan, layer, q, PHASE_NOW, flags)
-                if early and self.cfg.replay_late_rate is not None:
+                if early and self._replaying:
                     # Benchmarks: the heads corrected early are not reselected after attention. A real model's
                     # reselection with the real query (~0.96 cosine to the predicted one) changes little, where the
                     # replay would churn them again with the same draws (and bring back what it just evicted).
@@ -933,11 +937,11 @@ class FreeKVEngine:
             if self.cfg.checks_late:  # query_similarity's early mode: only flagged heads' previous queries become q
                 flags = self.ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer],
                                                   self.tau, G,
-                                                  self._stat_early[layer:layer + 1] if self.collect_stats else None,
+                                                  self._stat_early[layer, :1] if self.collect_stats else None,
                                                   self.pad_slot, replay=replay, early=True, out=heads)
             else:
                 flags = self.ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer],
-                                                  self.tau, G, self._stat_sim[layer] if self.collect_stats else None,
+                                                  self.tau, G, self._stat_early[layer] if self.collect_stats else None,
                                                   self.pad_slot, self.slot_table[layer], plan.n_slots, heads,
                                                   replay=replay)
             self._select(plan, layer, q, PHASE_NOW, flags, heads=heads)
@@ -1034,6 +1038,8 @@ class FreeKVEngine:
             timer.mark(layer, phase, 3)
 
     def end_step(self) -> None:
+        if self._anticipated:
+            raise RuntimeError(f"layers {sorted(self._anticipated)} were anticipated this step but not attended")
         self._flush_speculation()
         self.streams.join()
         self._held.clear()  # the side streams that read them are joined
@@ -1091,9 +1097,9 @@ class FreeKVEngine:
         # Bytes one KV head's page reads from the host: a one-layer, one-head arena page (FP8 rows' exponents included).
         chunk = ArenaGeometry(1, 1, self.cfg.page_size, self.shape.head_dim, self.host.arena.dtype).page_bytes
         flags, cos, cos_n = snap.sim.T.tolist()
-        early = snap.early.tolist()
-        if not self.cfg.checks_late:  # anticipate() made the only check, counted as attend's otherwise: none late
-            flags, early = [0.0] * len(flags), flags
+        early, early_cos, early_n = snap.early.T.tolist()
+        # previous_mlp_only: the cosines of its anticipated layers are the predicted query's to the previous one.
+        cos, cos_n = [a + b for a, b in zip(cos, early_cos)], [a + b for a, b in zip(cos_n, early_n)]
         placed_now, placed_later, hits_now, hits_later = snap.recall.T.tolist()
         now = [a - b for a, b in zip(placed_now, hits_now)]
         later = [a - b for a, b in zip(placed_later, hits_later)]

@@ -287,3 +287,50 @@ def test_replayed_early_heads_are_not_churned_again_after_attention(early_rate, 
     speculative = st["recall_pages_speculative"] - before["recall_pages_speculative"]
     assert (speculative == 0) == (early_rate == 1.0)
     assert (st["flagged_early"] - before["flagged_early"] == st["checks"] - before["checks"]) == (early_rate == 1.0)
+
+
+@pytest.mark.parametrize("at", ["previous_mlp", "previous_mlp_only"])
+def test_replayed_churn_alone_does_not_churn_early_heads_twice(at, prefill_alike):
+    """Benchmarks with the churn replayed and the flags by tau (1: every head turns): the heads anticipate selected
+    are not selected again after attention, as in the replay of both rates; nothing is recalled speculatively."""
+    cfg = dataclasses.replace(CFG, selection="means", correct_at=at, tau=1.0, replay_churn=0.5)
+    eng = make_engine(cfg)
+    torch.manual_seed(9)
+    slots = prefill_alike([eng], [300, 260], device=DEV)
+    before = eng.stats()
+    decode([eng], lambda q: q, slots, 4)
+    st = eng.stats()
+    assert st["recall_pages_speculative"] == before["recall_pages_speculative"]
+    assert st["flagged_early"] - before["flagged_early"] == st["checks"] - before["checks"] > 0
+
+
+def test_a_sparse_layer_that_is_not_anticipated_is_checked_after_its_projection(prefill_alike):
+    """previous_mlp_only with a sparse first layer, which nothing before it predicts: that layer's check stays after
+    its projection and its corrections are counted as such, the anticipated layers' as early ones."""
+    eng = make_engine(dataclasses.replace(CFG, selection="means", correct_at="previous_mlp_only", tau=1.0,
+                                          dense_layers=0))
+    torch.manual_seed(10)
+    slots = prefill_alike([eng], [200, 90], device=DEV)
+    n, (L, Hq, H, D) = len(slots), (4, 6, 2, 32)
+    before = eng.stats()
+    for _ in range(3):
+        plan = eng.begin_step(slots)
+        for layer in range(L):
+            q = torch.randn(n, Hq, D, device=DEV)
+            if layer:
+                eng.anticipate(plan, layer, lambda x: x, (q,))
+            eng.attend(plan, layer, q, *torch.randn(2, n, H, D, device=DEV))
+        eng.end_step()
+    st = eng.stats()
+    assert st["correction_rate"][0] == 1.0 and st["early_correction_rate"][0] == 0.0
+    assert all(st["correction_rate"][i] == 0.0 and st["early_correction_rate"][i] == 1.0 for i in (1, 2, 3))
+    assert st["flagged"] > before["flagged"]
+
+
+def test_a_layer_anticipated_but_not_attended_is_an_error(prefill_alike):
+    eng = make_engine(dataclasses.replace(CFG, selection="means", correct_at="previous_mlp_only"))
+    slots = prefill_alike([eng], [150], device=DEV)
+    plan = eng.begin_step(slots)
+    eng.anticipate(plan, 2, lambda x: x, (torch.randn(1, 6, 32, device=DEV),))
+    with pytest.raises(RuntimeError, match=r"layers \[2\] were anticipated this step but not attended"):
+        eng.end_step()
