@@ -1038,11 +1038,12 @@ class FreeKVEngine:
             timer.mark(layer, phase, 3)
 
     def end_step(self) -> None:
-        if self._anticipated:
-            raise RuntimeError(f"layers {sorted(self._anticipated)} were anticipated this step but not attended")
         self._flush_speculation()
         self.streams.join()
         self._held.clear()  # the side streams that read them are joined
+        if self._anticipated:  # cleared first: the next step must not wait on this one's events
+            left, self._anticipated = sorted(self._anticipated), {}
+            raise RuntimeError(f"layers {left} were anticipated this step but not attended")
 
     # ---- statistics --------------------------------------------------------------------------
 
