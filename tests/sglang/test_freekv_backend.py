@@ -104,7 +104,7 @@ class UnifiedInner(Inner):
 
 @pytest.fixture(scope="module")
 def daemon():
-    handle = start_embedded(arena_gb=0.15)  # every test keeps its backend connected
+    handle = start_embedded(arena_gb=0.2)  # every test keeps its backend connected
     yield handle
     handle.stop()
 
