@@ -51,19 +51,23 @@ def decode(engines, predict, slots, steps):
     return [e.stats() for e in engines]
 
 
+@pytest.mark.parametrize("at", ["previous_mlp", "previous_mlp_only"])
 @pytest.mark.parametrize("selection", ["channels", "means"])
-def test_a_perfect_prediction_corrects_early_what_the_layer_would(selection, prefill_alike):
+def test_a_perfect_prediction_corrects_early_what_the_layer_would(selection, at, prefill_alike):
     """Predicted queries equal to the real ones: the same outputs and slots every step, the early corrections are
-    the paper's corrections and none is left for the check after the projection (the first step's rows, which have
-    no previous query, excepted), and the same pages are recalled before attention."""
+    the paper's corrections and none is left for the check after the projection (previous_mlp: the first step's
+    rows, which have no previous query, excepted; previous_mlp_only has no such check), and the same pages are
+    recalled before attention."""
     cfg = dataclasses.replace(CFG, selection=selection)
-    engines = [make_engine(dataclasses.replace(cfg, correct_at=at)) for at in ("layer", "previous_mlp")]
+    engines = [make_engine(dataclasses.replace(cfg, correct_at=c)) for c in ("layer", at)]
     torch.manual_seed(5)
     slots = prefill_alike(engines, [200, 90], device=DEV)
     first = [e.stats() for e in engines]
     late, early = decode(engines, lambda q: q, slots, 12)
     assert early["flagged_early"] - first[1]["flagged_early"] == late["flagged"] - first[0]["flagged"] > 0
     assert early["flagged"] == first[1]["flagged"]
+    if at == "previous_mlp_only":
+        assert early["flagged"] == 0
     assert early["recall_pages_now"] == late["recall_pages_now"] > 0
     assert late["flagged_early"] == 0
 
@@ -79,22 +83,6 @@ def test_a_wrong_prediction_is_corrected_before_attention(prefill_alike):
     late, early = decode(engines, torch.randn_like, slots, 6)
     assert early["flagged"] == late["flagged"] > 0 and early["flagged_early"] > 0
     assert early["recall_pages_now"] > late["recall_pages_now"]  # the predicted selection's pages, recalled in vain
-
-
-@pytest.mark.parametrize("selection", ["channels", "means"])
-def test_a_perfect_prediction_alone_attends_as_the_paper(selection, prefill_alike):
-    """previous_mlp_only with predicted queries equal to the real ones: anticipate's check is the paper's, made one
-    layer early, so the outputs and slots match the paper's every step; nothing is flagged after the projection, and
-    the same pages are recalled before attention (off the critical path now)."""
-    cfg = dataclasses.replace(CFG, selection=selection)
-    engines = [make_engine(dataclasses.replace(cfg, correct_at=at)) for at in ("layer", "previous_mlp_only")]
-    torch.manual_seed(5)
-    slots = prefill_alike(engines, [200, 90], device=DEV)
-    first = [e.stats() for e in engines]
-    paper, only = decode(engines, lambda q: q, slots, 12)
-    assert only["flagged_early"] - first[1]["flagged_early"] == paper["flagged"] - first[0]["flagged"] > 0
-    assert only["flagged"] == 0
-    assert only["recall_pages_now"] == paper["recall_pages_now"] > 0
 
 
 def test_a_wrong_prediction_alone_is_not_corrected(prefill_alike):
