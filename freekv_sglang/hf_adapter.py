@@ -112,8 +112,9 @@ class FreeKVModel:
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
     def _anticipate(self, i: int, plans: dict, cos: torch.Tensor, sin: torch.Tensor):
-        """cfg.correct_at "previous_mlp"(_only): the call that predicts model layer i's query from the previous layer's mid
-        residual and hands it to its engine's anticipate (None where layer i corrects only after its projection)."""
+        """cfg.correct_at "previous_mlp"(_only): the call that predicts model layer i's query from the previous
+        layer's mid residual and hands it to its engine's anticipate (None where layer i corrects only after its
+        projection)."""
         if i >= len(self.layers):
             return None
         eng, local = self._layer(i)

@@ -11,10 +11,10 @@ the attention backends are built and the CUDA graphs captured. With FreeKV on it
   - marks the ReqToTokenPool so the free() hook reports freed slots, and gives ForwardBatch class-level None
     defaults for _freekv_req_slots_cpu / _freekv_raw_bs / _freekv_prefill_done_cpu (batches no hook saw read
     None, not AttributeError);
-  - with --kv-correct-at previous_mlp(_only), wraps the decoder layers and their post-attention norms so each sparse layer's
-    query is predicted from the previous layer's mid residual (freekv_sglang.early_query; state on the runner,
-    runner._freekv_early, for the FreeKV backend): the next layer's input norm, the Q rows of its qkv_proj and its
-    rotary embedding, as Llama's and Qwen2's attention hold them; unquantized weights and no QK norm;
+  - with --kv-correct-at previous_mlp(_only), wraps the decoder layers and their post-attention norms so each sparse
+    layer's query is predicted from the previous layer's mid residual (freekv_sglang.early_query; state on the
+    runner, runner._freekv_early, for the FreeKV backend): the next layer's input norm, the Q rows of its qkv_proj and
+    its rotary embedding, as Llama's and Qwen2's attention hold them; unquantized weights and no QK norm;
   - with --kv-prefill tsp (with FreeKV or alone), wraps the model's decoder layers (model.model.layers, called as Llama's and Qwen2's are)
     for token-selective propagation (freekv_sglang.tsp_propagation) and leaves their shared state on the runner
     (runner._freekv_tsp) for the FreeKV backend.

@@ -33,8 +33,9 @@ def _query_similarity_kernel(
 ):
     """One program per batch row: all Hq heads as [HP, GP, D] (KV head, head in group, dim). NB > 0: also the
     sketch's picks of the row's query (naive_sketch_picks), by request slot, for both selection phases. WRITE_KV:
-    also the row's new K and V token into its cache row loc[b]. REPLAY: flags from uniform draws u < rate. EARLY: q is a
-    prediction (naive_query_similarity's early): flags only where the slot has a previous query, prev_q only for them."""
+    also the row's new K and V token into its cache row loc[b]. REPLAY: flags from uniform draws u < rate. EARLY: q
+    is a prediction (naive_query_similarity's early): flags only where the slot has a previous query, prev_q only for
+    them."""
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + b * s_slot).to(tl.int64)
     h = tl.arange(0, HP)

@@ -26,8 +26,8 @@ def make_engine(cfg: FreeKVConfig) -> FreeKVEngine:
 
 def decode(engines, predict, slots, steps):
     """Steps of the slots plus a padding row, the same random queries and K/V in every engine; an engine with
-    correct_at "previous_mlp"(_only) is handed predict(q) for each sparse layer before attending it. Each step the outputs
-    (real rows) and the pages each head's slots hold must match the first engine's. Returns every engine's
+    correct_at "previous_mlp"(_only) is handed predict(q) for each sparse layer before attending it. Each step the
+    outputs (real rows) and the pages each head's slots hold must match the first engine's. Returns every engine's
     statistics."""
     shape, n = engines[0].shape, len(slots)
     L, Hq, H, D = shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_dim
