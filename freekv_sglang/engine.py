@@ -875,7 +875,7 @@ class FreeKVEngine:
             self._flush_speculation(e_sel)
         elif self.retrieval:
             with st.on("select"):
-                st.wait(e_q)
+                st.wait(e_q, recalled)  # the check's recall after anticipate's, whose slots it may reselect
                 self._select(plan, layer, q, PHASE_NOW, flags)
                 if early and self._replaying:
                     # Benchmarks: the heads corrected early are not reselected after attention. A real model's
@@ -905,7 +905,7 @@ class FreeKVEngine:
                    inputs: tuple[torch.Tensor, ...] = ()) -> None:
         """cfg.correct_at "previous_mlp"(_only): predict(*inputs) -> [B, Hq, D], a prediction of sparse layer `layer`'s
         query this step, made while the layer before runs its MLP (from that layer's mid residual); it is called on
-        the select stream, so its projection runs beside that MLP too. `inputs` (the tensors it reads) are copied on
+        the early stream (above the MLP's in priority), so its projection runs beside that MLP too. `inputs` (the tensors it reads) are copied on
         the caller's stream first and held until the step's join: the next layer's fused add-and-norm overwrites
         SGLang's residual in place, and a tensor freed on the caller's stream could be reused while the select stream
         still reads it. There the heads whose predicted query turned (group-mean cosine to the previous query below
@@ -926,7 +926,7 @@ class FreeKVEngine:
         inputs = tuple(t.clone() for t in inputs)
         self._held.append(inputs)
         e = st.record()
-        with st.on("select"):
+        with st.on("early"):
             st.wait(e)
             q = predict(*inputs)
             B = q.shape[0]

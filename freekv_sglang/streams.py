@@ -17,6 +17,11 @@ import torch
 # were dispatched ahead of that layer's recall and token lists (session 42: the chain 88 -> 124 us at 16 x 32K; at
 # -1, session 43: 93 us, the median step -3.1%).
 CRITICAL_PRIORITY = -1
+# The correction one layer early (--kv-correct-at previous_mlp(_only)) runs beside the previous layer's MLP, which
+# is on the critical stream: at the same priority its first kernels were dispatched only behind gate-up's CTAs, and
+# the lane took 230 us against the MLP's ~110 (session 51's trace), so attention waited for its recall. One level
+# above, its few small kernels take SMs as the MLP's CTAs retire. PyTorch has priorities 0 to -3.
+EARLY_PRIORITY = CRITICAL_PRIORITY - 1
 
 
 def critical_stream(device: torch.device | int) -> torch.cuda.Stream:
@@ -32,19 +37,21 @@ def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 class Streams:
     """compute: the caller's stream. select: selection and correction recall (on the critical path of
-    flagged heads), and the last sparse layer's speculative selection. speculate: the other layers' speculative
-    selection. recall: speculative recall, summaries and offload (off the critical path). The speculative selection
-    has its own stream so that layer l+1's runs while layer l's recall holds the link: on one stream the link idled
-    during every layer's selection."""
+    flagged heads), and the last sparse layer's speculative selection. early: the correction one layer early
+    (engine.anticipate), beside the previous layer's MLP. speculate: the other layers' speculative selection.
+    recall: speculative recall, summaries and offload (off the critical path). The speculative selection has its own
+    stream so that layer l+1's runs while layer l's recall holds the link: on one stream the link idled during every
+    layer's selection."""
 
-    NAMES = ("select", "speculate", "recall")
+    NAMES = ("select", "early", "speculate", "recall")
+    PRIORITIES = {"select": CRITICAL_PRIORITY, "early": EARLY_PRIORITY}  # the others at the default, 0
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._used: set[str] = set()  # the side streams given work since the last join
         if self.cuda:
-            for name in self.NAMES:  # select carries the correction chain, which attention waits for
-                setattr(self, name, critical_stream(device) if name == "select" else torch.cuda.Stream(device))
+            for name in self.NAMES:  # select and early carry the correction chains, which attention waits for
+                setattr(self, name, torch.cuda.Stream(device, priority=self.PRIORITIES.get(name, 0)))
 
     def record(self) -> torch.cuda.Event | None:
         if not self.cuda:

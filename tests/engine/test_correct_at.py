@@ -13,6 +13,7 @@ import torch
 from freekv_kernels.testing import device
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
+from freekv_sglang.streams import CRITICAL_PRIORITY, Streams
 
 DEV = device()
 CFG = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.05, dense_layers=1, victim=32)
@@ -172,10 +173,18 @@ def test_the_harness_table_gives_late_then_early_corrections():
     assert rows == ["| channels(tau=0.9) | 0.490 |", "| channels/early(tau=0.9) | 0.048 (early 0.500) |"]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stream priorities need a GPU")
+def test_the_early_lane_runs_above_the_critical_chain():
+    """The early stream's CTAs are dispatched ahead of the critical chain's (the MLP beside it), whose are ahead of
+    the speculative lanes': a priority that PyTorch clamped to the critical one would silently undo it."""
+    st = Streams(torch.device("cuda"))
+    assert st.early.priority < st.select.priority == CRITICAL_PRIORITY < st.speculate.priority == st.recall.priority
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("correct_at", ["previous_mlp", "previous_mlp_only"])
 def test_graph_replay_of_the_early_correction_equals_eager(prefill_alike, correct_at):
-    """A decode step that anticipates every sparse layer (the prediction's projection on the select stream), captured
+    """A decode step that anticipates every sparse layer (the prediction's projection on the early stream), captured
     in a CUDA graph, replays like the same engine run eagerly: outputs, slots and early corrections."""
     H, G, D, L, bs = 2, 4, 64, 3, 4
     cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=0.8, dense_layers=1, selection="means",

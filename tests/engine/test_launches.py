@@ -150,15 +150,16 @@ def speculative(select: dict) -> dict:
 
 def test_early_correction_launches(monkeypatch):
     """The correction one layer early (correct_at "previous_mlp"): anticipate copies its input on the compute stream,
-    then on the select stream one launch tests the predicted query's turn and moves the flagged heads' previous
+    then on the early stream one launch tests the predicted query's turn and moves the flagged heads' previous
     queries (query_similarity's early mode), the selection and the recall; attention's own check and chain follow
-    as without it."""
+    on the select stream as without it."""
     got = count_step(monkeypatch, selection="channels", head_dim=32, correct_at="previous_mlp")
     channels = {"_channel_lse_kernel": 1, "_select_chain_kernel": 1, "_recall_pages_kernel": 1}
     assert got == {
         "compute": {"aten.clone": 1, "_query_similarity_kernel": 1, "_attend_kept_kernel": 1,
                     "_attend_recalled_kernel": 1},
-        "select": {**{k: 2 * v for k, v in channels.items()}, "_query_similarity_kernel": 1},
+        "early": {**channels, "_query_similarity_kernel": 1},
+        "select": channels,
         "speculate": speculative(channels),
         "recall": RECALL,
     }
@@ -172,7 +173,7 @@ def test_early_correction_alone_launches(monkeypatch):
     assert got == {
         "compute": {"aten.clone": 1, "_query_similarity_kernel": 1, "_attend_kept_kernel": 1,
                     "_attend_recalled_kernel": 1},
-        "select": {**channels, "_query_similarity_kernel": 1},
+        "early": {**channels, "_query_similarity_kernel": 1},
         "speculate": speculative(channels),
         "recall": RECALL,
     }
