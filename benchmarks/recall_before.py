@@ -6,6 +6,9 @@ of flagged pairs (--flagged) and changed slots (--changed of a flagged pair's), 
 
   programs 0, block B   the launch served with --kv-recall-block B (0: one program per (row, head, slot), the
                         default; B: one per block of B slots, which walks its block's entries one after another)
+  programs P            the capped speculative recall, served with --kv-recall-programs P (32 by default): P
+                        programs, each walking whole (row, head) rows of slots one after another; time it as served
+                        with --flagged 1 (every head reselects after attention)
   flagged 0             the same launch with nothing to recall: what its grid alone costs
 
 and the link's own copy of as many bytes as a call reads from the host (one pinned copy_, the floor). Session 47's
@@ -14,6 +17,7 @@ registers (docs/results/session47/recall_sass.py), 4 to an SM, so the ~4,000 pro
 the SMs in ~8 waves, most of them exiting at once. Prints a table and writes JSON.
 
 python benchmarks/recall_before.py --shape qwen --batches 16,1 --out results/recall_before.json
+python benchmarks/recall_before.py --shape llama --batches 16 --flagged 1 --blocks 0 --programs 32,64
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ def main() -> None:
     ap.add_argument("--changed", type=float, default=0.15, help="changed share of a recalling pair's slots")
     ap.add_argument("--returns", type=float, default=0.5, help="share of the changed slots read from victim entries")
     ap.add_argument("--blocks", default="0,2,4,8,16", help="--kv-recall-block values, comma-separated")
+    ap.add_argument("--programs", default="", help="--kv-recall-programs values (the speculative recall's cap), "
+                    "comma-separated")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default="results/recall_before.json")
     args = ap.parse_args()
@@ -73,11 +79,12 @@ def main() -> None:
     layer, scales = arena.layer, arena.scales
     chunk = arena.chunk_bytes  # one (page, KV head): K and V and their row exponents
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
-    blocks = ints(args.blocks)
+    launches = [(0, b) for b in ints(args.blocks)] + [(n, 0) for n in ints(args.programs) if n > 0]
+    names = [f"programs {n}" if n else f"block {b}" for n, b in launches]
     print(f"{torch.cuda.get_device_name()}: the recall before attention per call (graph of {CALLS}), {H} KV heads, "
           f"{K} slots, flagged {args.flagged}, changed {args.changed}, returns {args.returns}, FP8 host pages")
-    print(f"{'batch':>5} {'host KB':>8} {'link µs':>8} " + " ".join(f"{f'block {b}':>9}" for b in blocks)
-          + " " + " ".join(f"{f'empty {b}':>9}" for b in blocks))
+    print(f"{'batch':>5} {'host KB':>8} {'link µs':>8} " + " ".join(f"{name:>11}" for name in names)
+          + " " + " ".join(f"{'empty ' + name.split()[-1]:>9}" for name in names))
     rows = []
     for batch in ints(args.batches):
         k, v = torch.zeros(2, (batch * K + batch * V) * PAGE, H, D, dtype=torch.bfloat16, device="cuda")
@@ -90,16 +97,17 @@ def main() -> None:
                 dst = torch.empty_like(src, device="cuda")
                 row["host_bytes"] = host
                 row["link_us"] = 1e3 * time_ms(lambda i: dst.copy_(src, non_blocking=True), args.repeats, 3, True)
-            for block in blocks:
-                def run(block=block, sets=sets):
+            for (programs, block), name in zip(launches, names):
+                def run(programs=programs, block=block, sets=sets):
                     for s in sets:
-                        recall_pages(layer, k, v, *s[:5], 1, PAGE, slot_block=block, victim_ops=s[5],
-                                     victim_base=batch * K, victim_entries=V, host_scales=scales)
-                row[f"{key}_{block}"] = 1e3 * graph_replay_ms(run, args.repeats) / CALLS
+                        recall_pages(layer, k, v, *s[:5], 1, PAGE, programs=programs, slot_block=block,
+                                     victim_ops=s[5], victim_base=batch * K, victim_entries=V, host_scales=scales)
+                row[f"{key}_{name.replace(' ', '_')}"] = 1e3 * graph_replay_ms(run, args.repeats) / CALLS
         rows.append(row)
+        cols = [name.replace(" ", "_") for name in names]
         print(f"{batch:>5} {row['host_bytes'] / 1e3:>8.0f} {row['link_us']:>8.1f} "
-              + " ".join(f"{row[f'us_{b}']:>9.1f}" for b in blocks) + " "
-              + " ".join(f"{row[f'empty_us_{b}']:>9.1f}" for b in blocks))
+              + " ".join(f"{row[f'us_{c}']:>11.1f}" for c in cols) + " "
+              + " ".join(f"{row[f'empty_us_{c}']:>9.1f}" for c in cols))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "args": vars(args), "rows": rows}, indent=2))
