@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Issue 23's served decode cells on the Llama-3.1-8B shape, one named step a device call, so that a session's calls
+# follow each other on one warm machine (the device gives it back 30 s after a call: issue the next step at once).
+# Each step runs benchmarks/decode.py with session 49's flags and writes $OUT/STEP.json and a trimmed log; the
+# first call on a fresh machine carries .gpu-wheels (its FreeKV server starts in ~6 min: SGLang and FlashInfer JIT,
+# the arena's pre-fault, the calibration, Triton compiling during graph capture; ~2 min warm).
+#   bash scripts/gpu_decode_steps.sh predicted    # FreeKV, --kv-correct-at previous_mlp_only, 16 and 1 x 32K
+#   bash scripts/gpu_decode_steps.sh full         # full KV (FlashInfer), 16 and 1 x 32K
+#   bash scripts/gpu_decode_steps.sh programs     # predicted at 16 x 32K with --kv-recall-programs 48, then 64
+#   bash scripts/gpu_decode_steps.sh trace        # predicted at 16 x 32K, 2 profiled steps, trace_layers' table
+#   bash scripts/gpu_decode_steps.sh default      # FreeKV's default correction (realistic-victim), 16 and 1 x 32K
+#   bash scripts/gpu_decode_steps.sh long         # full KV and predicted at 4 x 120K
+# LIMIT (seconds, default 570) caps a step; a step that runs out leaves what it finished.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+LIMIT=${LIMIT:-570}
+source scripts/gpu_env.sh || exit 1
+FP8="--kv-host-dtype fp8_e4m3"
+FA="--kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32 --kvstore-arena-gb 40"
+
+decode() {  # decode NAME DECODE_ARGS...: one decode.py run under the step's time left
+  local name=$1; shift
+  rm -rf "/tmp/steps-$name"
+  timeout $((LIMIT - SECONDS)) python3 benchmarks/decode.py --shape llama-3.1-8b --freekv-args "$FA" \
+    --prefill-cuda-graph off --output-len 128 "$@" --out "/tmp/steps-$name" 2>&1 | grep -v '^\[' | cut -c1-300 \
+    | tee "$OUT/$name.log" | tail -n 8
+  cp "/tmp/steps-$name/decode.json" "$OUT/$name.json" 2>/dev/null || echo "$name: no decode.json"
+}
+
+case ${1:-} in
+  predicted) decode predicted --context 32000 --batches 16,1 --configs "realistic-predicted $FP8" ;;
+  full) decode full --context 32000 --batches 16,1 --configs full ;;
+  programs) for n in 48 64; do
+              decode "programs-$n" --context 32000 --batches 16 \
+                --configs "realistic-predicted $FP8 --kv-recall-programs $n"
+            done ;;
+  trace) decode trace --context 32000 --batches 16 --configs "realistic-predicted $FP8" --profile-steps 2
+         cp /tmp/steps-trace/profile-*.txt "$OUT/" 2>/dev/null
+         for f in /tmp/steps-trace/trace-*-b16/*.json*; do
+           [ -e "$f" ] && python3 benchmarks/trace_layers.py "$f" | tee "$OUT/trace-layers.txt" | tail -n 30
+         done ;;
+  default) decode default --context 32000 --batches 16,1 --configs "realistic-victim $FP8" ;;
+  long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
+  *) echo "usage: $0 predicted|full|programs|trace|default|long" >&2; exit 2 ;;
+esac
