@@ -30,7 +30,10 @@ Per sparse layer l of a step, in stream order (see streams.py), one launch per l
   With cfg.speculate_at "next_recall", layer l's speculate and recall items wait for layer l+1's E_sel instead of
   E_attn (l+1's E_sel follows l's attention): the scoring then runs beside l+1's recall before attention, which
   leaves the SMs idle, instead of ahead of l's output projection, whose GEMM waits for the scoring's programs.
-  end_step: compute joins the three side streams.
+  With cfg.correct_at "previous_mlp"(_only), anticipate(l) runs the check, selection and recall of the heads whose
+  predicted query turned on the early stream, beside layer l-1's MLP; attend(l) waits for its commit (and its
+  recall: before attention, and before the select stream's own chain under "previous_mlp").
+  end_step: compute joins the side streams.
 So only flagged heads' selection and recall sit on the critical path, as in the paper.
 That is the FreeKV policy; the engine's retrieval policy is its selector (selectors.py): which heads select before
 attention (its trigger, the first launch), how pages are scored, whether the other heads select speculatively after
@@ -45,8 +48,8 @@ Tensors that cross streams are either consumed before the consumer's event is wa
 producer stream (the flags), or live in persistent buffers: the step plan (written on compute before the
 first layer, read by the side streams until the join), the current query in prev_q, the heads that
 select before attention (_now_heads, written on compute, read by the side streams) and the recall code
-of every (row, head, slot) (_recall, written by the select stream, completed by the speculate stream, read by
-the recall stream), so the caching allocator never hands a block to one stream while another still reads it.
+of every (row, head, slot) (_recall, written by the select or early stream, completed by the speculate stream,
+read by the recall stream), so the caching allocator never hands a block to one stream while another still reads it.
 """
 
 from __future__ import annotations
@@ -905,11 +908,11 @@ class FreeKVEngine:
                    inputs: tuple[torch.Tensor, ...] = ()) -> None:
         """cfg.correct_at "previous_mlp"(_only): predict(*inputs) -> [B, Hq, D], a prediction of sparse layer `layer`'s
         query this step, made while the layer before runs its MLP (from that layer's mid residual); it is called on
-        the early stream (above the MLP's in priority), so its projection runs beside that MLP too. `inputs` (the tensors it reads) are copied on
-        the caller's stream first and held until the step's join: the next layer's fused add-and-norm overwrites
-        SGLang's residual in place, and a tensor freed on the caller's stream could be reused while the select stream
-        still reads it. There the heads whose predicted query turned (group-mean cosine to the previous query below
-        tau) select with it and recall now, off the critical path.
+        the early stream (above the MLP's in priority), so its projection runs beside that MLP too. `inputs` (the
+        tensors it reads) are copied on the caller's stream first and held until the step's join: the next layer's
+        fused add-and-norm overwrites SGLang's residual in place, and a tensor freed on the caller's stream could be
+        reused while the early stream still reads it. There the heads whose predicted query turned (group-mean
+        cosine to the previous query below tau) select with it and recall now, off the critical path.
         "previous_mlp": their previous query becomes the predicted one, which their selection now follows;
         attend(layer)'s check then compares the real query with the query each head's selection was made with, so
         it corrects only the heads the prediction missed. Rows without a previous query are left to that check.

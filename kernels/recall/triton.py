@@ -62,7 +62,7 @@ def _recall_pages_kernel(
             ops = tl.zeros([SB], dtype=tl.int32)
             if VICTIMS:
                 ops = tl.load(vops_ptr + b * so_b + h * so_h + s_vec * so_k, mask=on, other=0)
-            srcs = tl.load(pt_ptr + r * spt_r + pages * spt_m, mask=on & ((ops >> SHIFT) == 0), other=0).to(tl.int64)
+            srcs = tl.load(pt_ptr + r * spt_r + pages * spt_m, mask=on & ((ops >> SHIFT) <= 0), other=0).to(tl.int64)
             for j in range(SB):
                 # This slot's entries from the registers.
                 mine = j_sb == j
