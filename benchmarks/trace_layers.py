@@ -10,11 +10,14 @@ to attend_recalled's end, the recall before attention running beside attend_kept
 part's median and mean over every sparse layer of the window (the first layer, dense, and the last, which runs the LM
 head, are left out), then the kernels that start inside the correction chain, by stream (which of them the chain
 waits for: a speculative lane's kernels start there too), and those that overlap the idle time before the output
-projection. The QKV projection, which delimits layers, is the GEMM that most often starts last before FreeKV's
-similarity check (cuBLAS names its kernel by the tiles it picks for the batch; --qkv gives a name prefix instead).
-The output, gate/up and down projections are the first three GEMMs after attention's merge (cuBLAS picks their tiles
-per machine and library: session 39's H200 chose others than session 30's); --oproj, --gateup and --down name them
-by prefix instead.
+projection. The QKV projection, which delimits layers, is the GEMM that most often starts last before attention
+(cuBLAS names its kernel by the tiles it picks for the batch; --qkv gives a name prefix instead). The output, gate/up
+and down projections are the first three GEMMs after attention's merge (cuBLAS picks their tiles per machine and
+library: session 39's H200 chose others than session 30's); --oproj, --gateup and --down name them by prefix
+instead. With --kv-correct-at previous_mlp(_only), the next layer's early lane beside the MLP (a second similarity
+check in the window): early_lane, from gate-up's start to that lane's recall's end, and early_past_mlp, how far that
+end lies past the down projection's (> 0: the next layer's attention may wait for it); its predicted query's GEMM is
+not taken for the down projection where the graph replays the lane on a stream of its own.
 """
 
 from __future__ import annotations
@@ -28,10 +31,17 @@ from trace_summary import load
 GPU = ("kernel", "gpu_memcpy")
 PARTS = ("layer", "qkv", "chain", "chain_recall", "attention", "recalled", "idle_before_oproj", "oproj", "gate_up",
          "down")
+# With --kv-correct-at previous_mlp(_only): the next layer's check, selection and recall beside this layer's MLP,
+# from gate-up's start (the mid residual it forks at) to its recall's end, and how far that end lies past the MLP's.
+EARLY_PARTS = ("early_lane", "early_past_mlp")
 
 
-def _first(events, pred, after):
-    return next(e for e in events if e["ts"] > after and pred(e["name"]))
+def _first(events, pred, after, skip_stream=None):
+    return next(e for e in events if e["ts"] > after and pred(e["name"]) and _stream(e) != skip_stream)
+
+
+def _stream(e: dict):
+    return e.get("args", {}).get("stream", e.get("tid"))
 
 
 def _is_gemm(name: str) -> bool:
@@ -45,14 +55,21 @@ def _gemm(names: dict, key: str):
     return _is_gemm if prefix is None else (lambda n: n.startswith(prefix))
 
 
+def _is_attention(name: str) -> bool:
+    """A sparse layer's attention: FlashInfer's kernel, or with --kv-attention split attend_kept."""
+    return "BatchPrefill" in name or "BatchDecode" in name or name == "_attend_kept_kernel"
+
+
 def qkv_name(events: list[dict]) -> str | None:
-    """The QKV projection's kernel name: the GEMM that most often starts last before FreeKV's similarity check."""
+    """The QKV projection's kernel name: the GEMM that most often starts last before attention. (Not before the
+    similarity check: with --kv-correct-at previous_mlp(_only) the predicted query's projection precedes one too.)"""
     before, last = Counter(), None
     for e in sorted((e for e in events if e.get("cat") in GPU), key=lambda e: e["ts"]):
         if _is_gemm(e["name"]):
             last = e["name"]
-        elif e["name"] == "_query_similarity_kernel" and last is not None:
+        elif _is_attention(e["name"]) and last is not None:
             before[last] += 1
+            last = None
     return before.most_common(1)[0][0] if before else None
 
 
@@ -70,13 +87,16 @@ def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tupl
         t0, t1 = qkv[i]["ts"], qkv[i + 1]["ts"]
         win = [e for e in ev if t0 <= e["ts"] < t1]
         sim = _first(win, lambda n: n == "_query_similarity_kernel", t0 - 1)
-        att = _first(win, lambda n: "BatchPrefill" in n or "BatchDecode" in n or n == "_attend_kept_kernel",
-                     sim["ts"])
+        att = _first(win, _is_attention, sim["ts"])
         split = att["name"] == "_attend_kept_kernel"
         merge = _first(win, lambda n: n == "_attend_recalled_kernel" if split else "MergeStates" in n, att["ts"])
         oproj = _first(win, _gemm(names, "oproj"), merge["ts"])
         gate = _first(win, _gemm(names, "gateup"), oproj["ts"])
-        down = _first(win, _gemm(names, "down"), gate["ts"])
+        # A second similarity check is the next layer's, made early; its lane's GEMM (the predicted query's
+        # projection) is not the down projection, when the graph replays the lane on a stream of its own.
+        early = next((e for e in win if e["name"] == "_query_similarity_kernel" and e["ts"] > gate["ts"]), None)
+        lane = None if early is None or _stream(early) == _stream(gate) else _stream(early)
+        down = _first(win, _gemm(names, "down"), gate["ts"], skip_stream=lane)
         chain_start, idle = sim["ts"] + sim["dur"], (merge["ts"] + merge["dur"], oproj["ts"])
         recall = sum(e["dur"] for e in win if e["name"] == "_recall_pages_kernel" and e["ts"] >= chain_start
                      and e["ts"] + e["dur"] <= (merge if split else att)["ts"] + 0.5)
@@ -84,9 +104,15 @@ def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tupl
                          attention=merge["ts"] + merge["dur"] - att["ts"], recalled=merge["dur"] if split else 0,
                          idle_before_oproj=idle[1] - idle[0], oproj=oproj["dur"], gate_up=gate["dur"],
                          down=down["dur"]))
+        if early is not None:
+            rec = next((e for e in win if e["ts"] > early["ts"] and e["name"] == "_recall_pages_kernel"
+                        and _stream(e) == _stream(early)), None)
+            if rec is not None:
+                end = rec["ts"] + rec["dur"]
+                rows[-1].update(early_lane=end - gate["ts"], early_past_mlp=end - down["ts"] - down["dur"])
         for e in win:
             if chain_start <= e["ts"] < att["ts"]:
-                inside[(e["name"], e.get("args", {}).get("stream", e.get("tid")))].append(e["dur"])
+                inside[(e["name"], _stream(e))].append(e["dur"])
         for e in ev:
             if e is not merge and e["ts"] < idle[1] and e["ts"] + e["dur"] > idle[0]:
                 seen[e["name"]] += 1
@@ -110,9 +136,10 @@ def main() -> None:
         raise SystemExit(f"{args.trace}: no sparse layer found (check --layers and the kernel names)")
     print(f"{len(rows)} sparse layers, µs")
     print(f"{'part':20s} {'median':>8s} {'mean':>8s}")
-    for part in PARTS:
-        vals = [r[part] for r in rows]
-        print(f"{part:20s} {statistics.median(vals):8.1f} {statistics.mean(vals):8.1f}")
+    for part in PARTS + EARLY_PARTS:
+        vals = [r[part] for r in rows if part in r]
+        if vals:
+            print(f"{part:20s} {statistics.median(vals):8.1f} {statistics.mean(vals):8.1f}")
     print("starting inside the correction chain (per layer: count, median µs, µs; stream)")
     for (name, stream), durs in sorted(inside.items(), key=lambda kv: -sum(kv[1]))[:8]:
         print(f"  {len(durs) / len(rows):5.2f} {statistics.median(durs):7.1f} {sum(durs) / len(rows):7.1f}  "

@@ -99,3 +99,33 @@ def test_layer_split_of_a_small_trace(tmp_path, capsys):
     rows, _, _, _ = trace_layers.split_layers(trace_layers.load(str(path)), 3, names)
     assert rows == [dict(layer=1000, qkv=20, chain=14, chain_recall=50, attention=82, recalled=8, idle_before_oproj=37,
                          oproj=15, gate_up=80, down=40)]
+
+
+def test_layer_split_with_the_early_lane(tmp_path):
+    """--kv-correct-at previous_mlp_only: the next layer's check, scoring, selection and recall run beside the MLP on
+    a stream of their own (tid 2 here), after the predicted query's projection, a GEMM that must not be taken for the
+    down projection (nor, preceding a similarity check, for the QKV projection that delimits layers)."""
+    import trace_layers
+
+    def ev(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    def layer(t):
+        return [ev("qkv_gemm", t, 20), ev("_query_similarity_kernel", t + 22, 5),
+                ev("_head_token_index_kernel", t + 28, 4), ev("BatchPrefillWithPagedKVCacheKernel", t + 40, 90),
+                ev("MergeStatesKernel", t + 130, 4), ev("o_gemm", t + 140, 15), ev("gateup_gemm", t + 160, 80),
+                ev("pred_q_gemm", t + 170, 20, tid=2), ev("_query_similarity_kernel", t + 192, 5, tid=2),
+                ev("_channel_lse_kernel", t + 198, 20, tid=2), ev("_select_chain_kernel", t + 219, 15, tid=2),
+                ev("down_gemm", t + 242, 40), ev("_recall_pages_kernel", t + 250, 30, tid=3),  # speculative
+                ev("_recall_pages_kernel", t + 235, 60, tid=2)]
+
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        # The step's first early lane (the first sparse layer's, beside the dense layer's MLP) precedes every layer.
+        first = [ev("pred_q_gemm", -100, 20, tid=2), ev("_query_similarity_kernel", -78, 5, tid=2)]
+        json.dump({"traceEvents": first + [e for i in range(4) for e in layer(1000 * i)]}, f)
+    events = trace_layers.load(str(path))
+    assert trace_layers.qkv_name(events) == "qkv_gemm"
+    rows = trace_layers.split_layers(events, 3, {})[0]
+    assert rows == [dict(layer=1000, qkv=20, chain=13, chain_recall=0, attention=94, recalled=0, idle_before_oproj=6,
+                         oproj=15, gate_up=80, down=40, early_lane=135, early_past_mlp=13)]
