@@ -10,6 +10,9 @@
 #   bash scripts/gpu_decode_steps.sh trace        # predicted at 16 x 32K, 2 profiled steps, trace_layers' table
 #   bash scripts/gpu_decode_steps.sh default      # FreeKV's default correction (realistic-victim), 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh long         # full KV and predicted at 4 x 120K
+#   bash scripts/gpu_decode_steps.sh base         # predicted at 16 x 32K from an older tree in .ab/base, carried:
+#     mkdir -p .ab/base && git archive REF freekv_sglang kernels kvstore patches benchmarks scripts pyproject.toml \
+#       | tar -x -C .ab/base
 # LIMIT (seconds, default 570) caps a step; a step that runs out leaves what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,12 +22,12 @@ source scripts/gpu_env.sh || exit 1
 FP8="--kv-host-dtype fp8_e4m3"
 FA="--kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32 --kvstore-arena-gb 40"
 
-decode() {  # decode NAME DECODE_ARGS...: one decode.py run under the step's time left
+decode() {  # decode NAME DECODE_ARGS...: one decode.py run under the step's time left, from the tree in $TREE
   local name=$1; shift
   rm -rf "/tmp/steps-$name"
-  timeout $((LIMIT - SECONDS)) python3 benchmarks/decode.py --shape llama-3.1-8b --freekv-args "$FA" \
-    --prefill-cuda-graph off --output-len 128 "$@" --out "/tmp/steps-$name" 2>&1 | grep -v '^\[' | cut -c1-300 \
-    | tee "$OUT/$name.log" | tail -n 8
+  (cd "${TREE:-.}" && source scripts/gpu_env.sh && timeout $((LIMIT - SECONDS)) python3 benchmarks/decode.py \
+     --shape llama-3.1-8b --freekv-args "$FA" --prefill-cuda-graph off --output-len 128 "$@" \
+     --out "/tmp/steps-$name") 2>&1 | grep -v '^\[' | cut -c1-300 | tee "$OUT/$name.log" | tail -n 8
   cp "/tmp/steps-$name/decode.json" "$OUT/$name.json" 2>/dev/null || echo "$name: no decode.json"
 }
 
@@ -41,6 +44,9 @@ case ${1:-} in
            [ -e "$f" ] && python3 benchmarks/trace_layers.py "$f" | tee "$OUT/trace-layers.txt" | tail -n 30
          done ;;
   default) decode default --context 32000 --batches 16,1 --configs "realistic-victim $FP8" ;;
+  base) [ -f .ab/base/benchmarks/decode.py ] || { echo "no tree in .ab/base" >&2; exit 2; }
+        ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
+        TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|programs|trace|default|long" >&2; exit 2 ;;
+  *) echo "usage: $0 predicted|full|programs|trace|default|long|base" >&2; exit 2 ;;
 esac
