@@ -7,7 +7,7 @@
 #   bash scripts/gpu_decode_steps.sh predicted    # FreeKV, --kv-correct-at previous_mlp_only, 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh full         # full KV (FlashInfer), 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh programs     # predicted at 16 x 32K with --kv-recall-programs 48, then 64
-#   bash scripts/gpu_decode_steps.sh trace        # predicted at 16 x 32K, 2 profiled steps, trace_layers' table
+#   bash scripts/gpu_decode_steps.sh trace        # predicted at 16 and 1 x 32K, 2 profiled steps, trace_layers
 #   bash scripts/gpu_decode_steps.sh default      # FreeKV's default correction (realistic-victim), 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh long         # full KV and predicted at 4 x 120K
 #   bash scripts/gpu_decode_steps.sh base         # predicted at 16 x 32K from an older tree in .ab/base, carried:
@@ -38,10 +38,12 @@ case ${1:-} in
               decode "programs-$n" --context 32000 --batches 16 \
                 --configs "realistic-predicted $FP8 --kv-recall-programs $n"
             done ;;
-  trace) decode trace --context 32000 --batches 16 --configs "realistic-predicted $FP8" --profile-steps 2
+  trace) decode trace --context 32000 --batches 16,1 --configs "realistic-predicted $FP8" --profile-steps 2
          cp /tmp/steps-trace/profile-*.txt "$OUT/" 2>/dev/null
-         for f in /tmp/steps-trace/trace-*-b16/*.json*; do
-           [ -e "$f" ] && python3 benchmarks/trace_layers.py "$f" | tee "$OUT/trace-layers.txt" | tail -n 30
+         for b in 16 1; do
+           for f in /tmp/steps-trace/trace-*-b$b/*.json*; do
+             [ -e "$f" ] && python3 benchmarks/trace_layers.py "$f" | tee "$OUT/trace-layers-b$b.txt" | head -n 16
+           done
          done ;;
   default) decode default --context 32000 --batches 16,1 --configs "realistic-victim $FP8" ;;
   base) [ -f .ab/base/benchmarks/decode.py ] || { echo "no tree in .ab/base" >&2; exit 2; }
