@@ -7,6 +7,9 @@
 #   bash scripts/gpu_decode_steps.sh predicted    # FreeKV, --kv-correct-at previous_mlp_only, 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh full         # full KV (FlashInfer), 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh programs     # predicted at 16 x 32K with --kv-recall-programs 48, then 64
+#   bash scripts/gpu_decode_steps.sh blocks       # predicted at 16 x 32K with --kv-recall-block 4, then 16 (the early
+#                                                 # lane's recall in fewer programs, which priority -2 puts ahead of
+#                                                 # the MLP's CTAs)
 #   bash scripts/gpu_decode_steps.sh trace        # predicted at 16 and 1 x 32K, 2 profiled steps, trace_layers
 #   bash scripts/gpu_decode_steps.sh default      # FreeKV's default correction (realistic-victim), 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh long         # full KV and predicted at 4 x 120K
@@ -38,6 +41,9 @@ case ${1:-} in
               decode "programs-$n" --context 32000 --batches 16 \
                 --configs "realistic-predicted $FP8 --kv-recall-programs $n"
             done ;;
+  blocks) for n in 4 16; do
+            decode "blocks-$n" --context 32000 --batches 16 --configs "realistic-predicted $FP8 --kv-recall-block $n"
+          done ;;
   trace) decode trace --context 32000 --batches 16,1 --configs "realistic-predicted $FP8" --profile-steps 2
          cp /tmp/steps-trace/profile-*.txt "$OUT/" 2>/dev/null
          for b in 16 1; do
@@ -50,5 +56,5 @@ case ${1:-} in
         ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
         TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|programs|trace|default|long|base" >&2; exit 2 ;;
+  *) echo "usage: $0 predicted|full|programs|blocks|trace|default|long|base" >&2; exit 2 ;;
 esac
