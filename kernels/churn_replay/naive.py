@@ -38,6 +38,7 @@ def naive_replay_churn(
     rate: float,
     victims: torch.Tensor | None = None,
     returns: float = 0.0,
+    keep: torch.Tensor | None = None,
 ) -> None:
     """Replace, in place, the scores [B, H, M] of the heads of `phase` by scores that make select_slots replace about
     `rate` of the head's k = slots.shape[2] slots with pages it does not hold, at random: a benchmark's stand-in for
@@ -52,7 +53,9 @@ def naive_replay_churn(
     come back from the head's victim entries, as a real model's selection returns to pages it evicted lately. The
     `returning` candidates (in an entry of victims[r, h], not held) are then promoted when
     u < returns rate k / max(returning, 1), the others when u < (1 - returns) rate k / max(candidates - held -
-    returning, 1)."""
+    returning, 1).
+    keep ([B, H] bool): heads replayed at rate 0, which keep the pages they hold (the engine's heads corrected one
+    layer early, selected again after attention: a real model's query then barely moved from the predicted one)."""
     check_rate(rate)
     check_rate(returns)
     if returns and victims is None:
@@ -78,8 +81,9 @@ def naive_replay_churn(
             back &= cand & ~held
             u = page_draws(seeds[b, h], pages)
             n_back = int(back.sum())
-            promote = u < (1 - returns) * rate * k / max(int(cand.sum()) - int(held.sum()) - n_back, 1)
-            promote = torch.where(back, u < returns * rate * k / max(n_back, 1), promote)
+            rk = 0.0 if keep is not None and bool(keep[b, h]) else rate * k
+            promote = u < (1 - returns) * rk / max(int(cand.sum()) - int(held.sum()) - n_back, 1)
+            promote = torch.where(back, u < returns * rk / max(n_back, 1), promote)
             new = torch.where(promote, PROMOTED + u, u * TIE)
             new = torch.where(held, 1.0 + u * TIE, new)
             row.copy_(torch.where(cand, new, row))

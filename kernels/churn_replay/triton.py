@@ -26,14 +26,15 @@ def _page_draws(seed, pages):
 
 @triton.jit
 def _replay_churn_kernel(
-    scores_ptr, slots_ptr, req_ptr, heads_ptr, draws_ptr, vict_ptr, rate_k, returns, M, K, V,
+    scores_ptr, slots_ptr, req_ptr, heads_ptr, draws_ptr, vict_ptr, keep_ptr, rate_k, returns, M, K, V,
     ss_b, ss_h, ss_m,
     st_r, st_h, st_k,
     sh_b, sh_h,
     sd_b, sd_h,
     sv_r, sv_h, sv_e,
+    sk_b, sk_h,
     HEADS: tl.constexpr, WANT: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, PROMOTED: tl.constexpr,
-    TIE: tl.constexpr, VICTIMS: tl.constexpr, VP: tl.constexpr,
+    TIE: tl.constexpr, VICTIMS: tl.constexpr, VP: tl.constexpr, KEEP: tl.constexpr,
 ):
     """_replay_row for the heads of the phase."""
     b = tl.program_id(0).to(tl.int64)
@@ -41,18 +42,21 @@ def _replay_churn_kernel(
     if HEADS:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) != WANT:
             return
-    _replay_row(b, h, scores_ptr, slots_ptr, req_ptr, draws_ptr, vict_ptr, rate_k, returns, M, K, V, ss_b, ss_h, ss_m,
-                st_r, st_h, st_k, sd_b, sd_h, sv_r, sv_h, sv_e, KP, BLOCK, PROMOTED, TIE, VICTIMS, VP)
+    _replay_row(b, h, scores_ptr, slots_ptr, req_ptr, draws_ptr, vict_ptr, keep_ptr, rate_k, returns, M, K, V, ss_b,
+                ss_h, ss_m, st_r, st_h, st_k, sd_b, sd_h, sv_r, sv_h, sv_e, sk_b, sk_h, KP, BLOCK, PROMOTED, TIE,
+                VICTIMS, VP, KEEP)
 
 
 @triton.jit
 def _replay_row(
-    b, h, scores_ptr, slots_ptr, req_ptr, draws_ptr, vict_ptr, rate_k, returns, M, K, V, ss_b, ss_h, ss_m,
-    st_r, st_h, st_k, sd_b, sd_h, sv_r, sv_h, sv_e,
+    b, h, scores_ptr, slots_ptr, req_ptr, draws_ptr, vict_ptr, keep_ptr, rate_k, returns, M, K, V, ss_b, ss_h, ss_m,
+    st_r, st_h, st_k, sd_b, sd_h, sv_r, sv_h, sv_e, sk_b, sk_h,
     KP: tl.constexpr, BLOCK: tl.constexpr, PROMOTED: tl.constexpr, TIE: tl.constexpr, VICTIMS: tl.constexpr,
-    VP: tl.constexpr,
+    VP: tl.constexpr, KEEP: tl.constexpr,
 ):
     """The replay's scores of row b, KV head h, in place (naive_replay_churn)."""
+    if KEEP:  # a kept head: rate 0
+        rate_k = tl.where(tl.load(keep_ptr + b * sk_b + h * sk_h).to(tl.int32) != 0, 0.0, rate_k)
     r = tl.load(req_ptr + b).to(tl.int64)
     row = scores_ptr + b * ss_b + h * ss_h
     seed = tl.load(draws_ptr + b * sd_b + h * sd_h).to(tl.uint32, bitcast=True)
@@ -101,6 +105,7 @@ def replay_churn(
     rate: float,
     victims: torch.Tensor | None = None,
     returns: float = 0.0,
+    keep: torch.Tensor | None = None,
 ) -> None:
     """See naive_replay_churn."""
     check_rate(rate)
@@ -120,9 +125,21 @@ def replay_churn(
     if victims is not None:
         check_device(victims)
         assert victims.shape[:2] == slots.shape[:2] and victims.dtype == torch.int32
+    kp = keep_arg(keep, B, H, draws)
     _replay_churn_kernel[(B, H)](
-        scores, slots, req_slots, heads_arg, draws, vt, float(rate * K), float(returns), M, K, vt.shape[2],
-        *scores.stride(), *slots.stride(), *heads_strides, *draws.stride(), *vt.stride(),
+        scores, slots, req_slots, heads_arg, draws, vt, kp, float(rate * K), float(returns), M, K, vt.shape[2],
+        *scores.stride(), *slots.stride(), *heads_strides, *draws.stride(), *vt.stride(), *kp.stride(),
         HEADS=with_heads, WANT=want, KP=triton.next_power_of_2(max(K, 1)), BLOCK=CHURN_BLOCK, PROMOTED=PROMOTED,
-        TIE=TIE, VICTIMS=victims is not None, VP=max(2, triton.next_power_of_2(vt.shape[2])), num_warps=4,
+        TIE=TIE, VICTIMS=victims is not None, VP=max(2, triton.next_power_of_2(vt.shape[2])), KEEP=keep is not None,
+        num_warps=4,
     )
+
+
+def keep_arg(keep: torch.Tensor | None, B: int, H: int, placeholder: torch.Tensor) -> torch.Tensor:
+    """keep [B, H] bool as the kernels take it (a byte view), or without it `placeholder` ([B, H] on the device),
+    which they never read."""
+    if keep is None:
+        return placeholder
+    check_device(keep)
+    assert keep.dtype == torch.bool and keep.shape == (B, H), (keep.dtype, tuple(keep.shape))
+    return keep.view(torch.uint8)

@@ -22,10 +22,12 @@ class LsePool(NamedTuple):
 
 
 class Replay(NamedTuple):
-    """replay_churn's arguments (benchmarks only): draws [B, H], rate, returns (with the victim cache)."""
+    """replay_churn's arguments (benchmarks only): draws [B, H], rate, returns (with the victim cache), keep ([B, H]
+    bool: heads replayed at rate 0)."""
     draws: torch.Tensor
     rate: float
     returns: float = 0.0
+    keep: torch.Tensor | None = None
 
 
 def check_pool(pool: LsePool, batch: int, num_kv_heads: int) -> None:
@@ -82,6 +84,7 @@ def naive_select_chain(
         check_pool(scores, req_slots.shape[0], slots.shape[1])
         scores = naive_pool_lse(scores, heads, phase)
     if replay is not None:
-        naive_replay_churn(scores, slots, req_slots, heads, phase, replay.draws, replay.rate, victims, replay.returns)
+        naive_replay_churn(scores, slots, req_slots, heads, phase, replay.draws, replay.rate, victims, replay.returns,
+                           replay.keep)
     naive_select_slots(scores, slots, req_slots, heads, phase, flags, recall, recall_all, stats, pad_slot, hysteresis,
                        victims, victim_age, victim_ops)

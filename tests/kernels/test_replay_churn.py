@@ -47,6 +47,24 @@ def test_replay_churn_matches_reference(B, H, M, K, rate, phase):
     assert torch.equal(torch.isinf(ref), torch.isinf(scores)), "a candidate appeared or vanished"
 
 
+@pytest.mark.parametrize("B,H,M,K,V", [(3, 3, 300, 32, 0), (2, 4, 1030, 128, 64)])
+def test_kept_heads_replay_at_rate_zero(B, H, M, K, V):
+    """keep: those heads' scores are the rate-0 replay's, the others' the rate's, in the reference and the kernel."""
+    scores, slots, req_slots, heads, draws = make_inputs(B, H, M, K, seed=B * M + K + 3)
+    victims = with_victims(slots.cpu(), scores, V, seed=V) if V else None
+    returns = 0.5 if V else 0.0
+    keep = (torch.arange(B * H).view(B, H) % 2 == 0).to(DEV)
+    ref, out = scores.clone(), scores.clone()
+    naive_replay_churn(ref, slots, req_slots, heads, PHASE_NOW, draws, 0.4, victims, returns, keep)
+    replay_churn(out, slots, req_slots, heads, PHASE_NOW, draws, 0.4, victims, returns, keep)
+    assert_close("scores", ref, out, atol=0, rtol=0)
+    for rate, mask in ((0.0, keep), (0.4, ~keep)):
+        alone = scores.clone()
+        naive_replay_churn(alone, slots, req_slots, heads, PHASE_NOW, draws, rate, victims, returns)
+        assert torch.equal(ref[mask], alone[mask])
+    assert not torch.equal(ref, scores) and (ref[keep] < 2).all(), "a kept head promoted a page"
+
+
 def changed_share(rate, hysteresis, steps=40, B=4, H=4, M=512, K=32):
     """select_slots after replay_churn, step after step: the share of a full head's slots that change per step."""
     g = torch.Generator().manual_seed(1)
@@ -140,9 +158,9 @@ from freekv_kernels.churn_replay import triton as churn
 from freekv_kernels.testing import compile_sm90
 
 types = {"scores_ptr": "*fp32", "slots_ptr": "*i32", "req_ptr": "*i32", "heads_ptr": "*i1", "draws_ptr": "*fp32",
-         "vict_ptr": "*i32", "rate_k": "fp32", "returns": "fp32"}
+         "vict_ptr": "*i32", "keep_ptr": "*u8", "rate_k": "fp32", "returns": "fp32"}
 consts = {"HEADS": True, "WANT": 1, "KP": 64, "BLOCK": churn.CHURN_BLOCK, "PROMOTED": churn.PROMOTED, "TIE": churn.TIE,
-          "VICTIMS": True, "VP": 64}
+          "VICTIMS": True, "VP": 64, "KEEP": True}
 print(".entry _replay_churn_kernel" in compile_sm90(churn._replay_churn_kernel, consts, types, 4))
 '''
 

@@ -48,14 +48,14 @@ def chain_inputs(G, H, M, K, V, seed):
     return [t.to(DEV) for t in (lse, cand_end, req_slots, slots, victims, age, heads, flags, recall, ops, draws)]
 
 
-def run(fn, inputs, G, M, phase, V, replay_rate, returns, hysteresis):
+def run(fn, inputs, G, M, phase, V, replay_rate, returns, hysteresis, keep=None):
     """fn over clones of the state it writes; returns that state (slots, recall codes, statistics, victim entries,
     their stamps, victim ops)."""
     lse, cand_end, req_slots, slots, victims, age, heads, flags, recall, ops, draws = inputs
     slots, victims, age, recall, ops = (t.clone() for t in (slots, victims, age, recall, ops))
     stats = torch.tensor([5.0, 7.0, 11.0, 13.0][:4 if V else 2], dtype=torch.float64, device=DEV)
     cache = (victims, age, ops) if V else (None, None, None)
-    replay = None if replay_rate is None else Replay(draws, replay_rate, returns)
+    replay = None if replay_rate is None else Replay(draws, replay_rate, returns, keep)
     with poisoned_outputs():
         fn(LsePool(lse, START, cand_end, G, M), slots, req_slots, heads, phase, flags, recall, False, stats,
            int(req_slots[3]), hysteresis, *cache, replay=replay)
@@ -69,7 +69,8 @@ def three_launches(pool, slots, req_slots, heads, phase, flags, recall, recall_a
     C, cand_args = _full_scan(req_slots, pool.cand_start, pool.cand_end, pool.num_pages)
     _pool(pool.lse, cand_args, False, _heads_args(heads, phase, req_slots), scores, C, pool.cand_start, pool.group)
     if replay is not None:
-        replay_churn(scores, slots, req_slots, heads, phase, replay.draws, replay.rate, victims, replay.returns)
+        replay_churn(scores, slots, req_slots, heads, phase, replay.draws, replay.rate, victims, replay.returns,
+                     replay.keep)
     select_slots(scores, slots, req_slots, heads, phase, flags, recall, recall_all, stats, pad, hysteresis, victims,
                  victim_age, victim_ops)
 
@@ -106,6 +107,31 @@ def test_select_chain_matches_reference_and_three_launches(G, H, M, K, V, phase,
     rows = inputs[2].long()
     assert torch.equal(out[0][rows][~mine], slots_before[rows][~mine]), "a head outside the phase selected"
     assert not torch.equal(out[0][rows][mine], slots_before[rows][mine]), "no head of the phase selected"
+
+
+@pytest.mark.parametrize("G,H,M,K,V,phase", [(3, 2, 200, 16, 16, PHASE_LATER), (2, 4, 120, 8, 0, PHASE_NOW),
+                                               (8, 1, 1100, 32, 8, PHASE_LATER)])
+def test_kept_heads_replay_no_churn(G, H, M, K, V, phase):
+    """Replay.keep: the kept heads select as at rate 0, the others as at the replay's rate, in the reference, the
+    fused launch and the three launches (1100 pages: staged)."""
+    inputs = chain_inputs(G, H, M, K, V, seed=G * 7 + M)
+    B = inputs[2].shape[0]
+    keep = torch.rand(B, H, generator=torch.Generator().manual_seed(M)).lt(0.5).to(DEV)
+    keep[0], keep[1] = True, False  # both kinds in every case
+    returns = 0.5 if V else 0.0
+    kept = [run(fn, inputs, G, M, phase, V, 0.6, returns, 1.0, keep)
+            for fn in (naive_select_chain, select_chain, three_launches)]
+    for name, *state in zip(NAMES, *kept):
+        for other in state[1:]:
+            assert_close(name, state[0], other, atol=0, rtol=0)
+    rows = inputs[2].long()
+    for rate, heads in ((0.0, keep), (0.6, ~keep)):
+        alone = run(naive_select_chain, inputs, G, M, phase, V, rate, returns, 1.0)
+        for i in (1, 5):  # recall codes and victim ops, by (row, head)
+            if kept[0][i] is not None:
+                assert torch.equal(kept[0][i][heads], alone[i][heads]), NAMES[i]
+        for i in (0, 3, 4):  # slots and victim entries, by (request slot, head)
+            assert torch.equal(kept[0][i][rows][heads], alone[i][rows][heads]), NAMES[i]
 
 
 def test_select_chain_without_pool_or_replay_is_select_slots():
@@ -164,14 +190,15 @@ from freekv_kernels.page_select import triton as page_select
 from freekv_kernels.select_chain import triton as select_chain
 from freekv_kernels.testing import compile_sm90
 
-TYPES = {"lse_ptr": "*fp32", "cend_ptr": "*i32", "draws_ptr": "*fp32", "rate_k": "fp32", "returns": "fp32",
+TYPES = {"lse_ptr": "*fp32", "cend_ptr": "*i32", "draws_ptr": "*fp32", "keep_ptr": "*u8", "rate_k": "fp32",
+         "returns": "fp32",
          "in_ptr": "*fp32", "slots_ptr": "*i32", "req_ptr": "*i32", "heads_ptr": "*i1", "flags_ptr": "*i1",
          "recall_ptr": "*i8", "stats_ptr": "*fp64", "bonus": "fp32", "vict_ptr": "*i32", "age_ptr": "*i32",
          "vops_ptr": "*i32", "row_ptr": "*fp32"}
 CONSTEXPRS = {"KP": 64, "CHUNK": 1024, "PACKED_IN": False, "PHASE": 1, "WANT": 1, "RECALL_ALL": False, "STATS": True,
               "NEG_INF_KEY": page_select._NEG_INF_KEY, "HYST": True, "VICTIMS": True, "VP": 64, "HIT_STATS": True,
               "SHIFT": 16, "SCRATCH": True, "POOL": True, "G": 4, "GP": 4, "POOL_BLOCK": 1024, "REPLAY": True,
-              "R_KP": 64, "R_BLOCK": 1024, "PROMOTED": 1.0e4, "TIE": 1.0 / 1024}
+              "R_KP": 64, "R_BLOCK": 1024, "PROMOTED": 1.0e4, "TIE": 1.0 / 1024, "KEEP": True}
 ptx = compile_sm90(select_chain._select_chain_kernel, CONSTEXPRS, TYPES, 8)
 assert ".entry _select_chain_kernel" in ptx and "bar.sync" in ptx
 print("compiled")
