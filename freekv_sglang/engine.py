@@ -309,8 +309,10 @@ class FreeKVEngine:
         self._replay_u = None
         if (cfg.replay_correction_rate is not None or cfg.replay_churn is not None) and self.retrieval:
             self._replay_u = torch.ones(L, R, H, dtype=torch.float32, device=self.device)
-        # Replayed, a head corrected early is not selected again after attention: the draws would churn it twice.
-        self._replaying = self._replay_u is not None
+        # With the churn replayed, the heads corrected early this step (by layer) select again after attention at a
+        # churn of 0: the scoring's cost is paid as served, while the same draws would churn them twice. A real
+        # model's reselection with the real query (~0.96 cosine to the predicted one) changes little.
+        self._keep_early: set[int] = set()
         # cfg.replay_late_rate: the late check's own draws (anticipate's early flags take _replay_u's).
         self._replay_late = None if cfg.replay_late_rate is None or not self.retrieval else \
             torch.ones(L, R, H, dtype=torch.float32, device=self.device)
@@ -857,15 +859,15 @@ class FreeKVEngine:
             if early:  # the check reads the previous queries and slots anticipate() wrote
                 commit, recalled = self._anticipated.pop(layer)
                 st.wait(commit)
-            B, now = q.shape[0], self._now_heads[layer][:q.shape[0]]
+            now = self._now_heads[layer][:q.shape[0]]
+            if early and self.cfg.replay_churn is not None:
+                self._keep_early.add(layer)
             if only:
                 # Stores q for the speculative selection after attention and writes the step's K/V; at tau 0 it flags
                 # nothing, as anticipate's check gave every row a previous query and filled every head's slots.
                 ops.query_similarity(q, self.prev_q[layer], plan.req_slots, self.has_prev[layer], 0.0,
                                      self.shape.group, None, self.pad_slot, self.slot_table[layer], plan.n_slots, now,
                                      kv=kv)
-                if self._replaying:
-                    now |= self._early_heads[layer][:B]  # benchmarks: as below, not churned twice in a step
             else:
                 flags = self.selector.trigger(plan, layer, q, now, kv)
         else:
@@ -880,11 +882,6 @@ class FreeKVEngine:
             with st.on("select"):
                 st.wait(e_q, recalled)  # the check's recall after anticipate's, whose slots it may reselect
                 self._select(plan, layer, q, PHASE_NOW, flags)
-                if early and self._replaying:
-                    # Benchmarks: the heads corrected early are not reselected after attention. A real model's
-                    # reselection with the real query (~0.96 cosine to the predicted one) changes little, where the
-                    # replay would churn them again with the same draws (and bring back what it just evicted).
-                    now |= self._early_heads[layer][:B]
                 e_sel = st.record()
                 self._recall_phase(plan, layer, PHASE_NOW)
                 e_now = st.record()
@@ -1014,8 +1011,12 @@ class FreeKVEngine:
         victims = self.victims[layer]
         cache = (None, None, None) if victims is None else (victims, self._victim_age[layer],
                                                             self._victim_ops[layer][:B])
+        keep = None
+        if phase == PHASE_LATER and layer in self._keep_early:
+            self._keep_early.discard(layer)
+            keep = self._early_heads[layer][:B]
         replay = None if self.cfg.replay_churn is None else Replay(self._replay_u[layer, :B], self.cfg.replay_churn,
-                                                                   self.cfg.replay_returns or 0.0)
+                                                                   self.cfg.replay_returns or 0.0, keep)
         ops.select_chain(scores, self.slot_table[layer], plan.req_slots, heads, phase, flags, recall,
                          self.cfg.recall == "all", self._stat_recall[layer] if self.collect_stats else None,
                          self.pad_slot, self.cfg.selection_hysteresis, *cache, replay=replay)
@@ -1044,6 +1045,7 @@ class FreeKVEngine:
         self._flush_speculation()
         self.streams.join()
         self._held.clear()  # the side streams that read them are joined
+        self._keep_early.clear()
         if self._anticipated:  # cleared first: the next step must not wait on this one's events
             left, self._anticipated = sorted(self._anticipated), {}
             raise RuntimeError(f"layers {left} were anticipated this step but not attended")

@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from freekv_kernels.page_select import PHASE_LATER
 from freekv_kernels.testing import device
 from freekv_sglang.config import FreeKVConfig
 from freekv_sglang.engine import FreeKVEngine, ModelShape
@@ -270,16 +271,27 @@ def test_anticipate_predicts_from_copies_held_until_the_steps_join(prefill_alike
 
 
 @pytest.mark.parametrize("early_rate", [0.0, 1.0])
-def test_replayed_early_heads_are_not_churned_again_after_attention(early_rate, prefill_alike):
-    """Benchmarks: a head corrected early keeps its selection through the speculative phase (the replay would churn
-    it twice a step); with every head corrected early and none late nothing is selected after attention."""
+def test_replayed_early_heads_are_not_churned_again_after_attention(early_rate, prefill_alike, monkeypatch):
+    """Benchmarks: a head corrected early selects again after attention, as served, but at a churn of 0 (the replay
+    would churn it twice a step), so it keeps its pages; with every head corrected early and none late nothing is
+    recalled after attention."""
     cfg = dataclasses.replace(CFG, selection="means", correct_at="previous_mlp", replay_correction_rate=early_rate,
                               replay_late_rate=0.0, replay_churn=0.5)
     eng = make_engine(cfg)
     torch.manual_seed(8)
     slots = prefill_alike([eng], [300, 260], device=DEV)
     before = eng.stats()
+    kept, select_chain = [], eng.ops.select_chain
+
+    def spy(scores, slots, req_slots, heads, phase, *args, replay=None, **kwargs):
+        if phase == PHASE_LATER:  # every head of the real rows this phase selects is kept (row 2 pads)
+            later = ~heads[:2]
+            kept.append(replay.keep is not None and bool(replay.keep[:2][later].all()) and bool(later.any()))
+        return select_chain(scores, slots, req_slots, heads, phase, *args, replay=replay, **kwargs)
+
+    monkeypatch.setattr(eng.ops, "select_chain", spy)
     decode([eng], lambda q: q, slots, 4)
+    assert len(kept) == 4 * 3 and all(kept) == (early_rate == 1.0)
     st = eng.stats()
     speculative = st["recall_pages_speculative"] - before["recall_pages_speculative"]
     assert (speculative == 0) == (early_rate == 1.0)
