@@ -114,8 +114,9 @@ CONFIGS = {
     # The same 0.3 corrected one layer early and nothing after the QKV projection (--kv-correct-at previous_mlp_only).
     # Replayed, the heads corrected early select again after attention, as served, at a churn of 0 (since session
     # 52; before, they skipped that selection, which understated the speculate lane's scoring by up to 0.3 of it;
-    # the same holds for realistic-early). It understates the early lane's work: on SmolLM2-135M (CPU, passkey / multikey 8K, session 51) this mode
-    # flagged 0.570-0.576 of the checks where the paper's check flags 0.492-0.500, i.e. ~0.35 against this 0.3.
+    # the same holds for realistic-early). It understates the early lane's work: on SmolLM2-135M (CPU, passkey /
+    # multikey 8K, session 51) this mode flagged 0.570-0.576 of the checks where the paper's check flags
+    # 0.492-0.500, i.e. ~0.35 against this 0.3.
     "realistic-predicted": [*REALISTIC, "--kv-victim", "2048", "--kv-bench-returns", "0.5", "--kv-correct-at",
                             "previous_mlp_only"],
 }
