@@ -21,10 +21,13 @@ Predictor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 class EarlyQuery:
     """The wrappers' shared state: the decode forward in flight (its positions), and where predictions go, set by the
-    FreeKV backend: target(layer, predict, (mid, positions)) with predict(mid, positions) -> [T, Hq * D]."""
+    FreeKV backend: target(layer, predict, (mid,)) with predict(mid) -> [T, Hq * D]. The target copies `mid` (the
+    next layer's fused add-and-norm overwrites it in place); predict reads the forward's positions as they are, which
+    nothing overwrites or frees before the step's join (a CUDA graph's static buffer, or the forward batch's), so
+    they cost no copy on the critical path."""
 
     def __init__(self) -> None:
-        self.target: Callable[[int, Predictor, tuple[torch.Tensor, torch.Tensor]], None] | None = None
+        self.target: Callable[[int, Callable[[torch.Tensor], torch.Tensor], tuple[torch.Tensor]], None] | None = None
         self.positions: torch.Tensor | None = None
 
 
@@ -61,6 +64,7 @@ def _wrap_norm(forward, state: EarlyQuery, layer: int, predict: Predictor):
                 raise RuntimeError(f"decoder layer {layer - 1}'s post-attention norm returned no (normed, residual) "
                                    "pair: this model's layers do not follow SGLang's fused add-and-norm, which "
                                    "--kv-correct-at previous_mlp(_only) reads the mid residual from")
-            state.target(layer, predict, (out[1], positions))  # out[1]: the residual with the attention's output
+            # out[1]: the residual with the attention's output
+            state.target(layer, lambda mid: predict(mid, positions), (out[1],))
         return out
     return wrapped

@@ -721,9 +721,9 @@ class FreeKVAttnBackend(AttentionBackend):
             fb.out_cache_loc = raw
 
     def _anticipate(self, lid: int, predict, inputs) -> None:
-        """--kv-correct-at previous_mlp: decoder layer lid's query predicted by predict(*inputs) -> [T, Hq * D] from
-        the layer before's mid residual, in a decode forward; its engine corrects the heads whose prediction turned
-        while that layer's MLP runs."""
+        """--kv-correct-at previous_mlp(_only): decoder layer lid's query predicted by predict(*inputs) -> [T, Hq * D]
+        from the layer before's mid residual (inputs, which the engine copies), in a decode forward; its engine
+        corrects the heads whose prediction turned while that layer's MLP runs."""
         if self._plan is None or self.engine.dense[lid]:
             return
         s = self.shape

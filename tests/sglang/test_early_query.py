@@ -94,11 +94,14 @@ def test_decode_forwards_predict_each_sparse_layers_query():
     with torch.no_grad():
         _install_early(runner, dense_layers=1, correct_at="previous_mlp")
         calls = []
-        runner._freekv_early.target = lambda layer, predict, inputs: calls.append((layer, predict(*inputs)))
+        # Only the mid residual is an input, which the engine copies: the positions are read in place.
+        runner._freekv_early.target = lambda layer, predict, inputs: calls.append((layer, predict(*inputs),
+                                                                                  len(inputs)))
         run(layers, decode=False)
         assert calls == []  # extend forwards pass through
         run(layers, decode=True)
-    assert [j for j, _ in calls] == [1, 2, 3]
+    assert [j for j, _, _ in calls] == [1, 2, 3] and all(n == 1 for _, _, n in calls)
+    calls = [(j, q) for j, q, _ in calls]
     for j, q in calls:  # the MLPs are zero: the prediction is the layer's real query, norm, bias and rotation in
         torch.testing.assert_close(q, layers[j].self_attn.seen[-1])
 
