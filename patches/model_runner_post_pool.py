@@ -165,7 +165,8 @@ def _install_early(runner, dense_layers: int, correct_at: str) -> None:
 
         def predict(mid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             q = F.linear(norm(mid), w, b)
-            q, _ = rope(positions, q, torch.zeros_like(q[:, :attn.kv_size]))
+            # rope rotates a key too: an unwritten one (its result is dropped), so no fill kernel joins the lane
+            q, _ = rope(positions, q, torch.empty_like(q[:, :attn.kv_size]))
             return q
         return predict
 
