@@ -301,7 +301,7 @@ def test_replayed_early_heads_are_not_churned_again_after_attention(early_rate, 
 @pytest.mark.parametrize("at", ["previous_mlp", "previous_mlp_only"])
 def test_replayed_churn_alone_does_not_churn_early_heads_twice(at, prefill_alike):
     """Benchmarks with the churn replayed and the flags by tau (1: every head turns): the heads anticipate selected
-    are not selected again after attention, as in the replay of both rates; nothing is recalled speculatively."""
+    select again after attention at a churn of 0, as in the replay of both rates; nothing is recalled speculatively."""
     cfg = dataclasses.replace(CFG, selection="means", correct_at=at, tau=1.0, replay_churn=0.5)
     eng = make_engine(cfg)
     torch.manual_seed(9)
