@@ -47,8 +47,9 @@ step's host preparation waits for the device.
 --profile-first N: the same profiler, CPU and GPU with Python stacks, from the moment each batch is sent over its first
 N forwards (the scheduler's wait for the requests, their matching and the first prefills): first-CONFIG-bB.txt. It
 slows the host, so that batch's TTFT is not a measurement.
-Each server compiles Triton kernels into a cache directory of its own; `jit` lists the kernels it compiled while a
-timed batch ran (none once the warm-up compiled what serving needs: a compilation on a request's path delays it).
+Each server compiles Triton kernels into a cache directory of its own (with --triton-cache, one shared by every
+server and run, which a later server loads from); `jit` lists the kernels it compiled while a timed batch ran (none
+once the warm-up compiled what serving needs: a compilation on a request's path delays it).
 `jit_modules` lists the FlashInfer and SGLang (tvm-ffi) modules built while it ran. Their caches are shared by the
 run's servers, so whichever server needs a module first builds it: before session 40 the warm-up ran no chunk with a
 prefix, and at 120K the first server paid ~8 s of FlashInfer's cascade build in its first TTFT.
@@ -463,6 +464,10 @@ def main() -> None:
                          "when the context is chunked: a chunk with a prefix builds FlashInfer's cascade module); 0: "
                          "none")
     ap.add_argument("--port", type=int, default=30010)
+    ap.add_argument("--triton-cache", metavar="DIR",
+                    help="one Triton cache for every server, kept across runs (a warm device machine's later FreeKV "
+                         "servers then load FreeKV's kernels instead of compiling them again, ~1 min a start); the jit "
+                         "column still lists what a timed batch compiled. Default: a new cache for each server")
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many decode steps of each batch (see above); 0: no profile")
     ap.add_argument("--profile-cpu", action="store_true",
@@ -509,7 +514,11 @@ def main() -> None:
         log_name = re.sub(r"[^\w.-]+", "_", name)
         subprocess.run(["pkill", "-9", "-f", "sglang.launch_server"], check=False)
         time.sleep(2)
-        cache = Path(tempfile.mkdtemp(prefix=f"triton-{log_name}-"))
+        if args.triton_cache:
+            cache = Path(args.triton_cache)
+            cache.mkdir(parents=True, exist_ok=True)
+        else:
+            cache = Path(tempfile.mkdtemp(prefix=f"triton-{log_name}-"))
         srv = ServerProcess(name, args.port, ["--model-path", model, "--tokenizer-path", f"{model}/tokenizer",
                                               "--load-format", "dummy", *common, *extra],
                             out / f"server-{log_name}.log", dict(env, TRITON_CACHE_DIR=str(cache)))

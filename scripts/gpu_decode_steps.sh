@@ -3,7 +3,8 @@
 # follow each other on one warm machine (the device gives it back 30 s after a call: issue the next step at once).
 # Each step runs benchmarks/decode.py with session 49's flags and writes $OUT/STEP.json and a trimmed log; the
 # first call on a fresh machine carries .gpu-wheels (its FreeKV server starts in ~6 min: SGLang and FlashInfer JIT,
-# the arena's pre-fault, the calibration, Triton compiling during graph capture; ~2 min warm).
+# the arena's pre-fault, the calibration, Triton compiling during graph capture). Every step's servers share one
+# Triton cache on the machine, so a warm machine's later FreeKV servers load their kernels instead.
 #   bash scripts/gpu_decode_steps.sh predicted    # FreeKV, --kv-correct-at previous_mlp_only, 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh full         # full KV (FlashInfer), 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh programs     # predicted at 16 x 32K with --kv-recall-programs 48, then 64
@@ -30,7 +31,7 @@ decode() {  # decode NAME DECODE_ARGS...: one decode.py run under the step's tim
   rm -rf "/tmp/steps-$name"
   (cd "${TREE:-.}" && source scripts/gpu_env.sh && timeout $((LIMIT - SECONDS)) python3 benchmarks/decode.py \
      --shape llama-3.1-8b --freekv-args "$FA" --prefill-cuda-graph off --output-len 128 "$@" \
-     --out "/tmp/steps-$name") 2>&1 | grep -v '^\[' | cut -c1-300 | tee "$OUT/$name.log" | tail -n 8
+     --triton-cache /tmp/steps-triton-cache --out "/tmp/steps-$name") 2>&1 | grep -v '^\[' | cut -c1-300 | tee "$OUT/$name.log" | tail -n 8
   cp "/tmp/steps-$name/decode.json" "$OUT/$name.json" 2>/dev/null || echo "$name: no decode.json"
 }
 
