@@ -289,7 +289,8 @@ class FreeKVEngine:
         self._early_heads = [None if d or cfg.correct_at == "layer" or not self.retrieval else
                              torch.zeros(R, H, dtype=torch.bool, device=self.device) for d in self.dense]
         self._anticipated: dict[int, tuple] = {}  # layer -> anticipate()'s events: selection committed, recalled
-        self._held: list[tuple[torch.Tensor, ...]] = []  # anticipate()'s input copies, until the step's join
+        self._held: list[tuple[torch.Tensor, ...]] = []  # anticipate()'s inputs (or copies), until the step's join
+        self._lent: dict[int, torch.cuda.Event | None] = {}  # layer -> read: anticipate(borrow=True)'s prediction
         # cfg.victim: per sparse layer the victim cache's entries (the logical page each holds, -1 empty) and their
         # insertion stamps by request slot, and the victim op of every (row, head, slot) recalled this step (by batch
         # row, written with the recall codes and read by the same recalls).
@@ -902,13 +903,15 @@ class FreeKVEngine:
         return out
 
     def anticipate(self, plan: StepPlan, layer: int, predict: Callable[..., torch.Tensor],
-                   inputs: tuple[torch.Tensor, ...] = ()) -> None:
+                   inputs: tuple[torch.Tensor, ...] = (), borrow: bool = False) -> None:
         """cfg.correct_at "previous_mlp"(_only): predict(*inputs) -> [B, Hq, D], a prediction of sparse layer `layer`'s
         query this step, made while the layer before runs its MLP (from that layer's mid residual); it is called on
         the early stream (above the MLP's in priority), so its projection runs beside that MLP too. `inputs` (the
         tensors it reads) are copied on the caller's stream first and held until the step's join: the next layer's
         fused add-and-norm overwrites SGLang's residual in place, and a tensor freed on the caller's stream could be
-        reused while the early stream still reads it. There the heads whose predicted query turned (group-mean
+        reused while the early stream still reads it. borrow: they are held but not copied, and the caller calls
+        inputs_read(layer) before it overwrites them (a wait that the MLP between normally covers, where the copy
+        is a launch on the critical path). There the heads whose predicted query turned (group-mean
         cosine to the previous query below tau) select with it and recall now, off the critical path.
         "previous_mlp": their previous query becomes the predicted one, which their selection now follows;
         attend(layer)'s check then compares the real query with the query each head's selection was made with, so
@@ -923,12 +926,15 @@ class FreeKVEngine:
             raise ValueError(f"layer {layer}: anticipate needs a sparse layer with retrieval and correct_at "
                              f"'previous_mlp' or 'previous_mlp_only', got {got}")
         G, st = self.shape.group, self.streams
-        inputs = tuple(t.clone() for t in inputs)
+        if not borrow:
+            inputs = tuple(t.clone() for t in inputs)
         self._held.append(inputs)
         e = st.record()
         with st.on("early"):
             st.wait(e)
             q = predict(*inputs)
+            if borrow:
+                self._lent[layer] = st.record()
             B = q.shape[0]
             replay = None  # benchmarks: drawn at the replayed rate (the prediction is still made, as its cost is real)
             if self.cfg.replay_correction_rate is not None:
@@ -948,6 +954,12 @@ class FreeKVEngine:
             commit = st.record()
             self._recall_phase(plan, layer, PHASE_NOW)
             self._anticipated[layer] = (commit, st.record())
+
+    def inputs_read(self, layer: int) -> None:
+        """The caller's stream waits until anticipate(layer, borrow=True)'s prediction has read its inputs, which the
+        caller is about to overwrite; nothing to wait for if the layer lent none this step."""
+        if layer in self._lent:
+            self.streams.wait(self._lent.pop(layer))
 
     def _after_attention(self, plan: StepPlan, layer: int, anchor: torch.cuda.Event | None) -> None:
         """A layer's side-stream work after its attention, once `anchor` (recorded after that attention) is reached:
@@ -1049,6 +1061,10 @@ class FreeKVEngine:
         if self._anticipated:  # cleared first: the next step must not wait on this one's events
             left, self._anticipated = sorted(self._anticipated), {}
             raise RuntimeError(f"layers {left} were anticipated this step but not attended")
+        if self._lent:
+            left, self._lent = sorted(self._lent), {}
+            raise RuntimeError(f"layers {left} lent their inputs to anticipate this step, and nothing waited for "
+                               "the prediction to read them (inputs_read) before they could be overwritten")
 
     # ---- statistics --------------------------------------------------------------------------
 

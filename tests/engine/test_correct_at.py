@@ -183,10 +183,12 @@ def test_the_early_lane_runs_above_the_critical_chain():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("borrow", [False, True])
 @pytest.mark.parametrize("correct_at", ["previous_mlp", "previous_mlp_only"])
-def test_graph_replay_of_the_early_correction_equals_eager(prefill_alike, correct_at):
+def test_graph_replay_of_the_early_correction_equals_eager(prefill_alike, correct_at, borrow):
     """A decode step that anticipates every sparse layer (the prediction's projection on the early stream), captured
-    in a CUDA graph, replays like the same engine run eagerly: outputs, slots and early corrections."""
+    in a CUDA graph, replays like the same engine run eagerly: outputs, slots and early corrections. borrow: the
+    inputs are lent, and the compute stream waits for their read before the layer (SGLang's serving path)."""
     H, G, D, L, bs = 2, 4, 64, 3, 4
     cfg = FreeKVConfig(budget=64, sink=32, window=32, page_size=32, tau=0.8, dense_layers=1, selection="means",
                        correct_at=correct_at)
@@ -202,7 +204,9 @@ def test_graph_replay_of_the_early_correction_equals_eager(prefill_alike, correc
         out = []
         for layer in range(L):
             if layer >= cfg.dense_layers:
-                e.anticipate(plan, layer, lambda a, b: a + 0.5 * b, (q[layer, :rows], mix[layer, :rows]))
+                e.anticipate(plan, layer, lambda a, b: a + 0.5 * b, (q[layer, :rows], mix[layer, :rows]),
+                             borrow=borrow)
+                e.inputs_read(layer)
             out.append(e.attend(plan, layer, q[layer, :rows], k[layer, :rows], v[layer, :rows]))
         e.end_step()
         return torch.stack(out)
@@ -268,6 +272,30 @@ def test_anticipate_predicts_from_copies_held_until_the_steps_join(prefill_alike
         eng.attend(plan, layer, torch.randn(2, 6, 32, device=DEV), *torch.randn(2, 2, 2, 32, device=DEV))
     eng.end_step()
     assert eng._held == []
+
+
+def test_anticipate_borrows_inputs_until_the_caller_waits_for_their_read(prefill_alike):
+    """borrow=True (SGLang's mid residual): predict reads the caller's tensor itself, held until the step's join; the
+    caller calls inputs_read before overwriting it, and a step that lent inputs without that wait fails at end_step."""
+    eng = make_engine(dataclasses.replace(CFG, selection="means", correct_at="previous_mlp_only"))
+    slots = prefill_alike([eng], [150, 120], device=DEV)
+    for release in (True, False):
+        plan = eng.begin_step(slots)
+        mid = torch.randn(2, 6, 32, device=DEV)
+        seen = []
+        for layer in range(1, 4):
+            eng.anticipate(plan, layer, lambda x: (seen.append(x), x)[1], (mid,), borrow=True)
+            if release:
+                eng.inputs_read(layer)
+            eng.attend(plan, layer, torch.randn(2, 6, 32, device=DEV), *torch.randn(2, 2, 2, 32, device=DEV))
+        assert all(x is mid for x in seen) and eng._held
+        if release:
+            eng.end_step()
+        else:
+            with pytest.raises(RuntimeError, match=r"layers \[1, 2, 3\] lent their inputs"):
+                eng.end_step()
+        assert eng._held == []
+    eng.inputs_read(1)  # nothing lent: nothing to wait for
 
 
 @pytest.mark.parametrize("early_rate", [0.0, 1.0])

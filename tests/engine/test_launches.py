@@ -73,7 +73,7 @@ def recorder(monkeypatch, eng):
 
 
 def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5, selection="sketch", factor=None,
-               retrieval="freekv", head_dim=D, correct_at="layer"):
+               retrieval="freekv", head_dim=D, correct_at="layer", borrow=False):
     """Launches per sparse layer of the third decode step of two requests (slots filled, some heads flagged)."""
     D = head_dim
     cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall,
@@ -107,7 +107,8 @@ def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5,
             rec.on = step == 2
             for layer in range(1, L):
                 if correct_at != "layer":  # the prediction, a given query (predict's own launches are the model's)
-                    eng.anticipate(plan, layer, lambda q: q, (predicted[layer],))
+                    eng.anticipate(plan, layer, lambda q: q, (predicted[layer],), borrow=borrow)
+                    eng.inputs_read(layer)
                 eng.attend(plan, layer, *inputs[layer], attention=attention if outside else None)
             rec.on = False
             eng.end_step()
@@ -165,13 +166,15 @@ def test_early_correction_launches(monkeypatch):
     }
 
 
-def test_early_correction_alone_launches(monkeypatch):
+@pytest.mark.parametrize("borrow", [False, True])
+def test_early_correction_alone_launches(monkeypatch, borrow):
     """correct_at "previous_mlp_only": the early lane as above, and nothing of the correction on the compute stream's
-    path: the similarity check there only stores the query and writes the step's K/V."""
-    got = count_step(monkeypatch, selection="channels", head_dim=32, correct_at="previous_mlp_only")
+    path: the similarity check there only stores the query and writes the step's K/V. Lent (borrow, as SGLang's
+    backend lends its mid residual), the prediction's input is not copied: no launch for it at all."""
+    got = count_step(monkeypatch, selection="channels", head_dim=32, correct_at="previous_mlp_only", borrow=borrow)
     channels = {"_channel_lse_kernel": 1, "_select_chain_kernel": 1, "_recall_pages_kernel": 1}
     assert got == {
-        "compute": {"aten.clone": 1, "_query_similarity_kernel": 1, "_attend_kept_kernel": 1,
+        "compute": {**({} if borrow else {"aten.clone": 1}), "_query_similarity_kernel": 1, "_attend_kept_kernel": 1,
                     "_attend_recalled_kernel": 1},
         "early": {**channels, "_query_similarity_kernel": 1},
         "speculate": speculative(channels),
