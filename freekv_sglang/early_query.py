@@ -21,13 +21,14 @@ Predictor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 class EarlyQuery:
     """The wrappers' shared state: the decode forward in flight (its positions), and where predictions go, set by the
-    FreeKV backend: target(layer, predict, (mid,)) with predict(mid) -> [T, Hq * D]. The target copies `mid` (the
-    next layer's fused add-and-norm overwrites it in place); predict reads the forward's positions as they are, which
-    nothing overwrites or frees before the step's join (a CUDA graph's static buffer, or the forward batch's), so
-    they cost no copy on the critical path."""
+    FreeKV backend: target(layer, predict, (mid,)) with predict(mid) -> [T, Hq * D], and release(layer), called before
+    that layer's input norm (a fused add-and-norm) overwrites `mid` in place, so the target may read `mid` where it
+    is instead of copying it. predict reads the forward's positions as they are, which nothing overwrites or frees
+    before the step's join (a CUDA graph's static buffer, or the forward batch's)."""
 
     def __init__(self) -> None:
         self.target: Callable[[int, Callable[[torch.Tensor], torch.Tensor], tuple[torch.Tensor]], None] | None = None
+        self.release: Callable[[int], None] | None = None
         self.positions: torch.Tensor | None = None
 
 
@@ -45,6 +46,8 @@ def install(layers, state: EarlyQuery, predictors: dict[int, Predictor]) -> None
     for j, predict in predictors.items():
         norm = layers[j - 1].post_attention_layernorm
         norm.forward = _wrap_norm(norm.forward, state, j, predict)
+        norm = layers[j].input_layernorm
+        norm.forward = _wrap_input_norm(norm.forward, state, j)
     first._freekv_early = True
 
 
@@ -67,4 +70,12 @@ def _wrap_norm(forward, state: EarlyQuery, layer: int, predict: Predictor):
             # out[1]: the residual with the attention's output
             state.target(layer, lambda mid: predict(mid, positions), (out[1],))
         return out
+    return wrapped
+
+
+def _wrap_input_norm(forward, state: EarlyQuery, layer: int):
+    def wrapped(*args, **kwargs):
+        if state.positions is not None and state.release is not None:
+            state.release(layer)  # its fused add-and-norm overwrites the mid residual the prediction reads
+        return forward(*args, **kwargs)
     return wrapped

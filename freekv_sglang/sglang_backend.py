@@ -144,7 +144,7 @@ class FreeKVAttnBackend(AttentionBackend):
             if early is None:
                 raise RuntimeError(f"--kv-correct-at {cfg.correct_at}: the model's decoder layers are not wrapped to "
                                    "predict queries (freekv_patches' model-runner hook did not run)")
-            early.target = self._anticipate
+            early.target, early.release = self._anticipate, self.engine.inputs_read
         self._tsp_rows: list[tuple[int, int]] = []  # this extend batch's (slot, prompt tokens), in batch order
         self._tsp_kept: list[int] | None = None  # their propagated tokens, once the TSP layer picked them
         self._tsp_drop: dict[int, int] = {}  # slot -> tokens its prompt did not propagate (late length = len - drop)
@@ -722,12 +722,14 @@ class FreeKVAttnBackend(AttentionBackend):
 
     def _anticipate(self, lid: int, predict, inputs) -> None:
         """--kv-correct-at previous_mlp(_only): decoder layer lid's query predicted by predict(*inputs) -> [T, Hq * D]
-        from the layer before's mid residual (inputs, which the engine copies), in a decode forward; its engine
-        corrects the heads whose prediction turned while that layer's MLP runs."""
+        from the layer before's mid residual (inputs, lent: the wrapped input norm of layer lid calls the engine's
+        inputs_read before it overwrites them), in a decode forward; its engine corrects the heads whose prediction
+        turned while that layer's MLP runs."""
         if self._plan is None or self.engine.dense[lid]:
             return
         s = self.shape
-        self.engine.anticipate(self._plan, lid, lambda *x: predict(*x).view(-1, s.num_q_heads, s.head_dim), inputs)
+        self.engine.anticipate(self._plan, lid, lambda *x: predict(*x).view(-1, s.num_q_heads, s.head_dim), inputs,
+                               borrow=True)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         lid = layer.layer_id

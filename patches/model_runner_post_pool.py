@@ -128,18 +128,22 @@ def _install_early(runner, dense_layers: int, correct_at: str) -> None:
     layers = _whole_layers(runner, flag, "--kv-correct-at")
     model = runner.model
 
-    def fused_norm(layer) -> bool:  # SGLang's Llama/Qwen2 call: the post-attention norm adds the residual itself
+    def fused_norm(layer, norm: str) -> bool:  # SGLang's Llama/Qwen2 call: the norm adds the residual itself
         try:
-            return "self.post_attention_layernorm(hidden_states, residual)" in inspect.getsource(type(layer).forward)
+            return f"self.{norm}(hidden_states, residual)" in inspect.getsource(type(layer).forward)
         except (OSError, TypeError):
             return False
 
     def predictor(j: int):
-        if not fused_norm(layers[j - 1]):
+        if not fused_norm(layers[j - 1], "post_attention_layernorm"):
             raise FreeKVArgsError(f"{flag}: decoder layer {j - 1} of {type(model).__name__} "
                                   "does not call its post-attention norm with the residual (SGLang's fused "
                                   "add-and-norm, which gives the mid residual the prediction reads): drop "
                                   "--kv-correct-at")
+        if not fused_norm(layers[j], "input_layernorm"):  # early_query releases the mid residual there
+            raise FreeKVArgsError(f"{flag}: decoder layer {j} of {type(model).__name__} does not call its input "
+                                  "norm with the residual (SGLang's fused add-and-norm, before which the prediction "
+                                  "must have read the mid residual): drop --kv-correct-at")
         layer = layers[j]
         attn, norm = getattr(layer, "self_attn", None), getattr(layer, "input_layernorm", None)
         qkv, rope = getattr(attn, "qkv_proj", None), getattr(attn, "rotary_emb", None)
@@ -163,8 +167,10 @@ def _install_early(runner, dense_layers: int, correct_at: str) -> None:
         bias = getattr(qkv, "bias", None)
         b = None if bias is None else bias[:q_size]
 
+        normalize = norm.forward  # not early_query's wrapper of it, which releases the mid residual
+
         def predict(mid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            q = F.linear(norm(mid), w, b)
+            q = F.linear(normalize(mid), w, b)
             # rope rotates a key too: an unwritten one (its result is dropped), so no fill kernel joins the lane
             q, _ = rope(positions, q, torch.empty_like(q[:, :attn.kv_size]))
             return q

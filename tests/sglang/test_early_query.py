@@ -139,6 +139,49 @@ def test_layers_whose_norm_adds_no_residual_are_refused():
     assert "--kv-correct-at" in str(e.value)
 
 
+class UnfusedInputLayer(Layer):
+    """A layer whose post-attention norm adds the residual, while its input norm does not (it adds it itself)."""
+
+    def forward(self, positions, hidden_states, forward_batch, residual):
+        if residual is not None:
+            hidden_states = hidden_states + residual
+        residual, h = hidden_states, self.input_layernorm(hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(self.self_attn(positions, h), residual)
+        return self.mlp(hidden_states), residual
+
+
+def test_layers_whose_input_norm_adds_no_residual_are_refused():
+    """The mid residual is released before the next layer's fused input add-and-norm overwrites it: a layer to
+    predict that does not call its input norm so gives no such point."""
+    layers = torch.nn.ModuleList([Layer(), UnfusedInputLayer(), Layer()])
+    with pytest.raises(FreeKVArgsError, match="decoder layer 1 .* input norm") as e:
+        _install_early(runner_of(layers), dense_layers=1, correct_at="previous_mlp")
+    assert "--kv-correct-at" in str(e.value)
+
+
+def test_the_mid_residual_is_released_before_the_next_input_norm():
+    """In a decode forward, layer j's prediction (from layer j - 1's mid residual) comes first, then its release
+    right before layer j's input norm, which overwrites that residual in a fused add-and-norm; the prediction's own
+    norm does not release it. Extend forwards do neither."""
+    layers = torch.nn.ModuleList(Layer() for _ in range(4))
+    events = []
+    for j in range(1, 4):  # the input norms, as the wrappers find them
+        norm = layers[j].input_layernorm.forward
+        layers[j].input_layernorm.forward = lambda *a, j=j, norm=norm: (events.append(("norm", j)), norm(*a))[1]
+    runner = runner_of(layers)
+    _install_early(runner, dense_layers=1, correct_at="previous_mlp")
+    state = runner._freekv_early
+    state.target = lambda layer, predict, inputs: (events.append(("predict", layer)), predict(*inputs))
+    state.release = lambda layer: events.append(("release", layer))
+    with torch.no_grad():
+        run(layers, decode=False)
+        assert events == [("norm", 1), ("norm", 2), ("norm", 3)]
+        events.clear()
+        run(layers, decode=True)
+    # Each prediction runs the input norm once itself (on the mid residual), without a release.
+    assert events == [e for j in (1, 2, 3) for e in (("predict", j), ("norm", j), ("release", j), ("norm", j))]
+
+
 def test_a_norm_without_the_residual_pair_is_an_error():
     """A post-attention norm that returns one tensor (no fused residual) leaves no mid residual to predict from."""
     layers = torch.nn.ModuleList(Layer() for _ in range(3))
@@ -167,4 +210,6 @@ def test_sglangs_llama_and_qwen2_layers_hold_what_the_prediction_reads(module, p
         assert name in inspect.getsource(layer.__init__), name
     assert list(inspect.signature(layer.forward).parameters)[:5] == ["self", "positions", "hidden_states",
                                                                     "forward_batch", "residual"]
-    assert "self.post_attention_layernorm(hidden_states, residual)" in inspect.getsource(layer.forward)
+    for call in ("self.post_attention_layernorm(hidden_states, residual)",
+                 "self.input_layernorm(hidden_states, residual)"):
+        assert call in inspect.getsource(layer.forward), call

@@ -532,8 +532,9 @@ def test_the_last_query_is_seeded_in_the_engines_dtype(daemon, monkeypatch):
 @pytest.mark.parametrize("correct_at", ["previous_mlp", "previous_mlp_only"])
 def test_predicted_queries_reach_the_engine_in_decode_forwards(daemon, correct_at):
     """--kv-correct-at previous_mlp(_only): the wrapped layers hand the backend each sparse layer's predicted query
-    [T, Hq * D] during a decode forward; the engine corrects with it one layer early. A perfect prediction attends as
-    the paper's correction does (a reference engine with correct_at "layer"), with every correction made early."""
+    [T, Hq * D] during a decode forward, and release its input before the layer's input norm; the engine corrects
+    with it one layer early. A perfect prediction attends as the paper's correction does (a reference engine with
+    correct_at "layer"), with every correction made early. An input lent and never released fails the step."""
     from freekv_sglang.early_query import EarlyQuery
 
     cfg = dataclasses.replace(CFG, selection="means", correct_at=correct_at)
@@ -541,7 +542,7 @@ def test_predicted_queries_reach_the_engine_in_decode_forwards(daemon, correct_a
         make_backend(daemon, cfg=cfg)
     early = EarlyQuery()
     backend, runner = make_backend(daemon, cfg=cfg, early=early)
-    assert early.target == backend._anticipate
+    assert early.target == backend._anticipate and early.release == backend.engine.inputs_read
     reqs = [Request(runner, 3, 150), Request(runner, 5, 70)]
     prefill(backend, reqs, 64)
     ref, ref_slots = reference_engine(reqs, dataclasses.replace(cfg, correct_at="layer"))
@@ -553,6 +554,7 @@ def test_predicted_queries_reach_the_engine_in_decode_forwards(daemon, correct_a
         for layer in layers():
             q, k, v = torch.randn(2, HQ * D), torch.randn(2, H * D), torch.randn(2, H * D)
             early.target(layer.layer_id, lambda x: x, (q,))  # a dense layer's prediction is dropped
+            early.release(layer.layer_id)  # the layer's input norm
             out = backend.forward_decode(q, k, v, layer, fb)
             if layer.layer_id >= cfg.dense_layers:
                 want = ref.attend(plan, layer.layer_id, q.view(2, HQ, D), k.view(2, H, D), v.view(2, H, D))
@@ -560,3 +562,10 @@ def test_predicted_queries_reach_the_engine_in_decode_forwards(daemon, correct_a
         ref.end_step()
     got, want = backend.engine.stats(), ref.stats()
     assert got["flagged_early"] == want["flagged"] > 0 and got["flagged"] == 0
+    fb = decode_batch(reqs)
+    backend.init_forward_metadata(fb)
+    with pytest.raises(RuntimeError, match="lent their inputs"):
+        for layer in layers():
+            q, k, v = torch.randn(2, HQ * D), torch.randn(2, H * D), torch.randn(2, H * D)
+            early.target(layer.layer_id, lambda x: x, (q,))
+            backend.forward_decode(q, k, v, layer, fb)
