@@ -1058,12 +1058,13 @@ class FreeKVEngine:
         self.streams.join()
         self._held.clear()  # the side streams that read them are joined
         self._keep_early.clear()
-        if self._anticipated:  # cleared first: the next step must not wait on this one's events
-            left, self._anticipated = sorted(self._anticipated), {}
-            raise RuntimeError(f"layers {left} were anticipated this step but not attended")
-        if self._lent:
-            left, self._lent = sorted(self._lent), {}
-            raise RuntimeError(f"layers {left} lent their inputs to anticipate this step, and nothing waited for "
+        # Both cleared before either error: the next step must not wait on this one's events.
+        unattended, unread = sorted(self._anticipated), sorted(self._lent)
+        self._anticipated, self._lent = {}, {}
+        if unattended:
+            raise RuntimeError(f"layers {unattended} were anticipated this step but not attended")
+        if unread:
+            raise RuntimeError(f"layers {unread} lent their inputs to anticipate this step, and nothing waited for "
                                "the prediction to read them (inputs_read) before they could be overwritten")
 
     # ---- statistics --------------------------------------------------------------------------

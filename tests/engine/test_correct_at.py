@@ -182,6 +182,30 @@ def test_the_early_lane_runs_above_the_critical_chain():
     assert st.early.priority < st.select.priority == CRITICAL_PRIORITY < st.speculate.priority == st.recall.priority
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="streams need a GPU")
+def test_a_lent_input_is_read_before_the_caller_overwrites_it(prefill_alike):
+    """borrow=True on a GPU: a prediction held back on the early stream (a sleep before it reads) still reads the
+    caller's tensor as it was, since the caller's overwrite after inputs_read waits for that read."""
+    eng = make_engine(dataclasses.replace(CFG, selection="means", correct_at="previous_mlp_only"))
+    slots = prefill_alike([eng], [150, 120], device=DEV)
+    plan = eng.begin_step(slots)
+    mid = torch.randn(2, 6, 32, device=DEV)
+    want, seen = mid.clone(), []
+
+    def predict(x):
+        torch.cuda._sleep(50_000_000)  # ~25 ms at GPU clocks: the overwrite would land first without the wait
+        seen.append(x.clone())
+        return seen[-1]
+
+    eng.anticipate(plan, 1, predict, (mid,), borrow=True)
+    eng.inputs_read(1)
+    mid.fill_(float("nan"))  # the caller's in-place write (SGLang's fused add-and-norm)
+    eng.attend(plan, 1, torch.randn(2, 6, 32, device=DEV), *torch.randn(2, 2, 2, 32, device=DEV))
+    eng.end_step()
+    torch.cuda.synchronize()
+    assert torch.equal(seen[0], want)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("borrow", [False, True])
 @pytest.mark.parametrize("correct_at", ["previous_mlp", "previous_mlp_only"])
