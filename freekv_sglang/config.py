@@ -287,14 +287,14 @@ class FreeKVConfig:
             raise ValueError(f"speculate_at must be one of {', '.join(SPECULATE_AT)}, got {self.speculate_at!r}")
         if self.correct_at not in CORRECT_AT:
             raise ValueError(f"correct_at must be one of {', '.join(CORRECT_AT)}, got {self.correct_at!r}")
-        if self.correct_at != "layer" and self.retrieval != "freekv":
+        if self.anticipates and self.retrieval != "freekv":
             raise ValueError(f"correct_at {self.correct_at!r} moves FreeKV's correction, which retrieval "
                              f"{self.retrieval!r} does not run: drop correct_at")
-        if self.correct_at != "layer" and self.sketches:
+        if self.anticipates and self.sketches:
             raise ValueError(f"correct_at {self.correct_at!r} selects with a predicted query, which FreeKV's channels, "
                              f"means, quest and oracle selections score with; not {self.selection!r}, whose scoring "
                              f"reads the picks the similarity check made: drop correct_at or pick another selection")
-        if self.correct_at != "layer" and self.prefill == "tsp":
+        if self.anticipates and self.prefill == "tsp":
             raise ValueError(f"correct_at {self.correct_at!r} predicts queries within one engine's layers; with "
                              "prefill 'tsp' the layers after the TSP layer run in another: drop correct_at "
                              "(--kv-correct-at)")

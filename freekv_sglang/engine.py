@@ -286,7 +286,7 @@ class FreeKVEngine:
                         for d in self.dense]
         # cfg.correct_at "previous_mlp"(_only): per sparse layer, by batch row, the heads anticipate() selected with the
         # predicted query; and its events, per layer anticipated this step (attend waits for them).
-        self._early_heads = [None if d or cfg.correct_at == "layer" or not self.retrieval else
+        self._early_heads = [None if d or not cfg.anticipates or not self.retrieval else
                              torch.zeros(R, H, dtype=torch.bool, device=self.device) for d in self.dense]
         self._anticipated: dict[int, tuple] = {}  # layer -> anticipate()'s events: selection committed, recalled
         self._held: list[tuple[torch.Tensor, ...]] = []  # anticipate()'s inputs (or copies), until the step's join
