@@ -498,6 +498,10 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
         problems.append(f"use --pp-size 1 (got {g('pp_size')}): pipeline parallelism is not supported with FreeKV yet")
     if g("enable_two_batch_overlap", False):
         problems.append("drop --enable-two-batch-overlap: two-batch overlap is not supported with FreeKV")
+    if g("enable_torch_compile", False):
+        problems.append("drop --enable-torch-compile: torch.compile would trace FreeKV's decode step (host-planned "
+                        "tables, side streams and their events, the early correction's wrapped layers) into the "
+                        "compiled forward; the decode CUDA graph serves without it")
     if g("enable_pdmux", False):
         problems.append("drop --enable-pdmux: PD multiplexing is not supported with FreeKV")
     if (g("tokenizer_worker_num", 1) or 1) > 1:

@@ -105,6 +105,8 @@ REFUSED = [
     (["--decode-attention-backend", "fa3"], "--decode-attention-backend"),
     (["--prefill-attention-backend", "fa3"], "--prefill-attention-backend"),
     (["--enable-two-batch-overlap"], "--enable-two-batch-overlap"),
+    (["--enable-torch-compile"], "--enable-torch-compile"),
+    (["--enable-torch-compile", "--kv-correct-at", "previous_mlp_only"], "--enable-torch-compile"),
     (["--cuda-graph-backend-prefill", "full"], "--cuda-graph-backend-prefill"),
     (["--cuda-graph-config", '{"prefill": {"backend": "full"}}'], "--cuda-graph-backend-prefill"),
     (["--cuda-graph-backend-decode", "breakable"], "--cuda-graph-backend-decode"),
