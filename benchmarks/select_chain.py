@@ -85,6 +85,7 @@ def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries
                          a["slot_pages"], recall, phase, a["page_size"], victim_ops=ops, victim_base=a["victim_base"],
                          victim_entries=entries, host_scales=a["scales"])
             head_token_index(slots, c["req_slots"], *lists)
+    run.state = dict(slots=slots, recall=recall, victim_ops=ops)  # what a recall after it reads (side_lanes.py)
     return run
 
 

@@ -1,0 +1,178 @@
+"""How much the speculative lanes' kernels slow the critical lane's on a GPU, and whether confining the lanes to a
+green context (a stream that runs on N of the GPU's SMs only) hides them better.
+
+Session 53's trace of the 16 x 32K step (Llama-3.1-8B shape, `--kv-correct-at previous_mlp_only`): with nothing of
+the correction left before attention, attention took 88 µs a layer against 58 alone and the MLP's GEMMs ~10 µs more
+than alone, beside the previous layer's speculative scoring (~120 µs, started just before attention), its
+select_chain (128 programs, one an SM) and its recall. A GEMM's CTA at 16 rows holds an SM's whole register file, so
+any side CTA resident on an SM keeps that SM from the critical kernel until it retires; a green context packs the
+side CTAs onto N SMs and leaves the others to the critical lane (the primary context's kernels still use every SM).
+
+Per layer, at the Llama-3.1-8B shape and --batch rows:
+  critical  the QKV, output, gate/up and down projections (bf16 GEMMs, weights of --layers distinct layers so that
+            they stream from HBM) and attention over the budget (SDPA, group rows as queries, sink + slots + window =
+            2,688 tokens a (row, KV head)), on a stream at the critical priority (-1), as FreeKV's decode graph;
+  side      the speculative lane: the channel sketch's scoring of every head over --pages candidate pages, select_chain
+            with the realistic replay (PHASE_LATER), and the recall of its changed slots from an FP8 host arena with
+            --recall-programs programs (--lanes picks a subset), on a stream at priority 0, or on a green-context
+            stream of N SMs for each N in --sms;
+  both      each layer's side lane forked beside its critical kernels, joined at the end.
+Each is timed as a CUDA graph's replay and eagerly (the GPU held while the host queues the whole run), in ms for
+--layers layers; `hidden` is the share of the side lane's own time that running beside the critical lane hides
+(1 - (both - critical) / side). Prints a table and writes JSON.
+
+python benchmarks/side_lanes.py --sms 0,16,24,32,48 --out results/side_lanes.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import select_chain as chain_bench
+import sketch_lse
+import torch
+import torch.nn.functional as F
+from freekv_kernels.page_select import PHASE_LATER
+from freekv_kernels.recall import recall_pages
+from freekv_sglang.streams import CRITICAL_PRIORITY, green_streams
+from gpu_timing import time_ms
+
+HIDDEN, QKV, INTER = 4096, 6144, 14336  # Llama-3.1-8B
+KV_HEADS, GROUP, D = 8, 4, 128
+BUDGET_TOKENS = 2688  # sink 128 + 64 slots of 32 + window 512
+LANES = ("score", "chain", "recall")
+
+
+class Critical:
+    """The critical lane's kernels of --layers distinct layers."""
+
+    def __init__(self, batch: int, layers: int, dev: str = "cuda"):
+        w = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16) * 0.02  # noqa: E731
+        self.x = w(batch, HIDDEN)
+        self.wqkv = [w(HIDDEN, QKV) for _ in range(layers)]
+        self.wo = [w(HIDDEN, HIDDEN) for _ in range(layers)]
+        self.wgu = [w(HIDDEN, 2 * INTER) for _ in range(layers)]
+        self.wd = [w(INTER, HIDDEN) for _ in range(layers)]
+        self.q = w(batch * KV_HEADS, 1, GROUP, D)
+        self.kv = [w(2, batch * KV_HEADS, 1, BUDGET_TOKENS, D) for _ in range(layers)]
+
+    def layer(self, i: int) -> None:
+        self.x @ self.wqkv[i]
+        F.scaled_dot_product_attention(self.q, self.kv[i][0], self.kv[i][1])
+        self.x @ self.wo[i]
+        gu = self.x @ self.wgu[i]
+        (F.silu(gu[:, :INTER]) * gu[:, INTER:]) @ self.wd[i]
+
+
+class Side:
+    """The speculative lane of one layer, on state of its own (each call replays fresh churn)."""
+
+    def __init__(self, batch: int, pages: int, lanes: set[str], recall_programs: int, churn: float, returns: float,
+                 victims: int, dev: str = "cuda"):
+        self.lanes = lanes
+        self.score_case = sketch_lse.case("llama", batch, pages, 1.0, seed=batch + pages, dev=dev)
+        c = chain_bench.case(batch, pages, 0.0, seed=batch, shape="llama", dev=dev)
+        self.select = chain_bench.chain(c, "+replay", PHASE_LATER, churn, returns, victims)
+        self.recall_args, _ = chain_bench.after_args(c, victims)
+        self.c, self.victims, self.recall_programs = c, victims, recall_programs
+        self.calls = 0
+
+    def layer(self, i: int) -> None:
+        if "score" in self.lanes:
+            sketch_lse.lse(sketch_lse.served, self.score_case)
+        if "chain" in self.lanes:
+            self.select(self.calls % 32)
+            self.calls += 1
+        if "recall" in self.lanes:  # the slots select_chain changed (none without "chain")
+            a, st = self.recall_args, self.select.state
+            recall_pages(a["host"], a["k_cache"], a["v_cache"], a["page_table"], st["slots"], self.c["req_slots"],
+                         a["slot_pages"], st["recall"], PHASE_LATER, a["page_size"], programs=self.recall_programs,
+                         victim_ops=st["victim_ops"], victim_base=a["victim_base"], victim_entries=self.victims,
+                         host_scales=a["scales"])
+
+
+def run(layers: int, critical: Critical | None, side: Side | None, stream: torch.cuda.Stream | None) -> None:
+    """Each layer's side lane forked onto `stream` beside its critical kernels on the current stream, then joined."""
+    cur = torch.cuda.current_stream()
+    for i in range(layers):
+        if side is not None:
+            stream.wait_stream(cur)
+            with torch.cuda.stream(stream):
+                side.layer(i)
+        if critical is not None:
+            critical.layer(i)
+    if side is not None:
+        cur.wait_stream(stream)
+
+
+def timed(fn, repeats: int) -> dict[str, float | None]:
+    """{"graph": ms of a CUDA graph's replay, "eager": ms with the host's launches hidden}; graph None (and the
+    reason under "graph_error") where the capture fails."""
+    out: dict = {"eager": time_ms(lambda i: fn(), repeats, warmup=3, hide_launch=True)}
+    try:
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):  # at the critical priority
+            fn()
+        out["graph"] = time_ms(lambda i: graph.replay(), repeats, warmup=3)
+    except RuntimeError as e:  # a capture across contexts may be refused: the eager time still stands
+        out["graph"], out["graph_error"] = None, str(e).splitlines()[0][:200]
+        torch.cuda.synchronize()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--pages", type=int, default=1000, help="candidate pages a row (1000: 32K at page 32)")
+    ap.add_argument("--layers", type=int, default=8, help="distinct layers (weights, KV), one side lane each")
+    ap.add_argument("--sms", default="0,16,24,32,48", help="green-context SMs for the side lane, 0: no green context")
+    ap.add_argument("--lanes", default=",".join(LANES), help=f"side-lane kernels, a subset of {','.join(LANES)}")
+    ap.add_argument("--recall-programs", type=int, default=32, help="as --kv-recall-programs (served: 32)")
+    ap.add_argument("--churn", type=float, default=0.15)
+    ap.add_argument("--returns", type=float, default=0.5)
+    ap.add_argument("--victims", type=int, default=64, help="victim entries a head (64: --kv-victim 2048)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default="results/side_lanes.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/side_lanes.py needs a CUDA device")
+    lanes = set(args.lanes.split(","))
+    assert lanes <= set(LANES), f"lanes are {LANES}"
+    main_stream = torch.cuda.Stream(priority=CRITICAL_PRIORITY)
+    rows = []
+    with torch.cuda.stream(main_stream):
+        critical = Critical(args.batch, args.layers)
+        side = Side(args.batch, args.pages, lanes, args.recall_programs, args.churn, args.returns, args.victims)
+        n_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        print(f"{torch.cuda.get_device_name()} ({n_sms} SMs): {args.layers} layers at {args.batch} rows, side lanes "
+              f"{args.lanes} over {args.pages} pages; ms a run")
+        crit = timed(lambda: run(args.layers, critical, None, None), args.repeats)
+        print(f"{'side SMs':>8} {'mode':>6} {'critical':>9} {'side':>8} {'both':>8} {'excess':>8} {'hidden':>7}")
+        for sms in (int(s) for s in args.sms.split(",")):
+            ctx, (stream,) = green_streams(sms, 0, 1) if sms else (None, (torch.cuda.Stream(priority=0),))
+            alone = timed(lambda: run(args.layers, None, side, stream), args.repeats)
+            both = timed(lambda: run(args.layers, critical, side, stream), args.repeats)
+            for mode in ("graph", "eager"):
+                c, s, b = crit.get(mode), alone.get(mode), both.get(mode)
+                row = dict(sms=sms or n_sms, green=bool(sms), mode=mode, critical_ms=c, side_ms=s, both_ms=b,
+                           errors=[x.get("graph_error") for x in (crit, alone, both) if x.get("graph_error")])
+                if None not in (c, s, b):
+                    row.update(excess_ms=b - c, hidden=1 - (b - c) / s)
+                    print(f"{row['sms']:>8} {mode:>6} {c:>9.3f} {s:>8.3f} {b:>8.3f} {b - c:>8.3f} "
+                          f"{row['hidden']:>7.2f}")
+                else:
+                    print(f"{row['sms']:>8} {mode:>6} not captured: {row['errors']}")
+                rows.append(row)
+            del ctx
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "sms": n_sms, "args": vars(args), "rows": rows},
+                              indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
