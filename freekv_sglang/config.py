@@ -131,6 +131,12 @@ class FreeKVConfig:
         attention beside the model's GEMMs (each program strides over (request, head, chunk of pages) items); 0
         (default) launches one per item, ~4,000 at 16 x 32K, which queue ahead of the output projection (session 30's
         trace: it waited ~40 us a layer). The scoring before attention always uses one per item.
+    side_sms: SMs of a CUDA green context that the speculative lanes (the speculative scoring and selection, their
+        recall and the offload) run on; 0 (default): they share every SM with the critical lane. A GEMM's CTA at a
+        decode batch holds an SM's whole register file, so a side CTA resident anywhere keeps that SM from the
+        critical kernel until it retires; in a green context the side CTAs pack onto these SMs, and the critical
+        lane's kernels still use every SM. Needs a PyTorch with green contexts (checked at engine start). Not yet
+        measured in a server (benchmarks/side_lanes.py times it against the model's kernels).
     speculate_at: where a sparse layer's speculative selection (and so its recall lane) starts. "attention": right
         after the layer's attention, as the paper does; its scoring's programs (~4,000 at 16 x 32K) then fill the SMs
         ahead of the layer's output projection, whose GEMM waits ~40 us a layer for them (session 42's trace, H200).
@@ -211,6 +217,7 @@ class FreeKVConfig:
     recall_programs: int = 32
     recall_block: int = 0
     score_programs: int = 0
+    side_sms: int = 0
     speculate_at: str = "next_recall"
     correct_at: str = "layer"
     attention: str = "backend"
@@ -283,6 +290,8 @@ class FreeKVConfig:
         if self.score_programs and self.selection != "channels":
             raise ValueError(f"score_programs shapes the 'channels' selection's scoring, not {self.selection!r}'s: "
                              "drop --kv-score-programs or use --kv-selection channels")
+        if not _is_int(self.side_sms) or self.side_sms < 0:
+            raise ValueError(f"side_sms must be a non-negative integer, got {self.side_sms!r}")
         if self.speculate_at not in SPECULATE_AT:
             raise ValueError(f"speculate_at must be one of {', '.join(SPECULATE_AT)}, got {self.speculate_at!r}")
         if self.correct_at not in CORRECT_AT:

@@ -265,7 +265,7 @@ class FreeKVEngine:
         # Eager diagnostics (the accuracy harness): called as probe(layer, plan, q, slots) right after attention.
         self.probe: Callable | None = None
 
-        self.streams = Streams(self.device)
+        self.streams = Streams(self.device, cfg.side_sms)
         # cfg.speculate_at "next_recall": a sparse layer's speculative selection (and so its recall lane) waits for the
         # next sparse layer's selection before attention, to run beside that layer's recall instead of holding the SMs
         # ahead of its own output projection; _pending is the layer waiting. The last sparse layer has no next one.

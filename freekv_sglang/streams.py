@@ -6,6 +6,7 @@ On CPU everything runs in program order and these helpers do nothing.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import torch
 
@@ -29,6 +30,37 @@ def critical_stream(device: torch.device | int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=CRITICAL_PRIORITY)
 
 
+def green_streams(num_sms: int, device: torch.device | int, count: int) -> tuple[object, list[torch.cuda.Stream]]:
+    """(a CUDA green context of num_sms SMs, `count` streams of it): kernels launched on them run on those SMs only
+    (the primary context's kernels still run on every SM). Keep the context as long as the streams. A PyTorch without
+    GreenContext.Stream gets driver streams created while the green context is current, which binds them there."""
+    from torch.cuda import green_contexts
+
+    if not getattr(green_contexts, "SUPPORTED", True):
+        raise RuntimeError(f"--kv-side-sms {num_sms} needs CUDA green contexts, which this PyTorch "
+                           f"({torch.__version__}) was built without; drop --kv-side-sms")
+    index = device if isinstance(device, int) else torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    total = torch.cuda.get_device_properties(index).multi_processor_count
+    if num_sms >= total:
+        raise ValueError(f"--kv-side-sms {num_sms} must be below the GPU's {total} SMs (the critical lane needs the "
+                         "others to itself)")
+    ctx = green_contexts.GreenContext.create(num_sms=num_sms, device_id=index)
+    if hasattr(ctx, "Stream"):
+        return ctx, [ctx.Stream() for _ in range(count)]
+    handles = [ctypes.c_void_p() for _ in range(count)]
+    create = ctypes.CDLL("libcuda.so.1").cuStreamCreateWithPriority
+    ctx.set_context()
+    try:
+        errors = [create(ctypes.byref(h), 1, 0) for h in handles]  # CU_STREAM_NON_BLOCKING, priority 0
+    finally:
+        ctx.pop_context()
+    if any(errors):
+        raise RuntimeError(f"--kv-side-sms {num_sms}: cuStreamCreateWithPriority in a green context failed (CUDA "
+                           f"errors {errors}); drop --kv-side-sms")
+    return ctx, [torch.cuda.ExternalStream(h.value, device=index) for h in handles]
+
+
 def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor, queued without waiting: torch.tensor(values, device=...) copies and then
     waits for the stream, i.e. for every kernel queued before it (in a server, the forward in flight)."""
@@ -45,13 +77,20 @@ class Streams:
 
     NAMES = ("select", "early", "speculate", "recall")
     PRIORITIES = {"select": CRITICAL_PRIORITY, "early": EARLY_PRIORITY}  # the others at the default, 0
+    SIDE = ("speculate", "recall")  # the lanes off the critical path, which side_sms confines
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, side_sms: int = 0):
+        """side_sms > 0: speculate and recall are streams of one green context of that many SMs (green_stream)."""
         self.cuda = device.type == "cuda"
         self._used: set[str] = set()  # the side streams given work since the last join
+        self.green = None  # the green context of side_sms
         if self.cuda:
             for name in self.NAMES:  # select and early carry the correction chains, which attention waits for
                 setattr(self, name, torch.cuda.Stream(device, priority=self.PRIORITIES.get(name, 0)))
+            if side_sms:
+                self.green, streams = green_streams(side_sms, device, len(self.SIDE))
+                for name, stream in zip(self.SIDE, streams):
+                    setattr(self, name, stream)
 
     def record(self) -> torch.cuda.Event | None:
         if not self.cuda:

@@ -442,6 +442,14 @@ def test_triton_kernels_match_oracle(tau):
     run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=8, L=2, backend="triton", atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="green contexts need a GPU")
+def test_speculative_lanes_in_a_green_context_match_oracle():
+    """--kv-side-sms: the speculative selection and recall on streams of a 16-SM green context."""
+    cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1,
+                       side_sms=16)
+    run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=8, L=2, backend="triton", atol=1e-4)
+
+
 def test_framework_slots_padding_and_outside_dense_layers():
     """SGLang's usage: its own slot ids (req_pool_idx), row 0 for padding, dense layers run elsewhere,
     lengths given by the caller; a padded batch must not disturb the real rows."""
