@@ -12,6 +12,14 @@
 #                                                 # lane's recall in fewer programs, which priority -2 puts ahead of
 #                                                 # the MLP's CTAs)
 #   bash scripts/gpu_decode_steps.sh trace        # predicted at 16 and 1 x 32K, 2 profiled steps, trace_layers
+#                                                 # (the raw traces come back gzipped for timeline reading)
+#   bash scripts/gpu_decode_steps.sh lanes        # no server: the green-context GPU tests, then
+#                                                 # benchmarks/side_lanes.py (the speculative lanes beside the model's
+#                                                 # kernels, on every SM or confined to 16-48), all lanes and each alone
+#   bash scripts/gpu_decode_steps.sh sms          # predicted at 16 x 32K with --kv-side-sms 16, then 32
+#   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
+#                                                 # --kv-speculate-at attention (where the scoring sits without a
+#                                                 # correction chain before attention)
 #   bash scripts/gpu_decode_steps.sh default      # FreeKV's default correction (realistic-victim), 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh long         # full KV and predicted at 4 x 120K
 #   bash scripts/gpu_decode_steps.sh base         # predicted at 16 x 32K from an older tree in .ab/base, carried:
@@ -49,13 +57,28 @@ case ${1:-} in
          cp /tmp/steps-trace/profile-*.txt "$OUT/" 2>/dev/null
          for b in 16 1; do
            for f in /tmp/steps-trace/trace-*-b$b/*.json*; do
-             [ -e "$f" ] && python3 benchmarks/trace_layers.py "$f" | tee "$OUT/trace-layers-b$b.txt" | head -n 16
+             [ -e "$f" ] || continue
+             python3 benchmarks/trace_layers.py "$f" | tee "$OUT/trace-layers-b$b.txt" | head -n 16
+             case $f in *.gz) cp "$f" "$OUT/trace-b$b.json.gz" ;; *) gzip -c "$f" > "$OUT/trace-b$b.json.gz" ;; esac
            done
          done ;;
+  lanes) timeout $((LIMIT / 3)) python3 -m pytest -q -p no:cacheprovider tests/engine/test_green_streams.py \
+           tests/engine/test_engine.py tests/engine/test_correct_at.py -k "green or graph_replay" 2>&1 | tail -n 4 \
+           | tee "$OUT/lanes-tests.log"
+         for lanes in score,chain,recall score chain recall; do
+           timeout $((LIMIT - SECONDS)) python3 benchmarks/side_lanes.py --lanes $lanes --sms 0,16,24,32,48 \
+             --out "$OUT/side-lanes-${lanes//,/-}.json" 2>&1 | tee -a "$OUT/side-lanes.log" | tail -n 12
+         done ;;
+  sms) for n in 16 32; do
+         decode "sms-$n" --context 32000 --batches 16 --configs "realistic-predicted $FP8 --kv-side-sms $n"
+       done ;;
+  score) decode score-132 --context 32000 --batches 16 --configs "realistic-predicted $FP8 --kv-score-programs 132"
+         decode speculate-attention --context 32000 --batches 16 \
+           --configs "realistic-predicted $FP8 --kv-speculate-at attention" ;;
   default) decode default --context 32000 --batches 16,1 --configs "realistic-victim $FP8" ;;
   base) [ -f .ab/base/benchmarks/decode.py ] || { echo "no tree in .ab/base" >&2; exit 2; }
         ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
         TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|programs|blocks|trace|default|long|base" >&2; exit 2 ;;
+  *) echo "usage: $0 predicted|full|programs|blocks|trace|lanes|sms|score|default|long|base" >&2; exit 2 ;;
 esac
