@@ -58,7 +58,8 @@ case ${1:-} in
          for b in 16 1; do
            for f in /tmp/steps-trace/trace-*-b$b/*.json*; do
              [ -e "$f" ] || continue
-             python3 benchmarks/trace_layers.py "$f" | tee "$OUT/trace-layers-b$b.txt" | head -n 16
+             python3 benchmarks/trace_layers.py "$f" > "$OUT/trace-layers-b$b.txt"  # whole: tee | head cut it
+             head -n 16 "$OUT/trace-layers-b$b.txt"
              case $f in *.gz) cp "$f" "$OUT/trace-b$b.json.gz" ;; *) gzip -c "$f" > "$OUT/trace-b$b.json.gz" ;; esac
            done
          done ;;
