@@ -41,10 +41,13 @@ def green_streams(num_sms: int, device: torch.device | int, count: int) -> tuple
                            f"({torch.__version__}) was built without; drop --kv-side-sms")
     index = device if isinstance(device, int) else torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    total = torch.cuda.get_device_properties(index).multi_processor_count
-    if num_sms >= total:
-        raise ValueError(f"--kv-side-sms {num_sms} must be below the GPU's {total} SMs (the critical lane needs the "
-                         "others to itself)")
+    props = torch.cuda.get_device_properties(index)
+    if num_sms >= props.multi_processor_count:
+        raise ValueError(f"--kv-side-sms {num_sms} must be below the GPU's {props.multi_processor_count} SMs (the "
+                         "critical lane needs the others to itself)")
+    if props.major == 9 and num_sms % 8:  # the driver would round it up to Hopper's SM groups of 8
+        raise ValueError(f"--kv-side-sms {num_sms}: Hopper splits SMs into green contexts in groups of 8; pass a "
+                         "multiple of 8")
     ctx = green_contexts.GreenContext.create(num_sms=num_sms, device_id=index)
     if hasattr(ctx, "Stream"):
         return ctx, [ctx.Stream() for _ in range(count)]

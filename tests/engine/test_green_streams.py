@@ -38,8 +38,11 @@ def test_green_side_streams_run_forked_work_eagerly_and_in_a_graph():
     torch.testing.assert_close(out, x * 2 + 1)
 
 
-def test_side_sms_at_or_above_the_gpus_sms_is_refused():
-    total = torch.cuda.get_device_properties(0).multi_processor_count
-    with pytest.raises(ValueError, match="--kv-side-sms"):
-        Streams(torch.device("cuda"), side_sms=total)
+def test_side_sms_the_gpu_cannot_split_off_is_refused():
+    props = torch.cuda.get_device_properties(0)
+    with pytest.raises(ValueError, match="must be below the GPU's"):
+        Streams(torch.device("cuda"), side_sms=props.multi_processor_count)
+    if props.major == 9:
+        with pytest.raises(ValueError, match="multiple of 8"):
+            Streams(torch.device("cuda"), side_sms=12)
 
