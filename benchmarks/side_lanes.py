@@ -17,9 +17,10 @@ Per layer, at the Llama-3.1-8B shape and --batch rows:
             --recall-programs programs (--lanes picks a subset), on a stream at priority 0, or on a green-context
             stream of N SMs for each N in --sms;
   both      each layer's side lane forked beside its critical kernels, joined at the end.
-Each is timed as a CUDA graph's replay and eagerly (the GPU held while the host queues the whole run), in ms for
---layers layers; `hidden` is the share of the side lane's own time that running beside the critical lane hides
-(1 - (both - critical) / side). Prints a table and writes JSON.
+Each is timed as a CUDA graph's replay (eager runs would time the host's ~100 launches), in ms for --layers layers.
+`excess` (both - critical) is what the side lane costs the critical lane; `side` alone grows as N shrinks, so compare
+`excess` and `both` across rows. `sms` is how many SMs a probe launched on the side stream touched (smid_probe, eager
+and captured), which must not exceed N. Prints a table and writes JSON.
 
 python benchmarks/side_lanes.py --sms 0,16,24,32,48 --out results/side_lanes.json
 """
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from freekv_kernels.page_select import PHASE_LATER
 from freekv_kernels.recall import recall_pages
 from freekv_sglang.streams import CRITICAL_PRIORITY, green_streams
+from freekv_kernels.testing import smid_probe, sms_touched
 from gpu_timing import time_ms
 
 HIDDEN, QKV, INTER = 4096, 6144, 14336  # Llama-3.1-8B
@@ -78,6 +80,8 @@ class Side:
         self.recall_args, _ = chain_bench.after_args(c, victims)
         self.c, self.victims, self.recall_programs = c, victims, recall_programs
         self.calls = 0
+        if "recall" in lanes and "chain" not in lanes:  # one selection marks the slots every recall then reads
+            self.select(0)
 
     def layer(self, i: int) -> None:
         if "score" in self.lanes:
@@ -107,20 +111,39 @@ def run(layers: int, critical: Critical | None, side: Side | None, stream: torch
         cur.wait_stream(stream)
 
 
-def timed(fn, repeats: int) -> dict[str, float | None]:
-    """{"graph": ms of a CUDA graph's replay, "eager": ms with the host's launches hidden}; graph None (and the
-    reason under "graph_error") where the capture fails."""
-    out: dict = {"eager": time_ms(lambda i: fn(), repeats, warmup=3, hide_launch=True)}
+def timed(fn, repeats: int) -> tuple[float | None, str | None]:
+    """(ms of a CUDA graph's replay of fn, captured on the current stream, which keeps its priority; None and the
+    reason where the capture fails, e.g. across contexts)."""
     try:
         fn()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):  # at the critical priority
+        with torch.cuda.graph(graph, stream=torch.cuda.current_stream()):
             fn()
-        out["graph"] = time_ms(lambda i: graph.replay(), repeats, warmup=3)
-    except RuntimeError as e:  # a capture across contexts may be refused: the eager time still stands
-        out["graph"], out["graph_error"] = None, str(e).splitlines()[0][:200]
+        return time_ms(lambda i: graph.replay(), repeats, warmup=3), None
+    except RuntimeError as e:
         torch.cuda.synchronize()
-    return out
+        return None, str(e).splitlines()[0][:200]
+
+
+def sms_of(stream: torch.cuda.Stream, programs: int = 4096) -> tuple[int, int | None]:
+    """SMs a probe on `stream` touched: eagerly, and replayed from a graph that forks onto it (None if not captured)."""
+    with torch.cuda.stream(stream):
+        eager = len(sms_touched(programs))
+    out = torch.full((programs,), -1, dtype=torch.int32, device="cuda")
+    cur, graph = torch.cuda.current_stream(), torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=cur):
+            stream.wait_stream(cur)
+            with torch.cuda.stream(stream):
+                smid_probe(out)
+            cur.wait_stream(stream)
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return eager, None
+    out.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    return eager, len(set(out.tolist()) - {-1})
 
 
 def main() -> None:
@@ -149,23 +172,25 @@ def main() -> None:
         n_sms = torch.cuda.get_device_properties(0).multi_processor_count
         print(f"{torch.cuda.get_device_name()} ({n_sms} SMs): {args.layers} layers at {args.batch} rows, side lanes "
               f"{args.lanes} over {args.pages} pages; ms a run")
-        crit = timed(lambda: run(args.layers, critical, None, None), args.repeats)
-        print(f"{'side SMs':>8} {'mode':>6} {'critical':>9} {'side':>8} {'both':>8} {'excess':>8} {'hidden':>7}")
+        crit, err = timed(lambda: run(args.layers, critical, None, None), args.repeats)
+        if crit is None:
+            raise SystemExit(f"the critical lane alone was not captured: {err}")
+        print(f"critical lane alone {crit:.3f} ms")
+        print(f"{'side SMs':>8} {'sms eager/graph':>15} {'side':>8} {'both':>8} {'excess':>8}")
         for sms in (int(s) for s in args.sms.split(",")):
             ctx, (stream,) = green_streams(sms, 0, 1) if sms else (None, (torch.cuda.Stream(priority=0),))
-            alone = timed(lambda: run(args.layers, None, side, stream), args.repeats)
-            both = timed(lambda: run(args.layers, critical, side, stream), args.repeats)
-            for mode in ("graph", "eager"):
-                c, s, b = crit.get(mode), alone.get(mode), both.get(mode)
-                row = dict(sms=sms or n_sms, green=bool(sms), mode=mode, critical_ms=c, side_ms=s, both_ms=b,
-                           errors=[x.get("graph_error") for x in (crit, alone, both) if x.get("graph_error")])
-                if None not in (c, s, b):
-                    row.update(excess_ms=b - c, hidden=1 - (b - c) / s)
-                    print(f"{row['sms']:>8} {mode:>6} {c:>9.3f} {s:>8.3f} {b:>8.3f} {b - c:>8.3f} "
-                          f"{row['hidden']:>7.2f}")
-                else:
-                    print(f"{row['sms']:>8} {mode:>6} not captured: {row['errors']}")
-                rows.append(row)
+            touched = sms_of(stream)
+            alone, e1 = timed(lambda: run(args.layers, None, side, stream), args.repeats)
+            both, e2 = timed(lambda: run(args.layers, critical, side, stream), args.repeats)
+            row = dict(sms=sms or n_sms, green=bool(sms), touched_eager=touched[0], touched_graph=touched[1],
+                       critical_ms=crit, side_ms=alone, both_ms=both, errors=[e for e in (e1, e2) if e])
+            seen = f"{touched[0]}/{touched[1] if touched[1] is not None else '-'}"
+            if alone is not None and both is not None:
+                row["excess_ms"] = both - crit
+                print(f"{row['sms']:>8} {seen:>15} {alone:>8.3f} {both:>8.3f} {both - crit:>8.3f}")
+            else:
+                print(f"{row['sms']:>8} {seen:>15} not captured: {row['errors']}")
+            rows.append(row)
             del ctx
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

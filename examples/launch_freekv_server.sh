@@ -55,8 +55,8 @@ args=(
   # GPU programs of the channels selection's speculative scoring beside the GEMMs (0 = one per request, KV head and
   # chunk of pages; not yet measured in a served step, docs/results/session30).
   --kv-score-programs 0
-  # SMs of a CUDA green context that the speculative lanes (scoring, selection and recall after attention) run on, so
-  # their CTAs do not hold SMs the model's kernels need (0 = every SM; not yet measured in a served step).
+  # SMs of a CUDA green context that the speculative lanes (scoring, selection and recall after attention) and the
+  # offloads run on, so their CTAs pack onto N SMs instead of spreading over all (0 = every SM; not yet timed served).
   --kv-side-sms 0
   # Where a layer's speculative selection starts: "next_recall" (default) beside the next sparse layer's recall before
   # attention; "attention" right after the layer's attention, as the paper (same selections, other place in the step).

@@ -194,9 +194,9 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         "model's GEMMs; 0 = one per (request, KV head, chunk of pages) "
                         f"(default {_DEFAULTS.score_programs})")
     g.add_argument("--kv-side-sms", type=int, default=None, metavar="N",
-                   help="run the speculative lanes (scoring, selection, recall after attention) in a CUDA green "
-                        "context of N SMs, so that their CTAs do not hold SMs the model's kernels need; 0 = on every "
-                        f"SM (default {_DEFAULTS.side_sms})")
+                   help="run the speculative lanes (scoring, selection, recall after attention) and the offload "
+                        "in a CUDA green context of N SMs, so that their CTAs pack onto N SMs instead of spreading "
+                        f"over every SM the model's kernels use; 0 = every SM (default {_DEFAULTS.side_sms})")
     g.add_argument("--kv-speculate-at", choices=SPECULATE_AT, default=None,
                    help="where a layer's speculative selection starts: 'attention' right after the layer's attention; "
                         "'next_recall' beside the next sparse layer's recall before attention, so its scoring does not "

@@ -33,12 +33,13 @@ def critical_stream(device: torch.device | int) -> torch.cuda.Stream:
 def green_streams(num_sms: int, device: torch.device | int, count: int) -> tuple[object, list[torch.cuda.Stream]]:
     """(a CUDA green context of num_sms SMs, `count` streams of it): kernels launched on them run on those SMs only
     (the primary context's kernels still run on every SM). Keep the context as long as the streams. A PyTorch without
-    GreenContext.Stream gets driver streams created while the green context is current, which binds them there."""
-    from torch.cuda import green_contexts
-
-    if not getattr(green_contexts, "SUPPORTED", True):
-        raise RuntimeError(f"--kv-side-sms {num_sms} needs CUDA green contexts, which this PyTorch "
-                           f"({torch.__version__}) was built without; drop --kv-side-sms")
+    GreenContext.Stream gets driver streams created while the green context is current, which binds them there
+    (set_context also switches the thread's current stream, which older pop_context does not restore: restored here)."""
+    try:
+        from torch.cuda.green_contexts import GreenContext
+    except ImportError as e:
+        raise RuntimeError(f"--kv-side-sms {num_sms} needs CUDA green contexts, which PyTorch {torch.__version__} "
+                           "does not have (2.9 or later); drop --kv-side-sms") from e
     index = device if isinstance(device, int) else torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     props = torch.cuda.get_device_properties(index)
@@ -48,16 +49,22 @@ def green_streams(num_sms: int, device: torch.device | int, count: int) -> tuple
     if props.major == 9 and num_sms % 8:  # the driver would round it up to Hopper's SM groups of 8
         raise ValueError(f"--kv-side-sms {num_sms}: Hopper splits SMs into green contexts in groups of 8; pass a "
                          "multiple of 8")
-    ctx = green_contexts.GreenContext.create(num_sms=num_sms, device_id=index)
+    try:
+        ctx = GreenContext.create(num_sms=num_sms, device_id=index)
+    except (RuntimeError, TypeError) as e:  # a build or driver without them (CUDA 12.8+), or an older signature
+        raise RuntimeError(f"--kv-side-sms {num_sms}: PyTorch {torch.__version__} could not create a CUDA green "
+                           f"context ({e}); drop --kv-side-sms") from e
     if hasattr(ctx, "Stream"):
         return ctx, [ctx.Stream() for _ in range(count)]
     handles = [ctypes.c_void_p() for _ in range(count)]
     create = ctypes.CDLL("libcuda.so.1").cuStreamCreateWithPriority
+    caller = torch.cuda.current_stream(index)
     ctx.set_context()
     try:
         errors = [create(ctypes.byref(h), 1, 0) for h in handles]  # CU_STREAM_NON_BLOCKING, priority 0
     finally:
         ctx.pop_context()
+        torch.cuda.set_stream(caller)
     if any(errors):
         raise RuntimeError(f"--kv-side-sms {num_sms}: cuStreamCreateWithPriority in a green context failed (CUDA "
                            f"errors {errors}); drop --kv-side-sms")

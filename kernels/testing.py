@@ -4,6 +4,7 @@ a GPU."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import subprocess
@@ -85,3 +86,34 @@ def compiled_variants() -> dict[str, set[str]]:
             if isinstance(fn, JITFunction):  # device_caches: device -> (kernel cache, ...)
                 variants[f"{info.name}.{name}"] = {str(key) for entry in fn.device_caches.values() for key in entry[0]}
     return variants
+
+
+
+@functools.cache
+def _smid_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def smid_kernel(out_ptr):
+        zero = tl.zeros([1], tl.int32)
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [zero], dtype=tl.int32, is_pure=False, pack=1)
+        tl.store(out_ptr + tl.program_id(0) + tl.arange(0, 1), sm)
+
+    return smid_kernel
+
+
+def smid_probe(out: torch.Tensor) -> None:
+    """Launch out.numel() programs on the current stream (a graph may capture it), each writing into out the SM it ran
+    on, read from %smid: a hardware register, so there is no reference to test against. A green context's stream must
+    touch at most its SMs, another stream every SM. GPU only."""
+    assert out.is_cuda and out.dtype == torch.int32 and out.is_contiguous()
+    _smid_kernel()[(out.numel(),)](out)
+
+
+def sms_touched(programs: int = 4096) -> set[int]:
+    """The SMs that smid_probe's `programs` programs on the current stream ran on (synchronises that stream)."""
+    out = torch.full((programs,), -1, dtype=torch.int32, device="cuda")
+    smid_probe(out)
+    torch.cuda.current_stream().synchronize()
+    return set(out.tolist())

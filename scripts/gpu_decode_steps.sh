@@ -64,7 +64,7 @@ case ${1:-} in
            done
          done ;;
   lanes) timeout $((LIMIT / 3)) python3 -m pytest -q -p no:cacheprovider tests/engine/test_green_streams.py \
-           tests/engine/test_engine.py tests/engine/test_correct_at.py -k "green or graph_replay" 2>&1 | tail -n 4 \
+           tests/engine/test_engine.py tests/engine/test_correct_at.py -k "green or graph_replay" 2>&1 | tail -n 30 \
            | tee "$OUT/lanes-tests.log"
          for lanes in score,chain,recall score chain recall; do
            timeout $((LIMIT - SECONDS)) python3 benchmarks/side_lanes.py --lanes $lanes --sms 0,16,24,32,48 \

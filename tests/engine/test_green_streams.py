@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from freekv_kernels.testing import smid_probe, sms_touched
 from freekv_sglang.streams import Streams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -36,6 +37,30 @@ def test_green_side_streams_run_forked_work_eagerly_and_in_a_graph():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, x * 2 + 1)
+
+
+def test_green_side_streams_run_on_their_sms_only_eagerly_and_in_a_graph():
+    """The point of --kv-side-sms: work on speculate and recall touches at most its SMs (the primary context's stream
+    every SM), also where a graph captured it forked from the compute stream: a kernel node's context could be that
+    of its module (the primary context) rather than the capturing stream's."""
+    st = Streams(torch.device("cuda"), side_sms=16)
+    assert len(sms_touched()) > 64  # 4,096 programs on the compute stream spread over the GPU
+    for name in ("speculate", "recall"):
+        with torch.cuda.stream(getattr(st, name)):
+            assert 0 < len(sms_touched()) <= 16, name
+    out = torch.full((4096,), -1, dtype=torch.int32, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        e = st.record()
+        with st.on("recall"):
+            st.wait(e)
+            smid_probe(out)
+        st.join()
+    out.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    sms = set(out.tolist())
+    assert -1 not in sms and len(sms) <= 16
 
 
 def test_side_sms_the_gpu_cannot_split_off_is_refused():
