@@ -25,6 +25,9 @@
 #   bash scripts/gpu_decode_steps.sh base         # predicted at 16 x 32K from an older tree in .ab/base, carried:
 #     mkdir -p .ab/base && git archive REF freekv_sglang kernels kvstore patches benchmarks scripts pyproject.toml \
 #       | tar -x -C .ab/base
+# A batch listed three times runs three times on one server (the same prompts, so the repeats hit the radix cache and
+# skip most of the prefill): three decode medians of one configuration, for A/Bs of a few percent where two runs of
+# one configuration differ by ~1%.
 # LIMIT (seconds, default 570) caps a step; a step that runs out leaves what it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,8 +47,8 @@ decode() {  # decode NAME DECODE_ARGS...: one decode.py run under the step's tim
 }
 
 case ${1:-} in
-  predicted) decode predicted --context 32000 --batches 16,1 --configs "realistic-predicted $FP8" ;;
-  full) decode full --context 32000 --batches 16,1 --configs full ;;
+  predicted) decode predicted --context 32000 --batches 16,16,16,1,1 --configs "realistic-predicted $FP8" ;;
+  full) decode full --context 32000 --batches 16,16,16,1,1 --configs full ;;
   programs) for n in 48 64; do
               decode "programs-$n" --context 32000 --batches 16 \
                 --configs "realistic-predicted $FP8 --kv-recall-programs $n"
@@ -71,10 +74,10 @@ case ${1:-} in
              --out "$OUT/side-lanes-${lanes//,/-}.json" 2>&1 | tee -a "$OUT/side-lanes.log" | tail -n 12
          done ;;
   sms) for n in 16 32; do
-         decode "sms-$n" --context 32000 --batches 16 --configs "realistic-predicted $FP8 --kv-side-sms $n"
+         decode "sms-$n" --context 32000 --batches 16,16,16 --configs "realistic-predicted $FP8 --kv-side-sms $n"
        done ;;
-  score) decode score-132 --context 32000 --batches 16 --configs "realistic-predicted $FP8 --kv-score-programs 132"
-         decode speculate-attention --context 32000 --batches 16 \
+  score) decode score-132 --context 32000 --batches 16,16,16 --configs "realistic-predicted $FP8 --kv-score-programs 132"
+         decode speculate-attention --context 32000 --batches 16,16,16 \
            --configs "realistic-predicted $FP8 --kv-speculate-at attention" ;;
   default) decode default --context 32000 --batches 16,1 --configs "realistic-victim $FP8" ;;
   base) [ -f .ab/base/benchmarks/decode.py ] || { echo "no tree in .ab/base" >&2; exit 2; }
