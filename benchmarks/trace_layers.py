@@ -17,12 +17,16 @@ library: session 39's H200 chose others than session 30's); --oproj, --gateup an
 instead. With --kv-correct-at previous_mlp(_only), the next layer's early lane beside the MLP (a second similarity
 check in the window): early_lane, from gate-up's start to that lane's recall's end, and early_past_mlp, how far that
 end lies past the down projection's (> 0: the next layer's attention may wait for it); its predicted query's GEMM is
-not taken for the down projection where the graph replays the lane on a stream of its own.
+not taken for the down projection where the graph replays the lane on a stream of its own. The lane's recall is the
+last recall to end of those that start after the early check and end before the next layer's attention starts
+(which waits for it); a replayed graph's streams do not say which recall is whose.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import statistics
 from collections import Counter, defaultdict
 
@@ -78,6 +82,7 @@ def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tupl
     {(kernel, stream): [µs of each]} of the kernels that start inside the correction chain). names["qkv"] None: the
     QKV projection found by qkv_name."""
     ev = sorted((e for e in events if e.get("cat") in GPU), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in ev]
     prefix = names.get("qkv") or qkv_name(ev)
     qkv = [e for e in ev if prefix is not None and e["name"].startswith(prefix)]
     rows, seen, overlap, inside = [], Counter(), Counter(), defaultdict(list)
@@ -105,10 +110,16 @@ def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tupl
                          idle_before_oproj=idle[1] - idle[0], oproj=oproj["dur"], gate_up=gate["dur"],
                          down=down["dur"]))
         if early is not None:
-            rec = next((e for e in win if e["ts"] > early["ts"] and e["name"] == "_recall_pages_kernel"
-                        and _stream(e) == _stream(early)), None)
-            if rec is not None:
-                end = rec["ts"] + rec["dur"]
+            # The lane's recall is what the next layer's attention waits for: of the recalls that start after the
+            # early check and end before that attention starts, the last to end. (Not the first recall on the
+            # check's stream: a replayed graph runs other layers' recalls on that stream too.)
+            after = ev[bisect.bisect_right(starts, early["ts"]):]
+            nxt = next((e for e in after if e["ts"] > qkv[i + 1]["ts"] and _is_attention(e["name"])), None)
+            recs = [] if nxt is None else [e for e in itertools.takewhile(lambda e: e["ts"] < nxt["ts"], after)
+                                           if e["name"] == "_recall_pages_kernel"
+                                           and e["ts"] + e["dur"] <= nxt["ts"] + 0.5]
+            if recs:
+                end = max(e["ts"] + e["dur"] for e in recs)
                 rows[-1].update(early_lane=end - gate["ts"], early_past_mlp=end - down["ts"] - down["dur"])
         for e in win:
             if chain_start <= e["ts"] < att["ts"]:
