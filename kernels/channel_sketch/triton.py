@@ -87,13 +87,18 @@ def _channel_lse_item(
         r = tl.arange(0, ROWS)
         k = tl.arange(0, WORDS)
         g = tl.arange(0, GP)
-        # The codes as 16-bit words of four codes each: a word's codes need a shift and a mask each, where bytes
-        # widened to 16 bits first took byte permutes (SASS counts with the exp2 and _log2_sum: docs/results/session45).
+        # The codes as 16-bit words of four codes each (bytes widened to 16 bits took byte permutes: SASS counts with
+        # the exp2 and _log2_sum in docs/results/session45), turned into fp16 without a conversion: a code masked into
+        # an fp16's mantissa under a fixed exponent, less that exponent's value (exact). Codes 0 and 2 of a word (bits
+        # 0-3 and, after one shift by 8, 8-11) sit at the mantissa's unit under 1024's exponent (1024 + code); codes
+        # 1 and 3 (bits 4-7) sit there under 64's (64 + code: mantissa bits 4-7 weigh 1 at exponent 6), so the word
+        # takes one shift, not three.
         tl.static_assert(4 * BITS == 16)
         LOW: tl.constexpr = (1 << BITS) - 1
+        HIGH: tl.constexpr = LOW << BITS
         words_ptr = codes_ptr.to(tl.pointer_type(tl.uint16))
-        # A code as fp16 without a conversion: the bits of 1024 + code, minus 1024 (exact).
         k1024 = tl.full([1, 1], 1024.0, tl.float16)
+        k64 = tl.full([1, 1], 64.0, tl.float16)
         for blk in tl.range(0, BLOCKS, num_stages=STAGES):
             c = first + blk * NP + tl.arange(0, NP)
             ok = cand_start + c < end
@@ -103,9 +108,10 @@ def _channel_lse_item(
                            + (r * WORDS)[None, :, None] + k[None, None, :], mask=ok[:, None, None], other=0)
             word = tl.reshape(word, [NP * ROWS, WORDS])
             acc = tl.dot(((word & LOW) | 0x6400).to(tl.float16, bitcast=True) - k1024, w0)
-            acc = tl.dot((((word >> BITS) & LOW) | 0x6400).to(tl.float16, bitcast=True) - k1024, w1, acc)
-            acc = tl.dot((((word >> 2 * BITS) & LOW) | 0x6400).to(tl.float16, bitcast=True) - k1024, w2, acc)
-            acc = tl.dot(((word >> 3 * BITS) | 0x6400).to(tl.float16, bitcast=True) - k1024, w3, acc)
+            acc = tl.dot(((word & HIGH) | 0x5400).to(tl.float16, bitcast=True) - k64, w1, acc)
+            word = word >> 2 * BITS
+            acc = tl.dot(((word & LOW) | 0x6400).to(tl.float16, bitcast=True) - k1024, w2, acc)
+            acc = tl.dot(((word & HIGH) | 0x5400).to(tl.float16, bitcast=True) - k64, w3, acc)
             acc = tl.reshape(acc, [NP, PAGE, GP])  # column t * GP + g of row i: token TPR * i + t, head g
             m = tl.max(acc, axis=1)  # [NP, GP]
             # acc holds the logits in log2 units (the weights carry log2(e)): exp2 needs no multiply per logit.
