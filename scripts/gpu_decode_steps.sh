@@ -13,7 +13,8 @@
 #                                                 # the MLP's CTAs)
 #   bash scripts/gpu_decode_steps.sh trace        # predicted at 16 and 1 x 32K, 2 profiled steps, trace_layers
 #                                                 # (the raw traces come back gzipped for timeline reading)
-#   bash scripts/gpu_decode_steps.sh lanes        # no server: the green-context GPU tests, then
+#   bash scripts/gpu_decode_steps.sh lanes        # no server: the green-context and channel-sketch GPU tests, the
+#                                                 # scoring kernel against .ab/base's (benchmarks/sketch_lse.py), then
 #                                                 # benchmarks/side_lanes.py (the speculative lanes beside the model's
 #                                                 # kernels, on every SM or confined to 16-48), all lanes and each alone
 #   bash scripts/gpu_decode_steps.sh sms          # predicted at 16 x 32K with --kv-side-sms 16, then 32
@@ -67,8 +68,11 @@ case ${1:-} in
            done
          done ;;
   lanes) timeout $((LIMIT / 3)) python3 -m pytest -q -p no:cacheprovider tests/engine/test_green_streams.py \
-           tests/engine/test_engine.py tests/engine/test_correct_at.py -k "green or graph_replay" 2>&1 | tail -n 30 \
-           | tee "$OUT/lanes-tests.log"
+           tests/engine/test_engine.py tests/engine/test_correct_at.py tests/kernels/test_channel_sketch.py \
+           -k "green or graph_replay or channel" 2>&1 | tail -n 30 | tee "$OUT/lanes-tests.log"
+         old=.ab/base/kernels/channel_sketch/triton.py  # the scoring kernel before session 53's unpack, if carried
+         [ -f $old ] && timeout 120 python3 benchmarks/sketch_lse.py --shapes llama,qwen --batches 16,1 \
+           --module $old --out "$OUT/sketch-lse.json" 2>&1 | tail -n 12 | tee "$OUT/sketch-lse.log"
          for lanes in score,chain,recall score chain recall; do
            timeout $((LIMIT - SECONDS)) python3 benchmarks/side_lanes.py --lanes $lanes --sms 0,16,24,32,48 \
              --out "$OUT/side-lanes-${lanes//,/-}.json" 2>&1 | tee -a "$OUT/side-lanes.log" | tail -n 12
