@@ -4,7 +4,7 @@ green context (a stream that runs on N of the GPU's SMs only) hides them better.
 Session 53's trace of the 16 x 32K step (Llama-3.1-8B shape, `--kv-correct-at previous_mlp_only`): with nothing of
 the correction left before attention, attention took 88 µs a layer against 58 alone and the MLP's GEMMs ~10 µs more
 than alone, beside the previous layer's speculative scoring (~120 µs, started just before attention), its
-select_chain (128 programs, one an SM) and its recall. A GEMM's CTA at 16 rows holds an SM's whole register file, so
+select_chain (128 programs of ~15-45 µs) and its recall. A GEMM's CTA at 16 rows likely needs most of an SM, so
 any side CTA resident on an SM keeps that SM from the critical kernel until it retires; a green context packs the
 side CTAs onto N SMs and leaves the others to the critical lane (the primary context's kernels still use every SM).
 

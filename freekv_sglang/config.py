@@ -134,11 +134,11 @@ class FreeKVConfig:
     side_sms: SMs of a CUDA green context that the speculate and recall streams run on: the speculative scoring,
         selection and recall of every sparse layer but the last (whose lane runs on the select stream), the decode
         offload, and prefill's offload of staged pages. 0 (default): every SM. A GEMM's CTA at a decode batch holds an
-        SM's whole register file, so a side CTA resident anywhere keeps that SM from the critical kernel until it
-        retires; in a green context the side CTAs pack onto these SMs, while the model's kernels still use every SM.
-        Refused at engine start where PyTorch cannot create a green context, and on Hopper unless a multiple of 8.
-        Not yet timed in a server (benchmarks/side_lanes.py times it against the model's kernels), nor its effect on
-        the prefill offload's time.
+        SM's registers and shared memory (likely; not checked), so a side CTA resident anywhere keeps that SM from the
+        critical kernel until it retires; in a green context the side CTAs pack onto these SMs, while the model's
+        kernels still use every SM. Refused at engine start where PyTorch cannot create a green context, and on Hopper
+        unless a multiple of 8. Not yet timed in a server (benchmarks/side_lanes.py times it against the model's
+        kernels), nor its effect on the prefill offload's time.
     speculate_at: where a sparse layer's speculative selection (and so its recall lane) starts. "attention": right
         after the layer's attention, as the paper does; its scoring's programs (~4,000 at 16 x 32K) then fill the SMs
         ahead of the layer's output projection, whose GEMM waits ~40 us a layer for them (session 42's trace, H200).
