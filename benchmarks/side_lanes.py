@@ -16,13 +16,17 @@ Per layer, at the Llama-3.1-8B shape and --batch rows:
             with the realistic replay (PHASE_LATER), and the recall of its changed slots from an FP8 host arena with
             --recall-programs programs (--lanes picks a subset), on a stream at priority 0, or on a green-context
             stream of N SMs for each N in --sms;
-  both      each layer's side lane forked beside its critical kernels, joined at the end.
+  both      each layer's side lane forked beside its critical kernels, joined at the end;
+  early     with --early SHARE: the next layer's correction one layer early (the predicted query's projection, the
+            flagged heads' scoring, select_chain and one-program-a-slot recall) forked at each MLP's start on a
+            stream at EARLY_PRIORITY, which the next attention waits for; timed with the critical lane alone
+            (`early` row) and with both (the `+early` column).
 Each is timed as a CUDA graph's replay (eager runs would time the host's ~100 launches), in ms for --layers layers.
 `excess` (both - critical) is what the side lane costs the critical lane; `side` alone grows as N shrinks, so compare
 `excess` and `both` across rows. `sms` is how many SMs a probe launched on the side stream touched (smid_probe, eager
 and captured), which must not exceed N. Prints a table and writes JSON.
 
-python benchmarks/side_lanes.py --sms 0,16,24,32,48 --out results/side_lanes.json
+python benchmarks/side_lanes.py --sms 0,16,24,32,48 --early 0.3 --out results/side_lanes.json
 """
 
 from __future__ import annotations
@@ -35,9 +39,9 @@ import select_chain as chain_bench
 import sketch_lse
 import torch
 import torch.nn.functional as F
-from freekv_kernels.page_select import PHASE_LATER
+from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 from freekv_kernels.recall import recall_pages
-from freekv_sglang.streams import CRITICAL_PRIORITY, green_streams
+from freekv_sglang.streams import CRITICAL_PRIORITY, EARLY_PRIORITY, green_streams
 from freekv_kernels.testing import smid_probe, sms_touched
 from gpu_timing import time_ms
 
@@ -60,10 +64,14 @@ class Critical:
         self.q = w(batch * KV_HEADS, 1, GROUP, D)
         self.kv = [w(2, batch * KV_HEADS, 1, BUDGET_TOKENS, D) for _ in range(layers)]
 
-    def layer(self, i: int) -> None:
+    def qkv(self, i: int) -> None:
         self.x @ self.wqkv[i]
+
+    def attention(self, i: int) -> None:
         F.scaled_dot_product_attention(self.q, self.kv[i][0], self.kv[i][1])
         self.x @ self.wo[i]
+
+    def mlp(self, i: int) -> None:
         gu = self.x @ self.wgu[i]
         (F.silu(gu[:, :INTER]) * gu[:, INTER:]) @ self.wd[i]
 
@@ -97,18 +105,59 @@ class Side:
                          host_scales=a["scales"])
 
 
-def run(layers: int, critical: Critical | None, side: Side | None, stream: torch.cuda.Stream | None) -> None:
-    """Each layer's side lane forked onto `stream` beside its critical kernels on the current stream, then joined."""
+class Early:
+    """The correction one layer early (--kv-correct-at previous_mlp_only) of one layer: the predicted query's
+    projection, the scoring of the heads it flags (a share `flagged`), select_chain before attention with the replay,
+    and their recall with one program a slot (as served)."""
+
+    def __init__(self, batch: int, pages: int, layers: int, flagged: float, churn: float, returns: float,
+                 victims: int, dev: str = "cuda"):
+        self.x = torch.randn(batch, HIDDEN, device=dev, dtype=torch.bfloat16)
+        self.wq = [torch.randn(HIDDEN, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
+        self.score_case = sketch_lse.case("llama", batch, pages, flagged, seed=batch + pages + 1, dev=dev)
+        c = chain_bench.case(batch, pages, flagged, seed=batch + 1, shape="llama", dev=dev)
+        self.select = chain_bench.chain(c, "+replay", PHASE_NOW, churn, returns, victims)
+        self.recall_args, _ = chain_bench.after_args(c, victims)
+        self.c, self.victims, self.calls = c, victims, 0
+
+    def layer(self, i: int) -> None:
+        self.x @ self.wq[i]
+        sketch_lse.lse(sketch_lse.served, self.score_case)
+        self.select(self.calls % 32)
+        self.calls += 1
+        a, st = self.recall_args, self.select.state
+        recall_pages(a["host"], a["k_cache"], a["v_cache"], a["page_table"], st["slots"], self.c["req_slots"],
+                     a["slot_pages"], st["recall"], PHASE_NOW, a["page_size"], victim_ops=st["victim_ops"],
+                     victim_base=a["victim_base"], victim_entries=self.victims, host_scales=a["scales"])
+
+
+def run(layers: int, critical: Critical | None, side: Side | None = None, stream: torch.cuda.Stream | None = None,
+        early: Early | None = None, early_stream: torch.cuda.Stream | None = None) -> None:
+    """Each layer's side lane forked onto `stream` at the layer's start, beside its critical kernels on the current
+    stream; with `early`, the next layer's early lane forked onto early_stream at the MLP's start, which that layer's
+    attention waits for (as served). Joined at the end."""
     cur = torch.cuda.current_stream()
+
+    def fork(lane, on, i):
+        on.wait_stream(cur)
+        with torch.cuda.stream(on):
+            lane.layer(i)
+
     for i in range(layers):
         if side is not None:
-            stream.wait_stream(cur)
-            with torch.cuda.stream(stream):
-                side.layer(i)
+            fork(side, stream, i)
         if critical is not None:
-            critical.layer(i)
-    if side is not None:
-        cur.wait_stream(stream)
+            critical.qkv(i)
+            if early is not None and i:
+                cur.wait_stream(early_stream)
+            critical.attention(i)
+        if early is not None:
+            fork(early, early_stream, (i + 1) % layers)
+        if critical is not None:
+            critical.mlp(i)
+    for lane, on in ((side, stream), (early, early_stream)):
+        if lane is not None:
+            cur.wait_stream(on)
 
 
 def timed(fn, repeats: int) -> tuple[float | None, str | None]:
@@ -153,6 +202,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="distinct layers (weights, KV), one side lane each")
     ap.add_argument("--sms", default="0,16,24,32,48", help="green-context SMs for the side lane, 0: no green context")
     ap.add_argument("--lanes", default=",".join(LANES), help=f"side-lane kernels, a subset of {','.join(LANES)}")
+    ap.add_argument("--early", type=float, default=0.0, metavar="SHARE",
+                    help="also the correction one layer early beside each MLP, flagging this share of heads (0.3 as "
+                         "realistic-predicted replays; 0: none)")
     ap.add_argument("--recall-programs", type=int, default=32, help="as --kv-recall-programs (served: 32)")
     ap.add_argument("--churn", type=float, default=0.15)
     ap.add_argument("--returns", type=float, default=0.5)
@@ -172,11 +224,20 @@ def main() -> None:
         n_sms = torch.cuda.get_device_properties(0).multi_processor_count
         print(f"{torch.cuda.get_device_name()} ({n_sms} SMs): {args.layers} layers at {args.batch} rows, side lanes "
               f"{args.lanes} over {args.pages} pages; ms a run")
-        crit, err = timed(lambda: run(args.layers, critical, None, None), args.repeats)
+        crit, err = timed(lambda: run(args.layers, critical), args.repeats)
         if crit is None:
             raise SystemExit(f"the critical lane alone was not captured: {err}")
         print(f"critical lane alone {crit:.3f} ms")
-        print(f"{'side SMs':>8} {'sms eager/graph':>15} {'side':>8} {'both':>8} {'excess':>8}")
+        early, early_stream, with_early = None, None, None
+        if args.early:
+            early = Early(args.batch, args.pages, args.layers, args.early, args.churn, args.returns, args.victims)
+            early_stream = torch.cuda.Stream(priority=EARLY_PRIORITY)
+            with_early, err = timed(lambda: run(args.layers, critical, early=early, early_stream=early_stream),
+                                    args.repeats)
+            print(f"with the early lane ({args.early} flagged) beside each MLP {with_early:.3f} ms "
+                  f"(+{with_early - crit:.3f})" if with_early is not None else f"early lane not captured: {err}")
+        print(f"{'side SMs':>8} {'sms eager/graph':>15} {'side':>8} {'both':>8} {'excess':>8}"
+              + (f" {'+early':>8}" if early is not None else ""))
         for sms in (int(s) for s in args.sms.split(",")):
             ctx, (stream,) = green_streams(sms, 0, 1) if sms else (None, (torch.cuda.Stream(priority=0),))
             touched = sms_of(stream)
@@ -184,10 +245,17 @@ def main() -> None:
             both, e2 = timed(lambda: run(args.layers, critical, side, stream), args.repeats)
             row = dict(sms=sms or n_sms, green=bool(sms), touched_eager=touched[0], touched_graph=touched[1],
                        critical_ms=crit, side_ms=alone, both_ms=both, errors=[e for e in (e1, e2) if e])
+            if early is not None:  # all three lanes, against the critical lane with the early one
+                row["early_ms"] = with_early
+                row["all_ms"], e3 = timed(lambda: run(args.layers, critical, side, stream, early, early_stream),
+                                          args.repeats)
+                row["errors"] += [e3] if e3 else []
             seen = f"{touched[0]}/{touched[1] if touched[1] is not None else '-'}"
             if alone is not None and both is not None:
                 row["excess_ms"] = both - crit
-                print(f"{row['sms']:>8} {seen:>15} {alone:>8.3f} {both:>8.3f} {both - crit:>8.3f}")
+                every = row.get("all_ms")
+                print(f"{row['sms']:>8} {seen:>15} {alone:>8.3f} {both:>8.3f} {both - crit:>8.3f}"
+                      + (f" {every:>8.3f}" if every is not None else ""))
             else:
                 print(f"{row['sms']:>8} {seen:>15} not captured: {row['errors']}")
             rows.append(row)

@@ -16,7 +16,8 @@
 #   bash scripts/gpu_decode_steps.sh lanes        # no server: the green-context and channel-sketch GPU tests, the
 #                                                 # scoring kernel against .ab/base's (benchmarks/sketch_lse.py), then
 #                                                 # benchmarks/side_lanes.py (the speculative lanes beside the model's
-#                                                 # kernels, on every SM or confined to 16-48), all lanes and each alone
+#                                                 # kernels, on every SM or confined to 16-48, and the early
+#                                                 # lane beside the MLP), all lanes, each alone, one request
 #   bash scripts/gpu_decode_steps.sh sms          # predicted at 16 x 32K with --kv-side-sms 16, then 32
 #   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
 #                                                 # --kv-speculate-at attention (where the scoring sits without a
@@ -73,14 +74,19 @@ case ${1:-} in
          old=.ab/base/kernels/channel_sketch/triton.py  # the scoring kernel before session 53's unpack, if carried
          [ -f $old ] && timeout 120 python3 benchmarks/sketch_lse.py --shapes llama,qwen --batches 16,1 \
            --module $old --out "$OUT/sketch-lse.json" 2>&1 | tail -n 12 | tee "$OUT/sketch-lse.log"
-         for lanes in score,chain,recall score chain recall; do
-           timeout $((LIMIT - SECONDS)) python3 benchmarks/side_lanes.py --lanes $lanes --sms 0,16,24,32,48 \
-             --out "$OUT/side-lanes-${lanes//,/-}.json" 2>&1 | tee -a "$OUT/side-lanes.log" | tail -n 12
-         done ;;
+         lanes() {  # lanes NAME SIDE_LANES_ARGS...
+           local name=$1; shift
+           timeout $((LIMIT - SECONDS)) python3 benchmarks/side_lanes.py "$@" --out "$OUT/side-lanes-$name.json" 2>&1 \
+             | tee -a "$OUT/side-lanes.log" | tail -n 10
+         }
+         lanes all --sms 0,16,24,32,48 --early 0.3
+         for one in score chain recall; do lanes "$one" --lanes $one --sms 0,16,32; done
+         lanes b1 --batch 1 --sms 0,16 --early 0.3 ;;
   sms) for n in 16 32; do
          decode "sms-$n" --context 32000 --batches 16,16,16 --configs "realistic-predicted $FP8 --kv-side-sms $n"
        done ;;
-  score) decode score-132 --context 32000 --batches 16,16,16 --configs "realistic-predicted $FP8 --kv-score-programs 132"
+  score) decode score-132 --context 32000 --batches 16,16,16 \
+           --configs "realistic-predicted $FP8 --kv-score-programs 132"
          decode speculate-attention --context 32000 --batches 16,16,16 \
            --configs "realistic-predicted $FP8 --kv-speculate-at attention" ;;
   default) decode default --context 32000 --batches 16,1 --configs "realistic-victim $FP8" ;;
