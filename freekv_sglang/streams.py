@@ -44,8 +44,7 @@ def green_streams(num_sms: int, device: torch.device | int, count: int) -> tuple
     index = torch.cuda.current_device() if index is None else index
     props = torch.cuda.get_device_properties(index)
     if num_sms >= props.multi_processor_count:
-        raise ValueError(f"--kv-side-sms {num_sms} must be below the GPU's {props.multi_processor_count} SMs (the "
-                         "critical lane needs the others to itself)")
+        raise ValueError(f"--kv-side-sms {num_sms} must be below the GPU's {props.multi_processor_count} SMs")
     if props.major == 9 and num_sms % 8:  # the driver would round it up to Hopper's SM groups of 8
         raise ValueError(f"--kv-side-sms {num_sms}: Hopper splits SMs into green contexts in groups of 8; pass a "
                          "multiple of 8")
@@ -90,7 +89,7 @@ class Streams:
     SIDE = ("speculate", "recall")  # the lanes off the critical path, which side_sms confines
 
     def __init__(self, device: torch.device, side_sms: int = 0):
-        """side_sms > 0: speculate and recall are streams of one green context of that many SMs (green_stream)."""
+        """side_sms > 0: speculate and recall are streams of one green context of that many SMs (green_streams)."""
         self.cuda = device.type == "cuda"
         self._used: set[str] = set()  # the side streams given work since the last join
         self.green = None  # the green context of side_sms
