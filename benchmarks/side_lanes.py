@@ -12,15 +12,16 @@ Per layer, at the Llama-3.1-8B shape and --batch rows:
   critical  the QKV, output, gate/up and down projections (bf16 GEMMs, weights of --layers distinct layers so that
             they stream from HBM) and attention over the budget (SDPA, group rows as queries, sink + slots + window =
             2,688 tokens a (row, KV head)), on a stream at the critical priority (-1), as FreeKV's decode graph;
-  side      the speculative lane: the channel sketch's scoring of every head over --pages candidate pages, select_chain
-            with the realistic replay (PHASE_LATER), and the recall of its changed slots from an FP8 host arena with
+  side      the speculative lane (forked at each layer's start; served, its scoring starts just before attention):
+            the channel sketch's scoring of every head over --pages candidate pages, select_chain with the
+            realistic replay (PHASE_LATER), and the recall of its changed slots from an FP8 host arena with
             --recall-programs programs (--lanes picks a subset), on a stream at priority 0, or on a green-context
             stream of N SMs for each N in --sms;
   both      each layer's side lane forked beside its critical kernels, joined at the end;
   early     with --early SHARE: the next layer's correction one layer early (the predicted query's projection, the
             flagged heads' scoring, select_chain and one-program-a-slot recall) forked at each MLP's start on a
-            stream at EARLY_PRIORITY, which the next attention waits for; timed with the critical lane alone
-            (`early` row) and with both (the `+early` column).
+            stream at EARLY_PRIORITY, which the next attention waits for; timed with the critical lane alone (the
+            line after the critical lane's) and with both (`all 3`, its `excess` over critical + early).
 Each is timed as a CUDA graph's replay (eager runs would time the host's ~100 launches), in ms for --layers layers.
 `excess` (both - critical) is what the side lane costs the critical lane; `side` alone grows as N shrinks, so compare
 `excess` and `both` across rows. `sms` is how many SMs a probe launched on the side stream touched (smid_probe, eager
@@ -217,55 +218,69 @@ def main() -> None:
     lanes = set(args.lanes.split(","))
     assert lanes <= set(LANES), f"lanes are {LANES}"
     main_stream = torch.cuda.Stream(priority=CRITICAL_PRIORITY)
-    rows = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"gpu": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+              "args": vars(args), "rows": []}
     with torch.cuda.stream(main_stream):
         critical = Critical(args.batch, args.layers)
         side = Side(args.batch, args.pages, lanes, args.recall_programs, args.churn, args.returns, args.victims)
-        n_sms = torch.cuda.get_device_properties(0).multi_processor_count
-        print(f"{torch.cuda.get_device_name()} ({n_sms} SMs): {args.layers} layers at {args.batch} rows, side lanes "
-              f"{args.lanes} over {args.pages} pages; ms a run")
-        crit, err = timed(lambda: run(args.layers, critical), args.repeats)
-        if crit is None:
-            raise SystemExit(f"the critical lane alone was not captured: {err}")
-        print(f"critical lane alone {crit:.3f} ms")
-        early, early_stream, with_early = None, None, None
+        early = early_stream = None
         if args.early:
             early = Early(args.batch, args.pages, args.layers, args.early, args.churn, args.returns, args.victims)
             early_stream = torch.cuda.Stream(priority=EARLY_PRIORITY)
-            with_early, err = timed(lambda: run(args.layers, critical, early=early, early_stream=early_stream),
-                                    args.repeats)
+
+        def timed_run(*lanes_args, **kw):  # every timing replays the same churn draws
+            for lane in (side, early):
+                if lane is not None:
+                    lane.calls = 0
+            return timed(lambda: run(args.layers, *lanes_args, **kw), args.repeats)
+
+        print(f"{result['gpu']} ({result['sms']} SMs): {args.layers} layers at {args.batch} rows, side lanes "
+              f"{args.lanes} over {args.pages} pages; ms a run")
+        crit, err = timed_run(critical)
+        if crit is None:
+            raise SystemExit(f"the critical lane alone was not captured: {err}")
+        result.update(critical_ms=crit)
+        print(f"critical lane alone {crit:.3f} ms")
+        if early is not None:
+            with_early, err = timed_run(critical, early=early, early_stream=early_stream)
+            result.update(early_ms=with_early, early_error=err)
             print(f"with the early lane ({args.early} flagged) beside each MLP {with_early:.3f} ms "
                   f"(+{with_early - crit:.3f})" if with_early is not None else f"early lane not captured: {err}")
         print(f"{'side SMs':>8} {'sms eager/graph':>15} {'side':>8} {'both':>8} {'excess':>8}"
-              + (f" {'+early':>8}" if early is not None else ""))
+              + (f" {'all 3':>8} {'excess':>8}" if early is not None else ""))
         for sms in (int(s) for s in args.sms.split(",")):
-            ctx, (stream,) = green_streams(sms, 0, 1) if sms else (None, (torch.cuda.Stream(priority=0),))
-            touched = sms_of(stream)
-            alone, e1 = timed(lambda: run(args.layers, None, side, stream), args.repeats)
-            both, e2 = timed(lambda: run(args.layers, critical, side, stream), args.repeats)
-            row = dict(sms=sms or n_sms, green=bool(sms), touched_eager=touched[0], touched_graph=touched[1],
-                       critical_ms=crit, side_ms=alone, both_ms=both, errors=[e for e in (e1, e2) if e])
+            row = dict(sms=sms or result["sms"], green=bool(sms), errors=[])
+            result["rows"].append(row)
+            try:
+                ctx, (stream,) = green_streams(sms, 0, 1) if sms else (None, (torch.cuda.Stream(priority=0),))
+            except (RuntimeError, ValueError) as e:
+                row["errors"].append(str(e))
+                print(f"{row['sms']:>8} no green context: {e}")
+                continue
+            row["touched_eager"], row["touched_graph"] = sms_of(stream)
+            row["side_ms"], e1 = timed_run(None, side, stream)
+            row["both_ms"], e2 = timed_run(critical, side, stream)
+            row["errors"] += [e for e in (e1, e2) if e]
             if early is not None:  # all three lanes, against the critical lane with the early one
-                row["early_ms"] = with_early
-                row["all_ms"], e3 = timed(lambda: run(args.layers, critical, side, stream, early, early_stream),
-                                          args.repeats)
+                row["all_ms"], e3 = timed_run(critical, side, stream, early, early_stream)
                 row["errors"] += [e3] if e3 else []
-            seen = f"{touched[0]}/{touched[1] if touched[1] is not None else '-'}"
-            if alone is not None and both is not None:
-                row["excess_ms"] = both - crit
-                every = row.get("all_ms")
-                print(f"{row['sms']:>8} {seen:>15} {alone:>8.3f} {both:>8.3f} {both - crit:>8.3f}"
-                      + (f" {every:>8.3f}" if every is not None else ""))
+            seen = f"{row['touched_eager']}/{'-' if row['touched_graph'] is None else row['touched_graph']}"
+            if row["side_ms"] is not None and row["both_ms"] is not None:
+                row["excess_ms"] = row["both_ms"] - crit
+                line = (f"{row['sms']:>8} {seen:>15} {row['side_ms']:>8.3f} {row['both_ms']:>8.3f} "
+                        f"{row['excess_ms']:>8.3f}")
+                if row.get("all_ms") is not None and result.get("early_ms") is not None:
+                    row["all_excess_ms"] = row["all_ms"] - result["early_ms"]
+                    line += f" {row['all_ms']:>8.3f} {row['all_excess_ms']:>8.3f}"
+                print(line)
             else:
                 print(f"{row['sms']:>8} {seen:>15} not captured: {row['errors']}")
-            rows.append(row)
+            out.write_text(json.dumps(result, indent=2))  # what is measured survives a later failure or a kill
             del ctx
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "sms": n_sms, "args": vars(args), "rows": rows},
-                              indent=2))
+    out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
-
 
 if __name__ == "__main__":
     main()

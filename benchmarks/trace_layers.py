@@ -18,8 +18,7 @@ instead. With --kv-correct-at previous_mlp(_only), the next layer's early lane b
 check in the window): early_lane, from gate-up's start to that lane's recall's end, and early_past_mlp, how far that
 end lies past the down projection's (> 0: the next layer's attention may wait for it); its predicted query's GEMM is
 not taken for the down projection where the graph replays the lane on a stream of its own. The lane's recall is the
-last recall to end of those that start after the early check and end before the next layer's attention starts
-(which waits for it); a replayed graph's streams do not say which recall is whose.
+one the next layer's attention waits for (_early_recall): a replayed graph's streams do not say which recall is whose.
 """
 
 from __future__ import annotations
@@ -77,6 +76,33 @@ def qkv_name(events: list[dict]) -> str | None:
     return before.most_common(1)[0][0] if before else None
 
 
+def _grid(e: dict) -> int:
+    """A kernel event's programs (the profiler's grid), 0 where the trace does not say."""
+    g = e.get("args", {}).get("grid")
+    return g[0] * g[1] * g[2] if isinstance(g, list) and len(g) == 3 else 0
+
+
+def _early_recall(after: list[dict], next_qkv: float) -> dict | None:
+    """The early lane's recall among the events `after` its check: what the next layer's attention waits for. Of the
+    recalls that start before the next layer's first similarity check (a correction after the projection, with
+    previous_mlp, recalls later) and end before that attention starts, the one with the most programs (the lane
+    recalls with one a slot, the speculative recall with --kv-recall-programs), the last to end among equals. Not the
+    first recall on the check's stream: a replayed graph runs other layers' recalls on that stream too."""
+    nxt = sim = None
+    for e in after:
+        if e["ts"] > next_qkv and sim is None and e["name"] == "_query_similarity_kernel":
+            sim = e
+        if e["ts"] > next_qkv and _is_attention(e["name"]):
+            nxt = e
+            break
+    if nxt is None:
+        return None
+    recs = [e for e in itertools.takewhile(lambda e: e["ts"] < nxt["ts"], after)
+            if e["name"] == "_recall_pages_kernel" and (sim is None or e["ts"] < sim["ts"])
+            and e["ts"] + e["dur"] <= nxt["ts"] + 0.5]
+    return max(recs, key=lambda e: (_grid(e), e["ts"] + e["dur"]), default=None)
+
+
 def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tuple[list[dict], Counter, Counter, dict]:
     """(per sparse layer {part: µs}, kernels overlapping the idle before the output projection: count, µs, and
     {(kernel, stream): [µs of each]} of the kernels that start inside the correction chain). names["qkv"] None: the
@@ -110,16 +136,9 @@ def split_layers(events: list[dict], layers: int, names: dict[str, str]) -> tupl
                          idle_before_oproj=idle[1] - idle[0], oproj=oproj["dur"], gate_up=gate["dur"],
                          down=down["dur"]))
         if early is not None:
-            # The lane's recall is what the next layer's attention waits for: of the recalls that start after the
-            # early check and end before that attention starts, the last to end. (Not the first recall on the
-            # check's stream: a replayed graph runs other layers' recalls on that stream too.)
-            after = ev[bisect.bisect_right(starts, early["ts"]):]
-            nxt = next((e for e in after if e["ts"] > qkv[i + 1]["ts"] and _is_attention(e["name"])), None)
-            recs = [] if nxt is None else [e for e in itertools.takewhile(lambda e: e["ts"] < nxt["ts"], after)
-                                           if e["name"] == "_recall_pages_kernel"
-                                           and e["ts"] + e["dur"] <= nxt["ts"] + 0.5]
-            if recs:
-                end = max(e["ts"] + e["dur"] for e in recs)
+            rec = _early_recall(ev[bisect.bisect_right(starts, early["ts"]):], qkv[i + 1]["ts"])
+            if rec is not None:
+                end = rec["ts"] + rec["dur"]
                 rows[-1].update(early_lane=end - gate["ts"], early_past_mlp=end - down["ts"] - down["dur"])
         for e in win:
             if chain_start <= e["ts"] < att["ts"]:

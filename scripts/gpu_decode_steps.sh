@@ -39,10 +39,16 @@ source scripts/gpu_env.sh || exit 1
 FP8="--kv-host-dtype fp8_e4m3"
 FA="--kv-budget 2048 --kv-sink 128 --kv-window 512 --kv-page-size 32 --kvstore-arena-gb 40"
 
+left() {  # the step's seconds left; fails once none are (timeout 0 would mean no limit at all)
+  local n=$((LIMIT - SECONDS))
+  ((n > 0)) && echo $n || { echo "out of time (LIMIT $LIMIT s)" >&2; return 1; }
+}
+
 decode() {  # decode NAME DECODE_ARGS...: one decode.py run under the step's time left, from the tree in $TREE
-  local name=$1; shift
+  local name=$1 t; shift
+  t=$(left) || return 0
   rm -rf "/tmp/steps-$name"
-  (cd "${TREE:-.}" && source scripts/gpu_env.sh && timeout $((LIMIT - SECONDS)) python3 benchmarks/decode.py \
+  (cd "${TREE:-.}" && source scripts/gpu_env.sh && timeout $t python3 benchmarks/decode.py \
      --shape llama-3.1-8b --freekv-args "$FA" --prefill-cuda-graph off --output-len 128 "$@" \
      --triton-cache /tmp/steps-triton-cache --out "/tmp/steps-$name") 2>&1 | grep -v '^\[' | cut -c1-300 | tee "$OUT/$name.log" | tail -n 8
   cp "/tmp/steps-$name/decode.json" "$OUT/$name.json" 2>/dev/null || echo "$name: no decode.json"
@@ -70,13 +76,14 @@ case ${1:-} in
          done ;;
   lanes) timeout $((LIMIT / 3)) python3 -m pytest -q -p no:cacheprovider tests/engine/test_green_streams.py \
            tests/engine/test_engine.py tests/engine/test_correct_at.py tests/kernels/test_channel_sketch.py \
-           -k "green or graph_replay or channel" 2>&1 | tail -n 30 | tee "$OUT/lanes-tests.log"
+           -k "green or graph_replay or test_channel_sketch" 2>&1 | tail -n 30 | tee "$OUT/lanes-tests.log"
          old=.ab/base/kernels/channel_sketch/triton.py  # the scoring kernel before session 53's unpack, if carried
          [ -f $old ] && timeout 120 python3 benchmarks/sketch_lse.py --shapes llama,qwen --batches 16,1 \
            --module $old --out "$OUT/sketch-lse.json" 2>&1 | tail -n 12 | tee "$OUT/sketch-lse.log"
          lanes() {  # lanes NAME SIDE_LANES_ARGS...
-           local name=$1; shift
-           timeout $((LIMIT - SECONDS)) python3 benchmarks/side_lanes.py "$@" --out "$OUT/side-lanes-$name.json" 2>&1 \
+           local name=$1 t; shift
+           t=$(left) || return 0
+           timeout $t python3 benchmarks/side_lanes.py "$@" --out "$OUT/side-lanes-$name.json" 2>&1 \
              | tee -a "$OUT/side-lanes.log" | tail -n 10
          }
          lanes all --sms 0,16,24,32,48 --early 0.3

@@ -133,22 +133,29 @@ def test_layer_split_with_the_early_lane(tmp_path):
 
 def test_the_early_lanes_recall_is_the_one_the_next_attention_waits_for(tmp_path):
     """A replayed graph may run the early lane's recall on another stream than its check, and a later layer's
-    speculative recall on the check's stream: the lane ends with the last recall that ends before the next layer's
-    attention starts (session 53's trace read 190 / 122 µs from the first recall on the check's stream)."""
+    speculative recall on the check's stream: the lane's recall is the one the next layer's attention waits for
+    (session 53's trace read 190 / 122 µs from the first recall on the check's stream). Not a speculative recall
+    that ends before that attention too (fewer programs), nor, with previous_mlp, the next layer's correction recall
+    after its own similarity check."""
     import trace_layers
 
-    def ev(name, ts, dur, tid=1):
-        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+    def ev(name, ts, dur, tid=1, grid=None):
+        e = {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+        if grid:
+            e["args"] = {"grid": [grid, 1, 1]}
+        return e
 
     def layer(t):
         return [ev("qkv_gemm", t, 20), ev("_query_similarity_kernel", t + 22, 5),
-                ev("_head_token_index_kernel", t + 28, 4), ev("BatchPrefillWithPagedKVCacheKernel", t + 40, 90),
+                ev("_recall_pages_kernel", t + 28, 8, grid=8192),  # previous_mlp's correction, after the check
+                ev("_head_token_index_kernel", t + 36, 4), ev("BatchPrefillWithPagedKVCacheKernel", t + 40, 90),
                 ev("MergeStatesKernel", t + 130, 4), ev("o_gemm", t + 140, 15), ev("gateup_gemm", t + 160, 80),
                 ev("pred_q_gemm", t + 170, 20, tid=2), ev("_query_similarity_kernel", t + 192, 5, tid=2),
                 ev("_channel_lse_kernel", t + 198, 20, tid=2), ev("_select_chain_kernel", t + 219, 15, tid=2),
                 ev("down_gemm", t + 242, 40),
-                ev("_recall_pages_kernel", t + 235, 60, tid=4),  # the lane's, on a stream of the replay's choosing
-                ev("_recall_pages_kernel", t + 1030, 200, tid=2)]  # a speculative one beside the next attention
+                ev("_recall_pages_kernel", t + 235, 60, tid=4, grid=8192),  # the lane's, one program a slot
+                ev("_recall_pages_kernel", t + 260, 100, tid=3, grid=32),  # a speculative one, ending later
+                ev("_recall_pages_kernel", t + 1030, 200, tid=2, grid=32)]  # a speculative one beside the next
 
     path = tmp_path / "t.json.gz"
     with gzip.open(path, "wt") as f:
