@@ -77,63 +77,47 @@ class Critical:
         (F.silu(gu[:, :INTER]) * gu[:, INTER:]) @ self.wd[i]
 
 
-class Side:
-    """The speculative lane of one layer, on state of its own (each call replays fresh churn)."""
+class Lane:
+    """One layer's selection lane on state of its own (each call replays fresh churn): with phase PHASE_LATER the
+    speculative lane (every head scored, select_chain after attention, the recall capped at `recall_programs`), with
+    PHASE_NOW the correction one layer early (--kv-correct-at previous_mlp_only: the predicted query's projection,
+    the scoring of a share `flagged` of the heads, select_chain before attention, their recall with one program a
+    slot, as served). `lanes` picks a subset of the scoring, select_chain and recall."""
 
-    def __init__(self, batch: int, pages: int, lanes: set[str], recall_programs: int, churn: float, returns: float,
-                 victims: int, dev: str = "cuda"):
-        self.lanes = lanes
-        self.score_case = sketch_lse.case("llama", batch, pages, 1.0, seed=batch + pages, dev=dev)
-        c = chain_bench.case(batch, pages, 0.0, seed=batch, shape="llama", dev=dev)
-        self.select = chain_bench.chain(c, "+replay", PHASE_LATER, churn, returns, victims)
-        self.recall_args, _ = chain_bench.after_args(c, victims)
-        self.c, self.victims, self.recall_programs = c, victims, recall_programs
+    def __init__(self, batch: int, pages: int, layers: int, phase: int, flagged: float, lanes: set[str],
+                 recall_programs: int, churn: float, returns: float, victims: int, dev: str = "cuda"):
+        self.phase, self.lanes, self.recall_programs, self.victims = phase, lanes, recall_programs, victims
+        early = phase == PHASE_NOW  # PHASE_LATER selects the heads not flagged: flag none so that every head does
+        self.x = torch.randn(batch, HIDDEN, device=dev, dtype=torch.bfloat16)
+        self.wq = [torch.randn(HIDDEN, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02
+                   for _ in range(layers if early else 0)]
+        self.score_case = sketch_lse.case("llama", batch, pages, flagged if early else 1.0,
+                                          seed=batch + pages + early, dev=dev)
+        self.c = chain_bench.case(batch, pages, flagged if early else 0.0, seed=batch + early, shape="llama", dev=dev)
+        self.select = chain_bench.chain(self.c, "+replay", phase, churn, returns, victims)
+        self.recall_args, _ = chain_bench.after_args(self.c, victims)
         self.calls = 0
         if "recall" in lanes and "chain" not in lanes:  # one selection marks the slots every recall then reads
             self.select(0)
 
     def layer(self, i: int) -> None:
+        if self.wq:
+            self.x @ self.wq[i]
         if "score" in self.lanes:
             sketch_lse.lse(sketch_lse.served, self.score_case)
         if "chain" in self.lanes:
             self.select(self.calls % 32)
             self.calls += 1
-        if "recall" in self.lanes:  # the slots select_chain changed (none without "chain")
+        if "recall" in self.lanes:  # the slots select_chain changed
             a, st = self.recall_args, self.select.state
             recall_pages(a["host"], a["k_cache"], a["v_cache"], a["page_table"], st["slots"], self.c["req_slots"],
-                         a["slot_pages"], st["recall"], PHASE_LATER, a["page_size"], programs=self.recall_programs,
+                         a["slot_pages"], st["recall"], self.phase, a["page_size"], programs=self.recall_programs,
                          victim_ops=st["victim_ops"], victim_base=a["victim_base"], victim_entries=self.victims,
                          host_scales=a["scales"])
 
 
-class Early:
-    """The correction one layer early (--kv-correct-at previous_mlp_only) of one layer: the predicted query's
-    projection, the scoring of the heads it flags (a share `flagged`), select_chain before attention with the replay,
-    and their recall with one program a slot (as served)."""
-
-    def __init__(self, batch: int, pages: int, layers: int, flagged: float, churn: float, returns: float,
-                 victims: int, dev: str = "cuda"):
-        self.x = torch.randn(batch, HIDDEN, device=dev, dtype=torch.bfloat16)
-        self.wq = [torch.randn(HIDDEN, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
-        self.score_case = sketch_lse.case("llama", batch, pages, flagged, seed=batch + pages + 1, dev=dev)
-        c = chain_bench.case(batch, pages, flagged, seed=batch + 1, shape="llama", dev=dev)
-        self.select = chain_bench.chain(c, "+replay", PHASE_NOW, churn, returns, victims)
-        self.recall_args, _ = chain_bench.after_args(c, victims)
-        self.c, self.victims, self.calls = c, victims, 0
-
-    def layer(self, i: int) -> None:
-        self.x @ self.wq[i]
-        sketch_lse.lse(sketch_lse.served, self.score_case)
-        self.select(self.calls % 32)
-        self.calls += 1
-        a, st = self.recall_args, self.select.state
-        recall_pages(a["host"], a["k_cache"], a["v_cache"], a["page_table"], st["slots"], self.c["req_slots"],
-                     a["slot_pages"], st["recall"], PHASE_NOW, a["page_size"], victim_ops=st["victim_ops"],
-                     victim_base=a["victim_base"], victim_entries=self.victims, host_scales=a["scales"])
-
-
-def run(layers: int, critical: Critical | None, side: Side | None = None, stream: torch.cuda.Stream | None = None,
-        early: Early | None = None, early_stream: torch.cuda.Stream | None = None) -> None:
+def run(layers: int, critical: Critical | None, side: Lane | None = None, stream: torch.cuda.Stream | None = None,
+        early: Lane | None = None, early_stream: torch.cuda.Stream | None = None) -> None:
     """Each layer's side lane forked onto `stream` at the layer's start, beside its critical kernels on the current
     stream; with `early`, the next layer's early lane forked onto early_stream at the MLP's start, which that layer's
     attention waits for (as served). Joined at the end."""
@@ -224,10 +208,12 @@ def main() -> None:
               "args": vars(args), "rows": []}
     with torch.cuda.stream(main_stream):
         critical = Critical(args.batch, args.layers)
-        side = Side(args.batch, args.pages, lanes, args.recall_programs, args.churn, args.returns, args.victims)
+        side = Lane(args.batch, args.pages, args.layers, PHASE_LATER, 1.0, lanes, args.recall_programs, args.churn,
+                    args.returns, args.victims)
         early = early_stream = None
         if args.early:
-            early = Early(args.batch, args.pages, args.layers, args.early, args.churn, args.returns, args.victims)
+            early = Lane(args.batch, args.pages, args.layers, PHASE_NOW, args.early, set(LANES), 0, args.churn,
+                         args.returns, args.victims)
             early_stream = torch.cuda.Stream(priority=EARLY_PRIORITY)
 
         def timed_run(*lanes_args, **kw):  # every timing replays the same churn draws
