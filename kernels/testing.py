@@ -88,7 +88,6 @@ def compiled_variants() -> dict[str, set[str]]:
     return variants
 
 
-
 @functools.cache
 def _smid_kernel():
     import triton
