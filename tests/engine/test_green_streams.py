@@ -13,11 +13,12 @@ from freekv_sglang.streams import Streams
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-def _fork_join(st: Streams, x: torch.Tensor, out: torch.Tensor) -> None:
+def _fork_join(st: Streams, name: str, work) -> None:
+    """work() on side stream `name`, forked from the current stream and joined back, as the engine's lanes are."""
     e = st.record()
-    with st.on("speculate"):
+    with st.on(name):
         st.wait(e)
-        out.copy_(x * 2 + 1)
+        work()
     st.join()
 
 
@@ -26,12 +27,12 @@ def test_green_side_streams_run_forked_work_eagerly_and_in_a_graph():
     assert st.green is not None
     x = torch.randn(1 << 20, device="cuda")
     out = torch.full_like(x, float("nan"))
-    _fork_join(st, x, out)
+    _fork_join(st, "speculate", lambda: out.copy_(x * 2 + 1))
     torch.testing.assert_close(out, x * 2 + 1)
     out.fill_(float("nan"))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _fork_join(st, x, out)
+        _fork_join(st, "speculate", lambda: out.copy_(x * 2 + 1))
     x.copy_(torch.randn_like(x))
     out.fill_(float("nan"))
     graph.replay()
@@ -51,11 +52,7 @@ def test_green_side_streams_run_on_their_sms_only_eagerly_and_in_a_graph():
     out = torch.full((4096,), -1, dtype=torch.int32, device="cuda")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        e = st.record()
-        with st.on("recall"):
-            st.wait(e)
-            smid_probe(out)
-        st.join()
+        _fork_join(st, "recall", lambda: smid_probe(out))
     out.fill_(-1)
     graph.replay()
     torch.cuda.synchronize()
@@ -70,4 +67,3 @@ def test_side_sms_the_gpu_cannot_split_off_is_refused():
     if props.major == 9:
         with pytest.raises(ValueError, match="multiple of 8"):
             Streams(torch.device("cuda"), side_sms=12)
-
