@@ -265,7 +265,7 @@ class FreeKVEngine:
         # Eager diagnostics (the accuracy harness): called as probe(layer, plan, q, slots) right after attention.
         self.probe: Callable | None = None
 
-        self.streams = Streams(self.device, cfg.side_sms)
+        self.streams = Streams(self.device)
         # cfg.speculate_at "next_recall": a sparse layer's speculative selection (and so its recall lane) waits for the
         # next sparse layer's selection before attention, to run beside that layer's recall instead of holding the SMs
         # ahead of its own output projection; _pending is the layer waiting. The last sparse layer has no next one.
@@ -1049,7 +1049,7 @@ class FreeKVEngine:
                               self.slot_table[layer], plan.req_slots, plan.slot_pages, self._recall[layer][:B], phase,
                               self.cfg.page_size, programs=programs,
                               slot_block=0 if phase == PHASE_LATER else self.cfg.recall_block,
-                              host_scales=self.host_scales(layer), **cache)
+                              host_scales=self.host_scales(layer), chunks=self.cfg.recall_chunks, **cache)
         if timer is not None:
             timer.mark(layer, phase, 3)
 

@@ -6,7 +6,6 @@ On CPU everything runs in program order and these helpers do nothing.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 
 import torch
 
@@ -30,46 +29,6 @@ def critical_stream(device: torch.device | int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=CRITICAL_PRIORITY)
 
 
-def green_streams(num_sms: int, device: torch.device | int, count: int) -> tuple[object, list[torch.cuda.Stream]]:
-    """(a CUDA green context of num_sms SMs, `count` streams of it): kernels launched on them run on those SMs only
-    (the primary context's kernels still run on every SM). Keep the context as long as the streams. A PyTorch without
-    GreenContext.Stream gets driver streams created while the green context is current, which binds them there
-    (set_context also switches the thread's current stream, which older pop_context does not restore: restored here)."""
-    try:
-        from torch.cuda.green_contexts import GreenContext
-    except ImportError as e:
-        raise RuntimeError(f"--kv-side-sms {num_sms} needs CUDA green contexts, which PyTorch {torch.__version__} "
-                           "does not have (2.9 or later); drop --kv-side-sms") from e
-    index = device if isinstance(device, int) else torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    props = torch.cuda.get_device_properties(index)
-    if num_sms >= props.multi_processor_count:
-        raise ValueError(f"--kv-side-sms {num_sms} must be below the GPU's {props.multi_processor_count} SMs")
-    if props.major == 9 and num_sms % 8:  # the driver would round it up to Hopper's SM groups of 8
-        raise ValueError(f"--kv-side-sms {num_sms}: Hopper splits SMs into green contexts in groups of 8; pass a "
-                         "multiple of 8")
-    try:
-        ctx = GreenContext.create(num_sms=num_sms, device_id=index)
-    except (RuntimeError, TypeError) as e:  # a build or driver without them (CUDA 12.8+), or an older signature
-        raise RuntimeError(f"--kv-side-sms {num_sms}: PyTorch {torch.__version__} could not create a CUDA green "
-                           f"context ({e}); drop --kv-side-sms") from e
-    if hasattr(ctx, "Stream"):
-        return ctx, [ctx.Stream() for _ in range(count)]
-    handles = [ctypes.c_void_p() for _ in range(count)]
-    create = ctypes.CDLL("libcuda.so.1").cuStreamCreateWithPriority
-    caller = torch.cuda.current_stream(index)
-    ctx.set_context()
-    try:
-        errors = [create(ctypes.byref(h), 1, 0) for h in handles]  # CU_STREAM_NON_BLOCKING, priority 0
-    finally:
-        ctx.pop_context()
-        torch.cuda.set_stream(caller)
-    if any(errors):
-        raise RuntimeError(f"--kv-side-sms {num_sms}: cuStreamCreateWithPriority in a green context failed (CUDA "
-                           f"errors {errors}); drop --kv-side-sms")
-    return ctx, [torch.cuda.ExternalStream(h.value, device=index) for h in handles]
-
-
 def upload(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor, queued without waiting: torch.tensor(values, device=...) copies and then
     waits for the stream, i.e. for every kernel queued before it (in a server, the forward in flight)."""
@@ -86,20 +45,13 @@ class Streams:
 
     NAMES = ("select", "early", "speculate", "recall")
     PRIORITIES = {"select": CRITICAL_PRIORITY, "early": EARLY_PRIORITY}  # the others at the default, 0
-    SIDE = ("speculate", "recall")  # the lanes off the critical path, which side_sms confines
 
-    def __init__(self, device: torch.device, side_sms: int = 0):
-        """side_sms > 0: speculate and recall are streams of one green context of that many SMs (green_streams)."""
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self._used: set[str] = set()  # the side streams given work since the last join
-        self.green = None  # the green context of side_sms
         if self.cuda:
             for name in self.NAMES:  # select and early carry the correction chains, which attention waits for
                 setattr(self, name, torch.cuda.Stream(device, priority=self.PRIORITIES.get(name, 0)))
-            if side_sms:
-                self.green, streams = green_streams(side_sms, device, len(self.SIDE))
-                for name, stream in zip(self.SIDE, streams):
-                    setattr(self, name, stream)
 
     def record(self) -> torch.cuda.Event | None:
         if not self.cuda:

@@ -442,20 +442,6 @@ def test_triton_kernels_match_oracle(tau):
     run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=8, L=2, backend="triton", atol=1e-4)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="green contexts need a GPU")
-def test_speculative_lanes_in_a_green_context_match_oracle(monkeypatch):
-    """--kv-side-sms: the speculative selection and recall on streams of a 16-SM green context (three layers: the
-    last sparse layer's lane runs on the select stream, so the middle one's takes the green streams)."""
-    from freekv_sglang.streams import Streams
-
-    used, on = set(), Streams.on
-    monkeypatch.setattr(Streams, "on", lambda self, name: used.add(name) or on(self, name))
-    cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1,
-                       side_sms=16)
-    run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=8, L=3, backend="triton", atol=1e-4)
-    assert {"speculate", "recall"} <= used
-
-
 def test_framework_slots_padding_and_outside_dense_layers():
     """SGLang's usage: its own slot ids (req_pool_idx), row 0 for padding, dense layers run elsewhere,
     lengths given by the caller; a padded batch must not disturb the real rows."""

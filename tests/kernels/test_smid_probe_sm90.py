@@ -1,6 +1,6 @@
 """The SM probe of the green-context tests and benchmarks/side_lanes.py (freekv_kernels.testing.smid_probe: inline
 PTX reading %smid) compiles for sm_90 on this machine, so a GPU run does not find a syntax error first. What it
-reads is a hardware register: tests/engine/test_green_streams.py checks it on a GPU."""
+reads is a hardware register: tests/test_green_contexts.py checks it on a GPU."""
 
 from freekv_kernels.testing import run_without_interpreter
 

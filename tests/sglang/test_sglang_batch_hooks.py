@@ -347,28 +347,6 @@ def test_graph_capture_stream_outranks_the_speculative_lanes(plugins, process_se
     assert side.speculate.priority == side.recall.priority == 0
 
 
-def test_side_sms_puts_the_speculative_lanes_in_one_green_context(monkeypatch):
-    """--kv-side-sms N: the speculate and recall streams come from one green context of N SMs; the critical chains'
-    streams (select, early) stay on every SM at their priorities. On a machine without CUDA, green_streams is faked."""
-    from freekv_sglang import streams
-
-    made = []
-
-    def fake_green(num_sms, device, count):
-        made.append((num_sms, device, count))
-        return "ctx", [_FakeStream(device, priority=f"green{i}") for i in range(count)]
-
-    monkeypatch.setattr(streams.torch.cuda, "Stream", _FakeStream)
-    monkeypatch.setattr(streams, "green_streams", fake_green)
-    dev = torch.device("cuda", 0)
-    side = streams.Streams(dev, side_sms=16)
-    assert made == [(16, dev, 2)] and side.green == "ctx"
-    assert (side.speculate.priority, side.recall.priority) == ("green0", "green1")
-    assert (side.select.priority, side.early.priority) == (streams.CRITICAL_PRIORITY, streams.EARLY_PRIORITY)
-    made.clear()
-    assert streams.Streams(dev).green is None and made == []
-
-
 def test_graph_capture_is_patched_where_the_runners_call_it(plugins):
     """The registry's patch of parallel_state.graph_capture reaches the graph runners' own imported names."""
     import freekv_patches.graph_capture_stream as seam
