@@ -9,8 +9,6 @@ of flagged pairs (--flagged) and changed slots (--changed of a flagged pair's), 
   programs P            the capped speculative recall, served with --kv-recall-programs P (32 by default): P
                         programs, each walking whole (row, head) rows of slots one after another; time it as served
                         with --flagged 1 (every head reselects after attention)
-  .../C                 with --chunks C > 1: the same launch keeping C chunks in flight a program (recall_pages'
-                        chunks, --kv-recall-chunks), for capped launches and blocks of more than one slot
   flagged 0             the same launch with nothing to recall: what its grid alone costs
 
 and the link's own copy of as many bytes as a call reads from the host (one pinned copy_, the floor). Session 47's
@@ -20,7 +18,6 @@ the SMs in ~8 waves, most of them exiting at once. Prints a table and writes JSO
 
 python benchmarks/recall_before.py --shape qwen --batches 16,1 --out results/recall_before.json
 python benchmarks/recall_before.py --shape llama --batches 16 --flagged 1 --blocks 0 --programs 32,64
-python benchmarks/recall_before.py --shape llama --batches 16 --flagged 1 --blocks "" --programs 8,16,32 --chunks 1,2,4
 """
 
 from __future__ import annotations
@@ -71,7 +68,6 @@ def main() -> None:
     ap.add_argument("--blocks", default="0,2,4,8,16", help="--kv-recall-block values, comma-separated")
     ap.add_argument("--programs", default="", help="--kv-recall-programs values (the speculative recall's cap), "
                     "comma-separated")
-    ap.add_argument("--chunks", default="1", help="chunks in flight a program, comma-separated (1, 2, 4)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--out", default="results/recall_before.json")
     args = ap.parse_args()
@@ -83,10 +79,8 @@ def main() -> None:
     layer, scales = arena.layer, arena.scales
     chunk = arena.chunk_bytes  # one (page, KV head): K and V and their row exponents
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
-    launches = [(0, b, c) for b in ints(args.blocks) for c in ints(args.chunks) if c == 1 or b > 1] \
-        + [(n, 0, c) for n in ints(args.programs) if n > 0 for c in ints(args.chunks)]
-    names = [(f"programs {n}" if n else f"block {b}") + (f"/{c}" if c > 1 else "") for n, b, c in launches]
-    cols = [name.replace(" ", "_").replace("/", "x") for name in names]  # JSON keys
+    launches = [(0, b) for b in ints(args.blocks)] + [(n, 0) for n in ints(args.programs) if n > 0]
+    names = [f"programs {n}" if n else f"block {b}" for n, b in launches]
     print(f"{torch.cuda.get_device_name()}: the recall before attention per call (graph of {CALLS}), {H} KV heads, "
           f"{K} slots, flagged {args.flagged}, changed {args.changed}, returns {args.returns}, FP8 host pages")
     print(f"{'batch':>5} {'host KB':>8} {'link µs':>8} " + " ".join(f"{name:>11}" for name in names)
@@ -103,14 +97,14 @@ def main() -> None:
                 dst = torch.empty_like(src, device="cuda")
                 row["host_bytes"] = host
                 row["link_us"] = 1e3 * time_ms(lambda i: dst.copy_(src, non_blocking=True), args.repeats, 3, True)
-            for (programs, block, chunks), col in zip(launches, cols):
-                def run(programs=programs, block=block, chunks=chunks, sets=sets):
+            for (programs, block), name in zip(launches, names):
+                def run(programs=programs, block=block, sets=sets):
                     for s in sets:
                         recall_pages(layer, k, v, *s[:5], 1, PAGE, programs=programs, slot_block=block,
-                                     victim_ops=s[5], victim_base=batch * K, victim_entries=V, host_scales=scales,
-                                     chunks=chunks)
-                row[f"{key}_{col}"] = 1e3 * graph_replay_ms(run, args.repeats) / CALLS
+                                     victim_ops=s[5], victim_base=batch * K, victim_entries=V, host_scales=scales)
+                row[f"{key}_{name.replace(' ', '_')}"] = 1e3 * graph_replay_ms(run, args.repeats) / CALLS
         rows.append(row)
+        cols = [name.replace(" ", "_") for name in names]
         print(f"{batch:>5} {row['host_bytes'] / 1e3:>8.0f} {row['link_us']:>8.1f} "
               + " ".join(f"{row[f'us_{c}']:>11.1f}" for c in cols) + " "
               + " ".join(f"{row[f'empty_us_{c}']:>9.1f}" for c in cols))

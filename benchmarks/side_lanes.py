@@ -19,8 +19,8 @@ Per layer, at the Llama-3.1-8B shape and --batch rows:
   side      the speculative lane (forked at each layer's start; served, its scoring starts just before attention):
             the channel sketch's scoring of every head over --pages candidate pages, select_chain with the
             realistic replay (PHASE_LATER), and the recall of its changed slots from an FP8 host arena with
-            --recall-programs programs, --recall-chunks chunks in flight each (--lanes picks a subset), on a stream
-            at priority 0, or on a green-context stream of N SMs for each N in --sms;
+            --recall-programs programs (--lanes picks a subset), on a stream at priority 0, or on a green-context
+            stream of N SMs for each N in --sms;
   both      each layer's side lane forked beside its critical kernels, joined at the end;
   early     with --early SHARE: the next layer's correction one layer early (the predicted query's projection, the
             flagged heads' scoring, select_chain and one-program-a-slot recall) forked at each MLP's start on a
@@ -90,10 +90,8 @@ class Lane:
     slot, as served). `lanes` picks a subset of the scoring, select_chain and recall."""
 
     def __init__(self, batch: int, pages: int, layers: int, phase: int, flagged: float, lanes: set[str],
-                 recall_programs: int, churn: float, returns: float, victims: int, recall_chunks: int = 1,
-                 dev: str = "cuda"):
+                 recall_programs: int, churn: float, returns: float, victims: int, dev: str = "cuda"):
         self.phase, self.lanes, self.recall_programs, self.victims = phase, lanes, recall_programs, victims
-        self.recall_chunks = recall_chunks
         early = phase == PHASE_NOW  # PHASE_LATER selects the heads not flagged: flag none so that every head does
         self.x = torch.randn(batch, HIDDEN, device=dev, dtype=torch.bfloat16)
         self.wq = [torch.randn(HIDDEN, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02
@@ -120,7 +118,7 @@ class Lane:
             recall_pages(a["host"], a["k_cache"], a["v_cache"], a["page_table"], st["slots"], self.c["req_slots"],
                          a["slot_pages"], st["recall"], self.phase, a["page_size"], programs=self.recall_programs,
                          victim_ops=st["victim_ops"], victim_base=a["victim_base"], victim_entries=self.victims,
-                         host_scales=a["scales"], chunks=self.recall_chunks)
+                         host_scales=a["scales"])
 
 
 def run(layers: int, critical: Critical | None, side: Lane | None = None, stream: torch.cuda.Stream | None = None,
@@ -198,7 +196,6 @@ def main() -> None:
                     help="also the correction one layer early beside each MLP, flagging this share of heads (0.3 as "
                          "realistic-predicted replays; 0: none)")
     ap.add_argument("--recall-programs", type=int, default=32, help="as --kv-recall-programs (served: 32)")
-    ap.add_argument("--recall-chunks", type=int, default=1, help="as --kv-recall-chunks (served: 1)")
     ap.add_argument("--churn", type=float, default=0.15)
     ap.add_argument("--returns", type=float, default=0.5)
     ap.add_argument("--victims", type=int, default=64, help="victim entries a head (64: --kv-victim 2048)")
@@ -217,7 +214,7 @@ def main() -> None:
     with torch.cuda.stream(main_stream):
         critical = Critical(args.batch, args.layers)
         side = Lane(args.batch, args.pages, args.layers, PHASE_LATER, 1.0, lanes, args.recall_programs, args.churn,
-                    args.returns, args.victims, args.recall_chunks)
+                    args.returns, args.victims)
         early = early_stream = None
         if args.early:
             early = Lane(args.batch, args.pages, args.layers, PHASE_NOW, args.early, set(LANES), 0, args.churn,
@@ -231,8 +228,7 @@ def main() -> None:
             return timed(lambda: run(args.layers, *lanes_args, **kw), args.repeats)
 
         print(f"{result['gpu']} ({result['sms']} SMs): {args.layers} layers at {args.batch} rows, side lanes "
-              f"{args.lanes} over {args.pages} pages, recall {args.recall_programs} programs x {args.recall_chunks} "
-              "chunks; ms a run")
+              f"{args.lanes} over {args.pages} pages, recall {args.recall_programs} programs; ms a run")
         crit, err = timed_run(critical)
         if crit is None:
             raise SystemExit(f"the critical lane alone was not captured: {err}")

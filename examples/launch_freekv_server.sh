@@ -55,9 +55,6 @@ args=(
   # GPU programs of the channels selection's speculative scoring beside the GEMMs (0 = one per request, KV head and
   # chunk of pages; not yet measured in a served step, docs/results/session30).
   --kv-score-programs 0
-  # Page chunks each speculative recall program keeps in flight (1, 2 or 4): the same bytes from fewer programs, so
-  # fewer SMs held beside the GEMMs (not yet timed on a GPU, docs/results/session54).
-  --kv-recall-chunks 1
   # Where a layer's speculative selection starts: "next_recall" (default) beside the next sparse layer's recall before
   # attention; "attention" right after the layer's attention, as the paper (same selections, other place in the step).
   --kv-speculate-at next_recall

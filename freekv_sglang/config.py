@@ -131,12 +131,6 @@ class FreeKVConfig:
         attention beside the model's GEMMs (each program strides over (request, head, chunk of pages) items); 0
         (default) launches one per item, ~4,000 at 16 x 32K, which queue ahead of the output projection (session 30's
         trace: it waited ~40 us a layer). The scoring before attention always uses one per item.
-    recall_chunks: (page, head) chunks each recall program keeps in flight (1, 2 or 4; 4 warps a chunk), for the
-        capped speculative recall and --kv-recall-block's blocks: the same bytes in flight from fewer programs, i.e.
-        fewer SMs held beside the model's GEMMs during the PCIe reads (a side CTA resident on an SM keeps a GEMM's
-        CTA off it: session 54's benchmarks/side_lanes.py). 1 (default): one chunk, the launch timed in every session
-        before 54. Chunks 2 and 4 take 201 and 128 registers a thread at 8 and 16 warps (sm_90 SASS, 4: 104 bytes of
-        spills); to be measured with --kv-recall-chunks and --kv-recall-programs together.
     speculate_at: where a sparse layer's speculative selection (and so its recall lane) starts. "attention": right
         after the layer's attention, as the paper does; its scoring's programs (~4,000 at 16 x 32K) then fill the SMs
         ahead of the layer's output projection, whose GEMM waits ~40 us a layer for them (session 42's trace, H200).
@@ -217,7 +211,6 @@ class FreeKVConfig:
     recall_programs: int = 32
     recall_block: int = 0
     score_programs: int = 0
-    recall_chunks: int = 1
     speculate_at: str = "next_recall"
     correct_at: str = "layer"
     attention: str = "backend"
@@ -290,8 +283,6 @@ class FreeKVConfig:
         if self.score_programs and self.selection != "channels":
             raise ValueError(f"score_programs shapes the 'channels' selection's scoring, not {self.selection!r}'s: "
                              "drop --kv-score-programs or use --kv-selection channels")
-        if not _is_int(self.recall_chunks) or self.recall_chunks not in (1, 2, 4):
-            raise ValueError(f"recall_chunks must be 1, 2 or 4, got {self.recall_chunks!r}")
         if self.speculate_at not in SPECULATE_AT:
             raise ValueError(f"speculate_at must be one of {', '.join(SPECULATE_AT)}, got {self.speculate_at!r}")
         if self.correct_at not in CORRECT_AT:

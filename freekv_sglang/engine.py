@@ -1049,7 +1049,7 @@ class FreeKVEngine:
                               self.slot_table[layer], plan.req_slots, plan.slot_pages, self._recall[layer][:B], phase,
                               self.cfg.page_size, programs=programs,
                               slot_block=0 if phase == PHASE_LATER else self.cfg.recall_block,
-                              host_scales=self.host_scales(layer), chunks=self.cfg.recall_chunks, **cache)
+                              host_scales=self.host_scales(layer), **cache)
         if timer is not None:
             timer.mark(layer, phase, 3)
 

@@ -58,7 +58,6 @@ _KNOB_FLAGS = {
     "kv_recall_programs": ("--kv-recall-programs", "recall_programs"),
     "kv_recall_block": ("--kv-recall-block", "recall_block"),
     "kv_score_programs": ("--kv-score-programs", "score_programs"),
-    "kv_recall_chunks": ("--kv-recall-chunks", "recall_chunks"),
     "kv_speculate_at": ("--kv-speculate-at", "speculate_at"),
     "kv_correct_at": ("--kv-correct-at", "correct_at"),
     "kv_attention": ("--kv-attention", "attention"),
@@ -193,10 +192,6 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="GPU programs of the 'channels' selection's speculative scoring, which runs beside the "
                         "model's GEMMs; 0 = one per (request, KV head, chunk of pages) "
                         f"(default {_DEFAULTS.score_programs})")
-    g.add_argument("--kv-recall-chunks", type=int, default=None, metavar="C",
-                   help="page chunks (1, 2 or 4) each program of the speculative recall (and of --kv-recall-block's blocks) keeps "
-                        "in flight over PCIe: the same bytes in flight from fewer programs, so fewer SMs held beside "
-                        f"the model's GEMMs (default {_DEFAULTS.recall_chunks})")
     g.add_argument("--kv-speculate-at", choices=SPECULATE_AT, default=None,
                    help="where a layer's speculative selection starts: 'attention' right after the layer's attention; "
                         "'next_recall' beside the next sparse layer's recall before attention, so its scoring does not "

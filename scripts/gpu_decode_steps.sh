@@ -18,11 +18,6 @@
 #                                                 # benchmarks/side_lanes.py (the speculative lanes beside the model's
 #                                                 # kernels, on every SM or confined to 16-48, and the early
 #                                                 # lane beside the MLP), all lanes, each alone, one request
-#   bash scripts/gpu_decode_steps.sh recall       # no server: benchmarks/recall_before.py (the speculative recall
-#                                                 # alone, 8-32 programs x 1-4 chunks), side_lanes.py's recall lane
-#                                                 # beside the critical lane at five of them, the recall's GPU tests
-#   bash scripts/gpu_decode_steps.sh chunks       # predicted at 16 x 32K with --kv-recall-chunks 2 / programs 16,
-#                                                 # then chunks 4 / programs 8 (the bytes in flight of 32 x 1)
 #   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
 #                                                 # --kv-speculate-at attention (where the scoring sits without a
 #                                                 # correction chain before attention)
@@ -93,19 +88,6 @@ case ${1:-} in
          lanes all --sms 0,16,24,32,48 --early 0.3
          for one in score chain recall; do lanes "$one" --lanes $one --sms 0,16,32; done
          lanes b1 --batch 1 --sms 0,16 --early 0.3 ;;
-  recall) t=$(left) && timeout $t python3 benchmarks/recall_before.py --shape llama --batches 16 --flagged 1 \
-            --blocks "" --programs 8,16,32 --chunks 1,2,4 --out "$OUT/recall-before.json" 2>&1 | tail -n 4
-          for pc in 32x1 8x4 16x2 32x2 16x4; do
-            t=$(left) || break
-            timeout $t python3 benchmarks/side_lanes.py --lanes recall --sms 0 --recall-programs ${pc%x*} \
-              --recall-chunks ${pc#*x} --out "$OUT/side-lanes-recall-$pc.json" 2>&1 | tail -n 3
-          done
-          t=$(left) && timeout $t python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_recall.py 2>&1 \
-            | tail -n 5 | tee "$OUT/recall-tests.log" ;;
-  chunks) for pc in 16x2 8x4; do
-            decode "chunks-$pc" --context 32000 --batches 16,16,16 \
-              --configs "realistic-predicted $FP8 --kv-recall-programs ${pc%x*} --kv-recall-chunks ${pc#*x}"
-          done ;;
   score) decode score-132 --context 32000 --batches 16,16,16 \
            --configs "realistic-predicted $FP8 --kv-score-programs 132"
          decode speculate-attention --context 32000 --batches 16,16,16 \
@@ -115,5 +97,5 @@ case ${1:-} in
         ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
         TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|programs|blocks|trace|lanes|recall|chunks|score|default|long|base" >&2; exit 2 ;;
+  *) echo "usage: $0 predicted|full|programs|blocks|trace|lanes|score|default|long|base" >&2; exit 2 ;;
 esac

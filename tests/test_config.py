@@ -124,7 +124,7 @@ def test_check_model_refuses_too_many_dense_layers():
 
 
 @pytest.mark.parametrize("field", ["page_size", "budget", "sink", "window", "dense_layers", "recall_programs",
-                                   "recall_block", "score_programs", "recall_chunks"])
+                                   "recall_block", "score_programs"])
 def test_bool_is_not_an_integer(field):
     with pytest.raises(ValueError, match=field):
         FreeKVConfig(**{field: True})
@@ -134,13 +134,6 @@ def test_recall_modes():
     assert FreeKVConfig(recall="all").recall == "all"
     with pytest.raises(ValueError, match="recall must be one of delta, all"):
         FreeKVConfig(recall="some")
-
-
-def test_recall_chunks():
-    assert FreeKVConfig().recall_chunks == 1 and FreeKVConfig(recall_chunks=4).recall_chunks == 4
-    for bad in (0, 3, 8, 2.0, "2"):
-        with pytest.raises(ValueError, match="^recall_chunks must be 1, 2 or 4"):
-            FreeKVConfig(recall_chunks=bad)
 
 
 def test_recall_programs():

@@ -37,15 +37,14 @@ def naive_recall_pages(
     victim_base: int = 0,
     victim_entries: int = 0,
     host_scales: torch.Tensor | None = None,
-    chunks: int = 1,
 ) -> None:
     """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
     page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache.
     With victim_ops (select_slots' victim cache; V = victim_entries, entry e of request slot r in GPU page
     victim_base + r * V + e): first the slot's outgoing chunk goes to its evict entry, if any; the incoming chunk
     then comes from its source entry instead of the host, if it has one. An FP8 host_layer's chunks are widened with
-    their row exponents host_scales [N, H, 2, p] (freekv_kernels.fp8_rows). `programs`, `slot_block` and `chunks`
-    shape the Triton launch only."""
+    their row exponents host_scales [N, H, 2, p] (freekv_kernels.fp8_rows). `programs` and `slot_block` shape the
+    Triton launch only."""
     check_victim_args(victim_ops, recall, victim_base, victim_entries, k_cache, page_size, slots.shape[0])
     check_host_scales(host_layer, host_scales)
     p = page_size

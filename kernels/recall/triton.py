@@ -33,14 +33,11 @@ def _recall_pages_kernel(
     sr_b, sr_h, sr_k,
     so_b, so_h, so_k,
     PHASE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, SB: tl.constexpr, VICTIMS: tl.constexpr,
-    SHIFT: tl.constexpr, SCALED: tl.constexpr, CHUNKS: tl.constexpr,
+    SHIFT: tl.constexpr, SCALED: tl.constexpr,
 ):
     """Work item w = (row b, head h, block of SB slots), blocks fastest; programs stride over the B * H * ceil(K/SB)
     items. Entries of other phases carry garbage indices: they are skipped before any of those is read."""
     t = tl.arange(0, PAGE).to(tl.int64)[:, None]
-    ROWS: tl.constexpr = CHUNKS * PAGE
-    c_r = tl.arange(0, ROWS) // PAGE
-    t_r = (tl.arange(0, ROWS) % PAGE).to(tl.int64)
     d = tl.arange(0, D)[None, :]
     j_sb = tl.arange(0, SB)
     NB = tl.cdiv(K, SB)
@@ -55,7 +52,8 @@ def _recall_pages_kernel(
         hit = ((codes.to(tl.int32) == PHASE) & in_k).to(tl.int32)
         if tl.max(hit, 0) != 0:
             # The block's table entries in a few vector loads, once: each slot then waits on its chunk alone, not on
-            # its own chain of dependent loads (request, page, host page) before it.
+            # its own chain of dependent loads (request, page, host page) before it. The capped speculative recall
+            # walks a row's slots one after another (session 51: ~6.8 µs a slot a program).
             r = tl.load(req_ptr + b * s_req).to(tl.int64)
             on = hit != 0
             s_vec = s0 + j_sb
@@ -65,107 +63,48 @@ def _recall_pages_kernel(
             if VICTIMS:
                 ops = tl.load(vops_ptr + b * so_b + h * so_h + s_vec * so_k, mask=on, other=0)
             srcs = tl.load(pt_ptr + r * spt_r + pages * spt_m, mask=on & ((ops >> SHIFT) <= 0), other=0).to(tl.int64)
-            # One chunk in flight (CHUNKS == 1: the recall before attention, one slot a program): the block's hits
-            # one after another, each branching to its victim entry or the host (sm_90: 126 registers a thread, where
-            # the grouped path's masks take 168, and fewer programs an SM in its many waves).
-            if CHUNKS == 1:
-                for j in range(SB):
-                    # This slot's entries from the registers.
-                    mine = j_sb == j
-                    if tl.sum(tl.where(mine, hit, 0), 0) != 0:
-                        row0 = tl.sum(tl.where(mine, dsts, 0), 0)
-                        k_dst = k_ptr + (row0 + t) * s_kt + h * s_kh + d
-                        v_dst = v_ptr + (row0 + t) * s_vt + h * s_vh + d
-                        source = -1
-                        evict = -1
-                        if VICTIMS:
-                            op = tl.sum(tl.where(mine, ops, 0), 0)
-                            evict = (op & ((1 << SHIFT) - 1)) - 1
-                            source = (op >> SHIFT) - 1
-                        if source >= 0:
-                            e1 = (victim_base + r * V + source) * PAGE
-                            k = tl.load(k_ptr + (e1 + t) * s_kt + h * s_kh + d)
-                            v = tl.load(v_ptr + (e1 + t) * s_vt + h * s_vh + d)
-                        else:
-                            src = tl.sum(tl.where(mine, srcs, 0), 0)
-                            # One [PAGE, D] tile per K and V: both loads are issued before either store, so each
-                            # item keeps the whole 2*PAGE*D chunk in flight over PCIe (wide vector loads).
-                            chunk = host_ptr + src * s_hp + h * s_hh + t * s_ht + d
-                            if SCALED:
-                                rows_e = exp_ptr + src * s_ep + h * s_eh + tl.arange(0, PAGE).to(tl.int64) * s_et
-                                kq = tl.load(chunk)
-                                vq = tl.load(chunk + s_hkv)
-                                k = dequantize_tile(kq, tl.load(rows_e)).to(k_ptr.dtype.element_ty)
-                                v = dequantize_tile(vq, tl.load(rows_e + s_ekv)).to(v_ptr.dtype.element_ty)
-                            else:
-                                k = tl.load(chunk)
-                                v = tl.load(chunk + s_hkv)
-                        if evict >= 0:
-                            # The outgoing chunk to its victim entry, HBM to HBM, while the incoming one is in flight;
-                            # every thread's read of the slot precedes any write to it.
-                            e0 = (victim_base + r * V + evict) * PAGE
-                            k_out = tl.load(k_dst)
-                            v_out = tl.load(v_dst)
-                            tl.store(k_ptr + (e0 + t) * s_kt + h * s_kh + d, k_out)
-                            tl.store(v_ptr + (e0 + t) * s_vt + h * s_vh + d, v_out)
-                            tl.debug_barrier()
-                        tl.store(k_dst, k)
-                        tl.store(v_dst, v)
-            else:
-                # CHUNKS at a time: a capped program walks its rows' hits one group after another, so CHUNKS sets the
-                # chunks it keeps in flight over PCIe (session 52: one each, 32 programs, 170-181 us for 5.1 MB
-                # against the link's 101-107), i.e. how few programs, each holding an SM beside the model's GEMMs,
-                # keep the link busy. Group g takes the hits of rank g + c, c < CHUNKS; no two hits of a launch share
-                # a GPU page (distinct slots, and select_slots never reads and writes one victim entry in one launch),
-                # so a group's copies commute.
-                rank = tl.cumsum(hit, 0) - hit
-                n = tl.sum(hit, 0)
-                for g in range(0, n, CHUNKS):
-                    # Row i of the group's [CHUNKS * PAGE, D] tiles is token i % PAGE of chunk i // PAGE, the hit of
-                    # rank g + i // PAGE; its entries come from the registers, one scalar of each a chunk.
-                    row0 = tl.zeros([ROWS], dtype=tl.int64)
-                    src = tl.zeros([ROWS], dtype=tl.int64)
-                    op = tl.zeros([ROWS], dtype=tl.int32)
-                    live = tl.zeros([ROWS], dtype=tl.int1)
-                    for c in tl.static_range(CHUNKS):
-                        mine = on & (rank == g + c)
-                        at = c_r == c
-                        row0 = tl.where(at, tl.sum(tl.where(mine, dsts, 0), 0), row0)
-                        src = tl.where(at, tl.sum(tl.where(mine, srcs, 0), 0), src)
-                        op = tl.where(at, tl.sum(tl.where(mine, ops, 0), 0), op)
-                        live = live | (at & (g + c < n))
-                    evict = (op & ((1 << SHIFT) - 1)) - 1
-                    source = (op >> SHIFT) - 1
-                    rows = (row0 + t_r)[:, None]
-                    k_dst = k_ptr + rows * s_kt + h * s_kh + d
-                    v_dst = v_ptr + rows * s_vt + h * s_vh + d
-                    hosted = live & (source < 0)
-                    # All the group's tiles are loaded before any store, so its chunks of 2*PAGE*D elements are in
-                    # flight over PCIe together (wide vector loads, several per thread).
-                    chunk = host_ptr + src[:, None] * s_hp + h * s_hh + t_r[:, None] * s_ht + d
-                    if SCALED:
-                        rows_e = exp_ptr + src * s_ep + h * s_eh + t_r * s_et
-                        kq = tl.load(chunk, mask=hosted[:, None])
-                        vq = tl.load(chunk + s_hkv, mask=hosted[:, None])
-                        k = dequantize_tile(kq, tl.load(rows_e, mask=hosted, other=0)).to(k_ptr.dtype.element_ty)
-                        v = dequantize_tile(vq, tl.load(rows_e + s_ekv, mask=hosted, other=0)).to(v_ptr.dtype.element_ty)
-                    else:
-                        k = tl.load(chunk, mask=hosted[:, None])
-                        v = tl.load(chunk + s_hkv, mask=hosted[:, None])
+            for j in range(SB):
+                # This slot's entries from the registers.
+                mine = j_sb == j
+                if tl.sum(tl.where(mine, hit, 0), 0) != 0:
+                    row0 = tl.sum(tl.where(mine, dsts, 0), 0)
+                    k_dst = k_ptr + (row0 + t) * s_kt + h * s_kh + d
+                    v_dst = v_ptr + (row0 + t) * s_vt + h * s_vh + d
+                    source = -1
+                    evict = -1
                     if VICTIMS:
-                        cached = (live & (source >= 0))[:, None]
-                        e1 = ((victim_base + r * V + tl.maximum(source, 0)) * PAGE + t_r)[:, None]
-                        k = tl.where(cached, tl.load(k_ptr + e1 * s_kt + h * s_kh + d, mask=cached), k)
-                        v = tl.where(cached, tl.load(v_ptr + e1 * s_vt + h * s_vh + d, mask=cached), v)
-                        # The outgoing chunks to their victim entries, HBM to HBM, while the incoming ones are in flight;
-                        # every thread's read of a slot precedes any write to it.
-                        out = (live & (evict >= 0))[:, None]
-                        e0 = ((victim_base + r * V + tl.maximum(evict, 0)) * PAGE + t_r)[:, None]
-                        tl.store(k_ptr + e0 * s_kt + h * s_kh + d, tl.load(k_dst, mask=out), mask=out)
-                        tl.store(v_ptr + e0 * s_vt + h * s_vh + d, tl.load(v_dst, mask=out), mask=out)
+                        op = tl.sum(tl.where(mine, ops, 0), 0)
+                        evict = (op & ((1 << SHIFT) - 1)) - 1
+                        source = (op >> SHIFT) - 1
+                    if source >= 0:
+                        e1 = (victim_base + r * V + source) * PAGE
+                        k = tl.load(k_ptr + (e1 + t) * s_kt + h * s_kh + d)
+                        v = tl.load(v_ptr + (e1 + t) * s_vt + h * s_vh + d)
+                    else:
+                        src = tl.sum(tl.where(mine, srcs, 0), 0)
+                        # One [PAGE, D] tile per K and V: both loads are issued before either store, so each item
+                        # keeps the whole 2*PAGE*D chunk in flight over PCIe (wide vector loads, several per thread).
+                        chunk = host_ptr + src * s_hp + h * s_hh + t * s_ht + d
+                        if SCALED:
+                            rows_e = exp_ptr + src * s_ep + h * s_eh + tl.arange(0, PAGE).to(tl.int64) * s_et
+                            kq = tl.load(chunk)
+                            vq = tl.load(chunk + s_hkv)
+                            k = dequantize_tile(kq, tl.load(rows_e)).to(k_ptr.dtype.element_ty)
+                            v = dequantize_tile(vq, tl.load(rows_e + s_ekv)).to(v_ptr.dtype.element_ty)
+                        else:
+                            k = tl.load(chunk)
+                            v = tl.load(chunk + s_hkv)
+                    if evict >= 0:
+                        # The outgoing chunk to its victim entry, HBM to HBM, while the incoming one is in flight;
+                        # every thread's read of the slot precedes any write to it.
+                        e0 = (victim_base + r * V + evict) * PAGE
+                        k_out = tl.load(k_dst)
+                        v_out = tl.load(v_dst)
+                        tl.store(k_ptr + (e0 + t) * s_kt + h * s_kh + d, k_out)
+                        tl.store(v_ptr + (e0 + t) * s_vt + h * s_vh + d, v_out)
                         tl.debug_barrier()
-                    tl.store(k_dst, k, mask=live[:, None])
-                    tl.store(v_dst, v, mask=live[:, None])
+                    tl.store(k_dst, k)
+                    tl.store(v_dst, v)
 
 
 def recall_pages(
@@ -185,7 +124,6 @@ def recall_pages(
     victim_base: int = 0,
     victim_entries: int = 0,
     host_scales: torch.Tensor | None = None,
-    chunks: int = 1,
 ) -> None:
     """For each (b, h, s) with recall[b, h, s] == phase, r = req_slots[b]: the host page
     page_table[r, slots[r, h, s]] of head h goes to rows slot_pages[b, s]*p .. +p, head h, of k_cache / v_cache
@@ -197,9 +135,6 @@ def recall_pages(
     entry of the phase (most of them) costs one vector load of its codes, not K dependent byte loads.
     slot_block > 0 (a power of two) sets the work item to (b, h, block of that many slots) instead, whatever the
     programs: smaller blocks spread a row's entries over more programs (benchmarks/kernels.py --recall-blocks).
-    chunks (1, 2 or 4): the (page, head) chunks a program keeps in flight, its work item's hits taken that many at a
-    time (at most the item's slots), with 4 warps a chunk: a capped launch keeps the same bytes in flight from fewer
-    programs, i.e. fewer SMs held beside the model's GEMMs.
     victim_ops, victim_base, victim_entries: the victim cache's moves, as in naive_recall_pages.
     """
     check_device(host_layer, k_cache, v_cache, page_table, slots, req_slots, slot_pages, recall)
@@ -218,12 +153,9 @@ def recall_pages(
         check_device(victim_ops)
     if slot_block < 0 or slot_block & (slot_block - 1):
         raise ValueError(f"slot_block must be 0 or a power of two, got {slot_block!r}")
-    if chunks not in (1, 2, 4):  # 8 would spill ~2.6 KB a thread (sm_90, docs/results/session54/recall_sass.py)
-        raise ValueError(f"chunks must be 1, 2 or 4, got {chunks!r}")
     if B * H * K == 0:
         return
     sb = slot_block or (triton.next_power_of_2(K) if programs > 0 else 1)
-    chunks = min(chunks, sb)
     _recall_pages_kernel[capped_grid(B * H * triton.cdiv(K, sb), programs)](
         host_layer, host_scales if scaled else recall, k_cache, v_cache, page_table, slots, req_slots, slot_pages,
         recall, recall if victim_ops is None else victim_ops,
@@ -234,5 +166,5 @@ def recall_pages(
         *page_table.stride(), *slots.stride(), req_slots.stride(0), *slot_pages.stride(), *recall.stride(),
         *(recall if victim_ops is None else victim_ops).stride(),
         PHASE=phase, PAGE=page_size, D=D, SB=sb, VICTIMS=victim_ops is not None, SHIFT=VICTIM_SHIFT,
-        SCALED=scaled, CHUNKS=chunks, num_warps=4 * chunks,  # the registers of one chunk's tiles a 4 warps
+        SCALED=scaled, num_warps=4,
     )

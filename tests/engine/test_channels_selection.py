@@ -54,16 +54,15 @@ def test_score_programs_shape_only_the_speculative_scoring(monkeypatch, prefill_
 def test_recall_block_shapes_only_the_recall_before_attention(monkeypatch, prefill_alike, decode_alike):
     """--kv-recall-block reaches the recall before attention; the speculative recall keeps its capped programs and
     whole-row items, but the last sparse layer's, which the step's end waits for, takes one program per slot.
-    --kv-recall-chunks reaches every decode recall (a launch of one slot a program takes one chunk whatever it says).
-    (Blocked, grouped and per-slot launches recall alike: tests/kernels/test_recall.py.)"""
+    (Blocked and per-slot launches recall alike: tests/kernels/test_recall.py.)"""
     cfg = FreeKVConfig(budget=48, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1, selection="channels",
-                       recall_block=4, recall_chunks=2)
-    seen = recorded_calls(monkeypatch, cfg, "recall_pages",  # phase, programs, slot block, chunks
-                          lambda a, kw: (a[8], kw.get("programs", 0), kw.get("slot_block", 0), kw.get("chunks", 1)),
+                       recall_block=4)
+    seen = recorded_calls(monkeypatch, cfg, "recall_pages",  # phase, programs, slot block
+                          lambda a, kw: (a[8], kw.get("programs", 0), kw.get("slot_block", 0)),
                           prefill_alike, decode_alike)
-    later = {(programs, block, c) for phase, programs, block, c in seen if phase == PHASE_LATER}
-    assert later == {(cfg.recall_programs, 0, 2), (0, 0, 2)}
-    assert {(programs, block, c) for phase, programs, block, c in seen if phase != PHASE_LATER} == {(0, 4, 2)}
+    later = {(programs, block) for phase, programs, block in seen if phase == PHASE_LATER}
+    assert later == {(cfg.recall_programs, 0), (0, 0)}
+    assert {(programs, block) for phase, programs, block in seen if phase != PHASE_LATER} == {(0, 4)}
 
 
 def test_prompt_without_calibration_is_refused():

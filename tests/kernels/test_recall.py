@@ -66,7 +66,7 @@ def entries(B, H, k, R, M, P, pages, phase, n_other=3, empty=None):
 
 
 def recall_into(fn, host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0, slot_block=0,
-                host_scales=None, chunks=1):
+                host_scales=None):
     """Run `fn` into NaN caches of pages*p + extra_rows rows, each inside a NaN buffer with GUARD pages on both
     sides; returns the K and V buffers [rows, H, D]. fused_kv: K and V interleave in one [rows, 2, H, D] buffer,
     so the caches are non-contiguous views. An FP8 arena (host_scales) recalls into bf16 caches."""
@@ -78,7 +78,7 @@ def recall_into(fn, host_layer, idx, phase, p, pages, extra_rows, fused_kv=False
     kb, vb = buf.unbind(1 if fused_kv else 0)
     live = slice(GUARD * p, GUARD * p + pages * p + extra_rows)
     kw = {} if host_scales is None else {"host_scales": host_scales}
-    fn(host_layer, kb[live], vb[live], *idx, phase, p, programs=programs, slot_block=slot_block, chunks=chunks, **kw)
+    fn(host_layer, kb[live], vb[live], *idx, phase, p, programs=programs, slot_block=slot_block, **kw)
     if DEV.type == "cuda":
         torch.cuda.synchronize()
     return kb.cpu(), vb.cpu()
@@ -110,12 +110,12 @@ def expected(host_layer, idx, phase, p, shape, host_scales=None):
 
 
 def check_recall(host_layer, idx, phase, p, pages, extra_rows, fused_kv=False, programs=0, slot_block=0,
-                 host_scales=None, chunks=1):
+                 host_scales=None):
     before = [t.clone() for t in idx]
     ref = recall_into(naive_recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv, programs, slot_block,
-                      host_scales, chunks)
+                      host_scales)
     out = recall_into(recall_pages, host_layer, idx, phase, p, pages, extra_rows, fused_kv, programs, slot_block,
-                      host_scales, chunks)
+                      host_scales)
     exp = expected(host_layer, idx, phase, p, ref[0].shape, host_scales)
     for name, e, r, o in (("k_cache", exp[0], ref[0], out[0]), ("v_cache", exp[1], ref[1], out[1])):
         mask = ~e.isnan()
@@ -136,17 +136,16 @@ def test_recall_pages(H, D, p, dtype, phase):
     check_recall(host_layer, entries(B, H, k, R, M, P, pages, phase), phase, p, pages, extra_rows=5)
 
 
-@pytest.mark.parametrize("programs,slot_block,chunks", [(0, 0, 1), (3, 0, 1), (0, 4, 1), (3, 0, 4), (0, 4, 2)])
+@pytest.mark.parametrize("programs,slot_block", [(0, 0), (3, 0), (0, 4)])
 @pytest.mark.parametrize("phase", [1, 2])
 @pytest.mark.parametrize("H,D,p", [(1, 64, 16), (3, 128, 32), (8, 64, 32), (8, 128, 16)])
-def test_recall_pages_fp8_host(H, D, p, phase, programs, slot_block, chunks):
+def test_recall_pages_fp8_host(H, D, p, phase, programs, slot_block):
     """From an FP8 arena (every layer's pages and exponents strided views of one byte range, as the kvstore maps
-    it): each recalled chunk is its e4m3 rows times their scales, in bf16, exactly as the codec's reference, also
-    with several chunks in flight a program."""
+    it): each recalled chunk is its e4m3 rows times their scales, in bf16, exactly as the codec's reference."""
     R, M, P, B, k, pages = 6, 20, 13, 3, 5, 17
     arena, scales = fp8_arena(P, 3, H, 2, p, D)
     check_recall(arena[:, 1], entries(B, H, k, R, M, P, pages, phase), phase, p, pages, extra_rows=5,
-                 programs=programs, slot_block=slot_block, host_scales=scales[:, 1], chunks=chunks)
+                 programs=programs, slot_block=slot_block, host_scales=scales[:, 1])
 
 
 def test_recall_pages_fp8_host_needs_its_exponents():
@@ -173,24 +172,20 @@ def test_recall_pages_few_programs(H, p, phase, programs):
                  programs=programs)
 
 
-@pytest.mark.parametrize("programs,slot_block,chunks", [(0, 0, 1), (1, 0, 1), (3, 0, 1), (16, 0, 1), (0, 4, 1),
-                                                       (3, 4, 1), (1, 0, 4), (3, 0, 2), (3, 2, 4), (0, 4, 4),
-                                                       (0, 0, 4)])
+@pytest.mark.parametrize("programs,slot_block", [(0, 0), (1, 0), (3, 0), (16, 0), (0, 4), (3, 4)])
 @pytest.mark.parametrize("phase", [1, 2])
 @pytest.mark.parametrize("H,p", [(1, 16), (8, 32)])
 @pytest.mark.parametrize("k", [5, 37])
-def test_recall_pages_blocks(k, H, p, phase, programs, slot_block, chunks):
+def test_recall_pages_blocks(k, H, p, phase, programs, slot_block):
     """programs > 0 scans each (row, head) as one block of next_power_of_2(k) codes, the slots past k masked off
     (programs 0: one slot per program), or as blocks of slot_block codes, the last one partly past k: every other
     (row, head) has no entry of the phase (its blocks are skipped whole), the others hold several, their first and
-    last slots among them. chunks > 1: a block's hits in groups of that many (at most the block's slots), the last
-    group partly empty where a row's hits are not a multiple of it; one slot a program takes one chunk whatever
-    chunks says."""
+    last slots among them."""
     R, M, P, B = 6, 2 * k, 13, 3
     empty = (torch.arange(B * H) % 2 == 0).view(B, H)
     host_layer = host_randn(P, H, 2, p, 64, dtype=torch.bfloat16)
     check_recall(host_layer, entries(B, H, k, R, M, P, B * k, phase, empty=empty), phase, p, B * k, extra_rows=5,
-                 programs=programs, slot_block=slot_block, chunks=chunks)
+                 programs=programs, slot_block=slot_block)
 
 
 @pytest.mark.parametrize("slot_block", [-1, 3, 6])
@@ -199,14 +194,6 @@ def test_recall_pages_rejects_slot_block(slot_block):
     idx = entries(1, 1, 2, 2, 4, 3, 2, 1)
     with pytest.raises(ValueError, match="slot_block"):
         recall_into(recall_pages, host_layer, idx, 1, 16, 2, 0, slot_block=slot_block)
-
-
-@pytest.mark.parametrize("chunks", [0, -2, 3, 8])
-def test_recall_pages_rejects_chunks(chunks):
-    host_layer = host_randn(3, 1, 2, 16, 64, dtype=torch.bfloat16)
-    idx = entries(1, 1, 2, 2, 4, 3, 2, 1)
-    with pytest.raises(ValueError, match="chunks must be 1, 2 or 4"):
-        recall_into(recall_pages, host_layer, idx, 1, 16, 2, 0, programs=4, chunks=chunks)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -251,15 +238,14 @@ def victim_ops_for(idx, phase, V, seed):
     return ops.to(DEV)
 
 
-# (0, 4, 1): the recall before attention under --kv-recall-block 4
-@pytest.mark.parametrize("programs,slot_block,chunks", [(0, 0, 1), (3, 0, 1), (0, 4, 1), (3, 0, 4), (0, 4, 2)])
+# (0, 4): the recall before attention under --kv-recall-block 4
+@pytest.mark.parametrize("programs,slot_block", [(0, 0), (3, 0), (0, 4)])
 @pytest.mark.parametrize("phase", [1, 2])
 @pytest.mark.parametrize("H,p", [(1, 16), (3, 32), (8, 16)])
-def test_recall_pages_victims(H, p, phase, programs, slot_block, chunks):
+def test_recall_pages_victims(H, p, phase, programs, slot_block):
     """With victim ops: an item's slot chunk goes to its evict entry before the slot is overwritten, and the slot
     takes its source entry's chunk (as it was before the launch) instead of the host's. Caches start random (the
-    slots hold the pages they evict), victim pages sit after the slot pages. chunks > 1: hits from the host and from
-    entries, and evictions, mixed in one group."""
+    slots hold the pages they evict), victim pages sit after the slot pages."""
     R, M, P, B, k, V, D = 6, 20, 13, 3, 5, 8, 64
     host_layer = host_randn(P, H, 2, p, D, dtype=torch.bfloat16)
     idx = entries(B, H, k, R, M, P, B * k, phase)
@@ -272,7 +258,7 @@ def test_recall_pages_victims(H, p, phase, programs, slot_block, chunks):
     for fn in (naive_recall_pages, recall_pages):
         kc, vc = k0.clone().to(DEV), v0.clone().to(DEV)
         fn(host_layer, kc, vc, *idx, phase, p, programs=programs, slot_block=slot_block, victim_ops=ops,
-           victim_base=base, victim_entries=V, chunks=chunks)
+           victim_base=base, victim_entries=V)
         outs.append((kc.cpu(), vc.cpu()))
     # The contract, from the caches as they were.
     page_table, slots, req_slots, slot_pages, recall = (t.cpu() for t in idx)

@@ -45,7 +45,6 @@ def test_freekv_settings_reach_server_args(prepare):
                         recall_programs=64, selection="means", rerank_factor=8)
     assert prepare([*FREEKV, "--kv-score-programs", "132"])._freekv.config.score_programs == 132
     assert prepare([*FREEKV, "--kv-recall-block", "8"])._freekv.config.recall_block == 8
-    assert prepare([*FREEKV, "--kv-recall-chunks", "4"])._freekv.config.recall_chunks == 4
     assert prepare([*FREEKV, "--kv-speculate-at", "next_recall"])._freekv.config.speculate_at == "next_recall"
     assert prepare([*FREEKV, "--kv-correct-at", "previous_mlp"])._freekv.config.correct_at == "previous_mlp"
     only = prepare([*FREEKV, "--kv-correct-at", "previous_mlp_only", "--kv-bench-correction-rate", "0.3"])
@@ -123,7 +122,6 @@ REFUSED = [
     (["--kv-recall-programs", "-1"], "--kv-recall-programs"),
     (["--kv-score-programs", "-1"], "--kv-score-programs"),
     (["--kv-recall-block", "6"], "--kv-recall-block"),
-    (["--kv-recall-chunks", "3"], "--kv-recall-chunks"),
     (["--kv-rerank-factor", "-1"], "--kv-rerank-factor"),
     (["--kv-correct-at", "previous_mlp", "--kv-selection", "sketch"], "--kv-correct-at"),
     (["--kv-correct-at", "previous_mlp", "--kv-bench-correction-rate", "0.3"], "--kv-bench-late-correction-rate"),
