@@ -115,7 +115,7 @@ def opcodes(sass: str) -> list[str]:
 
 
 def compile_sass(launch: dict, workdir: Path) -> dict:
-    """Compile one recorded launch for sm_90; registers, spills, SASS text."""
+    """Compile one recorded launch for sm_90; registers, spills, shared memory (bytes a CTA), SASS text."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -134,7 +134,8 @@ def compile_sass(launch: dict, workdir: Path) -> dict:
     ops = opcodes(sass)
     return {"kernel": launch["name"], "warps": launch["options"].get("num_warps", 4),
             "registers": int(regs.group(1)) if regs else None, "stack": int(spill.group(1)) if spill else None,
-            "instructions": len(ops), "opcodes": collections.Counter(ops), "sass": sass}
+            "shared": kernel.metadata.shared, "instructions": len(ops), "opcodes": collections.Counter(ops),
+            "sass": sass}
 
 
 def main() -> None:
@@ -154,13 +155,13 @@ def main() -> None:
     launches = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     if args.kernel:
         launches = [x for x in launches if args.kernel in x["name"]]
-    print(f"{'kernel':<32} {'warps':>5} {'regs':>5} {'stack':>5} {'SASS':>6}  constexprs")
+    print(f"{'kernel':<32} {'warps':>5} {'regs':>5} {'stack':>5} {'smem KB':>7} {'SASS':>6}  constexprs")
     with tempfile.TemporaryDirectory() as tmp:
         for launch in launches:
             r = compile_sass(launch, Path(tmp))
             const = {k: v for k, v in launch["constexprs"].items() if v is not None and k.isupper()}
             print(f"{r['kernel']:<32} {r['warps']:>5} {r['registers']!s:>5} {r['stack']!s:>5} "
-                  f"{r['instructions']:>6}  {const}")
+                  f"{r['shared'] / 1024:>7.1f} {r['instructions']:>6}  {const}")
             if args.dump:
                 print(r["sass"])
                 print(", ".join(f"{op} {n}" for op, n in r["opcodes"].most_common(40)))

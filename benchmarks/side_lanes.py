@@ -40,6 +40,9 @@ import argparse
 import json
 from pathlib import Path
 
+import freekv_kernels.channel_sketch.triton as sketch_kernels
+import freekv_kernels.page_select.triton as select_kernels
+import freekv_kernels.recall.triton as recall_kernels
 import select_chain as chain_bench
 import sketch_lse
 import torch
@@ -51,6 +54,9 @@ from freekv_sglang.streams import CRITICAL_PRIORITY, EARLY_PRIORITY
 from gpu_timing import time_ms
 from green_contexts import green_streams
 
+# --warps LANE=N: the served launch's warps, as the module constant each launcher reads at every call
+WARPS = {"score": (sketch_kernels, "CHANNEL_WARPS"), "chain": (select_kernels, "TOPK_SINGLE_WARPS"),
+         "recall": (recall_kernels, "RECALL_WARPS")}
 HIDDEN, QKV, INTER = 4096, 6144, 14336  # Llama-3.1-8B
 KV_HEADS, GROUP, D = 8, 4, 128
 BUDGET_TOKENS = 2688  # sink 128 + 64 slots of 32 + window 512
@@ -196,6 +202,10 @@ def main() -> None:
                     help="also the correction one layer early beside each MLP, flagging this share of heads (0.3 as "
                          "realistic-predicted replays; 0: none)")
     ap.add_argument("--recall-programs", type=int, default=32, help="as --kv-recall-programs (served: 32)")
+    ap.add_argument("--warps", default="", metavar="LANE=N,...",
+                    help="side kernels launched with other warps than served (thinner CTAs): score (served "
+                         f"{sketch_kernels.CHANNEL_WARPS}), chain ({select_kernels.TOPK_SINGLE_WARPS}), recall "
+                         f"({recall_kernels.RECALL_WARPS}); the early lane's too")
     ap.add_argument("--churn", type=float, default=0.15)
     ap.add_argument("--returns", type=float, default=0.5)
     ap.add_argument("--victims", type=int, default=64, help="victim entries a head (64: --kv-victim 2048)")
@@ -206,6 +216,9 @@ def main() -> None:
         raise SystemExit("benchmarks/side_lanes.py needs a CUDA device")
     lanes = set(args.lanes.split(","))
     assert lanes <= set(LANES), f"lanes are {LANES}"
+    for item in filter(None, args.warps.split(",")):
+        lane, n = item.split("=")
+        setattr(*WARPS[lane], int(n))
     main_stream = torch.cuda.Stream(priority=CRITICAL_PRIORITY)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

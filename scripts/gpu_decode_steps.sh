@@ -18,6 +18,9 @@
 #                                                 # benchmarks/side_lanes.py (the speculative lanes beside the model's
 #                                                 # kernels, on every SM or confined to 16-48, and the early
 #                                                 # lane beside the MLP), all lanes, each alone, one request
+#   bash scripts/gpu_decode_steps.sh thin         # no server: side_lanes.py, each side kernel alone beside the
+#                                                 # critical lane, as served and with thinner CTAs (--warps), then
+#                                                 # all three lanes with the thinnest of each
 #   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
 #                                                 # --kv-speculate-at attention (where the scoring sits without a
 #                                                 # correction chain before attention)
@@ -88,6 +91,19 @@ case ${1:-} in
          lanes all --sms 0,16,24,32,48 --early 0.3
          for one in score chain recall; do lanes "$one" --lanes $one --sms 0,16,32; done
          lanes b1 --batch 1 --sms 0,16 --early 0.3 ;;
+  thin) thin() {  # thin NAME SIDE_LANES_ARGS...: one side_lanes.py run on every SM
+          local name=$1 t; shift
+          t=$(left) || return 0
+          timeout $t python3 benchmarks/side_lanes.py --sms 0 "$@" --out "$OUT/thin-$name.json" 2>&1 \
+            | tee -a "$OUT/thin.log" | tail -n 2
+        }
+        for lane in score chain recall; do thin "$lane" --lanes $lane; done
+        thin score-w2 --lanes score --warps score=2
+        thin chain-w4 --lanes chain --warps chain=4
+        thin chain-w2 --lanes chain --warps chain=2
+        thin recall-w2 --lanes recall --warps recall=2
+        thin recall-w2-p64 --lanes recall --warps recall=2 --recall-programs 64
+        thin all-thin --warps score=2,chain=4,recall=2 --early 0.3 ;;
   score) decode score-132 --context 32000 --batches 16,16,16 \
            --configs "realistic-predicted $FP8 --kv-score-programs 132"
          decode speculate-attention --context 32000 --batches 16,16,16 \
@@ -97,5 +113,5 @@ case ${1:-} in
         ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
         TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|programs|blocks|trace|lanes|score|default|long|base" >&2; exit 2 ;;
+  *) echo "usage: $0 predicted|full|programs|blocks|trace|lanes|thin|score|default|long|base" >&2; exit 2 ;;
 esac

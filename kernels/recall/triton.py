@@ -18,6 +18,10 @@ from ..page_select.naive import VICTIM_SHIFT
 from .._utils import capped_grid, check_device, check_index_vectors
 from .naive import check_victim_args
 
+# Warps a recall program: 145 registers a thread at 4 on sm_90 (a speculative program), ~18.5K a CTA, so a GEMM's CTA
+# still fits beside it on an SM (benchmarks/side_lanes.py --warps recall=N times others beside the model's kernels).
+RECALL_WARPS = 4
+
 
 @triton.jit(do_not_specialize=["B"])
 def _recall_pages_kernel(
@@ -166,5 +170,5 @@ def recall_pages(
         *page_table.stride(), *slots.stride(), req_slots.stride(0), *slot_pages.stride(), *recall.stride(),
         *(recall if victim_ops is None else victim_ops).stride(),
         PHASE=phase, PAGE=page_size, D=D, SB=sb, VICTIMS=victim_ops is not None, SHIFT=VICTIM_SHIFT,
-        SCALED=scaled, num_warps=4,
+        SCALED=scaled, num_warps=RECALL_WARPS,
     )
