@@ -17,6 +17,9 @@ means over layers in the table, every layer in the JSON):
   top-k / top-1     attention mass of the k best pages (k = the budget's pages; also k / 2 and 2k) / of the best
                     page, over the candidate pages (exact keys); covered: the mass of the pages the selection attended
   oracle change     the share of the k best pages that were not the k best at the previous step
+and, over every sparse layer, per bucket of the adjacent queries' cosine (a second table): the share of (KV head,
+step) cases, their oracle change, the selection's changed share, and the share whose selection did not change, i.e.
+what speculative reselection a head whose query barely turned would save by skipping.
 On the GPU, one step of a batch of B requests recalls about B x (changed share) x the budget's KV bytes per sparse
 layer over PCIe (benchmarks/decode.py measures it in the server).
 """
@@ -50,6 +53,16 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['source']} | {r['selection']} | " + " | ".join(f"{r['mean'][c]:.3f}" for c in COLUMNS)
                      + " |")
+    return "\n".join(lines)
+
+
+def cos_table(rows: list[dict]) -> str:
+    lines = ["| selection | cosine | share of cases | oracle change | changed share | unchanged |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        for b in r["by_cos"]:
+            lines.append(f"| {r['selection']} | [{b['cos_from']:g}, {b['cos_to']:g}) | {b['share']:.3f} | "
+                         f"{b['oracle_change']:.3f} | {b['changed_share']:.3f} | {b['unchanged']:.3f} |")
     return "\n".join(lines)
 
 
@@ -117,6 +130,7 @@ def main() -> None:
                      "generated": tok.decode(out), **stats})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_layer"}), flush=True)
     print(table(rows))
+    print(cos_table(rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rows": rows}, indent=1))
 

@@ -63,6 +63,9 @@ from freekv_sglang.selectors import page_attention_mass
 BOUNDARY_TAU = 0.7
 # Victim cache capacities, in budgets, of the victim-hit statistic.
 VICTIM_SIZES = (0.25, 0.5, 1.0, 2.0, 3.0, 4.0)
+# Edges of the adjacent queries' group-mean cosine per KV head: how much the selection changes at each similarity,
+# i.e. how much speculative reselection a head whose query barely turned would save by skipping it (session 54).
+COS_EDGES = (0.9, 0.95, 0.98, 0.99, 0.995)
 # Generator parameters fitted to SmolLM2-135M on CPU (NOTES.md, thirteenth session).
 STRUCTURED = dict(topics=12, heaps=0.5, seg_tokens=256, kappa=3.0, kappa_spread=0.0, sigma=0.2, content=1.75, alpha=0.8,
                   rho=0.6, head_spread=0.3, step_spread=0.35, shift=0.01)
@@ -216,11 +219,21 @@ class ChurnProbe:
             for h in range(H):
                 chosen[h, sel[h][(sel[h] >= 0) & (sel[h] < mass.shape[1])]] = True
             a["covered_mass"] += float((mass * chosen).sum())
-            self._victims(a, (layer, slot), [set(c.nonzero().flatten().tolist()) for c in chosen])
+            now = [set(c.nonzero().flatten().tolist()) for c in chosen]
+            before = self.attended.get((layer, slot))
+            self._victims(a, (layer, slot), now)
             pq, ptop = prev
-            kept = (top[:, :, None] == ptop[:, None, :]).any(-1).sum()
-            a["oracle_change"] += H - float(kept) / self.k  # summed over heads
+            kept_h = (top[:, :, None] == ptop[:, None, :]).any(-1).sum(-1)  # [H]
+            a["oracle_change"] += H - float(kept_h.sum()) / self.k  # summed over heads
             cos = torch.nn.functional.cosine_similarity(qb, pq, dim=-1).mean(1)  # [H]
+            for h, c in enumerate(cos.tolist()):
+                i = sum(c >= edge for edge in COS_EDGES)
+                a[f"cos_cases_{i}"] += 1
+                a[f"cos_oracle_change_{i}"] += 1 - float(kept_h[h]) / self.k
+                if before is not None:  # the previous step's attended pages, from the second measured step on
+                    a[f"cos_compared_{i}"] += 1
+                    a[f"cos_changed_{i}"] += len(now[h] - before[h]) / self.k
+                    a[f"cos_unchanged_{i}"] += float(now[h] == before[h])
             a["cos"] += float(cos.sum())
             a["cos2"] += float((cos * cos).sum())
             a["below_tau"] += float((cos < e.tau).sum())
@@ -244,6 +257,22 @@ class ChurnProbe:
                     cache[p] = None
                 while len(cache) > f * self.k:
                     del cache[next(iter(cache))]
+
+    def by_cos(self) -> list[dict[str, float]]:
+        """Over every sparse layer, per bucket of the adjacent queries' group-mean cosine (COS_EDGES): the share of
+        (KV head, step) cases in it, the oracle's top-k change and the selection's changed share per case (pages new
+        to what the head attended at the previous step, over the budget's pages), and the share of cases whose
+        selection did not change at all (these two over the cases with a previous step's selection measured)."""
+        total = sum(a["cases"] for a in self.acc.values()) or 1
+        out = []
+        for i, lo in enumerate((-1.0, *COS_EDGES)):
+            n = sum(a[f"cos_cases_{i}"] for a in self.acc.values())
+            c = max(sum(a[f"cos_compared_{i}"] for a in self.acc.values()), 1)
+            out.append({"cos_from": lo, "cos_to": (*COS_EDGES, 1.0)[i], "share": n / total,
+                        "oracle_change": sum(a[f"cos_oracle_change_{i}"] for a in self.acc.values()) / max(n, 1),
+                        "changed_share": sum(a[f"cos_changed_{i}"] for a in self.acc.values()) / c,
+                        "unchanged": sum(a[f"cos_unchanged_{i}"] for a in self.acc.values()) / c})
+        return out
 
     def per_layer(self) -> dict[int, dict[str, float]]:
         out = {}
@@ -287,5 +316,6 @@ def summarize(probe: ChurnProbe, engine, before: torch.Tensor, steps: int, rows:
             *(f"victim_hit_{f:g}" for f in VICTIM_SIZES))
     mean = {key: sum(d[key] for d in layers.values()) / max(len(layers), 1) for key in keys}
     return {"mean": {key: round(v, 4) for key, v in mean.items()},
+            "by_cos": [{key: round(v, 4) for key, v in b.items()} for b in probe.by_cos()],
             "per_layer": {layer: {key: round(v, 4) if isinstance(v, float) else v for key, v in d.items()}
                           for layer, d in layers.items()}}
