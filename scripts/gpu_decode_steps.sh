@@ -19,8 +19,9 @@
 #                                                 # kernels, on every SM or confined to 16-48, and the early
 #                                                 # lane beside the MLP), all lanes, each alone, one request
 #   bash scripts/gpu_decode_steps.sh thin         # no server: side_lanes.py, each side kernel alone beside the
-#                                                 # critical lane, as served and with thinner CTAs (--warps), then
-#                                                 # all three lanes with the thinnest of each
+#                                                 # critical lane, as served and with thinner CTAs (--warps), the
+#                                                 # recall with 16 and 64 programs (fewer or more CTAs of one size),
+#                                                 # then all three lanes with the thinnest of each
 #   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
 #                                                 # --kv-speculate-at attention (where the scoring sits without a
 #                                                 # correction chain before attention)
@@ -101,6 +102,8 @@ case ${1:-} in
         thin score-w2 --lanes score --warps score=2
         thin chain-w4 --lanes chain --warps chain=4
         thin chain-w2 --lanes chain --warps chain=2
+        thin recall-p16 --lanes recall --recall-programs 16
+        thin recall-p64 --lanes recall --recall-programs 64
         thin recall-w2 --lanes recall --warps recall=2
         thin recall-w2-p64 --lanes recall --warps recall=2 --recall-programs 64
         thin all-thin --warps score=2,chain=4,recall=2 --early 0.3 ;;
