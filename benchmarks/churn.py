@@ -61,7 +61,8 @@ def cos_table(rows: list[dict]) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: |"]
     for r in rows:
         for b in r["by_cos"]:
-            lines.append(f"| {r['selection']} | [{b['cos_from']:g}, {b['cos_to']:g}) | {b['share']:.3f} | "
+            close = ")" if b["cos_to"] < 1 else "]"  # a cosine of 1 falls in the last bucket
+            lines.append(f"| {r['selection']} | [{b['cos_from']:g}, {b['cos_to']:g}{close} | {b['share']:.3f} | "
                          f"{b['oracle_change']:.3f} | {b['changed_share']:.3f} | {b['unchanged']:.3f} |")
     return "\n".join(lines)
 

@@ -29,25 +29,41 @@ def probe_with(monkeypatch, masses):
     return probe
 
 
+def queries(*per_head):
+    """One request's query [1, H*G*D]: per KV head a vector of D, the same for each query head of its group."""
+    return torch.stack([torch.tensor(v, dtype=torch.float).expand(G, D) for v in per_head])[None].reshape(1, -1)
+
+
+def unit(*coords):
+    v = [0.0] * D
+    for i, c in coords:
+        v[i] = c
+    return v
+
+
 def test_cases_fall_in_their_cosine_bucket(monkeypatch):
     plan = SimpleNamespace(req_slots=torch.tensor([0]), cand_end=torch.tensor([N]))
-    mass0 = torch.tensor([[5, 4, 0, 0, 0, 0], [5, 4, 0, 0, 0, 0]], dtype=torch.float)
-    mass1 = torch.tensor([[5, 4, 0, 0, 0, 0], [0, 0, 0, 0, 5, 4]], dtype=torch.float)  # head 1's top pages all move
-    probe = probe_with(monkeypatch, [mass0, mass0, mass1])
-    q0 = torch.zeros(1, H * G * D)
-    q0[0, :] = 1.0
-    q1 = q0.clone().view(1, H, G, D)
-    q1[0, 1, :, : D // 2] = -1.0  # head 1 turns (cosine 0); head 0 stays (cosine 1)
-    slots0 = torch.tensor([[[0, 1], [0, 1]]])
-    slots1 = torch.tensor([[[0, 1], [4, 5]]])  # head 1's selection follows its new top pages
-    probe(1, plan, q0, slots0)  # the first call keeps the queries and top pages only
-    probe(1, plan, q0, slots0)  # counted: nothing turned, nothing changed; the selection is now on record
-    probe(1, plan, q1.view(1, -1), slots1)
+    still = [5, 4, 0, 0, 0, 0]
+    masses = [torch.tensor([still, still]), torch.tensor([still, still]),
+              torch.tensor([still, [0, 0, 0, 0, 5, 4]]),  # head 1's best pages all move
+              torch.tensor([still, [0, 0, 0, 4, 5, 0]])]  # one of them moves again
+    probe = probe_with(monkeypatch, [m.float() for m in masses])
+    e0, e1 = unit((0, 1.0)), unit((1, 1.0))
+    calls = [(queries(e0, e0), [[0, 1], [0, 1]]),  # kept: the queries and best pages only
+             (queries(e0, e0), [[0, 1], [0, 1]]),  # counted; the selection is now on record
+             (queries(e0, e1), [[0, 2], [4, 5]]),  # head 1 turns (cosine 0); head 0 stays but one page changes
+             (queries(e0, unit((1, 0.96), (2, 0.28))), [[0, 2], [4, 3]])]  # head 1 at cosine 0.96
+    for q, slots in calls:
+        probe(1, plan, q, torch.tensor([slots]))
     buckets = probe.by_cos()
     assert len(buckets) == len(COS_EDGES) + 1
-    low, top = buckets[0], buckets[-1]
-    assert low["share"] == pytest.approx(0.25) and top["share"] == pytest.approx(0.75)
-    assert low["oracle_change"] == pytest.approx(1.0) and top["oracle_change"] == pytest.approx(0.0)
+    assert [b["cos_from"] for b in buckets] == [-1.0, *COS_EDGES]
+    low, mid, top = buckets[0], buckets[2], buckets[-1]
+    assert (mid["cos_from"], mid["cos_to"]) == (0.95, 0.98)
+    assert [b["share"] for b in buckets] == pytest.approx([1 / 6, 0, 1 / 6, 0, 0, 4 / 6])
+    assert low["oracle_change"] == pytest.approx(1.0) and mid["oracle_change"] == pytest.approx(0.5)
+    assert top["oracle_change"] == pytest.approx(0.0)
+    # The selection's change counts from the third call on (the second only records what was attended).
     assert low["changed_share"] == pytest.approx(1.0) and low["unchanged"] == pytest.approx(0.0)
-    assert top["changed_share"] == pytest.approx(0.0) and top["unchanged"] == pytest.approx(1.0)  # head 0, step 3
-    assert all(b["share"] == 0 for b in buckets[1:-1])
+    assert mid["changed_share"] == pytest.approx(0.5) and mid["unchanged"] == pytest.approx(0.0)
+    assert top["changed_share"] == pytest.approx(0.25) and top["unchanged"] == pytest.approx(0.5)
