@@ -20,6 +20,8 @@ those pages, the sink and the window cover, averaged over (step, layer, head):
   freekv_mid   stale, but q^_mid where cos(q^_mid, q_{L, i-1}) < tau (the correction one layer early)
   two_stage    freekv_mid, then q_L where cos(q_L, the query freekv_mid selected with) < tau: the method's check
                against the selection in place, on the critical path only for the heads the early one missed
+  pred_mid_rN  pred_mid through a rank-N approximation of W_q (--ranks; its truncated SVD): on the Llama-3.1-8B shape
+               the prediction re-reads W_q, 32 MB a layer, which a rank-N factor pair cuts to 2 * 4096 * N * 2 bytes
 and per query its mean cosine to q_L, the correction rates (freekv; freekv_mid; two_stage's late ones on the critical
 path), and how often the flags of freekv and freekv_mid agree.
 
@@ -80,10 +82,25 @@ def rope(model, q_pre: torch.Tensor, cos_sin) -> torch.Tensor:
     return apply_rotary_pos_emb(q, q, *cos_sin)[0][0, :, 0]
 
 
-def layer_query(model, L: int, h: torch.Tensor, cos_sin) -> torch.Tensor:
-    """Layer L's query [Hq, D] if its input were h [1, hidden] (h = its real input gives its real query)."""
+def layer_query(model, L: int, h: torch.Tensor, cos_sin, factors: tuple | None = None) -> torch.Tensor:
+    """Layer L's query [Hq, D] if its input were h [1, hidden] (h = its real input gives its real query); with
+    factors (A [out, r], B [r, in]), through W_q ~= A @ B instead."""
     layer = model.model.layers[L]
-    return rope(model, layer.self_attn.q_proj(layer.input_layernorm(h)), cos_sin)
+    x = layer.input_layernorm(h)
+    if factors is None:
+        return rope(model, layer.self_attn.q_proj(x), cos_sin)
+    a, b = factors
+    bias = layer.self_attn.q_proj.bias
+    return rope(model, (x @ b.T) @ a.T + (0 if bias is None else bias), cos_sin)
+
+
+def low_rank(model, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer the rank-`rank` truncated SVD of W_q as (U_r S_r, V_r^T)."""
+    out = []
+    for layer in model.model.layers:
+        u, s, vh = torch.linalg.svd(layer.self_attn.q_proj.weight.float(), full_matrices=False)
+        out.append((u[:, :rank] * s[:rank], vh[:rank]))
+    return out
 
 
 def page_mass(q: torch.Tensor, k: torch.Tensor, group: int, page: int, scale: float) -> torch.Tensor:
@@ -95,8 +112,10 @@ def page_mass(q: torch.Tensor, k: torch.Tensor, group: int, page: int, scale: fl
     return p[:, :n * page].view(H, n, page).sum(-1)
 
 
-def study(model, taps: Taps, ids: list[int], args, acc: defaultdict) -> list[int]:
-    """Greedy decode of one prompt, adding each query's statistics to acc; returns the generated tokens."""
+def study(model, taps: Taps, ids: list[int], args, acc: defaultdict, ranks: dict | None = None) -> list[int]:
+    """Greedy decode of one prompt, adding each query's statistics to acc; returns the generated tokens. ranks:
+    {N: low_rank(model, N)} for the pred_mid_rN queries."""
+    ranks = ranks or {}
     cfg = model.config
     Hq, H = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // Hq
@@ -119,6 +138,8 @@ def study(model, taps: Taps, ids: list[int], args, acc: defaultdict) -> list[int
                 q_true = rope(model, taps.q[L], cos_sin)
                 preds = {name: layer_query(model, L, h[L - 1], cos_sin)
                          for name, h in (("pred_mid", taps.h_mid), ("pred_in", taps.h_in))}
+                preds |= {f"pred_mid_r{r}": layer_query(model, L, taps.h_mid[L - 1], cos_sin, f[L])
+                          for r, f in ranks.items()}
                 stale, prev_q[L] = prev_q.get(L), q_true
                 if stale is None:
                     continue
@@ -142,8 +163,7 @@ def study(model, taps: Taps, ids: list[int], args, acc: defaultdict) -> list[int
                         1, m.topk(min(k_sel, m.shape[1]), dim=1).indices, True)
                     return chosen
 
-                sel = {"oracle": top(q_true), "stale": top(stale), "pred_mid": top(preds["pred_mid"]),
-                       "pred_in": top(preds["pred_in"])}
+                sel = {"oracle": top(q_true), "stale": top(stale), **{name: top(q) for name, q in preds.items()}}
                 sel["freekv"] = torch.where(flag_true[:, None], sel["oracle"], sel["stale"])
                 sel["freekv_mid"] = torch.where(flag_mid[:, None], sel["pred_mid"], sel["stale"])
                 used = torch.where(flag_mid[:, None], preds["pred_mid"].view(H, G * D), stale.view(H, G * D))
@@ -177,6 +197,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--model", default="smollm2", choices=sorted(MODELS))
+    ap.add_argument("--ranks", default="", help="comma-separated ranks N of W_q for the pred_mid_rN queries")
     ap.add_argument("--out", default="results/cross-layer-query.json")
     args = ap.parse_args()
 
@@ -189,7 +210,8 @@ def main() -> None:
             raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than --context {args.context}")
         prompts = [ids + tok("\n\nIn short, this paper")["input_ids"]]
     taps, acc = Taps(model), defaultdict(float)
-    generated = [tok.decode(study(model, taps, ids, args, acc)) for ids in prompts]
+    ranks = {int(r): low_rank(model, int(r)) for r in args.ranks.split(",") if r}
+    generated = [tok.decode(study(model, taps, ids, args, acc, ranks)) for ids in prompts]
     n = acc.pop("cases")
     res = {k: v / n for k, v in acc.items()}
     row = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(x) for x in prompts], "new": args.new,
@@ -198,7 +220,7 @@ def main() -> None:
            "generated": generated, **{k: round(v, 4) for k, v in res.items()}}
     print(json.dumps({k: v for k, v in row.items() if k != "generated"}))
     print("| query | mass covered | cos to q_L |\n| --- | ---: | ---: |")
-    for name in QUERIES:
+    for name in (*QUERIES, *(f"pred_mid_r{r}" for r in ranks)):
         c = res.get(f"cos_{name}")
         print(f"| {name} | {res[f'mass_{name}']:.4f} | {'' if c is None else f'{c:.4f}'} |")
     print(f"correction rate: freekv {res['flag_true']:.3f}, freekv_mid {res['flag_mid']:.3f} (flags agree "

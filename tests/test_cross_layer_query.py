@@ -63,3 +63,18 @@ def test_no_query_covers_more_than_the_oracle(model):
     for name in study.QUERIES:
         assert 0 < acc[f"mass_{name}"] <= acc["mass_oracle"] + 1e-6, name
     assert acc["mass_stale"] < acc["mass_oracle"]  # random queries turn: the stale selection loses mass
+
+
+def test_low_rank_query_is_exact_at_full_rank_and_not_below(model):
+    """pred_mid_rN's factors: W_q's truncated SVD gives the layer's query at full rank, another one below it."""
+    taps = study.Taps(model)
+    pos, hidden = 21, model.config.hidden_size
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, pos + 1)), use_cache=True)
+        cos_sin = model.model.rotary_emb(taps.q[0].view(1, 1, -1), torch.tensor([[pos]]))
+        full, low = study.low_rank(model, hidden), study.low_rank(model, 4)
+        assert full[0][0].shape == (hidden, hidden) and low[0][0].shape == (hidden, 4) and low[0][1].shape == (4, hidden)
+        for L in range(len(model.model.layers)):
+            real = study.layer_query(model, L, taps.h_in[L], cos_sin)
+            assert torch.allclose(study.layer_query(model, L, taps.h_in[L], cos_sin, full[L]), real, atol=1e-4)
+            assert not torch.allclose(study.layer_query(model, L, taps.h_in[L], cos_sin, low[L]), real, atol=1e-2)
