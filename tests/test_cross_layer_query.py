@@ -73,7 +73,8 @@ def test_low_rank_query_is_exact_at_full_rank_and_not_below(model):
         model(torch.randint(0, 97, (1, pos + 1)), use_cache=True)
         cos_sin = model.model.rotary_emb(taps.q[0].view(1, 1, -1), torch.tensor([[pos]]))
         full, low = study.low_rank(model, hidden), study.low_rank(model, 4)
-        assert full[0][0].shape == (hidden, hidden) and low[0][0].shape == (hidden, 4) and low[0][1].shape == (4, hidden)
+        assert full[0][0].shape == (hidden, hidden)
+        assert low[0][0].shape == (hidden, 4) and low[0][1].shape == (4, hidden)
         for L in range(len(model.model.layers)):
             real = study.layer_query(model, L, taps.h_in[L], cos_sin)
             assert torch.allclose(study.layer_query(model, L, taps.h_in[L], cos_sin, full[L]), real, atol=1e-4)
