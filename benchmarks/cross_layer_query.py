@@ -22,6 +22,9 @@ those pages, the sink and the window cover, averaged over (step, layer, head):
                against the selection in place, on the critical path only for the heads the early one missed
   pred_mid_rN  pred_mid through a rank-N approximation of W_q (--ranks; its truncated SVD): on the Llama-3.1-8B shape
                the prediction re-reads W_q, 32 MB a layer, which a rank-N factor pair cuts to 2 * 4096 * N * 2 bytes
+  stale_pN     stale, but each step rescoring only the pages this policy selected last and 1 in N of the others (in
+               turn; --partial), the rest keeping the mass of the query that last scored them: the speculative
+               scoring's work cut to ~1/N
 and per query its mean cosine to q_L, the correction rates (freekv; freekv_mid; two_stage's late ones on the critical
 path), and how often the flags of freekv and freekv_mid agree.
 
@@ -116,6 +119,8 @@ def study(model, taps: Taps, ids: list[int], args, acc: defaultdict, ranks: dict
     """Greedy decode of one prompt, adding each query's statistics to acc; returns the generated tokens. ranks:
     {N: low_rank(model, N)} for the pred_mid_rN queries."""
     ranks = ranks or {}
+    partial = [int(n) for n in str(getattr(args, "partial", "") or "").split(",") if n]
+    held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (N, layer): page masses, selection
     cfg = model.config
     Hq, H = cfg.num_attention_heads, cfg.num_key_value_heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // Hq
@@ -164,6 +169,20 @@ def study(model, taps: Taps, ids: list[int], args, acc: defaultdict, ranks: dict
                     return chosen
 
                 sel = {"oracle": top(q_true), "stale": top(stale), **{name: top(q) for name, q in preds.items()}}
+                fresh = page_mass(stale, keys, G, p, scale)
+                for n_part in partial:  # stale_pN: the speculative scoring of 1 in N pages a step
+                    old, chosen = held.get((n_part, L), (fresh[:, :0], torch.zeros_like(true, dtype=torch.bool)))
+                    idx = torch.arange(n_pages)
+                    last = torch.nn.functional.pad(chosen.int(), (0, n_pages - chosen.shape[1])).bool()
+                    redo = ((idx + step) % n_part == 0)[None] | (idx >= old.shape[1])[None] | last
+                    mixed = torch.where(redo, fresh, torch.nn.functional.pad(old, (0, n_pages - old.shape[1])))
+                    m = mixed[:, cand]
+                    pick = torch.zeros_like(true, dtype=torch.bool)
+                    pick[:, cand] = torch.zeros_like(m, dtype=torch.bool).scatter_(
+                        1, m.topk(min(k_sel, m.shape[1]), dim=1).indices, True)
+                    held[(n_part, L)] = (mixed, pick)
+                    sel[f"stale_p{n_part}"] = pick
+                    acc[f"rescored_p{n_part}"] += float(redo[:, cand].float().mean(1).sum())
                 sel["freekv"] = torch.where(flag_true[:, None], sel["oracle"], sel["stale"])
                 sel["freekv_mid"] = torch.where(flag_mid[:, None], sel["pred_mid"], sel["stale"])
                 used = torch.where(flag_mid[:, None], preds["pred_mid"].view(H, G * D), stale.view(H, G * D))
@@ -198,6 +217,7 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--model", default="smollm2", choices=sorted(MODELS))
     ap.add_argument("--ranks", default="", help="comma-separated ranks N of W_q for the pred_mid_rN queries")
+    ap.add_argument("--partial", default="", help="comma-separated N for the stale_pN policies (1 in N pages rescored)")
     ap.add_argument("--out", default="results/cross-layer-query.json")
     args = ap.parse_args()
 
@@ -220,9 +240,11 @@ def main() -> None:
            "generated": generated, **{k: round(v, 4) for k, v in res.items()}}
     print(json.dumps({k: v for k, v in row.items() if k != "generated"}))
     print("| query | mass covered | cos to q_L |\n| --- | ---: | ---: |")
-    for name in (*QUERIES, *(f"pred_mid_r{r}" for r in ranks)):
+    for name in (*QUERIES, *(f"pred_mid_r{r}" for r in ranks), *(f"stale_p{n}" for n in args.partial.split(",") if n)):
         c = res.get(f"cos_{name}")
         print(f"| {name} | {res[f'mass_{name}']:.4f} | {'' if c is None else f'{c:.4f}'} |")
+    for n in filter(None, args.partial.split(",")):
+        print(f"stale_p{n} rescored {res[f'rescored_p{n}']:.3f} of the candidate pages a step")
     print(f"correction rate: freekv {res['flag_true']:.3f}, freekv_mid {res['flag_mid']:.3f} (flags agree "
           f"{res['flag_agree']:.3f}), two_stage's late ones {res['flag_late']:.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
