@@ -115,11 +115,11 @@ def page_mass(q: torch.Tensor, k: torch.Tensor, group: int, page: int, scale: fl
     return p[:, :n * page].view(H, n, page).sum(-1)
 
 
-def study(model, taps: Taps, ids: list[int], args, acc: defaultdict, ranks: dict | None = None) -> list[int]:
+def study(model, taps: Taps, ids: list[int], args, acc: defaultdict, ranks: dict | None = None,
+          partial: tuple[int, ...] = ()) -> list[int]:
     """Greedy decode of one prompt, adding each query's statistics to acc; returns the generated tokens. ranks:
-    {N: low_rank(model, N)} for the pred_mid_rN queries."""
+    {N: low_rank(model, N)} for the pred_mid_rN queries; partial: the N of the stale_pN policies."""
     ranks = ranks or {}
-    partial = [int(n) for n in str(getattr(args, "partial", "") or "").split(",") if n]
     held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (N, layer): page masses, selection
     cfg = model.config
     Hq, H = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -161,25 +161,25 @@ def study(model, taps: Taps, ids: list[int], args, acc: defaultdict, ranks: dict
                 flag_mid = torch.nn.functional.cosine_similarity(preds["pred_mid"].view(H, G, D), stale.view(H, G, D),
                                                                  -1).mean(1) < args.tau
 
-                def top(q: torch.Tensor) -> torch.Tensor:  # [H, n_pages] bool: the budget's pages by q's mass
-                    m = page_mass(q, keys, G, p, scale)[:, cand]
+                def top_of(mass: torch.Tensor) -> torch.Tensor:  # [H, n_pages] bool: the budget's pages by mass
+                    m = mass[:, cand]
                     chosen = torch.zeros_like(true, dtype=torch.bool)
                     chosen[:, cand] = torch.zeros_like(m, dtype=torch.bool).scatter_(
                         1, m.topk(min(k_sel, m.shape[1]), dim=1).indices, True)
                     return chosen
 
-                sel = {"oracle": top(q_true), "stale": top(stale), **{name: top(q) for name, q in preds.items()}}
+                def top(q: torch.Tensor) -> torch.Tensor:  # the budget's pages by q's mass
+                    return top_of(page_mass(q, keys, G, p, scale))
+
                 fresh = page_mass(stale, keys, G, p, scale)
+                sel = {"oracle": top(q_true), "stale": top_of(fresh), **{name: top(q) for name, q in preds.items()}}
                 for n_part in partial:  # stale_pN: the speculative scoring of 1 in N pages a step
                     old, chosen = held.get((n_part, L), (fresh[:, :0], torch.zeros_like(true, dtype=torch.bool)))
                     idx = torch.arange(n_pages)
                     last = torch.nn.functional.pad(chosen.int(), (0, n_pages - chosen.shape[1])).bool()
                     redo = ((idx + step) % n_part == 0)[None] | (idx >= old.shape[1])[None] | last
                     mixed = torch.where(redo, fresh, torch.nn.functional.pad(old, (0, n_pages - old.shape[1])))
-                    m = mixed[:, cand]
-                    pick = torch.zeros_like(true, dtype=torch.bool)
-                    pick[:, cand] = torch.zeros_like(m, dtype=torch.bool).scatter_(
-                        1, m.topk(min(k_sel, m.shape[1]), dim=1).indices, True)
+                    pick = top_of(mixed)
                     held[(n_part, L)] = (mixed, pick)
                     sel[f"stale_p{n_part}"] = pick
                     acc[f"rescored_p{n_part}"] += float(redo[:, cand].float().mean(1).sum())
@@ -231,7 +231,8 @@ def main() -> None:
         prompts = [ids + tok("\n\nIn short, this paper")["input_ids"]]
     taps, acc = Taps(model), defaultdict(float)
     ranks = {int(r): low_rank(model, int(r)) for r in args.ranks.split(",") if r}
-    generated = [tok.decode(study(model, taps, ids, args, acc, ranks)) for ids in prompts]
+    partial = tuple(int(n) for n in args.partial.split(",") if n)
+    generated = [tok.decode(study(model, taps, ids, args, acc, ranks, partial)) for ids in prompts]
     n = acc.pop("cases")
     res = {k: v / n for k, v in acc.items()}
     row = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(x) for x in prompts], "new": args.new,
@@ -240,10 +241,10 @@ def main() -> None:
            "generated": generated, **{k: round(v, 4) for k, v in res.items()}}
     print(json.dumps({k: v for k, v in row.items() if k != "generated"}))
     print("| query | mass covered | cos to q_L |\n| --- | ---: | ---: |")
-    for name in (*QUERIES, *(f"pred_mid_r{r}" for r in ranks), *(f"stale_p{n}" for n in args.partial.split(",") if n)):
+    for name in (*QUERIES, *(f"pred_mid_r{r}" for r in ranks), *(f"stale_p{n}" for n in partial)):
         c = res.get(f"cos_{name}")
         print(f"| {name} | {res[f'mass_{name}']:.4f} | {'' if c is None else f'{c:.4f}'} |")
-    for n in filter(None, args.partial.split(",")):
+    for n in partial:
         print(f"stale_p{n} rescored {res[f'rescored_p{n}']:.3f} of the candidate pages a step")
     print(f"correction rate: freekv {res['flag_true']:.3f}, freekv_mid {res['flag_mid']:.3f} (flags agree "
           f"{res['flag_agree']:.3f}), two_stage's late ones {res['flag_late']:.3f}")

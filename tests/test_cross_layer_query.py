@@ -69,9 +69,9 @@ def test_partial_rescoring_equals_stale_when_every_page_is_rescored_and_shares_i
     """stale_pN: at N = 1 every page is rescored each step, so it selects as stale does; at N = 3 about a third of
     the candidates (and the pages it selected last) are."""
     torch.manual_seed(3)
-    args = Namespace(new=6, budget=48, sink=8, window=16, page_size=8, tau=0.9, partial="1,3")
+    args = Namespace(new=6, budget=48, sink=8, window=16, page_size=8, tau=0.9)
     acc = defaultdict(float)
-    study.study(model, study.Taps(model), torch.randint(0, 97, (300,)).tolist(), args, acc)
+    study.study(model, study.Taps(model), torch.randint(0, 97, (300,)).tolist(), args, acc, partial=(1, 3))
     assert acc["mass_stale_p1"] == pytest.approx(acc["mass_stale"]) and acc["rescored_p1"] == acc["cases"]
     assert 0 < acc["mass_stale_p3"] <= acc["mass_oracle"] + 1e-6
     assert 1 / 3 < acc["rescored_p3"] / acc["cases"] < 1
