@@ -18,8 +18,9 @@ from ..page_select.naive import VICTIM_SHIFT
 from .._utils import capped_grid, check_device, check_index_vectors
 from .naive import check_victim_args
 
-# Warps a recall program: 145 registers a thread at 4 on sm_90 (a speculative program), ~18.5K a CTA, so a GEMM's CTA
-# still fits beside it on an SM (benchmarks/side_lanes.py --warps recall=N times others beside the model's kernels).
+# Warps a recall program: 145 registers a thread at 4 on sm_90 (a speculative program), ~18.5K a CTA; programs of
+# 8-16 warps cost the model's kernels more beside them (session 54). benchmarks/side_lanes.py --warps recall=N times
+# others.
 RECALL_WARPS = 4
 
 
