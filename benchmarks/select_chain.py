@@ -58,9 +58,8 @@ def case(batch: int, pages: int, flagged: float, seed: int, shape: str = "llama"
                 draws=torch.rand(32, batch, H, generator=gen).to(dev), group=G)
 
 
-def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries: int, programs: int = 0):
-    """One layer's selection as the engine calls it, up to `stage`, on state of its own; `programs` as select_chain
-    takes it."""
+def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries: int):
+    """One layer's selection as the engine calls it, up to `stage`, on state of its own."""
     batch, H = c["lse"].shape[:2]
     upto, dev = STAGES.index(stage), c["lse"].device
     slots = c["resident"].clone()
@@ -79,7 +78,7 @@ def chain(c: dict, stage: str, phase: int, churn: float, returns: float, entries
         if upto == 0:
             return select_slots(scores, slots, c["req_slots"], heads, phase, heads, recall)
         select_chain(scores, slots, c["req_slots"], heads, phase, heads, recall, hysteresis=hyst, victims=victims,
-                     victim_age=age, victim_ops=ops, replay=replay, programs=programs)
+                     victim_age=age, victim_ops=ops, replay=replay)
         if upto == 5:
             a = recall_args
             recall_pages(a["host"], a["k_cache"], a["v_cache"], a["page_table"], slots, c["req_slots"],

@@ -96,10 +96,8 @@ class Lane:
     slot, as served). `lanes` picks a subset of the scoring, select_chain and recall."""
 
     def __init__(self, batch: int, pages: int, layers: int, phase: int, flagged: float, lanes: set[str],
-                 recall_programs: int, churn: float, returns: float, victims: int, chain_programs: int = 0,
-                 score_programs: int = 0, dev: str = "cuda"):
+                 recall_programs: int, churn: float, returns: float, victims: int, dev: str = "cuda"):
         self.phase, self.lanes, self.recall_programs, self.victims = phase, lanes, recall_programs, victims
-        self.score_programs = score_programs
         early = phase == PHASE_NOW  # PHASE_LATER selects the heads not flagged: flag none so that every head does
         self.x = torch.randn(batch, HIDDEN, device=dev, dtype=torch.bfloat16)
         self.wq = [torch.randn(HIDDEN, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02
@@ -107,7 +105,7 @@ class Lane:
         self.score_case = sketch_lse.case("llama", batch, pages, flagged if early else 1.0,
                                           seed=batch + pages + early, dev=dev)
         self.c = chain_bench.case(batch, pages, flagged if early else 0.0, seed=batch + early, shape="llama", dev=dev)
-        self.select = chain_bench.chain(self.c, "+replay", phase, churn, returns, victims, chain_programs)
+        self.select = chain_bench.chain(self.c, "+replay", phase, churn, returns, victims)
         self.recall_args, _ = chain_bench.after_args(self.c, victims)
         self.calls = 0
         if "recall" in lanes and "chain" not in lanes:  # one selection marks the slots every recall then reads
@@ -117,7 +115,7 @@ class Lane:
         if self.wq:
             self.x @ self.wq[i]
         if "score" in self.lanes:
-            sketch_lse.lse(sketch_lse.served, self.score_case, self.score_programs)
+            sketch_lse.lse(sketch_lse.served, self.score_case)
         if "chain" in self.lanes:
             self.select(self.calls % 32)
             self.calls += 1
@@ -208,10 +206,6 @@ def main() -> None:
                     help="side kernels launched with other warps than served (thinner CTAs): score (served "
                          f"{sketch_kernels.CHANNEL_WARPS}), chain ({select_kernels.TOPK_SINGLE_WARPS}), recall "
                          f"({recall_kernels.RECALL_WARPS}); the early lane's too")
-    ap.add_argument("--score-programs", type=int, default=0,
-                    help="as --kv-score-programs: the speculative scoring's programs (served: 0, one per item)")
-    ap.add_argument("--chain-programs", type=int, default=0,
-                    help="the speculative select_chain in launches of at most N programs (served: 0, one launch)")
     ap.add_argument("--churn", type=float, default=0.15)
     ap.add_argument("--returns", type=float, default=0.5)
     ap.add_argument("--victims", type=int, default=64, help="victim entries a head (64: --kv-victim 2048)")
@@ -233,7 +227,7 @@ def main() -> None:
     with torch.cuda.stream(main_stream):
         critical = Critical(args.batch, args.layers)
         side = Lane(args.batch, args.pages, args.layers, PHASE_LATER, 1.0, lanes, args.recall_programs, args.churn,
-                    args.returns, args.victims, args.chain_programs, args.score_programs)
+                    args.returns, args.victims)
         early = early_stream = None
         if args.early:
             early = Lane(args.batch, args.pages, args.layers, PHASE_NOW, args.early, set(LANES), 0, args.churn,

@@ -53,9 +53,9 @@ def case(shape: str, batch: int, pages: int, flagged: float, seed: int, dev: str
     )
 
 
-def lse(module, c: dict, programs: int = 0) -> torch.Tensor:
+def lse(module, c: dict) -> torch.Tensor:
     return module.channel_sketch_pages(c["q"], c["codes"], c["channels"], c["step"], c["page_table"], c["req_slots"],
-                                       D**-0.5, c["heads"], cand_end=c["cand_end"], programs=programs, pool=False)
+                                       D**-0.5, c["heads"], cand_end=c["cand_end"], pool=False)
 
 
 def main() -> None:

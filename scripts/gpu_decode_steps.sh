@@ -22,9 +22,6 @@
 #                                                 # critical lane, as served and with thinner CTAs (--warps), the
 #                                                 # recall with 16 and 64 programs (fewer or more CTAs of one size),
 #                                                 # then all three lanes with the thinnest of each
-#   bash scripts/gpu_decode_steps.sh split        # no server: side_lanes.py with the speculative select_chain in
-#                                                 # launches of at most 64, 32, 16 programs, the scoring strided
-#                                                 # over 64 and 32 programs, then all three lanes with them
 #   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
 #                                                 # --kv-speculate-at attention (where the scoring sits without a
 #                                                 # correction chain before attention)
@@ -58,13 +55,6 @@ decode() {  # decode NAME DECODE_ARGS...: one decode.py run under the step's tim
      --shape llama-3.1-8b --freekv-args "$FA" --prefill-cuda-graph off --output-len 128 "$@" \
      --triton-cache /tmp/steps-triton-cache --out "/tmp/steps-$name") 2>&1 | grep -v '^\[' | cut -c1-300 | tee "$OUT/$name.log" | tail -n 8
   cp "/tmp/steps-$name/decode.json" "$OUT/$name.json" 2>/dev/null || echo "$name: no decode.json"
-}
-
-thin() {  # thin NAME SIDE_LANES_ARGS...: one side_lanes.py run on every SM
-  local name=$1 t; shift
-  t=$(left) || return 0
-  timeout $t python3 benchmarks/side_lanes.py --sms 0 "$@" --out "$OUT/thin-$name.json" 2>&1 \
-    | tee -a "$OUT/thin.log" | tail -n 2
 }
 
 case ${1:-} in
@@ -102,7 +92,13 @@ case ${1:-} in
          lanes all --sms 0,16,24,32,48 --early 0.3
          for one in score chain recall; do lanes "$one" --lanes $one --sms 0,16,32; done
          lanes b1 --batch 1 --sms 0,16 --early 0.3 ;;
-  thin) for lane in score chain recall; do thin "$lane" --lanes $lane; done
+  thin) thin() {  # thin NAME SIDE_LANES_ARGS...: one side_lanes.py run on every SM
+          local name=$1 t; shift
+          t=$(left) || return 0
+          timeout $t python3 benchmarks/side_lanes.py --sms 0 "$@" --out "$OUT/thin-$name.json" 2>&1 \
+            | tee -a "$OUT/thin.log" | tail -n 2
+        }
+        for lane in score chain recall; do thin "$lane" --lanes $lane; done
         thin score-w2 --lanes score --warps score=2
         thin chain-w4 --lanes chain --warps chain=4
         thin chain-w2 --lanes chain --warps chain=2
@@ -111,15 +107,6 @@ case ${1:-} in
         thin recall-w2 --lanes recall --warps recall=2
         thin recall-w2-p64 --lanes recall --warps recall=2 --recall-programs 64
         thin all-thin --warps score=2,chain=4,recall=2 --early 0.3 ;;
-  split) (t=$(left) && timeout $t python3 -m pytest -q tests/kernels/test_select_chain.py -k split 2>&1 | tail -n 2)
-         thin chain --lanes chain
-         for n in 64 32 16; do thin chain-p$n --lanes chain --chain-programs $n; done
-         for n in 64 32; do thin score-p$n --lanes score --score-programs $n; done
-         thin all --early 0.3
-         thin all-chain-p32 --early 0.3 --chain-programs 32
-         thin all-chain-p16 --early 0.3 --chain-programs 16
-         thin all-chain-p32-score-p64 --early 0.3 --chain-programs 32 --score-programs 64
-         thin b1-all --batch 1 --early 0.3 ;;
   score) decode score-132 --context 32000 --batches 16,16,16 \
            --configs "realistic-predicted $FP8 --kv-score-programs 132"
          decode speculate-attention --context 32000 --batches 16,16,16 \
@@ -129,5 +116,5 @@ case ${1:-} in
         ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
         TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|programs|blocks|trace|lanes|thin|split|score|default|long|base" >&2; exit 2 ;;
+  *) echo "usage: $0 predicted|full|programs|blocks|trace|lanes|thin|score|default|long|base" >&2; exit 2 ;;
 esac

@@ -16,9 +16,9 @@ from ..page_select.triton import _heads_args, _select_row, one_stage, select_lau
 from .naive import LsePool, Replay, check_pool
 
 
-@triton.jit(do_not_specialize=["row0"])
+@triton.jit
 def _select_chain_kernel(
-    H, row0,
+    H,
     lse_ptr, cend_ptr, C, cand_start, sl_b, sl_h, sl_c, s_cend,
     draws_ptr, keep_ptr, rate_k, returns, sd_b, sd_h, sk_b, sk_h,
     in_ptr, slots_ptr, req_ptr, heads_ptr, flags_ptr, recall_ptr, stats_ptr, vict_ptr, age_ptr, vops_ptr,
@@ -32,10 +32,9 @@ def _select_chain_kernel(
     KEEP: tl.constexpr,
 ):
     """Row b, KV head h of the phase: POOL, the scores row in_ptr[b, h] from the log-sum-exps (_pool_row); REPLAY,
-    the replay's scores over it (_replay_row); then, for every head, _select_row, which reads that row. A launch
-    covers the rows from row0 on."""
+    the replay's scores over it (_replay_row); then, for every head, _select_row, which reads that row."""
     pid = tl.program_id(0)
-    b = row0 + (pid // H).to(tl.int64)
+    b = (pid // H).to(tl.int64)
     h = (pid % H).to(tl.int64)
     if tl.load(heads_ptr + b * sh_b + h * sh_h).to(tl.int32) == WANT:
         if POOL:
@@ -72,11 +71,8 @@ def select_chain(
     victim_age: torch.Tensor | None = None,
     victim_ops: torch.Tensor | None = None,
     replay: Replay | None = None,
-    programs: int = 0,
 ) -> None:
-    """See naive_select_chain. Scores given and no replay: select_slots itself. programs > 0: the one-stage launch
-    is split into launches of at most that many programs (whole rows, at least one), queued one after the other:
-    a kernel off the critical path then holds fewer SMs at a time."""
+    """See naive_select_chain. Scores given and no replay: select_slots itself."""
     B, H = req_slots.shape[0], slots.shape[1]
     pool = scores if isinstance(scores, LsePool) else None
     if pool is not None:
@@ -114,18 +110,16 @@ def select_chain(
     draws = scores if replay is None else replay.draws
     keep = keep_arg(None if replay is None else replay.keep, B, H, draws)
     K = slots.shape[2]
-    rows = B if programs <= 0 else max(1, programs // H)
-    for row0 in range(0, B, rows):
-        _select_chain_kernel[(min(rows, B - row0) * H,)](
-            H, row0,
-            lse, cend, 0 if pool is None else max(pool.num_pages - pool.cand_start, 0),
-            0 if pool is None else pool.cand_start, *lse.stride()[:3], cend.stride(0),
-            draws, keep, 0.0 if replay is None else float(replay.rate * K),
-            0.0 if replay is None else float(replay.returns), *draws.stride()[:2], *keep.stride()[:2],
-            *args, **constexprs,
-            POOL=pool is not None, G=1 if pool is None else pool.group, GP=1 if pool is None else lse.shape[3],
-            POOL_BLOCK=POOL_BLOCK, REPLAY=replay is not None, R_KP=triton.next_power_of_2(max(K, 1)),
-            R_BLOCK=CHURN_BLOCK, PROMOTED=PROMOTED, TIE=TIE, KEEP=replay is not None and replay.keep is not None,
-            num_warps=num_warps,
-        )
+    _select_chain_kernel[(B * H,)](
+        H,
+        lse, cend, 0 if pool is None else max(pool.num_pages - pool.cand_start, 0),
+        0 if pool is None else pool.cand_start, *lse.stride()[:3], cend.stride(0),
+        draws, keep, 0.0 if replay is None else float(replay.rate * K),
+        0.0 if replay is None else float(replay.returns), *draws.stride()[:2], *keep.stride()[:2],
+        *args, **constexprs,
+        POOL=pool is not None, G=1 if pool is None else pool.group, GP=1 if pool is None else lse.shape[3],
+        POOL_BLOCK=POOL_BLOCK, REPLAY=replay is not None, R_KP=triton.next_power_of_2(max(K, 1)), R_BLOCK=CHURN_BLOCK,
+        PROMOTED=PROMOTED, TIE=TIE, KEEP=replay is not None and replay.keep is not None,
+        num_warps=num_warps,
+    )
     return None

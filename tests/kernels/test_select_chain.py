@@ -1,8 +1,6 @@
 """select_chain (pooling, churn replay and select_slots in one launch) against its torch reference and against the
 three launches it replaces; the channel sketch's unpooled log-sum-exps it pools."""
 
-import functools
-
 import pytest
 import torch
 from freekv_kernels.channel_sketch import channel_sketch_pages, naive_channel_sketch_pages
@@ -134,20 +132,6 @@ def test_kept_heads_replay_no_churn(G, H, M, K, V, phase):
                 assert torch.equal(kept[0][i][heads], alone[i][heads]), NAMES[i]
         for i in (0, 3, 4):  # slots and victim entries, by (request slot, head)
             assert torch.equal(kept[0][i][rows][heads], alone[i][rows][heads]), NAMES[i]
-
-
-@pytest.mark.parametrize("programs", [1, 2, 5, 6])
-def test_split_launches_select_as_one(programs):
-    """programs > 0: launches of whole rows (at least one row, H = 3 programs a row here: 1 and 2 take one row a
-    launch, 5 one row, 6 two rows, leaving the last launch short) select as the one launch does, bit for bit."""
-    G, H, M, K, V = 2, 3, 120, 8, 8
-    inputs = chain_inputs(G, H, M, K, V, seed=programs)
-    args = (inputs, G, M, PHASE_LATER, V, 0.15, 0.5, 1.0)
-    one = run(select_chain, *args)
-    split = run(functools.partial(select_chain, programs=programs), *args)
-    for name, a, b in zip(NAMES, one, split):
-        assert_close(name, a, b, atol=0, rtol=0)
-    assert not torch.equal(one[0], inputs[3]), "nothing selected"
 
 
 def test_select_chain_without_pool_or_replay_is_select_slots():
