@@ -169,9 +169,14 @@ def main() -> None:
             result["plain_concurrent_vs_sequential_identical"] = sum(plain_same)
             print(f"plain server, concurrent vs one at a time: identical {sum(plain_same)}/{len(plain_same)}")
             # How close to a tie the plain server's own top-2 logprobs were where FreeKV took the other token.
-            div_margin = [None if i is None else round(margins[j][i], 4) for j, i in enumerate(first_diff)]
-            result["plain_top2_margin_at_divergence"] = div_margin
-            print(f"plain server's top-2 logprob margin where FreeKV diverged: {div_margin}")
+            diverged = {"": first_diff}
+            if args.also:
+                diverged["also_"] = result["also_vs_plain_first_divergence"]
+            for key, firsts in diverged.items():
+                div_margin = [None if i is None else round(margins[j][i], 4) for j, i in enumerate(firsts)]
+                result[f"{key}plain_top2_margin_at_divergence"] = div_margin
+                print(f"plain server's top-2 logprob margin where {'the second ' if key else ''}FreeKV diverged: "
+                      f"{div_margin}")
         for s in servers[1:]:
             fk_log = s.log.read_text(errors="replace").splitlines()
             result[f"{s.name}_log"] = [ln for ln in fk_log if "FreeKV" in ln][-10:]
