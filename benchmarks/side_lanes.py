@@ -96,8 +96,10 @@ class Lane:
     slot, as served). `lanes` picks a subset of the scoring, select_chain and recall."""
 
     def __init__(self, batch: int, pages: int, layers: int, phase: int, flagged: float, lanes: set[str],
-                 recall_programs: int, churn: float, returns: float, victims: int, dev: str = "cuda"):
+                 recall_programs: int, churn: float, returns: float, victims: int, projection: str = "lane",
+                 dev: str = "cuda"):
         self.phase, self.lanes, self.recall_programs, self.victims = phase, lanes, recall_programs, victims
+        self.projection = projection  # the early lane's query projection: on the lane, on the critical lane, none
         early = phase == PHASE_NOW  # PHASE_LATER selects the heads not flagged: flag none so that every head does
         self.x = torch.randn(batch, HIDDEN, device=dev, dtype=torch.bfloat16)
         self.wq = [torch.randn(HIDDEN, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02
@@ -111,9 +113,12 @@ class Lane:
         if "recall" in lanes and "chain" not in lanes:  # one selection marks the slots every recall then reads
             self.select(0)
 
+    def project(self, i: int) -> None:
+        self.x @ self.wq[i]
+
     def layer(self, i: int) -> None:
-        if self.wq:
-            self.x @ self.wq[i]
+        if self.wq and self.projection == "lane":
+            self.project(i)
         if "score" in self.lanes:
             sketch_lse.lse(sketch_lse.served, self.score_case)
         if "chain" in self.lanes:
@@ -148,6 +153,8 @@ def run(layers: int, critical: Critical | None, side: Lane | None = None, stream
                 cur.wait_stream(early_stream)
             critical.attention(i)
         if early is not None:
+            if early.projection == "critical":  # the next layer's predicted query, in line before the MLP
+                early.project((i + 1) % layers)
             fork(early, early_stream, (i + 1) % layers)
         if critical is not None:
             critical.mlp(i)
@@ -201,6 +208,9 @@ def main() -> None:
     ap.add_argument("--early", type=float, default=0.0, metavar="SHARE",
                     help="also the correction one layer early beside each MLP, flagging this share of heads (0.3 as "
                          "realistic-predicted replays; 0: none)")
+    ap.add_argument("--early-projection", choices=("lane", "critical", "none"), default="lane",
+                    help="where the early lane's query projection runs: on its own stream beside the MLP (served), "
+                         "on the critical lane just before the MLP, or nowhere (its share of the lane's cost)")
     ap.add_argument("--recall-programs", type=int, default=32, help="as --kv-recall-programs (served: 32)")
     ap.add_argument("--warps", default="", metavar="LANE=N,...",
                     help="side kernels launched with other warps than served (thinner CTAs): score (served "
@@ -231,7 +241,7 @@ def main() -> None:
         early = early_stream = None
         if args.early:
             early = Lane(args.batch, args.pages, args.layers, PHASE_NOW, args.early, set(LANES), 0, args.churn,
-                         args.returns, args.victims)
+                         args.returns, args.victims, args.early_projection)
             early_stream = torch.cuda.Stream(priority=EARLY_PRIORITY)
 
         def timed_run(*lanes_args, **kw):  # every timing replays the same churn draws
