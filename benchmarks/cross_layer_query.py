@@ -22,6 +22,10 @@ those pages, the sink and the window cover, averaged over (step, layer, head):
                against the selection in place, on the critical path only for the heads the early one missed
   pred_mid_rN  pred_mid through a rank-N approximation of W_q (--ranks; its truncated SVD): on the Llama-3.1-8B shape
                the prediction re-reads W_q, 32 MB a layer, which a rank-N factor pair cuts to 2 * 4096 * N * 2 bytes
+  pred_mid_Q   pred_mid through W_q stored as Q (--quant: fp8, e4m3 with a scale per output row; int4, symmetric in
+               groups of 128 inputs, or 64 where 128 does not divide them): half or a quarter of the 32 MB a layer
+               the prediction re-reads on the Llama-3.1-8B shape; freekv_mid_Q, freekv_mid with that prediction
+               (its flags and its selection)
   stale_pN     stale, but each step rescoring only the pages this policy selected last and 1 in N of the others (in
                turn; --partial), the rest keeping the mass of the query that last scored them: the speculative
                scoring's work cut to ~1/N
@@ -85,11 +89,14 @@ def rope(model, q_pre: torch.Tensor, cos_sin) -> torch.Tensor:
     return apply_rotary_pos_emb(q, q, *cos_sin)[0][0, :, 0]
 
 
-def layer_query(model, L: int, h: torch.Tensor, cos_sin, factors: tuple | None = None) -> torch.Tensor:
+def layer_query(model, L: int, h: torch.Tensor, cos_sin, factors: tuple | None = None,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
     """Layer L's query [Hq, D] if its input were h [1, hidden] (h = its real input gives its real query); with
-    factors (A [out, r], B [r, in]), through W_q ~= A @ B instead."""
+    factors (A [out, r], B [r, in]), through W_q ~= A @ B instead; with weight, through that W_q instead."""
     layer = model.model.layers[L]
     x = layer.input_layernorm(h)
+    if weight is not None:
+        return rope(model, torch.nn.functional.linear(x, weight, layer.self_attn.q_proj.bias), cos_sin)
     if factors is None:
         return rope(model, layer.self_attn.q_proj(x), cos_sin)
     a, b = factors
@@ -106,6 +113,29 @@ def low_rank(model, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+QUANTS = ("fp8", "int4")
+INT4_GROUPS = (128, 64, 32)  # inputs a scale, the largest that divides the row (SmolLM2's 576: 64)
+
+
+def quantized(model, kind: str) -> list[torch.Tensor]:
+    """Per layer W_q as the GPU would store it for the prediction, dequantized to fp32: "fp8" (e4m3, a scale per
+    output row, its largest magnitude at e4m3's 448) or "int4" (-8..7, a scale per group of INT4_GROUPS inputs,
+    its largest magnitude at 7)."""
+    if kind not in QUANTS:
+        raise ValueError(f"--quant takes {', '.join(QUANTS)}, got {kind!r}")
+    out = []
+    for layer in model.model.layers:
+        w = layer.self_attn.q_proj.weight.float()
+        if kind == "fp8":
+            s = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448
+            out.append((w / s).to(torch.float8_e4m3fn).float() * s)
+        else:
+            g = w.view(w.shape[0], -1, next((n for n in INT4_GROUPS if w.shape[1] % n == 0), 1))
+            s = g.abs().amax(2, keepdim=True).clamp_min(1e-12) / 7
+            out.append(((g / s).round().clamp(-8, 7) * s).view_as(w))
+    return out
+
+
 def page_mass(q: torch.Tensor, k: torch.Tensor, group: int, page: int, scale: float) -> torch.Tensor:
     """q [Hq, D], k [H, T, D] -> [H, T // page] attention mass per page, mean over each KV head's query group."""
     H, T, D = k.shape
@@ -116,10 +146,11 @@ def page_mass(q: torch.Tensor, k: torch.Tensor, group: int, page: int, scale: fl
 
 
 def study(model, taps: Taps, ids: list[int], args, acc: defaultdict, ranks: dict | None = None,
-          partial: tuple[int, ...] = ()) -> list[int]:
+          partial: tuple[int, ...] = (), quants: dict | None = None) -> list[int]:
     """Greedy decode of one prompt, adding each query's statistics to acc; returns the generated tokens. ranks:
-    {N: low_rank(model, N)} for the pred_mid_rN queries; partial: the N of the stale_pN policies."""
-    ranks = ranks or {}
+    {N: low_rank(model, N)} for the pred_mid_rN queries; partial: the N of the stale_pN policies; quants:
+    {Q: quantized(model, Q)} for pred_mid_Q and freekv_mid_Q."""
+    ranks, quants = ranks or {}, quants or {}
     held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (N, layer): page masses, selection
     cfg = model.config
     Hq, H = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -145,6 +176,8 @@ def study(model, taps: Taps, ids: list[int], args, acc: defaultdict, ranks: dict
                          for name, h in (("pred_mid", taps.h_mid), ("pred_in", taps.h_in))}
                 preds |= {f"pred_mid_r{r}": layer_query(model, L, taps.h_mid[L - 1], cos_sin, f[L])
                           for r, f in ranks.items()}
+                preds |= {f"pred_mid_{k}": layer_query(model, L, taps.h_mid[L - 1], cos_sin, weight=w[L])
+                          for k, w in quants.items()}
                 stale, prev_q[L] = prev_q.get(L), q_true
                 if stale is None:
                     continue
@@ -185,6 +218,11 @@ def study(model, taps: Taps, ids: list[int], args, acc: defaultdict, ranks: dict
                     acc[f"rescored_p{n_part}"] += float(redo[:, cand].float().mean(1).sum())
                 sel["freekv"] = torch.where(flag_true[:, None], sel["oracle"], sel["stale"])
                 sel["freekv_mid"] = torch.where(flag_mid[:, None], sel["pred_mid"], sel["stale"])
+                for k in quants:  # the early correction with the stored prediction: its flags and its selection
+                    flag_k = torch.nn.functional.cosine_similarity(preds[f"pred_mid_{k}"].view(H, G, D),
+                                                                   stale.view(H, G, D), -1).mean(1) < args.tau
+                    sel[f"freekv_mid_{k}"] = torch.where(flag_k[:, None], sel[f"pred_mid_{k}"], sel["stale"])
+                    acc[f"flag_mid_{k}"] += float(flag_k.sum())
                 used = torch.where(flag_mid[:, None], preds["pred_mid"].view(H, G * D), stale.view(H, G * D))
                 flag_late = torch.nn.functional.cosine_similarity(q_true.view(H, G, D), used.view(H, G, D),
                                                                   -1).mean(1) < args.tau
@@ -217,6 +255,8 @@ def main() -> None:
     ap.add_argument("--tau", type=float, default=0.9)
     ap.add_argument("--model", default="smollm2", choices=sorted(MODELS))
     ap.add_argument("--ranks", default="", help="comma-separated ranks N of W_q for the pred_mid_rN queries")
+    ap.add_argument("--quant", default="", help=f"comma-separated W_q storages ({', '.join(QUANTS)}) for pred_mid_Q "
+                    "and freekv_mid_Q")
     ap.add_argument("--partial", default="", help="comma-separated N for the stale_pN policies (1 in N pages rescored)")
     ap.add_argument("--out", default="results/cross-layer-query.json")
     args = ap.parse_args()
@@ -232,7 +272,8 @@ def main() -> None:
     taps, acc = Taps(model), defaultdict(float)
     ranks = {int(r): low_rank(model, int(r)) for r in args.ranks.split(",") if r}
     partial = tuple(int(n) for n in args.partial.split(",") if n)
-    generated = [tok.decode(study(model, taps, ids, args, acc, ranks, partial)) for ids in prompts]
+    quants = {k: quantized(model, k) for k in args.quant.split(",") if k}
+    generated = [tok.decode(study(model, taps, ids, args, acc, ranks, partial, quants)) for ids in prompts]
     n = acc.pop("cases")
     res = {k: v / n for k, v in acc.items()}
     row = {"model": args.model, "prompts": len(prompts), "prompt_tokens": [len(x) for x in prompts], "new": args.new,
@@ -241,13 +282,16 @@ def main() -> None:
            "generated": generated, **{k: round(v, 4) for k, v in res.items()}}
     print(json.dumps({k: v for k, v in row.items() if k != "generated"}))
     print("| query | mass covered | cos to q_L |\n| --- | ---: | ---: |")
-    for name in (*QUERIES, *(f"pred_mid_r{r}" for r in ranks), *(f"stale_p{n}" for n in partial)):
+    for name in (*QUERIES, *(f"pred_mid_r{r}" for r in ranks), *(f"{q}_{k}" for k in quants
+                                                                 for q in ("pred_mid", "freekv_mid")),
+                 *(f"stale_p{n}" for n in partial)):
         c = res.get(f"cos_{name}")
         print(f"| {name} | {res[f'mass_{name}']:.4f} | {'' if c is None else f'{c:.4f}'} |")
     for n in partial:
         print(f"stale_p{n} rescored {res[f'rescored_p{n}']:.3f} of the candidate pages a step")
     print(f"correction rate: freekv {res['flag_true']:.3f}, freekv_mid {res['flag_mid']:.3f} (flags agree "
-          f"{res['flag_agree']:.3f}), two_stage's late ones {res['flag_late']:.3f}")
+          f"{res['flag_agree']:.3f}), two_stage's late ones {res['flag_late']:.3f}"
+          + "".join(f", freekv_mid_{k} {res[f'flag_mid_{k}']:.3f}" for k in quants))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(row, indent=1))
 

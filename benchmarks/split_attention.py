@@ -54,25 +54,30 @@ def case(batch: int, flagged: float, changed: float, seed: int):
                                                                  device="cuda"), tokens=tokens)
 
 
-def flashinfer_path(c: dict, batch: int):
-    """head_token_index then FlashInfer's decode, planned as FreeKV's FlashInfer path plans (tensor cores at G 4)."""
+def flashinfer_path(c: dict, batch: int, split: int = 0, part: str = "both"):
+    """head_token_index then FlashInfer's decode, planned as FreeKV's FlashInfer path plans (tensor cores at G 4).
+    split > 0: FlashInfer's fixed_split_size (tokens a chunk of a row), -1: no split, 0: its own choice (as served).
+    part "lists" or "decode": that half alone."""
     import flashinfer
 
     n, tokens = batch * H, c["tokens"]
     indices = torch.empty(n * tokens, dtype=torch.int32, device="cuda")
     indptr = torch.arange(0, (n + 1) * tokens, tokens, dtype=torch.int32)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"),
+    # 512 MB: small fixed splits at 16 rows need ~360 MB of FlashInfer's temporaries
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"),
                                                             "NHD", use_tensor_cores=True)
     head_token_index(c["slots"], c["req_slots"], c["row_table"], c["n_sink"], c["n_slots"], c["slot_pages"],
                      c["row_tokens"], c["row_start"], P, indices)
     wrapper.plan(indptr, indices, torch.ones(n, dtype=torch.int32), HQ // H, 1, D, 1, data_type=DTYPE,
-                 q_data_type=DTYPE)
+                 q_data_type=DTYPE, fixed_split_size=split if split > 0 else None, disable_split_kv=split < 0)
     kv = (c["k_cache"].view(-1, 1, 1, D), c["v_cache"].view(-1, 1, 1, D))
 
     def run():
-        head_token_index(c["slots"], c["req_slots"], c["row_table"], c["n_sink"], c["n_slots"], c["slot_pages"],
-                         c["row_tokens"], c["row_start"], P, indices)
-        return wrapper.forward(c["q"].view(n, HQ // H, D), kv, sm_scale=D ** -0.5).view(batch, HQ, D)
+        if part != "decode":
+            head_token_index(c["slots"], c["req_slots"], c["row_table"], c["n_sink"], c["n_slots"],
+                             c["slot_pages"], c["row_tokens"], c["row_start"], P, indices)
+        if part != "lists":
+            return wrapper.forward(c["q"].view(n, HQ // H, D), kv, sm_scale=D ** -0.5).view(batch, HQ, D)
     return run
 
 
@@ -86,6 +91,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--recalled-shapes", default="",
                     help="also time attend_recalled with other (tokens per iteration x warps), e.g. 32x4,128x8")
+    ap.add_argument("--splits", default="",
+                    help="also FlashInfer's path with these fixed split sizes (tokens; -1: no split), its token "
+                         "lists and its decode alone (served split), e.g. 128,256,512,-1")
     ap.add_argument("--out", default="results/split_attention.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -120,6 +128,17 @@ def main() -> None:
             row[f"recalled_us_{shape}"] = 1e3 * graph_replay_ms(lambda: recalled(parts), args.repeats)
             print(f"      attend_recalled {shape}: {row[f'recalled_us_{shape}']:.1f} us")
         kernel._RECALLED_BLOCK, kernel._RECALLED_WARPS = 64, 4
+        if args.splits:
+            for part in ("lists", "decode"):
+                row[f"flashinfer_{part}_us"] = 1e3 * graph_replay_ms(flashinfer_path(c, batch, part=part),
+                                                                     args.repeats)
+            for split in map(int, args.splits.split(",")):
+                run = flashinfer_path(c, batch, split)
+                row[f"flashinfer_us_split_{split}"] = 1e3 * graph_replay_ms(run, args.repeats)
+                row[f"max_err_split_{split}"] = (run().float() - fi().float()).abs().max().item()
+            print("      flashinfer: lists {:.1f} us, decode {:.1f} us; by split: {}".format(
+                row["flashinfer_lists_us"], row["flashinfer_decode_us"],
+                ", ".join(f"{k.rsplit('_', 1)[1]} {v:.1f}" for k, v in row.items() if "us_split" in k)))
         rows.append(row)
         print(f"{batch:>5} {row['kv_mb']:>7.1f} {row['floor_us']:>8.1f} {row['flashinfer_us']:>10.1f} "
               f"{row['kept_us']:>7.1f} {row['recalled_us']:>8.1f} {row['split_us']:>7.1f} {err:>8.4f}")

@@ -91,3 +91,33 @@ def test_low_rank_query_is_exact_at_full_rank_and_not_below(model):
             real = study.layer_query(model, L, taps.h_in[L], cos_sin)
             assert torch.allclose(study.layer_query(model, L, taps.h_in[L], cos_sin, full[L]), real, atol=1e-4)
             assert not torch.allclose(study.layer_query(model, L, taps.h_in[L], cos_sin, low[L]), real, atol=1e-2)
+
+
+def test_quantized_query_is_near_the_real_one_and_policies_stay_below_the_oracle(model):
+    """pred_mid_Q's stored W_q: fp8 lands nearer the layer's query than int4, both near and neither exact; each
+    quantized row's largest magnitude survives (its scale maps it onto the format's largest value); freekv_mid_Q
+    covers no more than the oracle and flags as often as freekv_mid, give or take."""
+    taps = study.Taps(model)
+    pos = 29
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, pos + 1)), use_cache=True)
+        cos_sin = model.model.rotary_emb(taps.q[0].view(1, 1, -1), torch.tensor([[pos]]))
+        quants = {k: study.quantized(model, k) for k in study.QUANTS}
+        for L in range(len(model.model.layers)):
+            w = model.model.layers[L].self_attn.q_proj.weight
+            real = study.layer_query(model, L, taps.h_in[L], cos_sin)
+            err = {k: (study.layer_query(model, L, taps.h_in[L], cos_sin, weight=q[L]) - real).norm() / real.norm()
+                   for k, q in quants.items()}
+            assert 0 < err["fp8"] < err["int4"] < 0.2, err
+            for q in quants.values():
+                assert torch.allclose(q[L].abs().amax(1), w.abs().amax(1), rtol=1e-6)
+    with pytest.raises(ValueError, match="--quant takes"):
+        study.quantized(model, "int8")
+    torch.manual_seed(4)
+    args = Namespace(new=6, budget=48, sink=8, window=16, page_size=8, tau=0.9)
+    acc = defaultdict(float)
+    study.study(model, study.Taps(model), torch.randint(0, 97, (300,)).tolist(), args, acc, quants=quants)
+    for k in study.QUANTS:
+        for q in ("pred_mid", "freekv_mid"):
+            assert 0 < acc[f"mass_{q}_{k}"] <= acc["mass_oracle"] + 1e-6, (q, k)
+        assert abs(acc[f"flag_mid_{k}"] - acc["flag_mid"]) <= 0.2 * acc["cases"], k
