@@ -88,6 +88,37 @@ class Critical:
         (F.silu(gu[:, :INTER]) * gu[:, INTER:]) @ self.wd[i]
 
 
+class CopyRecall:
+    """The speculative recall's GPU side if the host gathered the changed pages into one pinned run first (not timed
+    here): one copy-engine transfer of the host pages (FP8, K and V of a head's page, 8 KB), their conversion to bf16
+    and scatter into the NHD cache, and the victim hits' device-to-device moves, as torch ops. `host` and `victim`
+    pages a layer: the replay's expected counts (rows x heads x slots x churn, split by `returns`)."""
+
+    def __init__(self, batch: int, host: int, victim: int, dev: str = "cuda"):
+        p, slots = 32, 64
+        gen = torch.Generator().manual_seed(host)
+        self.host_run = torch.randint(0, 120, (host, 2, p, D), dtype=torch.uint8, generator=gen).pin_memory()
+        self.staged = torch.empty_like(self.host_run, device=dev)
+        pages = batch * slots + victim
+        self.k, self.v = torch.zeros(2, pages, p, KV_HEADS, D, dtype=torch.bfloat16, device=dev)
+        pick = lambda n: (torch.randint(0, batch * slots, (n,), generator=gen).to(dev),  # noqa: E731
+                          torch.randint(0, KV_HEADS, (n,), generator=gen).to(dev))
+        self.host_dst, self.victim_dst = pick(host), pick(victim)
+        self.victim_src = (batch * slots + torch.randint(0, victim, (victim,), generator=gen)).to(dev)
+
+    def layer(self, scatter: bool = True) -> None:
+        self.staged.copy_(self.host_run, non_blocking=True)
+        if not scatter:
+            return
+        kv = self.staged.view(torch.float8_e4m3fn).to(torch.bfloat16)  # [n, 2, p, D]
+        page, head = self.host_dst
+        self.k[page, :, head] = kv[:, 0]
+        self.v[page, :, head] = kv[:, 1]
+        page, head = self.victim_dst
+        self.k[page, :, head] = self.k[self.victim_src, :, head]
+        self.v[page, :, head] = self.v[self.victim_src, :, head]
+
+
 class Lane:
     """One layer's selection lane on state of its own (each call replays fresh churn): with phase PHASE_LATER the
     speculative lane (every head scored, select_chain after attention, the recall capped at `recall_programs`), with
@@ -97,8 +128,12 @@ class Lane:
 
     def __init__(self, batch: int, pages: int, layers: int, phase: int, flagged: float, lanes: set[str],
                  recall_programs: int, churn: float, returns: float, victims: int, projection: str = "lane",
-                 dev: str = "cuda"):
+                 recall_via: str = "kernel", dev: str = "cuda"):
         self.phase, self.lanes, self.recall_programs, self.victims = phase, lanes, recall_programs, victims
+        self.recall_via = recall_via
+        changed = batch * KV_HEADS * 64 * churn
+        self.copy = None if recall_via == "kernel" else \
+            CopyRecall(batch, round(changed * (1 - returns)), round(changed * returns), dev)
         self.projection = projection  # the early lane's query projection: on the lane, on the critical lane, none
         early = phase == PHASE_NOW  # PHASE_LATER selects the heads not flagged: flag none so that every head does
         self.x = torch.randn(batch, HIDDEN, device=dev, dtype=torch.bfloat16)
@@ -109,6 +144,8 @@ class Lane:
         self.c = chain_bench.case(batch, pages, flagged if early else 0.0, seed=batch + early, shape="llama", dev=dev)
         self.select = chain_bench.chain(self.c, "+replay", phase, churn, returns, victims)
         self.recall_args, _ = chain_bench.after_args(self.c, victims)
+        if recall_via == "staged":  # the recall kernel reads HBM: the pages the transfer brought
+            self.recall_args.update(host=self.recall_args["host"].to(dev), scales=self.recall_args["scales"].to(dev))
         self.calls = 0
         if "recall" in lanes and "chain" not in lanes:  # one selection marks the slots every recall then reads
             self.select(0)
@@ -124,7 +161,9 @@ class Lane:
         if "chain" in self.lanes:
             self.select(self.calls % 32)
             self.calls += 1
-        if "recall" in self.lanes:  # the slots select_chain changed
+        if "recall" in self.lanes and self.copy is not None:
+            self.copy.layer(scatter=self.recall_via == "copy")
+        if "recall" in self.lanes and self.recall_via in ("kernel", "staged"):  # the slots select_chain changed
             a, st = self.recall_args, self.select.state
             recall_pages(a["host"], a["k_cache"], a["v_cache"], a["page_table"], st["slots"], self.c["req_slots"],
                          a["slot_pages"], st["recall"], self.phase, a["page_size"], programs=self.recall_programs,
@@ -211,6 +250,11 @@ def main() -> None:
     ap.add_argument("--early-projection", choices=("lane", "critical", "none"), default="lane",
                     help="where the early lane's query projection runs: on its own stream beside the MLP (served), "
                          "on the critical lane just before the MLP, or nowhere (its share of the lane's cost)")
+    ap.add_argument("--recall-via", choices=("kernel", "copy", "dma", "staged"), default="kernel",
+                    help="the speculative recall as served (SMs read the host pages), or its GPU side if the host "
+                         "gathered them first: copy, one copy-engine transfer, the FP8 pages' conversion and scatter "
+                         "and the victim hits' moves as torch ops (CopyRecall); dma, that transfer alone; staged, the "
+                         "transfer then the served recall kernel reading a GPU copy of the arena")
     ap.add_argument("--recall-programs", type=int, default=32, help="as --kv-recall-programs (served: 32)")
     ap.add_argument("--warps", default="", metavar="LANE=N,...",
                     help="side kernels launched with other warps than served (thinner CTAs): score (served "
@@ -237,7 +281,7 @@ def main() -> None:
     with torch.cuda.stream(main_stream):
         critical = Critical(args.batch, args.layers)
         side = Lane(args.batch, args.pages, args.layers, PHASE_LATER, 1.0, lanes, args.recall_programs, args.churn,
-                    args.returns, args.victims)
+                    args.returns, args.victims, recall_via=args.recall_via)
         early = early_stream = None
         if args.early:
             early = Lane(args.batch, args.pages, args.layers, PHASE_NOW, args.early, set(LANES), 0, args.churn,
