@@ -91,8 +91,9 @@ class Critical:
 class CopyRecall:
     """The speculative recall's GPU side if the host gathered the changed pages into one pinned run first (not timed
     here): one copy-engine transfer of the host pages (FP8, K and V of a head's page, 8 KB), their conversion to bf16
-    and scatter into the NHD cache, and the victim hits' device-to-device moves, as torch ops. `host` and `victim`
-    pages a layer: the replay's expected counts (rows x heads x slots x churn, split by `returns`)."""
+    and scatter into the NHD cache (without the served path's per-row scales: the same bytes), and the victim hits'
+    device-to-device moves, as torch ops. `host` and `victim` pages a layer: the replay's expected counts (rows x
+    heads x slots x churn, split by `returns`)."""
 
     def __init__(self, batch: int, host: int, victim: int, dev: str = "cuda"):
         p, slots = 32, 64
@@ -104,7 +105,7 @@ class CopyRecall:
         pick = lambda n: (torch.randint(0, batch * slots, (n,), generator=gen).to(dev),  # noqa: E731
                           torch.randint(0, KV_HEADS, (n,), generator=gen).to(dev))
         self.host_dst, self.victim_dst = pick(host), pick(victim)
-        self.victim_src = (batch * slots + torch.randint(0, victim, (victim,), generator=gen)).to(dev)
+        self.victim_src = (batch * slots + torch.randint(0, max(victim, 1), (victim,), generator=gen)).to(dev)
 
     def layer(self, scatter: bool = True) -> None:
         self.staged.copy_(self.host_run, non_blocking=True)
@@ -132,7 +133,7 @@ class Lane:
         self.phase, self.lanes, self.recall_programs, self.victims = phase, lanes, recall_programs, victims
         self.recall_via = recall_via
         changed = batch * KV_HEADS * 64 * churn
-        self.copy = None if recall_via == "kernel" else \
+        self.copy = None if recall_via == "kernel" or "recall" not in lanes else \
             CopyRecall(batch, round(changed * (1 - returns)), round(changed * returns), dev)
         self.projection = projection  # the early lane's query projection: on the lane, on the critical lane, none
         early = phase == PHASE_NOW  # PHASE_LATER selects the heads not flagged: flag none so that every head does
