@@ -106,7 +106,9 @@ case ${1:-} in
         thin recall-p64 --lanes recall --recall-programs 64
         thin recall-w2 --lanes recall --warps recall=2
         thin recall-w2-p64 --lanes recall --warps recall=2 --recall-programs 64
-        thin all-thin --warps score=2,chain=4,recall=2 --early 0.3 ;;
+        thin all-thin --warps score=2,chain=4,recall=2 --early 0.3
+        # the device brings back 8 files at most
+        (cd "$OUT" && tar czf thin.tgz thin-*.json thin.log && rm -f thin-*.json thin.log) ;;
   score) decode score-132 --context 32000 --batches 16,16,16 \
            --configs "realistic-predicted $FP8 --kv-score-programs 132"
          decode speculate-attention --context 32000 --batches 16,16,16 \
