@@ -22,6 +22,10 @@
 #                                                 # critical lane, as served and with thinner CTAs (--warps), the
 #                                                 # recall with 16 and 64 programs (fewer or more CTAs of one size),
 #                                                 # then all three lanes with the thinnest of each
+#   bash scripts/gpu_decode_steps.sh copy         # no server: side_lanes.py with the speculative recall's host pages
+#                                                 # as one run through a copy engine (dma: the transfer alone;
+#                                                 # staged: then the served recall kernel reading it from HBM)
+#                                                 # against the served recall, at 16 rows and 1
 #   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
 #                                                 # --kv-speculate-at attention (where the scoring sits without a
 #                                                 # correction chain before attention)
@@ -55,6 +59,13 @@ decode() {  # decode NAME DECODE_ARGS...: one decode.py run under the step's tim
      --shape llama-3.1-8b --freekv-args "$FA" --prefill-cuda-graph off --output-len 128 "$@" \
      --triton-cache /tmp/steps-triton-cache --out "/tmp/steps-$name") 2>&1 | grep -v '^\[' | cut -c1-300 | tee "$OUT/$name.log" | tail -n 8
   cp "/tmp/steps-$name/decode.json" "$OUT/$name.json" 2>/dev/null || echo "$name: no decode.json"
+}
+
+thin() {  # thin NAME SIDE_LANES_ARGS...: one side_lanes.py run on every SM
+  local name=$1 t; shift
+  t=$(left) || return 0
+  timeout $t python3 benchmarks/side_lanes.py --sms 0 "$@" --out "$OUT/thin-$name.json" 2>&1 \
+    | tee -a "$OUT/thin.log" | tail -n 2
 }
 
 case ${1:-} in
@@ -92,13 +103,7 @@ case ${1:-} in
          lanes all --sms 0,16,24,32,48 --early 0.3
          for one in score chain recall; do lanes "$one" --lanes $one --sms 0,16,32; done
          lanes b1 --batch 1 --sms 0,16 --early 0.3 ;;
-  thin) thin() {  # thin NAME SIDE_LANES_ARGS...: one side_lanes.py run on every SM
-          local name=$1 t; shift
-          t=$(left) || return 0
-          timeout $t python3 benchmarks/side_lanes.py --sms 0 "$@" --out "$OUT/thin-$name.json" 2>&1 \
-            | tee -a "$OUT/thin.log" | tail -n 2
-        }
-        for lane in score chain recall; do thin "$lane" --lanes $lane; done
+  thin) for lane in score chain recall; do thin "$lane" --lanes $lane; done
         thin score-w2 --lanes score --warps score=2
         thin chain-w4 --lanes chain --warps chain=4
         thin chain-w2 --lanes chain --warps chain=2
@@ -109,6 +114,15 @@ case ${1:-} in
         thin all-thin --warps score=2,chain=4,recall=2 --early 0.3
         # the device brings back 8 files at most
         (cd "$OUT" && tar czf thin.tgz thin-*.json thin.log && rm -f thin-*.json thin.log) ;;
+  copy) for via in kernel dma staged; do  # the recall's host pages through a copy engine (session 55, section 7)
+          thin "recall-$via" --lanes recall --recall-via $via
+          thin "all-$via" --early 0.3 --recall-via $via
+        done
+        thin recall-staged-p128 --lanes recall --recall-via staged --recall-programs 128
+        thin all-staged-p128 --early 0.3 --recall-via staged --recall-programs 128
+        thin b1-kernel --batch 1 --early 0.3
+        thin b1-staged --batch 1 --early 0.3 --recall-via staged
+        (cd "$OUT" && tar czf copy.tgz thin-*.json thin.log && rm -f thin-*.json thin.log) ;;
   score) decode score-132 --context 32000 --batches 16,16,16 \
            --configs "realistic-predicted $FP8 --kv-score-programs 132"
          decode speculate-attention --context 32000 --batches 16,16,16 \
@@ -118,5 +132,5 @@ case ${1:-} in
         ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
         TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|programs|blocks|trace|lanes|thin|score|default|long|base" >&2; exit 2 ;;
+  *) echo "usage: $0 predicted|full|programs|blocks|trace|lanes|thin|copy|score|default|long|base" >&2; exit 2 ;;
 esac
