@@ -25,7 +25,8 @@
 #   bash scripts/gpu_decode_steps.sh copy         # no server: side_lanes.py with the speculative recall's host pages
 #                                                 # as one run through a copy engine (dma: the transfer alone;
 #                                                 # staged: then the served recall kernel reading it from HBM)
-#                                                 # against the served recall, at 16 rows and 1
+#                                                 # against the served recall, at 16 rows and 1; then the host's
+#                                                 # gather of those pages by thread count (host_gather.py)
 #   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
 #                                                 # --kv-speculate-at attention (where the scoring sits without a
 #                                                 # correction chain before attention)
@@ -122,6 +123,9 @@ case ${1:-} in
         thin all-staged-p128 --early 0.3 --recall-via staged --recall-programs 128
         thin b1-kernel --batch 1 --early 0.3
         thin b1-staged --batch 1 --early 0.3 --recall-via staged
+        # the host's half: gathering each layer's chunks into one pinned run, by thread count
+        t=$(left) && timeout $t python3 benchmarks/host_gather.py --arena-gb 8 --threads 1,2,4,8,16 \
+          --out "$OUT/thin-host-gather.json" 2>&1 | tee -a "$OUT/thin.log" | tail -n 7
         (cd "$OUT" && tar czf copy.tgz thin-*.json thin.log && rm -f thin-*.json thin.log) ;;
   score) decode score-132 --context 32000 --batches 16,16,16 \
            --configs "realistic-predicted $FP8 --kv-score-programs 132"
