@@ -89,19 +89,12 @@ def rope(model, q_pre: torch.Tensor, cos_sin) -> torch.Tensor:
     return apply_rotary_pos_emb(q, q, *cos_sin)[0][0, :, 0]
 
 
-def layer_query(model, L: int, h: torch.Tensor, cos_sin, factors: tuple | None = None,
-                weight: torch.Tensor | None = None) -> torch.Tensor:
+def layer_query(model, L: int, h: torch.Tensor, cos_sin, weight: torch.Tensor | None = None) -> torch.Tensor:
     """Layer L's query [Hq, D] if its input were h [1, hidden] (h = its real input gives its real query); with
-    factors (A [out, r], B [r, in]), through W_q ~= A @ B instead; with weight, through that W_q instead."""
-    layer = model.model.layers[L]
-    x = layer.input_layernorm(h)
-    if weight is not None:
-        return rope(model, torch.nn.functional.linear(x, weight, layer.self_attn.q_proj.bias), cos_sin)
-    if factors is None:
-        return rope(model, layer.self_attn.q_proj(x), cos_sin)
-    a, b = factors
-    bias = layer.self_attn.q_proj.bias
-    return rope(model, (x @ b.T) @ a.T + (0 if bias is None else bias), cos_sin)
+    weight, through that approximation of W_q instead (a low-rank product, a quantized copy)."""
+    q_proj = model.model.layers[L].self_attn.q_proj
+    w = q_proj.weight if weight is None else weight
+    return rope(model, torch.nn.functional.linear(model.model.layers[L].input_layernorm(h), w, q_proj.bias), cos_sin)
 
 
 def low_rank(model, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -148,8 +141,8 @@ def page_mass(q: torch.Tensor, k: torch.Tensor, group: int, page: int, scale: fl
 def study(model, taps: Taps, ids: list[int], args, acc: defaultdict, ranks: dict | None = None,
           partial: tuple[int, ...] = (), quants: dict | None = None) -> list[int]:
     """Greedy decode of one prompt, adding each query's statistics to acc; returns the generated tokens. ranks:
-    {N: low_rank(model, N)} for the pred_mid_rN queries; partial: the N of the stale_pN policies; quants:
-    {Q: quantized(model, Q)} for pred_mid_Q and freekv_mid_Q."""
+    {N: per layer A @ B of low_rank(model, N)} for the pred_mid_rN queries; partial: the N of the stale_pN
+    policies; quants: {Q: quantized(model, Q)} for pred_mid_Q and freekv_mid_Q."""
     ranks, quants = ranks or {}, quants or {}
     held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (N, layer): page masses, selection
     cfg = model.config
@@ -174,10 +167,9 @@ def study(model, taps: Taps, ids: list[int], args, acc: defaultdict, ranks: dict
                 q_true = rope(model, taps.q[L], cos_sin)
                 preds = {name: layer_query(model, L, h[L - 1], cos_sin)
                          for name, h in (("pred_mid", taps.h_mid), ("pred_in", taps.h_in))}
-                preds |= {f"pred_mid_r{r}": layer_query(model, L, taps.h_mid[L - 1], cos_sin, f[L])
-                          for r, f in ranks.items()}
-                preds |= {f"pred_mid_{k}": layer_query(model, L, taps.h_mid[L - 1], cos_sin, weight=w[L])
-                          for k, w in quants.items()}
+                approx = {**{f"r{r}": w for r, w in ranks.items()}, **quants}  # per layer W_q's stand-ins
+                preds |= {f"pred_mid_{k}": layer_query(model, L, taps.h_mid[L - 1], cos_sin, w[L])
+                          for k, w in approx.items()}
                 stale, prev_q[L] = prev_q.get(L), q_true
                 if stale is None:
                     continue
@@ -270,7 +262,7 @@ def main() -> None:
             raise SystemExit(f"{args.text} has {len(ids)} tokens, fewer than --context {args.context}")
         prompts = [ids + tok("\n\nIn short, this paper")["input_ids"]]
     taps, acc = Taps(model), defaultdict(float)
-    ranks = {int(r): low_rank(model, int(r)) for r in args.ranks.split(",") if r}
+    ranks = {int(r): [a @ b for a, b in low_rank(model, int(r))] for r in args.ranks.split(",") if r}
     partial = tuple(int(n) for n in args.partial.split(",") if n)
     quants = {k: quantized(model, k) for k in args.quant.split(",") if k}
     generated = [tok.decode(study(model, taps, ids, args, acc, ranks, partial, quants)) for ids in prompts]
