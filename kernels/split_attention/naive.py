@@ -1,4 +1,4 @@
-"""Torch reference for attend_kept / attend_recalled (see docs/kernels.md, section split_attention)."""
+"""Torch reference for attend_kept / attend_recalled / attend_pages (see docs/kernels.md, section split_attention)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,20 @@ def check_split_args(q: torch.Tensor, k_cache: torch.Tensor, recall: torch.Tenso
         raise ValueError(f"{num_q_heads} query heads are not a multiple of {heads} KV heads")
     if recall.dim() != 3 or recall.shape[:2] != (batch, heads) or n_rows != batch:
         raise ValueError(f"recall must be [B={batch}, H={heads}, k] for {n_rows} table rows, got {tuple(recall.shape)}")
+    return num_q_heads // heads
+
+
+def check_pages_args(q: torch.Tensor, k_cache: torch.Tensor, row_table: torch.Tensor, tickets: torch.Tensor) -> int:
+    """attend_pages' GQA group; refuses shapes it would read or count out of bounds."""
+    batch, num_q_heads, _ = q.shape
+    heads = k_cache.shape[1]
+    if num_q_heads % heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {heads} KV heads")
+    if row_table.dim() != 2 or row_table.shape[0] != batch:
+        raise ValueError(f"row_table must be [B={batch}, W], got {tuple(row_table.shape)}")
+    if tickets.dtype != torch.int32 or not tickets.is_contiguous() or tickets.numel() < batch * heads:
+        raise ValueError(f"tickets must be a contiguous int32 tensor of at least B * H = {batch * heads} counters, got "
+                         f"{tickets.dtype} {tuple(tickets.shape)}")
     return num_q_heads // heads
 
 
@@ -94,4 +108,24 @@ def naive_attend_recalled(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         total = (w * l).sum(1)
         out = (w[:, :, None] * acc).sum(1) / torch.where(total > 0, total, 1.0)[:, None]
         o[b] = out.to(q.dtype)
+    return o
+
+
+def naive_attend_pages(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_table: torch.Tensor,
+                       row_pages: torch.Tensor, last_page_len: torch.Tensor, scale: float, page_size: int,
+                       tickets: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """o [B, Hq, D] in q's dtype: the softmax attention of each (row b, query head hq) over the pages
+    row_table[b, :row_pages[b]] of KV head hq // G (the last holding last_page_len[b] tokens); a row with no page
+    outputs zeros. tickets (attend_pages' counters, zero between calls) and splits (its programs a row and KV head)
+    change nothing here."""
+    check_pages_args(q, k_cache, row_table, tickets)
+    o = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        n = int(row_pages[b])
+        if n == 0:
+            continue
+        rows = _page_rows(row_table[b, :n], page_size, (n - 1) * page_size + int(last_page_len[b]))
+        keep = torch.ones(k_cache.shape[1], rows.shape[0], dtype=torch.bool, device=q.device)
+        m, l, acc = _partials(q[b], k_cache[rows], v_cache[rows], keep, scale)
+        o[b] = (acc / torch.where(l > 0, l, 1.0)[:, None]).to(q.dtype)
     return o

@@ -1,4 +1,5 @@
-"""attend_kept beside a recall, then attend_recalled after it: together the attention over every page of the row."""
+"""attend_kept beside a recall, then attend_recalled after it: together the attention over every page of the row; and
+attend_pages, the same attention in one launch."""
 
 import importlib
 import math
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from freekv_kernels.sparse_attention import naive_sparse_decode_attention
-from freekv_kernels.split_attention import attend_kept, attend_recalled, naive_attend_kept, naive_attend_recalled
+from freekv_kernels.split_attention import (attend_kept, attend_pages, attend_recalled, naive_attend_kept,
+                                            naive_attend_pages, naive_attend_recalled)
 from freekv_kernels.testing import assert_close, device, poisoned_outputs, run_without_interpreter
 
 split_triton = importlib.import_module("freekv_kernels.split_attention.triton")
@@ -116,6 +118,42 @@ def test_recalled_pages_come_only_after_the_recall():
     assert nan_heads.eq(recalls).all() and recalls.any()
 
 
+def pages_args(a, tickets, splits=None):
+    return (a["q"], a["k_cache"], a["v_cache"], a["row_table"], a["row_pages"], a["last_page_len"], a["scale"],
+            a["page_size"], tickets, splits)
+
+
+@pytest.mark.parametrize("page_size,head_dim,dtype", [(16, 64, torch.bfloat16), (32, 128, torch.float32)])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_pages_equals_full_attention(group, dtype, page_size, head_dim):
+    """One launch over every page, merged by the last program of each (row, KV head): the full attention, twice in a
+    row on the same counters (which it leaves zeroed), as its torch reference gives it."""
+    a, _ = split_case(group, 2, head_dim, page_size, dtype, seed=10 + group)
+    tickets = torch.zeros(len(ROWS) * 2 + 3, dtype=torch.int32, device=DEV)
+    ref, tol = full_attention(a), TOL[dtype]
+    for _ in range(2):
+        with poisoned_outputs():
+            out = attend_pages(*pages_args(a, tickets))
+        assert_close("pages vs full", ref, out, atol=tol, rtol=tol)
+        assert (tickets == 0).all(), "the counters are left zeroed for the next call"
+    assert_close("reference", ref, naive_attend_pages(*pages_args(a, tickets)), atol=tol, rtol=tol)
+    assert (out[0] == 0).all(), "a row without pages outputs zeros"
+
+
+@pytest.mark.parametrize("at_once", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4, 9, 100])
+def test_pages_split_counts(monkeypatch, splits, at_once):
+    """One split, uneven ones, more splits than a row has pages, and more than the table is wide (capped), with one
+    or four pages loaded at once (a split's last tile part empty); three KV heads, G = 7."""
+    monkeypatch.setattr(split_triton, "_PAGES_AT_ONCE", at_once)
+    a, _ = split_case(7, 3, 64, 16, torch.float32, seed=splits)
+    tickets = torch.zeros(len(ROWS) * 3, dtype=torch.int32, device=DEV)
+    with poisoned_outputs():
+        out = attend_pages(*pages_args(a, tickets, splits))
+    assert_close("pages vs full", full_attention(a), out, atol=1e-4, rtol=1e-4)
+    assert (tickets == 0).all()
+
+
 def test_bad_inputs():
     a, before = split_case(4, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="recall must be"):
@@ -126,6 +164,11 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="partials"):
         attend_recalled(a["q"][:2], a["k_cache"], a["v_cache"], a["slot_pages"][:2], a["n_slots"][:2],
                         a["recall"][:2], NOW, a["scale"], 16, kept)
+    for bad in (torch.zeros(len(ROWS) * 2 - 1, dtype=torch.int32, device=DEV),
+                torch.zeros(len(ROWS) * 2, dtype=torch.int64, device=DEV)):
+        for fn in (attend_pages, naive_attend_pages):
+            with pytest.raises(ValueError, match="tickets must be"):
+                fn(*pages_args(a, bad))
 
 
 CHILD = r'''
@@ -140,7 +183,10 @@ kept = compile_sm90(m._attend_kept_kernel, {"H": 8, "K": 64, "G": 4, "G_PAD": 16
                     "PAGE_TILE": 32, "NUM_SPLITS": 5, "DOT_F32": False}, T, 4)
 rec = compile_sm90(m._attend_recalled_kernel, {"H": 8, "K": 64, "K_PAD": 64, "G": 4, "G_PAD": 16, "D": 128,
                    "PAGE_SIZE": 32, "BLOCK": 64, "NUM_SPLITS": 5, "SPLITS_PAD": 8, "DOT_F32": False}, T, 4)
-assert "mma" in kept and "mma" in rec
+pages = compile_sm90(m._attend_pages_kernel, {"H": 8, "G": 4, "G_PAD": 16, "D": 128, "PAGE_SIZE": 32,
+                     "TILE": 64, "NUM_SPLITS": 43, "SPLITS_PAD": 64, "DOT_F32": False, "G_POW": 4},
+                     dict(T, tickets_ptr="*i32"), 4)
+assert "mma" in kept and "mma" in rec and "mma" in pages and "atom" in pages
 print("compiled")
 '''
 
