@@ -3,10 +3,16 @@ then FlashInfer's decode over one-head rows) against --kv-attention split (atten
 timed as a CUDA graph replay (median), at the Llama-3.1-8B shape (32 query heads over 8 KV heads, head dim 128,
 bf16), page 32, budget 2048 (64 slots), sink 128, window 512. A share of the (row, KV head) pairs recalls a share
 of its slots before attention; attend_kept reads the other pages (beside that recall in a served step), so what
-follows the recall is attend_recalled alone. The HBM floor is the bytes of K and V read at the peak of a device
+follows the recall is attend_recalled alone. attend_pages (--kv-attention fused) is the pair in one launch with
+nothing recalled; its error against FlashInfer's path is the row's pages_max_err. The HBM floor is the bytes of K and V read at the peak of a device
 copy measured in the same run. Prints a table and writes JSON.
 
+With --layers N, also each path as N calls in one graph over N cases of their own (N layers' KV, so nothing is served
+from L2 that a step would read from HBM), timed with the host's launch hidden: µs a call as inside a served step,
+without the graph launch that a single call's replay adds (~10 µs at one request).
+
 python benchmarks/split_attention.py --batches 1,4,16 --out results/split_attention.json
+python benchmarks/split_attention.py --batches 1,4,16 --layers 32 --out results/split_attention_layers.json
 """
 
 from __future__ import annotations
@@ -18,13 +24,14 @@ from pathlib import Path
 import importlib
 
 import torch
-from freekv_kernels.split_attention import attend_kept, attend_recalled
+from freekv_kernels.split_attention import attend_kept, attend_pages, attend_recalled
 from freekv_kernels.token_index import head_token_index
-from gpu_timing import graph_replay_ms
+from gpu_timing import graph_replay_ms, time_ms
 
 HQ, H, D, P, DTYPE = 32, 8, 128, 32, torch.bfloat16  # --shape qwen sets HQ, H = 28, 4
 SINK, SLOTS, WINDOW = 4, 64, 17  # pages: 128 tokens, the 2048-token budget, 512 tokens and the page being filled
 WIDTH = SINK + SLOTS + WINDOW
+_WORKSPACE = None  # FlashInfer's float workspace, shared by every wrapper
 
 
 def copy_peak_gbps(repeats: int) -> float:
@@ -36,8 +43,9 @@ def copy_peak_gbps(repeats: int) -> float:
 def case(batch: int, flagged: float, changed: float, seed: int):
     gen = torch.Generator().manual_seed(seed)
     pages = batch * WIDTH + 1
-    k_cache = torch.randn(pages * P, H, D, generator=gen).to(DTYPE).cuda()
-    v_cache = torch.randn(pages * P, H, D, generator=gen).to(DTYPE).cuda()
+    dev_gen = torch.Generator("cuda").manual_seed(seed)  # the caches on the device: --layers makes dozens
+    k_cache = torch.randn(pages * P, H, D, generator=dev_gen, device="cuda").to(DTYPE)
+    v_cache = torch.randn(pages * P, H, D, generator=dev_gen, device="cuda").to(DTYPE)
     q = torch.randn(batch, HQ, D, generator=gen).to(DTYPE).cuda()
     row_table = (1 + torch.arange(batch * WIDTH, dtype=torch.int32).view(batch, WIDTH)).cuda()
     full = lambda v: torch.full((batch,), v, dtype=torch.int32, device="cuda")  # noqa: E731
@@ -63,9 +71,11 @@ def flashinfer_path(c: dict, batch: int, split: int = 0, part: str = "both"):
     n, tokens = batch * H, c["tokens"]
     indices = torch.empty(n * tokens, dtype=torch.int32, device="cuda")
     indptr = torch.arange(0, (n + 1) * tokens, tokens, dtype=torch.int32)
-    # 512 MB: small fixed splits at 16 rows need ~360 MB of FlashInfer's temporaries
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(512 << 20, dtype=torch.uint8, device="cuda"),
-                                                            "NHD", use_tensor_cores=True)
+    global _WORKSPACE
+    if _WORKSPACE is None:  # 512 MB: small fixed splits at 16 rows need ~360 MB of FlashInfer's temporaries
+        _WORKSPACE = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    # one float workspace for every wrapper, as the served wrappers share it: their kernels run one after another
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(_WORKSPACE, "NHD", use_tensor_cores=True)
     head_token_index(c["slots"], c["req_slots"], c["row_table"], c["n_sink"], c["n_slots"], c["slot_pages"],
                      c["row_tokens"], c["row_start"], P, indices)
     wrapper.plan(indptr, indices, torch.ones(n, dtype=torch.int32), HQ // H, 1, D, 1, data_type=DTYPE,
@@ -81,6 +91,51 @@ def flashinfer_path(c: dict, batch: int, split: int = 0, part: str = "both"):
     return run
 
 
+def layers_us(runs: list, repeats: int) -> float:
+    """µs a call of the calls `runs` (one per layer) captured back to back in one graph, the host's launch hidden."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for run in runs:
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for run in runs:
+            run()
+    return 1e3 * time_ms(lambda i: graph.replay(), repeats, warmup=3, hide_launch=True) / len(runs)
+
+
+def layer_paths(batch: int, layers: int, scale: float, pages_splits: list[int]) -> dict[str, list]:
+    """Each path's call for `layers` cases of its own (no recall before attention, as under previous_mlp_only);
+    attend_pages with its own split count and at each of pages_splits."""
+    paths: dict[str, list] = {"flashinfer": [], "lists": [], "fi_decode": [], "split": [], "kept": [], "pages": []}
+    paths.update({f"pages_s{n}": [] for n in pages_splits})
+    tickets = torch.zeros(batch * H, dtype=torch.int32, device="cuda")  # the layers' launches run one after another
+    for i in range(layers):
+        c = case(batch, 0.0, 0.0, seed=1000 * batch + i)
+        kept_args = (c["q"], c["k_cache"], c["v_cache"], c["row_table"], c["row_pages"], c["last_page_len"],
+                     c["n_sink"], c["n_slots"], c["recall"], 1, scale, P)
+        paths["flashinfer"].append(flashinfer_path(c, batch))
+        paths["lists"].append(flashinfer_path(c, batch, part="lists"))
+        paths["fi_decode"].append(flashinfer_path(c, batch, part="decode"))
+        paths["kept"].append(lambda a=kept_args: attend_kept(*a))
+        paths["split"].append(lambda a=kept_args, c=c: attend_recalled(
+            c["q"], c["k_cache"], c["v_cache"], c["slot_pages"], c["n_slots"], c["recall"], 1, scale, P,
+            attend_kept(*a)))
+        for n in [None] + pages_splits:
+            paths["pages" if n is None else f"pages_s{n}"].append(lambda c=c, n=n: attend_pages(
+                c["q"], c["k_cache"], c["v_cache"], c["row_table"], c["row_pages"], c["last_page_len"], scale, P,
+                tickets, n))
+    return paths
+
+
+def pages_at_once(n: int):
+    """attend_pages loading n pages at once (its module's setting) while the calls are captured."""
+    kernel = importlib.import_module("freekv_kernels.split_attention.triton")
+    kernel._PAGES_AT_ONCE = n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=("llama", "qwen"), default="llama",
@@ -94,6 +149,12 @@ def main() -> None:
     ap.add_argument("--splits", default="",
                     help="also FlashInfer's path with these fixed split sizes (tokens; -1: no split), its token "
                          "lists and its decode alone (served split), e.g. 128,256,512,-1")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="also each path as this many calls in one graph over as many cases (µs a call, launch hidden)")
+    ap.add_argument("--pages-splits", default="",
+                    help="with --layers, also attend_pages at these split counts (programs a row and KV head)")
+    ap.add_argument("--pages-at-once", default="",
+                    help="with --layers, also attend_pages loading these numbers of pages at once")
     ap.add_argument("--out", default="results/split_attention.json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -116,12 +177,16 @@ def main() -> None:
                                                  c["n_slots"], c["recall"], 1, scale, P, parts)
         fi = flashinfer_path(c, batch)
         err = (fi().float() - recalled(parts).float()).abs().max().item()
+        tickets = torch.zeros(batch * H, dtype=torch.int32, device="cuda")
+        pages_err = (fi().float() - attend_pages(c["q"], c["k_cache"], c["v_cache"], c["row_table"], c["row_pages"],
+                                                 c["last_page_len"], scale, P, tickets).float()).abs().max().item()
         kv_bytes = batch * H * WIDTH * P * D * 2 * DTYPE.itemsize
         row = dict(batch=batch, kv_mb=kv_bytes / 1e6, floor_us=kv_bytes / peak / 1e3,
                    flashinfer_us=1e3 * graph_replay_ms(fi, args.repeats),
                    kept_us=1e3 * graph_replay_ms(lambda: attend_kept(*kept_args), args.repeats),
                    recalled_us=1e3 * graph_replay_ms(lambda: recalled(parts), args.repeats),
-                   split_us=1e3 * graph_replay_ms(lambda: recalled(attend_kept(*kept_args)), args.repeats), max_err=err)
+                   split_us=1e3 * graph_replay_ms(lambda: recalled(attend_kept(*kept_args)), args.repeats), max_err=err,
+                   pages_max_err=pages_err)
         kernel = importlib.import_module("freekv_kernels.split_attention.triton")
         for shape in filter(None, args.recalled_shapes.split(",")):
             kernel._RECALLED_BLOCK, kernel._RECALLED_WARPS = map(int, shape.split("x"))
@@ -139,6 +204,20 @@ def main() -> None:
             print("      flashinfer: lists {:.1f} us, decode {:.1f} us; by split: {}".format(
                 row["flashinfer_lists_us"], row["flashinfer_decode_us"],
                 ", ".join(f"{k.rsplit('_', 1)[1]} {v:.1f}" for k, v in row.items() if "us_split" in k)))
+        if args.layers:
+            splits = [int(n) for n in filter(None, args.pages_splits.split(","))]
+            served = importlib.import_module("freekv_kernels.split_attention.triton")._PAGES_AT_ONCE
+            for name, runs in layer_paths(batch, args.layers, scale, splits).items():
+                row[f"layers_{name}_us"] = layers_us(runs, args.repeats)
+            for n in (int(x) for x in filter(None, args.pages_at_once.split(","))):
+                pages_at_once(n)
+                for name, runs in layer_paths(batch, args.layers, scale, splits).items():
+                    if name.startswith("pages"):
+                        row[f"layers_{name}_a{n}_us"] = layers_us(runs, args.repeats)
+                pages_at_once(served)
+            print(f"      {args.layers} layers in one graph, us a call: " + ", ".join(
+                f"{k[7:-3]} {v:.1f}" for k, v in row.items() if k.startswith("layers_")))
+            torch.cuda.empty_cache()
         rows.append(row)
         print(f"{batch:>5} {row['kv_mb']:>7.1f} {row['floor_us']:>8.1f} {row['flashinfer_us']:>10.1f} "
               f"{row['kept_us']:>7.1f} {row['recalled_us']:>8.1f} {row['split_us']:>7.1f} {err:>8.4f}")
