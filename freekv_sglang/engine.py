@@ -284,6 +284,8 @@ class FreeKVEngine:
                            for d in self.dense]
         self._recall = [None if d else torch.zeros(R, H, k, dtype=torch.int8, device=self.device)
                         for d in self.dense]
+        # cfg.attention "fused": attend_pages' counters, one per (row, KV head), zero between its calls
+        self._tickets = torch.zeros(R * H, dtype=torch.int32, device=self.device)
         # cfg.correct_at "previous_mlp"(_only): per sparse layer, by batch row, the heads anticipate() selected with the
         # predicted query; and its events, per layer anticipated this step (attend waits for them).
         self._early_heads = [None if d or not cfg.anticipates or not self.retrieval else
@@ -890,7 +892,8 @@ class FreeKVEngine:
         # The slot table is final once the selection has committed: the attention's first call runs beside the
         # recall, which writes only the pages of the slots coded PHASE_NOW, and its second after it.
         st.wait(e_sel)
-        finish = (attention or functools.partial(self._attend_split, layer))(q, kc, vc, plan, self.slot_table[layer])
+        own = self._attend_fused if self.cfg.attention == "fused" else functools.partial(self._attend_split, layer)
+        finish = (attention or own)(q, kc, vc, plan, self.slot_table[layer])
         st.wait(e_now)
         out = finish()
         if self.probe is not None:
@@ -994,6 +997,14 @@ class FreeKVEngine:
         if self._pending is not None:
             (plan, layer), self._pending = self._pending, None
             self._after_attention(plan, layer, anchor if anchor is not None else self.streams.record())
+
+    def _attend_fused(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: StepPlan,
+                      slots: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """cfg.attention "fused" as an Attention: nothing beside the recall before attention; after it, attend_pages
+        over the row's pages in one launch (the layers' calls run one after another on the compute stream, so they
+        share one set of its counters)."""
+        return lambda: self.ops.attend_pages(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, self.scale,
+                                             self.cfg.page_size, self._tickets)
 
     def _attend_split(self, layer: int, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: StepPlan,
                       slots: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -21,6 +21,7 @@ _OPS = {
     "sparse_decode_attention": ("sparse_attention", "sparse_decode_attention"),  # dense layers
     "attend_kept": ("split_attention", "attend_kept"),  # sparse layers: beside the recall before attention
     "attend_recalled": ("split_attention", "attend_recalled"),  # and after it
+    "attend_pages": ("split_attention", "attend_pages"),  # or both in one launch after it (--kv-attention fused)
     "plan_step": ("plan_step", "plan_step"),
     "channel_sketch_pages": ("channel_sketch", "channel_sketch_pages"),
     "tsp_select": ("tsp_select", "tsp_select"),  # FastKV prefill (the HF adapter)

@@ -207,7 +207,8 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="sparse layers' attention: 'backend' through the attention backend's decode kernel (exact "
                         "as full KV when the budget covers the context; waits for the correction's recall), "
                         "'split' through FreeKV's own kernels, which attend to the pages that stay beside that "
-                        f"recall (default {_DEFAULTS.attention})")
+                        "recall, 'fused' through FreeKV's own kernel in one launch after it (the fastest alone; "
+                        f"rounds apart from full KV) (default {_DEFAULTS.attention})")
     g.add_argument("--kv-selection", choices=(*SERVABLE_SELECTIONS, *BENCH_SELECTIONS), default=None,
                    help="how pages are scored: 'sketch' scores every page as attention mass from its mid-range "
                         "keys and the 2-bit codes of the channels the query weighs most (head_dim / 4 GPU bytes "

@@ -7,6 +7,7 @@
 # Triton cache on the machine, so a warm machine's later FreeKV servers load their kernels instead.
 #   bash scripts/gpu_decode_steps.sh predicted    # FreeKV, --kv-correct-at previous_mlp_only, 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh full         # full KV (FlashInfer), 16 and 1 x 32K
+#   bash scripts/gpu_decode_steps.sh fused        # predicted with --kv-attention fused (attend_pages), 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh programs     # predicted at 16 x 32K with --kv-recall-programs 48, then 64
 #   bash scripts/gpu_decode_steps.sh blocks       # predicted at 16 x 32K with --kv-recall-block 4, then 16 (the early
 #                                                 # lane's recall in fewer programs, which priority -2 puts ahead of
@@ -72,6 +73,7 @@ thin() {  # thin NAME SIDE_LANES_ARGS...: one side_lanes.py run on every SM
 case ${1:-} in
   predicted) decode predicted --context 32000 --batches 16,16,16,1,1 --configs "realistic-predicted $FP8" ;;
   full) decode full --context 32000 --batches 16,16,16,1,1 --configs full ;;
+  fused) decode fused --context 32000 --batches 16,16,16,1,1 --configs "realistic-predicted $FP8 --kv-attention fused" ;;
   programs) for n in 48 64; do
               decode "programs-$n" --context 32000 --batches 16 \
                 --configs "realistic-predicted $FP8 --kv-recall-programs $n"
@@ -136,5 +138,5 @@ case ${1:-} in
         ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
         TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|programs|blocks|trace|lanes|thin|copy|score|default|long|base" >&2; exit 2 ;;
+  *) echo "usage: $0 predicted|full|fused|programs|blocks|trace|lanes|thin|copy|score|default|long|base" >&2; exit 2 ;;
 esac

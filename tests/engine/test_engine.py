@@ -442,6 +442,15 @@ def test_triton_kernels_match_oracle(tau):
     run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=8, L=2, backend="triton", atol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_attention_matches_oracle(backend):
+    """--kv-attention fused (attend_pages, one launch after the recall before attention): the oracle's attention at
+    every step, with corrections before attention (tau 0.6) and rows of unequal length."""
+    cfg = FreeKVConfig(selection="sketch", budget=32, sink=16, window=16, page_size=16, tau=0.6, dense_layers=1,
+                       attention="fused")
+    run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=6, L=2, backend=backend, atol=1e-4)
+
+
 def test_framework_slots_padding_and_outside_dense_layers():
     """SGLang's usage: its own slot ids (req_pool_idx), row 0 for padding, dense layers run elsewhere,
     lengths given by the caller; a padded batch must not disturb the real rows."""

@@ -73,12 +73,12 @@ def recorder(monkeypatch, eng):
 
 
 def count_step(monkeypatch, method=None, outside=False, recall="delta", tau=0.5, selection="sketch", factor=None,
-               retrieval="freekv", head_dim=D, correct_at="layer", borrow=False):
+               retrieval="freekv", head_dim=D, correct_at="layer", borrow=False, attention="backend"):
     """Launches per sparse layer of the third decode step of two requests (slots filled, some heads flagged)."""
     D = head_dim
     cfg = FreeKVConfig(budget=64, sink=16, window=32, page_size=16, tau=tau, dense_layers=1, recall=recall,
                        selection=selection, rerank_factor=FreeKVConfig().rerank_factor if factor is None else factor,
-                       retrieval=retrieval, boundary_tau=tau, correct_at=correct_at)
+                       retrieval=retrieval, boundary_tau=tau, correct_at=correct_at, attention=attention)
     eng = FreeKVEngine(cfg, ModelShape(L, H * G, H, D), max_requests=3, max_context=512, dtype=torch.float32,
                        device=DEV, backend="triton", method=method, pad_slot=0, dense_outside=True)
     calibrate_synthetic(eng, gaussian_sample(eng))
@@ -176,6 +176,20 @@ def test_early_correction_alone_launches(monkeypatch, borrow):
     assert got == {
         "compute": {**({} if borrow else {"aten.clone": 1}), "_query_similarity_kernel": 1, "_attend_kept_kernel": 1,
                     "_attend_recalled_kernel": 1},
+        "early": {**channels, "_query_similarity_kernel": 1},
+        "speculate": speculative(channels),
+        "recall": RECALL,
+    }
+
+
+def test_fused_attention_launches(monkeypatch):
+    """--kv-attention fused with the correction one layer early alone, as served: the compute stream's whole sparse
+    layer is the similarity check's store (with the KV write) and one attention launch."""
+    got = count_step(monkeypatch, selection="channels", head_dim=32, correct_at="previous_mlp_only", borrow=True,
+                     attention="fused")
+    channels = {"_channel_lse_kernel": 1, "_select_chain_kernel": 1, "_recall_pages_kernel": 1}
+    assert got == {
+        "compute": {"_query_similarity_kernel": 1, "_attend_pages_kernel": 1},
         "early": {**channels, "_query_similarity_kernel": 1},
         "speculate": speculative(channels),
         "recall": RECALL,

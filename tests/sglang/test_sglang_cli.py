@@ -53,6 +53,7 @@ def test_freekv_settings_reach_server_args(prepare):
                      "--kv-bench-late-correction-rate", "0.05"])._freekv.config
     assert (early.replay_correction_rate, early.replay_late_rate) == (0.3, 0.05)
     assert prepare([*FREEKV, "--kv-attention", "split"])._freekv.config.attention == "split"
+    assert prepare([*FREEKV, "--kv-attention", "fused"])._freekv.config.attention == "fused"
     assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0,
                                               kvstore_timeout_s=12.5)
     assert sa.page_size == 64
