@@ -165,8 +165,10 @@ class FreeKVConfig:
         32K on an H200 (session 32): beside the recall, that attention shares HBM and SMs with the step's other work.
         "fused": FreeKV's own kernel in one launch after that recall (freekv_kernels.split_attention.attend_pages),
         reading the slot table's pages directly: no token lists, no second launch to merge the splits; rounds as a
-        different kernel does. Alone on an H200 (Llama-3.1-8B shape, 32K, budget 2048, a call of 32 in one graph)
-        9.6 µs against FlashInfer's path's 18.8 at one request, 48.6 against 58.0 at sixteen (session 56).
+        different kernel does. Served on an H200 (Llama-3.1-8B shape, 32K, budget 2048, previous_mlp_only, session
+        56): one request 5.68 ms a step against "backend"'s 6.04 (full KV 5.84); sixteen 10.95 against 10.80 with 4
+        programs a (row, KV head), which side_lanes.py put at FlashInfer's cost beside the side lanes and 2 programs
+        5% under it (2 is the kernel's choice there now; not yet served).
         A backend without a FreeKV row kernel always takes "split" unless "fused" is asked for.
     hysteresis: h >= 0: in a head's reselection its resident pages count (1 + h) times their score, so a page
         must hold more than (1 + h) times a resident page's attention mass to displace it. Pages near the top-k's

@@ -30,6 +30,7 @@ _RECALLED_WARPS = 4
 _PAGES_AT_ONCE = 2
 _PAGES_WARPS = 4
 _PAGES_MAX_SPLITS = 32
+_PAGES_PROGRAMS_PER_SM = 2
 
 
 def num_splits(batch: int, heads: int, width: int, device: torch.device) -> int:
@@ -40,11 +41,13 @@ def num_splits(batch: int, heads: int, width: int, device: torch.device) -> int:
 
 
 def pages_splits(batch: int, heads: int, width: int, device: torch.device) -> int:
-    """Programs a (row, KV head) of attend_pages (shapes only): a power of two near four programs an SM in all, at
-    most 32 (H200, Llama-3.1-8B's 8 KV heads, 85 pages a row, 32 layers' calls in one graph: 9.6 µs a call at one
-    request with 32 against 11.3 with 43 and 14.3 with 8; 17.4 at four requests with 16 against 19.9 with 8 and 23.4
-    with 32; 48.6 at sixteen with 5 against 53.6 with 8; FlashInfer's path 18.8, 27.4, 58.0)."""
-    target = _PROGRAMS_PER_SM * _sm_count(device.index) if device.type == "cuda" else _CPU_PROGRAMS
+    """Programs a (row, KV head) of attend_pages (shapes only): a power of two near two programs an SM in all, at most
+    32. H200, Llama-3.1-8B shape, 85 pages a row (session 56): alone (32 layers' calls in one graph) 9.6 µs a call at
+    one request with 32 against 11.3 with 43 and 14.3 with 8, and at sixteen 48.6 with 5 against 53.6 with 8
+    (FlashInfer's path 18.8 and 58.0); but beside the side lanes (benchmarks/side_lanes.py, 8 layers, every lane)
+    sixteen requests took 2.245 ms with 2 against 2.365 with 4, 2.405 with 8, 2.523 with 1 and FlashInfer's 2.370,
+    and the served step with 4 was 1.4% slower than FlashInfer's."""
+    target = _PAGES_PROGRAMS_PER_SM * _sm_count(device.index) if device.type == "cuda" else _CPU_PROGRAMS
     splits = 1 << (max(1, target // max(1, batch * heads)).bit_length() - 1)
     return max(1, min(splits, _PAGES_MAX_SPLITS, width))
 

@@ -154,6 +154,16 @@ def test_pages_split_counts(monkeypatch, splits, at_once):
     assert (tickets == 0).all()
 
 
+def test_pages_split_policy(monkeypatch):
+    """attend_pages' programs a (row, KV head) on a 132-SM GPU at the Llama shape's 8 KV heads: 32 at one request,
+    2 at sixteen (what beside the side lanes measured fastest), one past 33, never more than the row's pages."""
+    monkeypatch.setattr(split_triton, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    got = [split_triton.pages_splits(b, 8, 85, gpu) for b in (1, 4, 16, 33, 64)]
+    assert got == [32, 8, 2, 1, 1]
+    assert split_triton.pages_splits(1, 8, 5, gpu) == 5
+
+
 def test_bad_inputs():
     a, before = split_case(4, 2, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="recall must be"):
