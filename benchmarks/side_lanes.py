@@ -15,7 +15,7 @@ the SMs they hold. Alone beside the critical lane, the scoring cost 0.25 ms (72%
 Per layer, at the Llama-3.1-8B shape and --batch rows:
   critical  the QKV, output, gate/up and down projections (bf16 GEMMs, weights of --layers distinct layers so that
             they stream from HBM) and attention over the budget (SDPA, group rows as queries, sink + slots + window =
-            2,688 tokens a (row, KV head)), on a stream at the critical priority (-1), as FreeKV's decode graph;
+            2,688 tokens a (row, KV head); or with --attention the served paths over FreeKV's paged layout), on a stream at the critical priority (-1), as FreeKV's decode graph;
   side      the speculative lane (forked at each layer's start; served, its scoring starts just before attention):
             the channel sketch's scoring of every head over --pages candidate pages, select_chain with the
             realistic replay (PHASE_LATER), and the recall of its changed slots from an FP8 host arena with
@@ -45,10 +45,12 @@ import freekv_kernels.page_select.triton as select_kernels
 import freekv_kernels.recall.triton as recall_kernels
 import select_chain as chain_bench
 import sketch_lse
+import split_attention
 import torch
 import torch.nn.functional as F
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
 from freekv_kernels.recall import recall_pages
+from freekv_kernels.split_attention import attend_pages
 from freekv_kernels.testing import smid_probe, sms_touched
 from freekv_sglang.streams import CRITICAL_PRIORITY, EARLY_PRIORITY
 from gpu_timing import time_ms
@@ -64,23 +66,38 @@ LANES = ("score", "chain", "recall")
 
 
 class Critical:
-    """The critical lane's kernels of --layers distinct layers."""
+    """The critical lane's kernels of --layers distinct layers. Attention (--attention): SDPA over the budget as one
+    dense block a (row, KV head); or the served paths over FreeKV's paged layout (split_attention.py's cases): the
+    token lists and FlashInfer's decode (--kv-attention backend), or attend_pages (--kv-attention fused) with
+    `pages_splits` programs a (row, KV head) (None: its own choice)."""
 
-    def __init__(self, batch: int, layers: int, dev: str = "cuda"):
+    def __init__(self, batch: int, layers: int, attention: str = "sdpa", pages_splits: int | None = None,
+                 dev: str = "cuda"):
         w = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16) * 0.02  # noqa: E731
         self.x = w(batch, HIDDEN)
         self.wqkv = [w(HIDDEN, QKV) for _ in range(layers)]
         self.wo = [w(HIDDEN, HIDDEN) for _ in range(layers)]
         self.wgu = [w(HIDDEN, 2 * INTER) for _ in range(layers)]
         self.wd = [w(INTER, HIDDEN) for _ in range(layers)]
-        self.q = w(batch * KV_HEADS, 1, GROUP, D)
-        self.kv = [w(2, batch * KV_HEADS, 1, BUDGET_TOKENS, D) for _ in range(layers)]
+        if attention == "sdpa":
+            q = w(batch * KV_HEADS, 1, GROUP, D)
+            kv = [w(2, batch * KV_HEADS, 1, BUDGET_TOKENS, D) for _ in range(layers)]
+            self.attend = [lambda kv=kv[i]: F.scaled_dot_product_attention(q, kv[0], kv[1]) for i in range(layers)]
+        else:
+            cases = [split_attention.case(batch, 0.0, 0.0, seed=1000 * batch + i) for i in range(layers)]
+            if attention == "flashinfer":
+                self.attend = [split_attention.flashinfer_path(c, batch) for c in cases]
+            else:
+                tickets = torch.zeros(batch * KV_HEADS, dtype=torch.int32, device=dev)
+                self.attend = [lambda c=c: attend_pages(c["q"], c["k_cache"], c["v_cache"], c["row_table"],
+                                                        c["row_pages"], c["last_page_len"], D ** -0.5,
+                                                        split_attention.P, tickets, pages_splits) for c in cases]
 
     def qkv(self, i: int) -> None:
         self.x @ self.wqkv[i]
 
     def attention(self, i: int) -> None:
-        F.scaled_dot_product_attention(self.q, self.kv[i][0], self.kv[i][1])
+        self.attend[i]()
         self.x @ self.wo[i]
 
     def mlp(self, i: int) -> None:
@@ -261,6 +278,11 @@ def main() -> None:
                     help="side kernels launched with other warps than served (thinner CTAs): score (served "
                          f"{sketch_kernels.CHANNEL_WARPS}), chain ({select_kernels.TOPK_SINGLE_WARPS}), recall "
                          f"({recall_kernels.RECALL_WARPS}); the early lane's too")
+    ap.add_argument("--attention", choices=("sdpa", "flashinfer", "pages"), default="sdpa",
+                    help="the critical lane's attention: SDPA over a dense block, or the served paths over the paged "
+                         "layout: FlashInfer's (--kv-attention backend) or attend_pages (--kv-attention fused)")
+    ap.add_argument("--pages-splits", type=int, default=None,
+                    help="with --attention pages: its programs a (row, KV head) (default: its own choice)")
     ap.add_argument("--churn", type=float, default=0.15)
     ap.add_argument("--returns", type=float, default=0.5)
     ap.add_argument("--victims", type=int, default=64, help="victim entries a head (64: --kv-victim 2048)")
@@ -280,7 +302,7 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
               "args": vars(args), "rows": []}
     with torch.cuda.stream(main_stream):
-        critical = Critical(args.batch, args.layers)
+        critical = Critical(args.batch, args.layers, args.attention, args.pages_splits)
         side = Lane(args.batch, args.pages, args.layers, PHASE_LATER, 1.0, lanes, args.recall_programs, args.churn,
                     args.returns, args.victims, recall_via=args.recall_via)
         early = early_stream = None
@@ -296,7 +318,8 @@ def main() -> None:
             return timed(lambda: run(args.layers, *lanes_args, **kw), args.repeats)
 
         print(f"{result['gpu']} ({result['sms']} SMs): {args.layers} layers at {args.batch} rows, side lanes "
-              f"{args.lanes} over {args.pages} pages, recall {args.recall_programs} programs; ms a run")
+              f"{args.lanes} over {args.pages} pages, recall {args.recall_programs} programs, attention "
+              f"{args.attention}{'' if args.pages_splits is None else f' ({args.pages_splits} splits)'}; ms a run")
         crit, err = timed_run(critical)
         if crit is None:
             raise SystemExit(f"the critical lane alone was not captured: {err}")

@@ -28,6 +28,9 @@
 #                                                 # staged: then the served recall kernel reading it from HBM)
 #                                                 # against the served recall, at 16 rows and 1; then the host's
 #                                                 # gather of those pages by thread count (host_gather.py)
+#   bash scripts/gpu_decode_steps.sh attn         # no server: side_lanes.py with the served attention paths in the
+#                                                 # critical lane (FlashInfer's, attend_pages at 1-8 splits), every
+#                                                 # lane beside it, at 16 rows and 1
 #   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
 #                                                 # --kv-speculate-at attention (where the scoring sits without a
 #                                                 # correction chain before attention)
@@ -129,6 +132,10 @@ case ${1:-} in
         t=$(left) && timeout $t python3 benchmarks/host_gather.py --arena-gb 8 --threads 1,2,4,8,16 \
           --out "$OUT/thin-host-gather.json" 2>&1 | tee -a "$OUT/thin.log" | tail -n 7
         (cd "$OUT" && tar czf copy.tgz thin-*.json thin.log && rm -f thin-*.json thin.log) ;;
+  attn) for a in flashinfer pages; do thin "attn-$a" --attention $a --early 0.3; done  # the served paths beside the
+        for n in 1 2 8; do thin "attn-pages-s$n" --attention pages --pages-splits $n --early 0.3; done  # side lanes
+        for a in flashinfer pages; do thin "attn-b1-$a" --attention $a --early 0.3 --batch 1; done
+        (cd "$OUT" && tar czf attn.tgz thin-*.json thin.log && rm -f thin-*.json thin.log) ;;
   score) decode score-132 --context 32000 --batches 16,16,16 \
            --configs "realistic-predicted $FP8 --kv-score-programs 132"
          decode speculate-attention --context 32000 --batches 16,16,16 \
@@ -138,5 +145,5 @@ case ${1:-} in
         ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
         TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|fused|programs|blocks|trace|lanes|thin|copy|score|default|long|base" >&2; exit 2 ;;
+  *) echo "usage: $0 predicted|full|fused|programs|blocks|trace|lanes|thin|copy|attn|score|default|long|base" >&2; exit 2 ;;
 esac
