@@ -23,6 +23,7 @@ _OPS = {
     "attend_recalled": ("split_attention", "attend_recalled"),  # and after it
     "attend_pages": ("split_attention", "attend_pages"),  # or both in one launch after it (--kv-attention fused)
     "plan_step": ("plan_step", "plan_step"),
+    "fp8_linear": ("fp8_linear", "fp8_linear"),  # --kv-early-weights fp8: the early lane's query projection
     "channel_sketch_pages": ("channel_sketch", "channel_sketch_pages"),
     "tsp_select": ("tsp_select", "tsp_select"),  # FastKV prefill (the HF adapter)
     # LouisKV (freekv_sglang/louiskv.py)

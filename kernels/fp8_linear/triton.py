@@ -1,0 +1,61 @@
+"""Triton fp8_linear: a small-batch GEMM that reads its weight as e4m3, half the bytes of bf16 (the early lane's query
+projection re-reads W_q every layer: at one request its bytes, not its FLOPs, are the cost).
+
+Grid (N / BLOCK_N, M / BLOCK_M): each program streams BLOCK_N rows of W over K in BLOCK_K steps, widening e4m3 to x's
+dtype (exact) for a tensor-core dot with fp32 sums, then scales each output column by its row's 2**e and adds the
+bias. Small BLOCK_N so that a few rows of a large W spread over every SM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._alloc import empty
+from .._utils import check_device, interpret_mode
+from ..fp8_rows.triton import pow2
+from .naive import check_fp8_linear_args
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 16, 512  # tl.dot needs >= 16 in every dimension
+STAGES, WARPS = 3, 4
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, M, N, K, sx_m, sw_n, sy_m,
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    m = tl.program_id(1) * BM + tl.arange(0, BM)
+    k = tl.arange(0, BK)
+    n_mask, m_mask = n < N, m < M
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k_mask = k0 + k < K
+        x = tl.load(x_ptr + m[:, None] * sx_m + (k0 + k)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * sw_n + (k0 + k)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if DOT_F32:  # fp32 "ieee" dots for fp32 x and the interpreter, which mis-multiplies bf16
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    y = acc * pow2(tl.load(e_ptr + n, mask=n_mask, other=0).to(tl.int32))[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + m[:, None] * sy_m + n[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, e: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    check_device(x, w, e, *(() if bias is None else (bias,)))
+    check_fp8_linear_args(x, w, e, bias)
+    if x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"x and w must be contiguous in K, got strides {x.stride()} and {w.stride()}")
+    M, K = x.shape
+    N = w.shape[0]
+    y = empty(M, N, dtype=x.dtype, device=x.device)
+    if M and N:
+        _fp8_linear_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))](
+            x, w, e, bias if bias is not None else e, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
+            BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, STAGES=STAGES, HAS_BIAS=bias is not None,
+            DOT_F32=x.dtype == torch.float32 or interpret_mode(), num_warps=WARPS)
+    return y
