@@ -38,6 +38,7 @@ DEFAULT_HYSTERESIS = 1.0
 HOST_DTYPES = ("auto", "fp8_e4m3")
 SPECULATE_AT = ("attention", "next_recall")
 CORRECT_AT = ("layer", "previous_mlp", "previous_mlp_only")
+EARLY_WEIGHTS = ("model", "fp8")
 # FastKV's observation window: the last prompt tokens, whose queries score the prompt and which always propagate
 # (freekv_kernels.tsp_select.WINDOW; a test keeps the two equal).
 TSP_WINDOW = 8
@@ -157,6 +158,12 @@ class FreeKVConfig:
         selection for this step (session 50's study: attention mass within 0.002-0.003 of the paper's correction,
         85-90% of what the correction adds over the speculative selection alone). The heads the prediction selects
         are selected again with the real query after attention, as every head is.
+    early_weights: with correct_at previous_mlp(_only) in a server, the W_q the predicted query is projected with.
+        "model" (default): the model's own (bf16), re-read by every layer's early lane (32 MB a layer on the
+        Llama-3.1-8B shape, ~9 µs of a one-request layer on an H200, session 55). "fp8": an e4m3 copy with one
+        power-of-two scale an output row (freekv_kernels.fp8_rows), made at startup and counted in the GPU memory plan
+        (~0.5 GB on that shape), read by freekv_kernels.fp8_linear: half the bytes. On SmolLM2-135M (CPU, session 55)
+        it selects as bf16 does (covered mass 0.9306 both, correction rate 0.782 both). Not yet timed on a GPU.
     attention: how a served sparse layer attends. "backend" (default): through the wrapped backend's own decode kernel
         (FlashInfer's or SGLang's Triton one), one row per (request, KV head), so with a budget that covers the
         context the answers match a full-KV server token for token; it starts after the recall before attention.
@@ -219,6 +226,7 @@ class FreeKVConfig:
     score_programs: int = 0
     speculate_at: str = "next_recall"
     correct_at: str = "layer"
+    early_weights: str = "model"
     attention: str = "backend"
     selection: str = "channels"
     rerank_factor: int = 2
@@ -293,6 +301,12 @@ class FreeKVConfig:
             raise ValueError(f"speculate_at must be one of {', '.join(SPECULATE_AT)}, got {self.speculate_at!r}")
         if self.correct_at not in CORRECT_AT:
             raise ValueError(f"correct_at must be one of {', '.join(CORRECT_AT)}, got {self.correct_at!r}")
+        if self.early_weights not in EARLY_WEIGHTS:
+            raise ValueError(f"early_weights must be one of {', '.join(EARLY_WEIGHTS)}, got {self.early_weights!r}")
+        if self.early_weights != "model" and not self.anticipates:
+            raise ValueError(f"early_weights {self.early_weights!r} stores the W_q of the correction one layer early, "
+                             "which correct_at 'layer' does not run: set correct_at previous_mlp(_only) or drop "
+                             "early_weights")
         if self.anticipates and self.retrieval != "freekv":
             raise ValueError(f"correct_at {self.correct_at!r} moves FreeKV's correction, which retrieval "
                              f"{self.retrieval!r} does not run: drop correct_at")

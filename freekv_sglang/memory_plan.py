@@ -31,20 +31,25 @@ class MemoryPlan:
     staging_bytes: int
     engine_bytes: int
     available_bytes: int
+    early_bytes: int = 0  # early_weights "fp8": the W_q copies of the correction one layer early
 
     def describe(self) -> str:
         gb = 1e9
         return (f"{self.tokens} tokens (the arena's), {self.max_requests} request slots (room for "
                 f"{self.gpu_requests}); GPU: dense layers "
                 f"{self.dense_bytes / gb:.2f} GB + staging {self.staging_pages} pages {self.staging_bytes / gb:.2f} GB "
-                f"+ engine {self.engine_bytes / gb:.2f} GB of {self.available_bytes / gb:.2f} GB available")
+                f"+ engine {self.engine_bytes / gb:.2f} GB"
+                + (f" + early W_q {self.early_bytes / gb:.2f} GB" if self.early_bytes else "")
+                + f" of {self.available_bytes / gb:.2f} GB available")
 
 
 def plan_memory(available_bytes: int, *, cfg: FreeKVConfig, shape: ModelShape, dtype_bytes: int, host_pages: int,
                 context_len: int, prefill_tokens: int, max_running_requests: int | None = None,
-                max_total_tokens: int | None = None) -> MemoryPlan:
+                max_total_tokens: int | None = None, hidden_size: int = 0) -> MemoryPlan:
     """Split `available_bytes` of GPU memory. `prefill_tokens`: the most new tokens one prefill batch holds
-    (SGLang's max_prefill_tokens or chunk size, whichever is larger); `context_len`: the longest request."""
+    (SGLang's max_prefill_tokens or chunk size, whichever is larger); `context_len`: the longest request;
+    `hidden_size`: the model's, which sizes early_weights "fp8"'s copies of W_q (one byte a weight and one an output
+    row, every layer predicted)."""
     p, H, D = cfg.page_size, shape.num_kv_heads, shape.head_dim
     tokens = host_pages * p
     if max_total_tokens is not None:
@@ -67,12 +72,20 @@ def plan_memory(available_bytes: int, *, cfg: FreeKVConfig, shape: ModelShape, d
 
     # Each request slot costs its engine pages and, as a prefill batch row, up to one staging page.
     per_request = engine(2) - engine(1) + staging_page_bytes
-    left = available_bytes - dense_bytes - staging(0) * staging_page_bytes - engine(1)
+    early_bytes = 0
+    if cfg.early_weights == "fp8":
+        if hidden_size <= 0:
+            raise ValueError("early_weights 'fp8' needs the model's hidden_size to plan its W_q copies")
+        q_size = shape.num_q_heads * D
+        early_bytes = (shape.num_layers - max(cfg.dense_layers, 1)) * q_size * (hidden_size + 1)
+    left = available_bytes - early_bytes - dense_bytes - staging(0) * staging_page_bytes - engine(1)
     gpu_requests = left // per_request
     requests = min(max_running_requests or DEFAULT_MAX_REQUESTS, gpu_requests)
     if requests < 1:
         raise FreeKVArgsError(
-            f"FreeKV's GPU share does not fit in {available_bytes / 1e9:.2f} GB: dense layers "
+            f"FreeKV's GPU share does not fit in {available_bytes / 1e9:.2f} GB: "
+            + (f"early W_q {early_bytes / 1e9:.2f} GB (drop --kv-early-weights fp8), " if early_bytes else "")
+            + "dense layers "
             f"{dense_bytes / 1e9:.2f} GB for {tokens} tokens, staging {staging(1) * staging_page_bytes / 1e9:.2f} GB "
             f"for a {context_len}-token prompt, {per_request / 1e9:.3f} GB per request; pass a smaller "
             "--kvstore-arena-gb, --context-length, --chunked-prefill-size or --kv-budget, or a larger "
@@ -80,4 +93,4 @@ def plan_memory(available_bytes: int, *, cfg: FreeKVConfig, shape: ModelShape, d
     pages = staging(requests)
     return MemoryPlan(tokens=tokens, max_requests=requests, gpu_requests=gpu_requests, staging_pages=pages, dense_bytes=dense_bytes,
                       staging_bytes=(pages + 1) * staging_page_bytes, engine_bytes=engine(requests + 1),
-                      available_bytes=available_bytes)
+                      available_bytes=available_bytes, early_bytes=early_bytes)

@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .config import (ATTENTIONS, BENCH_SELECTIONS, CORRECT_AT, DEFAULT_HYSTERESIS, DEFAULT_SKETCH_CHANNELS,
-                     HOST_DTYPES, PREFILLS, RECALL_MODES, SERVABLE_SELECTIONS, SPECULATE_AT, FreeKVConfig)
+                     EARLY_WEIGHTS, HOST_DTYPES, PREFILLS, RECALL_MODES, SERVABLE_SELECTIONS, SPECULATE_AT,
+                     FreeKVConfig)
 
 ENV_KV_RETRIEVAL = "SGLANG_KV_RETRIEVAL"
 ENV_FREEKV_ARGS = "FREEKV_ARGS"
@@ -60,6 +61,7 @@ _KNOB_FLAGS = {
     "kv_score_programs": ("--kv-score-programs", "score_programs"),
     "kv_speculate_at": ("--kv-speculate-at", "speculate_at"),
     "kv_correct_at": ("--kv-correct-at", "correct_at"),
+    "kv_early_weights": ("--kv-early-weights", "early_weights"),
     "kv_attention": ("--kv-attention", "attention"),
     "kv_selection": ("--kv-selection", "selection"),
     "kv_rerank_factor": ("--kv-rerank-factor", "rerank_factor"),
@@ -79,7 +81,7 @@ _KNOB_FLAGS = {
 }
 # Knobs of one retrieval policy only: given with the other, they are refused rather than ignored.
 _FREEKV_ONLY = ("kv_correction_threshold", "kv_recall_programs", "kv_score_programs", "kv_speculate_at",
-                "kv_correct_at", "kv_selection",
+                "kv_correct_at", "kv_early_weights", "kv_selection",
                 "kv_rerank_factor", "kv_sketch_channels", "kv_hysteresis", "kv_bench_correction_rate",
                 "kv_bench_churn", "kv_bench_returns", "kv_bench_late_correction_rate")
 _LOUISKV_ONLY = ("kv_boundary_threshold", "kv_cluster_size", "kv_segment", "kv_kmeans_iters")
@@ -203,6 +205,11 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         "prediction missed (slower than 'layer' on an H200, session 51); 'previous_mlp_only' one layer "
                         "early alone, with nothing of the correction on the critical path (a head the prediction "
                         f"misses keeps last step's selection for the step) (default {_DEFAULTS.correct_at})")
+    g.add_argument("--kv-early-weights", choices=EARLY_WEIGHTS, default=None,
+                   help="with --kv-correct-at previous_mlp(_only): the W_q the predicted query is projected with, "
+                        "'model' the model's own, 'fp8' an e4m3 copy made at startup (half the bytes the early lane "
+                        "reads each layer, ~0.5 GB of GPU memory on Llama-3.1-8B, counted in the memory plan; needs "
+                        f"a GPU with FP8, sm_89 or newer) (default {_DEFAULTS.early_weights})")
     g.add_argument("--kv-attention", choices=ATTENTIONS, default=None,
                    help="sparse layers' attention: 'backend' through the attention backend's decode kernel (exact "
                         "as full KV when the budget covers the context; waits for the correction's recall), "

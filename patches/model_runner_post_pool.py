@@ -14,7 +14,8 @@ the attention backends are built and the CUDA graphs captured. With FreeKV on it
   - with --kv-correct-at previous_mlp(_only), wraps the decoder layers and their post-attention norms so each sparse
     layer's query is predicted from the previous layer's mid residual (freekv_sglang.early_query; state on the
     runner, runner._freekv_early, for the FreeKV backend): the next layer's input norm, the Q rows of its qkv_proj and
-    its rotary embedding, as Llama's and Qwen2's attention hold them; unquantized weights and no QK norm;
+    its rotary embedding, as Llama's and Qwen2's attention hold them; unquantized weights and no QK norm; with
+    --kv-early-weights fp8, an e4m3 copy of each Q block made here (the memory plan counted it);
   - with --kv-prefill tsp (with FreeKV or alone), wraps the model's decoder layers (model.model.layers, called as Llama's and Qwen2's are)
     for token-selective propagation (freekv_sglang.tsp_propagation) and leaves their shared state on the runner
     (runner._freekv_tsp) for the FreeKV backend.
@@ -77,7 +78,7 @@ def hook(result, self):
     if settings.config.prefill == "tsp":
         _install_tsp(self, settings.config.tsp_layer)
     if settings.config.anticipates:
-        _install_early(self, settings.config.dense_layers, settings.config.correct_at)
+        _install_early(self, settings.config.dense_layers, settings.config.correct_at, settings.config.early_weights)
     pool = getattr(self, "req_to_token_pool", None)
     if pool is not None:
         pool._freekv_enabled = True
@@ -115,7 +116,7 @@ def _install_tsp(runner, tsp_layer: int) -> None:
     install(layers, tsp_layer, state)
 
 
-def _install_early(runner, dense_layers: int, correct_at: str) -> None:
+def _install_early(runner, dense_layers: int, correct_at: str, weights: str = "model") -> None:
     import inspect
 
     import torch
@@ -127,6 +128,16 @@ def _install_early(runner, dense_layers: int, correct_at: str) -> None:
     flag = f"--kv-correct-at {correct_at}"
     layers = _whole_layers(runner, flag, "--kv-correct-at")
     model = runner.model
+    if weights == "fp8":
+        from freekv_kernels.fp8_rows import naive_quantize_rows
+        from freekv_sglang.ops import load_ops
+
+        w0 = layers[-1].self_attn.qkv_proj.weight
+        if w0.is_cuda and torch.cuda.get_device_capability(w0.device) < (8, 9):
+            raise FreeKVArgsError("--kv-early-weights fp8 needs FP8 arithmetic (compute capability 8.9 or newer), "
+                                  f"this GPU is {torch.cuda.get_device_name(w0.device)}: drop --kv-early-weights")
+        # The Triton kernel on a GPU; its torch reference (the same sums) where the model runs on the CPU.
+        fp8_linear = load_ops("triton" if w0.is_cuda else "torch").fp8_linear
 
     def fused_norm(layer, norm: str) -> bool:  # SGLang's Llama/Qwen2 call: the norm adds the residual itself
         try:
@@ -166,11 +177,16 @@ def _install_early(runner, dense_layers: int, correct_at: str) -> None:
         w = weight[:q_size]
         bias = getattr(qkv, "bias", None)
         b = None if bias is None else bias[:q_size]
+        if weights == "fp8":  # a copy (planned in the memory plan's early W_q): half the bytes each step reads
+            w8, e = naive_quantize_rows(w.detach())
+            project = lambda x: fp8_linear(x, w8, e, b)  # noqa: E731
+        else:
+            project = lambda x: F.linear(x, w, b)  # noqa: E731
 
         normalize = norm.forward  # not early_query's wrapper of it, which releases the mid residual
 
         def predict(mid: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            q = F.linear(normalize(mid), w, b)
+            q = project(normalize(mid))
             # rope rotates a key too: an unwritten one (its result is dropped), so no fill kernel joins the lane
             q, _ = rope(positions, q, torch.empty_like(q[:, :attn.kv_size]))
             return q

@@ -85,3 +85,18 @@ def test_plan_spends_the_gpu_on_request_slots():
     assert plan_memory(int(60e9), max_running_requests=8, **kw).max_requests == 8
     with pytest.raises(FreeKVArgsError, match="--mem-fraction-static"):
         plan_memory(int(5e9), **kw)
+
+
+def test_fp8_early_weights_are_planned():
+    """--kv-early-weights fp8: every predicted layer's W_q copy (a byte a weight and one an output row) comes off
+    what the request slots get, and the plan says so; without the model's hidden size it cannot be planned."""
+    shape = ModelShape(32, 32, 8, 128)
+    args = dict(shape=shape, dtype_bytes=2, host_pages=20_000, context_len=32_768, prefill_tokens=8192)
+    base = FreeKVConfig(correct_at="previous_mlp_only")
+    fp8 = FreeKVConfig(correct_at="previous_mlp_only", early_weights="fp8")
+    plain = plan_memory(40 * 10**9, cfg=base, **args)
+    early = plan_memory(40 * 10**9, cfg=fp8, hidden_size=4096, **args)
+    assert early.early_bytes == 31 * 4096 * 4097 and plain.early_bytes == 0
+    assert early.gpu_requests < plain.gpu_requests and "early W_q 0.52 GB" in early.describe()
+    with pytest.raises(ValueError, match="hidden_size"):
+        plan_memory(40 * 10**9, cfg=fp8, **args)

@@ -106,6 +106,24 @@ def test_decode_forwards_predict_each_sparse_layers_query():
         torch.testing.assert_close(q, layers[j].self_attn.seen[-1])
 
 
+def test_fp8_weights_predict_within_e4m3s_rounding():
+    """--kv-early-weights fp8: the prediction through an e4m3 copy of each W_q (here its torch reference, on the CPU)
+    stays within e4m3's rounding of the real query."""
+    torch.manual_seed(1)
+    layers = torch.nn.ModuleList(Layer() for _ in range(3))
+    runner = runner_of(layers)
+    with torch.no_grad():
+        _install_early(runner, dense_layers=1, correct_at="previous_mlp_only", weights="fp8")
+        calls = []
+        runner._freekv_early.target = lambda layer, predict, inputs: calls.append((layer, predict(*inputs)))
+        run(layers, decode=True)
+    assert [j for j, _ in calls] == [1, 2]
+    for j, q in calls:
+        real = layers[j].self_attn.seen[-1]
+        assert not torch.equal(q, real)  # a copy, not the model's W_q
+        assert (q - real).norm() <= 0.05 * real.norm()
+
+
 def test_the_dense_layers_are_not_predicted():
     layers = torch.nn.ModuleList(Layer() for _ in range(4))
     runner = runner_of(layers)

@@ -54,6 +54,8 @@ def test_freekv_settings_reach_server_args(prepare):
     assert (early.replay_correction_rate, early.replay_late_rate) == (0.3, 0.05)
     assert prepare([*FREEKV, "--kv-attention", "split"])._freekv.config.attention == "split"
     assert prepare([*FREEKV, "--kv-attention", "fused"])._freekv.config.attention == "fused"
+    fp8 = prepare([*FREEKV, "--kv-correct-at", "previous_mlp_only", "--kv-early-weights", "fp8"])
+    assert fp8._freekv.config.early_weights == "fp8"
     assert sa._freekv == FreeKVServerSettings(config=want, kvstore_endpoint=None, kvstore_arena_gb=4.0,
                                               kvstore_timeout_s=12.5)
     assert sa.page_size == 64
@@ -129,6 +131,7 @@ REFUSED = [
     (["--kv-bench-correction-rate", "0.3", "--kv-bench-late-correction-rate", "0.05"], "--kv-correct-at"),
     (["--kv-correct-at", "previous_mlp", "--kv-prefill", "tsp", "--disable-radix-cache",
       "--chunked-prefill-size", "-1"], "--kv-correct-at"),
+    (["--kv-early-weights", "fp8"], "--kv-early-weights"),  # without the correction one layer early
     (["--kvstore-arena-gb", "0"], "--kvstore-arena-gb"),
     (["--kvstore-timeout", "1"], "--kvstore-timeout"),  # shorter than an embedded daemon's restart
     (["--kvstore-timeout", "nan"], "--kvstore-timeout"),
