@@ -15,7 +15,8 @@ the SMs they hold. Alone beside the critical lane, the scoring cost 0.25 ms (72%
 Per layer, at the Llama-3.1-8B shape and --batch rows:
   critical  the QKV, output, gate/up and down projections (bf16 GEMMs, weights of --layers distinct layers so that
             they stream from HBM) and attention over the budget (SDPA, group rows as queries, sink + slots + window =
-            2,688 tokens a (row, KV head); or with --attention the served paths over FreeKV's paged layout), on a stream at the critical priority (-1), as FreeKV's decode graph;
+            2,688 tokens a (row, KV head); or with --attention the served paths over FreeKV's paged layout), on a
+            stream at the critical priority (-1), as FreeKV's decode graph;
   side      the speculative lane (forked at each layer's start; served, its scoring starts just before attention):
             the channel sketch's scoring of every head over --pages candidate pages, select_chain with the
             realistic replay (PHASE_LATER), and the recall of its changed slots from an FP8 host arena with
@@ -49,6 +50,8 @@ import split_attention
 import torch
 import torch.nn.functional as F
 from freekv_kernels.page_select import PHASE_LATER, PHASE_NOW
+from freekv_kernels.fp8_linear import fp8_linear
+from freekv_kernels.fp8_rows import naive_quantize_rows
 from freekv_kernels.recall import recall_pages
 from freekv_kernels.split_attention import attend_pages
 from freekv_kernels.testing import smid_probe, sms_touched
@@ -146,7 +149,7 @@ class Lane:
 
     def __init__(self, batch: int, pages: int, layers: int, phase: int, flagged: float, lanes: set[str],
                  recall_programs: int, churn: float, returns: float, victims: int, projection: str = "lane",
-                 recall_via: str = "kernel", dev: str = "cuda"):
+                 recall_via: str = "kernel", early_weights: str = "model", dev: str = "cuda"):
         self.phase, self.lanes, self.recall_programs, self.victims = phase, lanes, recall_programs, victims
         self.recall_via = recall_via
         changed = batch * KV_HEADS * 64 * churn
@@ -157,6 +160,8 @@ class Lane:
         self.x = torch.randn(batch, HIDDEN, device=dev, dtype=torch.bfloat16)
         self.wq = [torch.randn(HIDDEN, HIDDEN, device=dev, dtype=torch.bfloat16) * 0.02
                    for _ in range(layers if early else 0)]
+        # --early-weights fp8: W_q as e4m3 rows (nn.Linear's [out, in]) read by fp8_linear, as --kv-early-weights fp8
+        self.wq8 = [naive_quantize_rows(w.T.contiguous()) for w in self.wq] if early_weights == "fp8" else None
         self.score_case = sketch_lse.case("llama", batch, pages, flagged if early else 1.0,
                                           seed=batch + pages + early, dev=dev)
         self.c = chain_bench.case(batch, pages, flagged if early else 0.0, seed=batch + early, shape="llama", dev=dev)
@@ -169,7 +174,10 @@ class Lane:
             self.select(0)
 
     def project(self, i: int) -> None:
-        self.x @ self.wq[i]
+        if self.wq8 is not None:
+            fp8_linear(self.x, *self.wq8[i])
+        else:
+            self.x @ self.wq[i]
 
     def layer(self, i: int) -> None:
         if self.wq and self.projection == "lane":
@@ -268,6 +276,9 @@ def main() -> None:
     ap.add_argument("--early-projection", choices=("lane", "critical", "none"), default="lane",
                     help="where the early lane's query projection runs: on its own stream beside the MLP (served), "
                          "on the critical lane just before the MLP, or nowhere (its share of the lane's cost)")
+    ap.add_argument("--early-weights", choices=("model", "fp8"), default="model",
+                    help="the early lane's W_q: bf16 (served default) or an e4m3 copy read by fp8_linear "
+                         "(--kv-early-weights fp8)")
     ap.add_argument("--recall-via", choices=("kernel", "copy", "dma", "staged"), default="kernel",
                     help="the speculative recall as served (SMs read the host pages), or its GPU side if the host "
                          "gathered them first: copy, one copy-engine transfer, the FP8 pages' conversion and scatter "
@@ -308,7 +319,7 @@ def main() -> None:
         early = early_stream = None
         if args.early:
             early = Lane(args.batch, args.pages, args.layers, PHASE_NOW, args.early, set(LANES), 0, args.churn,
-                         args.returns, args.victims, args.early_projection)
+                         args.returns, args.victims, args.early_projection, early_weights=args.early_weights)
             early_stream = torch.cuda.Stream(priority=EARLY_PRIORITY)
 
         def timed_run(*lanes_args, **kw):  # every timing replays the same churn draws

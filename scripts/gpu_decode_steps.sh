@@ -8,6 +8,7 @@
 #   bash scripts/gpu_decode_steps.sh predicted    # FreeKV, --kv-correct-at previous_mlp_only, 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh full         # full KV (FlashInfer), 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh fused        # predicted with --kv-attention fused (attend_pages), 16 and 1 x 32K
+#   bash scripts/gpu_decode_steps.sh fp8w         # fused with --kv-early-weights fp8 (the early lane's W_q in e4m3)
 #   bash scripts/gpu_decode_steps.sh programs     # predicted at 16 x 32K with --kv-recall-programs 48, then 64
 #   bash scripts/gpu_decode_steps.sh blocks       # predicted at 16 x 32K with --kv-recall-block 4, then 16 (the early
 #                                                 # lane's recall in fewer programs, which priority -2 puts ahead of
@@ -30,7 +31,8 @@
 #                                                 # gather of those pages by thread count (host_gather.py)
 #   bash scripts/gpu_decode_steps.sh attn         # no server: side_lanes.py with the served attention paths in the
 #                                                 # critical lane (FlashInfer's, attend_pages at 1-8 splits), every
-#                                                 # lane beside it, at 16 rows and 1
+#                                                 # lane beside it, at 16 rows and 1; then the early lane's
+#                                                 # W_q in e4m3 (--kv-early-weights fp8)
 #   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
 #                                                 # --kv-speculate-at attention (where the scoring sits without a
 #                                                 # correction chain before attention)
@@ -76,7 +78,10 @@ thin() {  # thin NAME SIDE_LANES_ARGS...: one side_lanes.py run on every SM
 case ${1:-} in
   predicted) decode predicted --context 32000 --batches 16,16,16,1,1 --configs "realistic-predicted $FP8" ;;
   full) decode full --context 32000 --batches 16,16,16,1,1 --configs full ;;
-  fused) decode fused --context 32000 --batches 16,16,16,1,1 --configs "realistic-predicted $FP8 --kv-attention fused" ;;
+  fused) decode fused --context 32000 --batches 16,16,16,1,1 \
+           --configs "realistic-predicted $FP8 --kv-attention fused" ;;
+  fp8w) decode fp8w --context 32000 --batches 16,16,16,1,1 \
+          --configs "realistic-predicted $FP8 --kv-attention fused --kv-early-weights fp8" ;;
   programs) for n in 48 64; do
               decode "programs-$n" --context 32000 --batches 16 \
                 --configs "realistic-predicted $FP8 --kv-recall-programs $n"
@@ -135,6 +140,9 @@ case ${1:-} in
   attn) for a in flashinfer pages; do thin "attn-$a" --attention $a --early 0.3; done  # the served paths beside the
         for n in 1 2 8; do thin "attn-pages-s$n" --attention pages --pages-splits $n --early 0.3; done  # side lanes
         for a in flashinfer pages; do thin "attn-b1-$a" --attention $a --early 0.3 --batch 1; done
+        for b in 1 16; do  # the early lane's W_q in e4m3 (--kv-early-weights fp8), with the fused attention
+          thin "attn-b$b-pages-fp8" --attention pages --early 0.3 --batch $b --early-weights fp8
+        done
         (cd "$OUT" && tar czf attn.tgz thin-*.json thin.log && rm -f thin-*.json thin.log) ;;
   score) decode score-132 --context 32000 --batches 16,16,16 \
            --configs "realistic-predicted $FP8 --kv-score-programs 132"
@@ -145,5 +153,5 @@ case ${1:-} in
         ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
         TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|fused|programs|blocks|trace|lanes|thin|copy|attn|score|default|long|base" >&2; exit 2 ;;
+  *) echo "usage: $0 predicted|full|fused|fp8w|programs|blocks|trace|lanes|thin|copy|attn|score|default|long|base" >&2; exit 2 ;;
 esac
