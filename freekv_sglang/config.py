@@ -173,7 +173,7 @@ class FreeKVConfig:
         "fused": FreeKV's own kernel in one launch after that recall (freekv_kernels.split_attention.attend_pages),
         reading the slot table's pages directly: no token lists, no second launch to merge the splits; rounds as a
         different kernel does. Served on an H200 (Llama-3.1-8B shape, 32K, budget 2048, previous_mlp_only, session
-        56): one request 5.68 ms a step against "backend"'s 6.04 (full KV 5.84); sixteen 10.95 against 10.80 with 4
+        56): one request 5.68 ms a step against "backend"'s 6.04 (full KV 5.84); sixteen 10.95 against 10.79 with 4
         programs a (row, KV head), which side_lanes.py put at FlashInfer's cost beside the side lanes and 2 programs
         5% under it (2 is the kernel's choice there now; not yet served).
         A backend without a FreeKV row kernel always takes "split" unless "fused" is asked for.

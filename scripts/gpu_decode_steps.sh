@@ -138,7 +138,7 @@ case ${1:-} in
           --out "$OUT/thin-host-gather.json" 2>&1 | tee -a "$OUT/thin.log" | tail -n 7
         (cd "$OUT" && tar czf copy.tgz thin-*.json thin.log && rm -f thin-*.json thin.log) ;;
   attn) for a in flashinfer pages; do thin "attn-$a" --attention $a --early 0.3; done  # the served paths beside the
-        for n in 1 2 8; do thin "attn-pages-s$n" --attention pages --pages-splits $n --early 0.3; done  # side lanes
+        for n in 1 4 8; do thin "attn-pages-s$n" --attention pages --pages-splits $n --early 0.3; done  # side lanes
         for a in flashinfer pages; do thin "attn-b1-$a" --attention $a --early 0.3 --batch 1; done
         for b in 1 16; do  # the early lane's W_q in e4m3 (--kv-early-weights fp8), with the fused attention
           thin "attn-b$b-pages-fp8" --attention pages --early 0.3 --batch $b --early-weights fp8

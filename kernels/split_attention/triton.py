@@ -42,11 +42,12 @@ def num_splits(batch: int, heads: int, width: int, device: torch.device) -> int:
 
 def pages_splits(batch: int, heads: int, width: int, device: torch.device) -> int:
     """Programs a (row, KV head) of attend_pages (shapes only): a power of two near two programs an SM in all, at most
-    32. H200, Llama-3.1-8B shape, 85 pages a row (session 56): alone (32 layers' calls in one graph) 9.6 µs a call at
+    32 (an explicit `splits` is not capped: benchmarks sweep it). H200, Llama-3.1-8B shape, 85 pages a row (session 56): alone (32 layers' calls in one graph) 9.6 µs a call at
     one request with 32 against 11.3 with 43 and 14.3 with 8, and at sixteen 48.6 with 5 against 53.6 with 8
     (FlashInfer's path 18.8 and 58.0); but beside the side lanes (benchmarks/side_lanes.py, 8 layers, every lane)
     sixteen requests took 2.245 ms with 2 against 2.365 with 4, 2.405 with 8, 2.523 with 1 and FlashInfer's 2.370,
-    and the served step with 4 was 1.4% slower than FlashInfer's."""
+    and the served step with 4 was 1.5% slower than FlashInfer's. The count a launch runs is then cut to
+    cdiv(W, cdiv(W, splits)) so no split of a full row is empty (85 pages: 32 -> 29)."""
     target = _PAGES_PROGRAMS_PER_SM * _sm_count(device.index) if device.type == "cuda" else _CPU_PROGRAMS
     splits = 1 << (max(1, target // max(1, batch * heads)).bit_length() - 1)
     return max(1, min(splits, _PAGES_MAX_SPLITS, width))
@@ -326,9 +327,10 @@ def attend_pages(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     splits = triton.cdiv(width, triton.cdiv(width, splits))  # no split without pages in a full row
     o = empty(batch, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
     if batch:
-        m = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
-        l = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
-        acc = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        # poisoned under the tests too: a partial no program stored would reach the merge as NaN
+        m = empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+        l = empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+        acc = empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         _attend_pages_kernel[(batch, heads, splits)](
             q, k_cache, v_cache, row_table, row_pages, last_page_len, m, l, acc, tickets, o,
             scale * _LOG2E, triton.cdiv(width, splits),
