@@ -62,9 +62,14 @@ args=(
   # one layer early, from a query predicted off the previous layer's mid residual while its MLP runs, leaving the
   # check after the projection the heads the prediction missed (Llama/Qwen2 layers, unquantized; not yet timed on a GPU).
   --kv-correct-at layer
+  # With --kv-correct-at previous_mlp(_only): "fp8" projects the predicted query from an e4m3 copy of each W_q made at
+  # start-up (half the bytes the early lane reads each layer, ~0.5 GB on Llama-3.1-8B in the memory plan; sm_89+; not
+  # yet timed on a GPU); "model" (default) from the model's own.
+  --kv-early-weights model
   # Sparse layers' attention: "backend" (default) through the attention backend's decode kernel, exact as full KV when
   # the budget covers the context; "split" through FreeKV's own kernels beside the correction's recall (no faster
-  # yet, docs/results/session32).
+  # yet, docs/results/session32); "fused" through FreeKV's own kernel in one launch (one request 6% faster on an
+  # H200, sixteen 1.5% slower as served then; docs/results/session56).
   --kv-attention backend
   # How pages are scored: "channels" (default) as attention mass from 4-bit codes of --kv-sketch-channels key
   # channels (0: 32) that a calibration pass at start-up picks for the model, 16 GPU bytes per token and KV head,
@@ -89,7 +94,7 @@ args=(
   # step's below --kv-boundary-threshold), prompt KV in k-means clusters of --kv-cluster-size keys (--kv-kmeans-iters
   # iterations), generated KV in segments of up to --kv-segment tokens; drop the FreeKV-only flags above with it
   # (--kv-correction-threshold, --kv-recall-programs, --kv-score-programs, --kv-speculate-at, --kv-correct-at,
-  # --kv-selection, --kv-rerank-factor, --kv-sketch-channels, --kv-hysteresis, --kv-bench-correction-rate,
+  # --kv-early-weights, --kv-selection, --kv-rerank-factor, --kv-sketch-channels, --kv-hysteresis, --kv-bench-correction-rate,
   # --kv-bench-churn, --kv-bench-returns, --kv-bench-late-correction-rate).
   # A chunked prompt stays in staging until its last chunk, whose forward clusters it whole; it needs
   # --disable-radix-cache (README, LouisKV).

@@ -44,7 +44,7 @@ def hook(orig, self, pre_model_load_memory, *args, **kwargs):
                        dtype_bytes=dtype_bytes, host_pages=host_pages, context_len=mc.context_len,
                        prefill_tokens=max(sa.max_prefill_tokens or 0, sa.chunked_prefill_size or 0),
                        max_running_requests=sa.max_running_requests, max_total_tokens=sa.max_total_tokens,
-                       hidden_size=mc.hidden_size)
+                       hidden_size=mc.hidden_size if settings.config.early_weights == "fp8" else 0)
     sa._freekv_plan = plan  # the configurator has __slots__; the server args carry FreeKV state already
     logger.info("FreeKV memory plan: %s", plan.describe())
     return MemoryPoolConfig(max_total_num_tokens=plan.tokens, max_running_requests=plan.max_requests,

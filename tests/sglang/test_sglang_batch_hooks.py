@@ -242,7 +242,7 @@ class _Configurator:
 
 def _configurator(settings, available_gb=60.0, max_running_requests=None, max_total_tokens=None, tp=1):
     mc = SimpleNamespace(num_hidden_layers=32, num_attention_heads=32, head_dim=128, context_len=32768,
-                         get_num_kv_heads=lambda t: 8 // t)
+                         hidden_size=4096, get_num_kv_heads=lambda t: 8 // t)
     args = SimpleNamespace(_freekv=settings, tp_size=tp, max_prefill_tokens=16384, chunked_prefill_size=8192,
                            max_running_requests=max_running_requests, max_total_tokens=max_total_tokens,
                            mem_fraction_static=0.8)
@@ -281,6 +281,15 @@ def test_pool_is_sized_by_the_arena_and_the_gpu(plugins):
     with pytest.raises(FreeKVArgsError, match="--kvstore-arena-gb"):
         hook(orig, _configurator(tiny), 0)
     assert hook(orig, SimpleNamespace(server_args=OFF), 0) == "sglang's own"
+    # --kv-early-weights fp8: the W_q copies (31 predicted layers of 4096 x 4096 bytes and an exponent a row, per TP
+    # rank half the rows) come off the request slots' share
+    early = dataclasses.replace(settings, config=dataclasses.replace(cfg, correct_at="previous_mlp_only",
+                                                                   early_weights="fp8"))
+    for tp in (1, 2):
+        c = _configurator(early, tp=tp)
+        fp8_config = hook(orig, c, 0)
+        assert c.server_args._freekv_plan.early_bytes == 31 * 4096 // tp * 4097
+    assert fp8_config.max_running_requests < tp2.max_running_requests
 
 
 def test_pool_build_uses_freekv_pool(plugins):
