@@ -162,8 +162,10 @@ class FreeKVConfig:
         "model" (default): the model's own (bf16), re-read by every layer's early lane (32 MB a layer on the
         Llama-3.1-8B shape, ~9 µs of a one-request layer on an H200, session 55). "fp8": an e4m3 copy with one
         power-of-two scale an output row (freekv_kernels.fp8_rows), made at startup and counted in the GPU memory plan
-        (~0.5 GB on that shape), read by freekv_kernels.fp8_linear: half the bytes. On SmolLM2-135M (CPU, session 55)
-        it selects as bf16 does (covered mass 0.9306 both, correction rate 0.782 both). Not yet timed on a GPU.
+        (~0.5 GB on that shape), read by freekv_kernels.fp8_linear: half the bytes. Weights updated while serving
+        (update_weights_from_*) do not reach the copy. On SmolLM2-135M (CPU, session 55) an e4m3 W_q with a real-valued
+        scale a row (not this power-of-two codec) selected as bf16 does (covered mass 0.9306 both, correction rate
+        0.782 both). Built in session 56; fp8_linear compiled for sm_90 but not yet run on a GPU.
     attention: how a served sparse layer attends. "backend" (default): through the wrapped backend's own decode kernel
         (FlashInfer's or SGLang's Triton one), one row per (request, KV head), so with a budget that covers the
         context the answers match a full-KV server token for token; it starts after the recall before attention.

@@ -207,9 +207,10 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         f"misses keeps last step's selection for the step) (default {_DEFAULTS.correct_at})")
     g.add_argument("--kv-early-weights", choices=EARLY_WEIGHTS, default=None,
                    help="with --kv-correct-at previous_mlp(_only): the W_q the predicted query is projected with, "
-                        "'model' the model's own, 'fp8' an e4m3 copy made at startup (half the bytes the early lane "
-                        "reads each layer, ~0.5 GB of GPU memory on Llama-3.1-8B, counted in the memory plan; needs "
-                        f"a GPU with FP8, sm_89 or newer) (default {_DEFAULTS.early_weights})")
+                        "'model' the model's own, 'fp8' an e4m3 copy made at startup (half the bytes of the "
+                        "projection's W_q each layer, ~0.5 GB of GPU memory on Llama-3.1-8B, counted in the memory "
+                        "plan; needs a GPU with FP8, sm_89 or newer; weights updated while serving do not reach the "
+                        "copy; not yet run on a GPU) (default {_DEFAULTS.early_weights})")
     g.add_argument("--kv-attention", choices=ATTENTIONS, default=None,
                    help="sparse layers' attention: 'backend' through the attention backend's decode kernel (exact "
                         "as full KV when the budget covers the context; waits for the correction's recall), "

@@ -129,15 +129,26 @@ def _install_early(runner, dense_layers: int, correct_at: str, weights: str = "m
     layers = _whole_layers(runner, flag, "--kv-correct-at")
     model = runner.model
     if weights == "fp8":
-        from freekv_kernels.fp8_rows import naive_quantize_rows
+        from freekv_kernels.fp8_rows import FP8_DTYPE, naive_quantize_rows
         from freekv_sglang.ops import load_ops
 
-        w0 = layers[-1].self_attn.qkv_proj.weight
-        if w0.is_cuda and torch.cuda.get_device_capability(w0.device) < (8, 9):
+        device = torch.device(getattr(runner, "device", "cpu"))
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
             raise FreeKVArgsError("--kv-early-weights fp8 needs FP8 arithmetic (compute capability 8.9 or newer), "
-                                  f"this GPU is {torch.cuda.get_device_name(w0.device)}: drop --kv-early-weights")
+                                  f"this GPU is {torch.cuda.get_device_name(device)}: drop --kv-early-weights")
         # The Triton kernel on a GPU; its torch reference (the same sums) where the model runs on the CPU.
-        fp8_linear = load_ops("triton" if w0.is_cuda else "torch").fp8_linear
+        fp8_linear = load_ops("triton" if device.type == "cuda" else "torch").fp8_linear
+
+        def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """e4m3 rows and exponents of w, 1,024 rows at a time (the codec's fp32 temporaries stay small)."""
+            if w.device.type != device.type:
+                raise FreeKVArgsError(f"--kv-early-weights fp8: W_q lies on {w.device}, not on the model's "
+                                      f"{device} (offloaded weights?): drop --kv-early-weights")
+            q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+            e = torch.empty(w.shape[0], dtype=torch.int8, device=w.device)
+            for i in range(0, w.shape[0], 1024):
+                q[i:i + 1024], e[i:i + 1024] = naive_quantize_rows(w[i:i + 1024].detach())
+            return q, e
 
     def fused_norm(layer, norm: str) -> bool:  # SGLang's Llama/Qwen2 call: the norm adds the residual itself
         try:
@@ -178,7 +189,7 @@ def _install_early(runner, dense_layers: int, correct_at: str, weights: str = "m
         bias = getattr(qkv, "bias", None)
         b = None if bias is None else bias[:q_size]
         if weights == "fp8":  # a copy (planned in the memory plan's early W_q): half the bytes each step reads
-            w8, e = naive_quantize_rows(w.detach())
+            w8, e = quantize(w)
             project = lambda x: fp8_linear(x, w8, e, b)  # noqa: E731
         else:
             project = lambda x: F.linear(x, w, b)  # noqa: E731

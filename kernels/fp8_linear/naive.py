@@ -18,6 +18,8 @@ def check_fp8_linear_args(x: torch.Tensor, w: torch.Tensor, e: torch.Tensor, bia
                          f"{tuple(e.shape)}")
     if bias is not None and bias.shape != (w.shape[0],):
         raise ValueError(f"bias must be [{w.shape[0]}], got {tuple(bias.shape)}")
+    if not e.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        raise ValueError("e and bias must be contiguous (the kernel reads them as vectors)")
 
 
 def naive_fp8_linear(x: torch.Tensor, w: torch.Tensor, e: torch.Tensor,

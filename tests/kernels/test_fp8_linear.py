@@ -47,6 +47,10 @@ def test_bad_inputs():
         fp8_linear(x[:, :-1], q, e)
     with pytest.raises(ValueError, match="bias"):
         fp8_linear(x, q, e, b[:-1])
+    with pytest.raises(ValueError, match="contiguous"):
+        fp8_linear(x, q, e.repeat_interleave(2)[::2])
+    with pytest.raises(ValueError, match="contiguous"):
+        fp8_linear(x, q, e, b.repeat_interleave(2)[::2])
 
 
 CHILD = r'''

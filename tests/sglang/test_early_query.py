@@ -124,6 +124,14 @@ def test_fp8_weights_predict_within_e4m3s_rounding():
         assert (q - real).norm() <= 0.05 * real.norm()
 
 
+def test_fp8_weights_off_the_models_device_are_refused():
+    runner = runner_of(torch.nn.ModuleList(Layer() for _ in range(3)))
+    runner.device = "meta"  # the model's device, where the stand-in's weights (CPU) do not lie
+    with pytest.raises(FreeKVArgsError, match="offloaded") as e:
+        _install_early(runner, dense_layers=1, correct_at="previous_mlp_only", weights="fp8")
+    assert "--kv-early-weights" in str(e.value)
+
+
 def test_the_dense_layers_are_not_predicted():
     layers = torch.nn.ModuleList(Layer() for _ in range(4))
     runner = runner_of(layers)
