@@ -32,7 +32,8 @@
 #   bash scripts/gpu_decode_steps.sh attn         # no server: side_lanes.py with the served attention paths in the
 #                                                 # critical lane (FlashInfer's, attend_pages at 1-8 splits), every
 #                                                 # lane beside it, at 16 rows and 1; then the early lane's
-#                                                 # W_q in e4m3 (--kv-early-weights fp8)
+#                                                 # W_q in e4m3 (--kv-early-weights fp8); first the GPU tests of
+#                                                 # fp8_linear, attend_pages and the fused engine path
 #   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
 #                                                 # --kv-speculate-at attention (where the scoring sits without a
 #                                                 # correction chain before attention)
@@ -137,7 +138,10 @@ case ${1:-} in
         t=$(left) && timeout $t python3 benchmarks/host_gather.py --arena-gb 8 --threads 1,2,4,8,16 \
           --out "$OUT/thin-host-gather.json" 2>&1 | tee -a "$OUT/thin.log" | tail -n 7
         (cd "$OUT" && tar czf copy.tgz thin-*.json thin.log && rm -f thin-*.json thin.log) ;;
-  attn) for a in flashinfer pages; do thin "attn-$a" --attention $a --early 0.3; done  # the served paths beside the
+  attn) timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_linear.py \
+          tests/kernels/test_split_attention.py tests/engine/test_engine.py tests/engine/test_launches.py \
+          -k "fp8 or pages or fused or sm90 or launches" 2>&1 | tail -n 15 | tee "$OUT/attn-tests.log"
+        for a in flashinfer pages; do thin "attn-$a" --attention $a --early 0.3; done  # the served paths beside the
         for n in 1 4 8; do thin "attn-pages-s$n" --attention pages --pages-splits $n --early 0.3; done  # side lanes
         for a in flashinfer pages; do thin "attn-b1-$a" --attention $a --early 0.3 --batch 1; done
         for b in 1 16; do  # the early lane's W_q in e4m3 (--kv-early-weights fp8), with the fused attention
