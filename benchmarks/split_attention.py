@@ -207,11 +207,12 @@ def main() -> None:
         if args.layers:
             splits = [int(n) for n in filter(None, args.pages_splits.split(","))]
             served = importlib.import_module("freekv_kernels.split_attention.triton")._PAGES_AT_ONCE
-            for name, runs in layer_paths(batch, args.layers, scale, splits).items():
+            paths = layer_paths(batch, args.layers, scale, splits)
+            for name, runs in paths.items():
                 row[f"layers_{name}_us"] = layers_us(runs, args.repeats)
             for n in (int(x) for x in filter(None, args.pages_at_once.split(","))):
-                pages_at_once(n)
-                for name, runs in layer_paths(batch, args.layers, scale, splits).items():
+                pages_at_once(n)  # read at each call: the same calls, captured again, launch the other variant
+                for name, runs in paths.items():
                     if name.startswith("pages"):
                         row[f"layers_{name}_a{n}_us"] = layers_us(runs, args.repeats)
                 pages_at_once(served)

@@ -73,6 +73,29 @@ def _online_block(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr
 
 
 @triton.jit
+def _group_query(q_ptr, b, h, stride_qb, stride_qh, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """The G query rows of KV head h in row b, [G_PAD, D] (padding rows 0), fp32 where the dots are."""
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=(g < G)[:, None],
+                other=0.0)
+    return q.to(tl.float32) if DOT_F32 else q
+
+
+@triton.jit
+def _store_partial(m_ptr, l_ptr, acc_ptr, b, h, split, m_i, l_i, acc, H: tl.constexpr, G: tl.constexpr,
+                   G_PAD: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """A program's partial (m, l, acc) of its split, at [b, h * G + g, split] of Partials' layout."""
+    g = tl.arange(0, G_PAD)
+    d = tl.arange(0, D)
+    part = (b * H * G + h * G + g) * NUM_SPLITS + split
+    tl.store(m_ptr + part, m_i, mask=g < G)
+    tl.store(l_ptr + part, l_i, mask=g < G)
+    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+
+
+@triton.jit
 def _attend_kept_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, num_pages_ptr, last_len_ptr, n_sink_ptr, n_slots_ptr, recall_ptr, m_ptr, l_ptr,
     acc_ptr,
@@ -84,14 +107,9 @@ def _attend_kept_kernel(
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     t = tl.arange(0, PAGE_TILE)
-    g_mask = g < G
-    hq = h * G + g
-    q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _group_query(q_ptr, b, h, stride_qb, stride_qh, G, G_PAD, D, DOT_F32)
 
     n_pages = tl.load(num_pages_ptr + b)
     last_len = tl.load(last_len_ptr + b)
@@ -114,10 +132,7 @@ def _attend_kept_kernel(
             k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=t_mask[:, None], other=0.0)
             v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=t_mask[:, None], other=0.0)
             m_i, l_i, acc = _online_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, DOT_F32)
-    part = (b * H * G + hq) * NUM_SPLITS + split
-    tl.store(m_ptr + part, m_i, mask=g_mask)
-    tl.store(l_ptr + part, l_i, mask=g_mask)
-    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
+    _store_partial(m_ptr, l_ptr, acc_ptr, b, h, split, m_i, l_i, acc, H, G, G_PAD, D, NUM_SPLITS)
 
 
 @triton.jit
@@ -133,10 +148,7 @@ def _attend_recalled_kernel(
     h = tl.program_id(1).to(tl.int64)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
-    g_mask = g < G
-    q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _group_query(q_ptr, b, h, stride_qb, stride_qh, G, G_PAD, D, DOT_F32)
 
     # The head's recalled slots in slot order, BLOCK // PAGE_SIZE pages per iteration: token r of a block belongs to
     # the (j + r // PAGE_SIZE)-th recalled slot, found by its rank among them (no load per slot that is not one).
@@ -198,14 +210,9 @@ def _attend_pages_kernel(
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
-    g = tl.arange(0, G_PAD)
     d = tl.arange(0, D)
     t = tl.arange(0, TILE)
-    g_mask = g < G
-    hq = h * G + g
-    q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
+    q = _group_query(q_ptr, b, h, stride_qb, stride_qh, G, G_PAD, D, DOT_F32)
     n_pages = tl.load(num_pages_ptr + b)
     last_len = tl.load(last_len_ptr + b)
     end = tl.minimum((split + 1) * pages_per_split, n_pages)
@@ -221,10 +228,7 @@ def _attend_pages_kernel(
         k = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + d[None, :], mask=t_mask[:, None], other=0.0)
         v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + d[None, :], mask=t_mask[:, None], other=0.0)
         m_i, l_i, acc = _online_block(q, k, v, t_mask, m_i, l_i, acc, qk_scale, DOT_F32)
-    part = (b * H * G + hq) * NUM_SPLITS + split
-    tl.store(m_ptr + part, m_i, mask=g_mask)
-    tl.store(l_ptr + part, l_i, mask=g_mask)
-    tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=g_mask[:, None])
+    _store_partial(m_ptr, l_ptr, acc_ptr, b, h, split, m_i, l_i, acc, H, G, G_PAD, D, NUM_SPLITS)
     # Every thread's stores before the ticket, whose release publishes them to the program that merges; that one
     # reads the partials from L2 (.cg): its SM's L1 may hold none of them, but must not serve a stale line.
     tl.debug_barrier()
