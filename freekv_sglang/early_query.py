@@ -32,6 +32,11 @@ class EarlyQuery:
         self.positions: torch.Tensor | None = None
 
 
+def predicted_layers(num_layers: int, dense_layers: int) -> range:
+    """The layers whose query is predicted: the sparse ones, from 1 on (layer 0 has no layer before it)."""
+    return range(max(dense_layers, 1), num_layers)
+
+
 def install(layers, state: EarlyQuery, predictors: dict[int, Predictor]) -> None:
     """Wrap layers (a model's decoder layers, in call order) so that in a decode forward layer i's mid residual
     predicts layer i + 1's query with predictors[i + 1] (the layers to predict, from 1 on). The first layer records

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from .config import FreeKVConfig
+from .early_query import predicted_layers
 from .engine import ModelShape, engine_gpu_bytes
 from .server_args import FreeKVArgsError
 
@@ -77,7 +78,7 @@ def plan_memory(available_bytes: int, *, cfg: FreeKVConfig, shape: ModelShape, d
         if hidden_size <= 0:
             raise ValueError("early_weights 'fp8' needs the model's hidden_size to plan its W_q copies")
         q_size = shape.num_q_heads * D
-        early_bytes = (shape.num_layers - max(cfg.dense_layers, 1)) * q_size * (hidden_size + 1)
+        early_bytes = len(predicted_layers(shape.num_layers, cfg.dense_layers)) * q_size * (hidden_size + 1)
     left = available_bytes - early_bytes - dense_bytes - staging(0) * staging_page_bytes - engine(1)
     gpu_requests = left // per_request
     requests = min(max_running_requests or DEFAULT_MAX_REQUESTS, gpu_requests)

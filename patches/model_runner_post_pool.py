@@ -122,7 +122,7 @@ def _install_early(runner, dense_layers: int, correct_at: str, weights: str = "m
     import torch
     import torch.nn.functional as F
 
-    from freekv_sglang.early_query import EarlyQuery, install
+    from freekv_sglang.early_query import EarlyQuery, install, predicted_layers
     from freekv_sglang.server_args import FreeKVArgsError
 
     flag = f"--kv-correct-at {correct_at}"
@@ -204,4 +204,4 @@ def _install_early(runner, dense_layers: int, correct_at: str, weights: str = "m
         return predict
 
     runner._freekv_early = state = EarlyQuery()
-    install(layers, state, {j: predictor(j) for j in range(max(dense_layers, 1), len(layers))})
+    install(layers, state, {j: predictor(j) for j in predicted_layers(len(layers), dense_layers)})
