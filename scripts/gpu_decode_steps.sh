@@ -34,6 +34,8 @@
 #                                                 # lane beside it, at 16 rows and 1; then the early lane's
 #                                                 # W_q in e4m3 (--kv-early-weights fp8); first the GPU tests of
 #                                                 # fp8_linear, attend_pages and the fused engine path
+#   bash scripts/gpu_decode_steps.sh fp8          # no server: fp8_linear's GPU tests, then benchmarks/fp8_linear.py
+#                                                 # (its tiles swept against bf16 x @ W^T at 1, 4 and 16 rows)
 #   bash scripts/gpu_decode_steps.sh score        # predicted at 16 x 32K with --kv-score-programs 132, then
 #                                                 # --kv-speculate-at attention (where the scoring sits without a
 #                                                 # correction chain before attention)
@@ -148,6 +150,10 @@ case ${1:-} in
           thin "attn-b$b-pages-fp8" --attention pages --early 0.3 --batch $b --early-weights fp8
         done
         (cd "$OUT" && tar czf attn.tgz thin-*.json thin.log && rm -f thin-*.json thin.log) ;;
+  fp8) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fp8_linear.py 2>&1 | tail -n 5 \
+         | tee "$OUT/fp8-tests.log"
+       timeout "$(left)" python3 benchmarks/fp8_linear.py --rows 1,4,16 --out "$OUT/fp8_linear.json" \
+         2>&1 | tee "$OUT/fp8_linear.log" ;;
   score) decode score-132 --context 32000 --batches 16,16,16 \
            --configs "realistic-predicted $FP8 --kv-score-programs 132"
          decode speculate-attention --context 32000 --batches 16,16,16 \
@@ -157,5 +163,5 @@ case ${1:-} in
         ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
         TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|fused|fp8w|programs|blocks|trace|lanes|thin|copy|attn|score|default|long|base" >&2; exit 2 ;;
+  *) echo "usage: $0 predicted|full|fused|fp8w|programs|blocks|trace|lanes|thin|copy|attn|fp8|score|default|long|base" >&2; exit 2 ;;
 esac

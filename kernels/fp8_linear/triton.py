@@ -1,12 +1,15 @@
 """Triton fp8_linear: a small-batch GEMM that reads its weight as e4m3, half the bytes of bf16 (the early lane's query
 projection re-reads W_q every layer: at one request its bytes, not its FLOPs, are the cost).
 
-Grid (N / BLOCK_N, M / BLOCK_M): each program streams BLOCK_N rows of W over K in BLOCK_K steps, widening e4m3 to x's
-dtype (exact) for a tensor-core dot with fp32 sums, then scales each output column by its row's 2**e and adds the
-bias. Small BLOCK_N so that a few rows of a large W spread over every SM.
+Grid (N / BN, M / BM): each program streams BN rows of W over K in BK steps, widening e4m3 to x's dtype (exact), then
+scales each output column by its row's 2**e and adds the bias. Rows of x up to `Tiles.gemv_rows` take a CUDA-core
+path (one program per row of x: products summed in fp32 registers, one reduction at the end), more rows a
+tensor-core dot with fp32 sums. Small BN so that a few rows of a large W spread over every SM.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -17,27 +20,54 @@ from .._utils import check_device, interpret_mode
 from ..fp8_rows.triton import pow2
 from .naive import check_fp8_linear_args
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 16, 512  # tl.dot needs >= 16 in every dimension
-STAGES, WARPS = 3, 4
+
+@dataclass(frozen=True)
+class Tiles:
+    """Launch shape; benchmarks/fp8_linear.py sweeps it. tl.dot needs >= 16 rows, columns and K a tile."""
+    bn: int = 32
+    bk: int = 512
+    stages: int = 4
+    warps: int = 4
+    gemv_bn: int = 16
+    gemv_bk: int = 512
+    gemv_stages: int = 4
+    gemv_warps: int = 4
+    gemv_rows: int = 1  # x with at most this many rows takes the CUDA-core path
+
+
+TILES = Tiles()
 
 
 @triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, M, N, K, sx_m, sw_n, sy_m,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     k = tl.arange(0, BK)
     n_mask, m_mask = n < N, m < M
-    acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in tl.range(0, K, BK, num_stages=STAGES):
-        k_mask = k0 + k < K
-        x = tl.load(x_ptr + m[:, None] * sx_m + (k0 + k)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptr + n[:, None] * sw_n + (k0 + k)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if DOT_F32:  # fp32 "ieee" dots for fp32 x and the interpreter, which mis-multiplies bf16
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if GEMV:  # BM == 1: elementwise products in registers, reduced over K once after the loop
+        prod = tl.zeros([BN, BK], tl.float32)
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            k_mask = k0 + k < K
+            x = tl.load(x_ptr + m[:, None] * sx_m + (k0 + k)[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + n[:, None] * sw_n + (k0 + k)[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            prod += w.to(tl.float32) * x.to(tl.float32)
+        acc = tl.sum(prod, axis=1)[None, :]
+    else:
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in tl.range(0, K, BK, num_stages=STAGES):
+            k_mask = k0 + k < K
+            x = tl.load(x_ptr + m[:, None] * sx_m + (k0 + k)[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            w = tl.load(w_ptr + n[:, None] * sw_n + (k0 + k)[None, :], mask=n_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            if DOT_F32:  # fp32 "ieee" dots for fp32 x and the interpreter, which mis-multiplies bf16
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
     y = acc * pow2(tl.load(e_ptr + n, mask=n_mask, other=0).to(tl.int32))[None, :]
     if HAS_BIAS:
         y += tl.load(b_ptr + n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -45,7 +75,8 @@ def _fp8_linear_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, M, N, K, sx_m, sw_n, s
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, e: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, e: torch.Tensor, bias: torch.Tensor | None = None,
+               tiles: Tiles = TILES) -> torch.Tensor:
     check_device(x, w, e, *(() if bias is None else (bias,)))
     check_fp8_linear_args(x, w, e, bias)
     if x.stride(1) != 1 or w.stride(1) != 1:
@@ -54,8 +85,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, e: torch.Tensor, bias: torch.Te
     N = w.shape[0]
     y = empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
-        _fp8_linear_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))](
+        gemv = M <= tiles.gemv_rows
+        bm, bn, bk, stages, warps = (1, tiles.gemv_bn, tiles.gemv_bk, tiles.gemv_stages, tiles.gemv_warps) if gemv \
+            else (16, tiles.bn, tiles.bk, tiles.stages, tiles.warps)
+        _fp8_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
             x, w, e, bias if bias is not None else e, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-            BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, STAGES=STAGES, HAS_BIAS=bias is not None,
-            DOT_F32=x.dtype == torch.float32 or interpret_mode(), num_warps=WARPS)
+            BM=bm, BN=bn, BK=bk, STAGES=stages, HAS_BIAS=bias is not None,
+            DOT_F32=x.dtype == torch.float32 or interpret_mode(), GEMV=gemv, num_warps=warps)
     return y

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from freekv_kernels.fp8_linear import fp8_linear, naive_fp8_linear
+from freekv_kernels.fp8_linear.triton import TILES, Tiles
 from freekv_kernels.fp8_rows import naive_quantize_rows
 from freekv_kernels.testing import assert_close, device, poisoned_outputs, run_without_interpreter
 
@@ -24,11 +25,14 @@ def case(m, n, k, dtype, bias, seed):
 @pytest.mark.parametrize("m,n,k", [(1, 48, 64), (3, 100, 200), (16, 32, 512), (37, 17, 1030)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_reference(m, n, k, dtype, bias):
-    """Odd shapes (M and N off the tiles, K past one BLOCK_K and off it), every row its own exponent."""
+@pytest.mark.parametrize("tiles", [TILES, Tiles(bn=32, bk=128, gemv_bn=8, gemv_bk=128, gemv_rows=4),
+                                   Tiles(gemv_rows=0)], ids=["served", "small", "no-gemv"])
+def test_matches_reference(m, n, k, dtype, bias, tiles):
+    """Odd shapes (M and N off the tiles, K past one tile and off it), every row its own exponent; both paths (the
+    CUDA-core one for one row, or up to 4 with "small"; the dot for every M with "no-gemv")."""
     x, q, e, b, w = case(m, n, k, dtype, bias, seed=m * n + k)
     with poisoned_outputs():
-        y = fp8_linear(x, q, e, b)
+        y = fp8_linear(x, q, e, b, tiles=tiles)
     ref = naive_fp8_linear(x, q, e, b)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert_close("fp8_linear", ref, y, atol=tol * ref.abs().max().item(), rtol=tol)
@@ -56,14 +60,18 @@ def test_bad_inputs():
 CHILD = r'''
 from freekv_kernels.fp8_linear import triton as m
 from freekv_kernels.testing import compile_sm90
+types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "e_ptr": "*i8", "b_ptr": "*i8", "y_ptr": "*bf16"}
 ptx = compile_sm90(m._fp8_linear_kernel, {"BM": 16, "BN": 16, "BK": 512, "STAGES": 3, "HAS_BIAS": False,
-                   "DOT_F32": False}, {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "e_ptr": "*i8", "b_ptr": "*i8",
-                   "y_ptr": "*bf16"}, 4)
+                   "DOT_F32": False, "GEMV": False}, types, 4)
 assert "mma" in ptx and "cvt" in ptx
+ptx = compile_sm90(m._fp8_linear_kernel, {"BM": 1, "BN": 16, "BK": 512, "STAGES": 3, "HAS_BIAS": False,
+                   "DOT_F32": False, "GEMV": True}, types, 4)
+assert "mma" not in ptx and "cvt" in ptx
 print("compiled")
 '''
 
 
 def test_kernel_compiles_for_sm90():
-    """The e4m3 rows widened to bf16 for tensor-core dots (the interpreter takes the fp32 path) compile for an H100."""
+    """The e4m3 rows widened for tensor-core dots (the interpreter takes the fp32 path), and for the one-row CUDA-core
+    path, compile for an H100."""
     assert run_without_interpreter(CHILD) == ["compiled"]
