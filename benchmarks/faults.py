@@ -144,8 +144,8 @@ class Run:
                  "--grammar-backend", "none", "--disable-radix-cache", "--page-size", "16",
                  "--mem-fraction-static", "0.3", "--max-running-requests", str(max(16, a.requests)),
                  "--kv-retrieval", "freekv", *a.freekv_args.split(), *(extra or [])]
-        if a.deterministic:
-            flags.append("--enable-deterministic-inference")
+        if a.deterministic:  # with the backend's own decode kernel, the only batch-invariant attention
+            flags += ["--enable-deterministic-inference", "--kv-attention", "backend"]
         srv = ServerProcess(name, a.port, flags, self.out / f"server-{name}.log", env=env)
         srv.wait(a.start_timeout)
         return srv

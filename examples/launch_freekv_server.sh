@@ -63,14 +63,14 @@ args=(
   # check after the projection the heads the prediction missed (Llama/Qwen2 layers, unquantized; not yet timed on a GPU).
   --kv-correct-at layer
   # With --kv-correct-at previous_mlp(_only): "fp8" projects the predicted query from an e4m3 copy of each W_q made at
-  # start-up (half the bytes the early lane reads each layer, ~0.5 GB on Llama-3.1-8B in the memory plan; sm_89+; not
-  # yet timed on a GPU); "model" (default) from the model's own.
+  # start-up (half the bytes the early lane reads each layer, ~0.5 GB on Llama-3.1-8B in the memory plan; sm_89+; one
+  # request 4% faster on an H200, docs/results/session57); "model" (default) from the model's own.
   --kv-early-weights model
-  # Sparse layers' attention: "backend" (default) through the attention backend's decode kernel, exact as full KV when
-  # the budget covers the context; "split" through FreeKV's own kernels beside the correction's recall (no faster
-  # yet, docs/results/session32); "fused" through FreeKV's own kernel in one launch (one request 6% faster on an
-  # H200, sixteen 1.5% slower as served then; docs/results/session56).
-  --kv-attention backend
+  # Sparse layers' attention: "fused" (default) through FreeKV's own kernel in one launch (on an H200 one request 6%
+  # and sixteen 5% faster than "backend", docs/results/session57); "backend" through the attention backend's decode
+  # kernel, exact as full KV when the budget covers the context (the only one with --enable-deterministic-inference);
+  # "split" through FreeKV's own kernels beside the correction's recall (no faster, docs/results/session32).
+  --kv-attention fused
   # How pages are scored: "channels" (default) as attention mass from 4-bit codes of --kv-sketch-channels key
   # channels (0: 32) that a calibration pass at start-up picks for the model, 16 GPU bytes per token and KV head,
   # accurate where one token of a page matters (a needle) at the cost of MeanS's step (docs/results/session24);

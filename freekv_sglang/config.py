@@ -162,23 +162,26 @@ class FreeKVConfig:
         "model" (default): the model's own (bf16), re-read by every layer's early lane (32 MB a layer on the
         Llama-3.1-8B shape, ~9 µs of a one-request layer on an H200, session 55). "fp8": an e4m3 copy with one
         power-of-two scale an output row (freekv_kernels.fp8_rows), made at startup and counted in the GPU memory plan
-        (~0.5 GB on that shape), read by freekv_kernels.fp8_linear: half the bytes. Weights updated while serving
-        (update_weights_from_*) do not reach the copy. On SmolLM2-135M (CPU, session 55) an e4m3 W_q with a real-valued
-        scale a row (not this power-of-two codec) selected as bf16 does (covered mass 0.9306 both, correction rate
-        0.782 both). Built in session 56; fp8_linear compiled for sm_90 but not yet run on a GPU.
-    attention: how a served sparse layer attends. "backend" (default): through the wrapped backend's own decode kernel
-        (FlashInfer's or SGLang's Triton one), one row per (request, KV head), so with a budget that covers the
-        context the answers match a full-KV server token for token; it starts after the recall before attention.
-        "split": FreeKV's own kernels (freekv_kernels.split_attention): the pages that stay are attended beside that
-        recall and the recalled slots merged in after it; rounds as a different kernel does. Not faster yet at 16 x
-        32K on an H200 (session 32): beside the recall, that attention shares HBM and SMs with the step's other work.
-        "fused": FreeKV's own kernel in one launch after that recall (freekv_kernels.split_attention.attend_pages),
-        reading the slot table's pages directly: no token lists, no second launch to merge the splits; rounds as a
-        different kernel does. Served on an H200 (Llama-3.1-8B shape, 32K, budget 2048, previous_mlp_only, session
-        56): one request 5.68 ms a step against "backend"'s 6.04 (full KV 5.84); sixteen 10.95 against 10.79 with 4
-        programs a (row, KV head), which side_lanes.py put at FlashInfer's cost beside the side lanes and 2 programs
-        5% under it (2 is the kernel's choice there now; not yet served).
-        A backend without a FreeKV row kernel always takes "split" unless "fused" is asked for.
+        (~0.5 GB on that shape), read by freekv_kernels.fp8_linear: half the bytes (alone on an H200, session 57: 7.5
+        µs a layer against bf16's 14.1 at one request). Served there with "fused" attention (Llama-3.1-8B shape, 32K,
+        previous_mlp_only): one request 5.47 ms a step against the model's W_q's 5.72 (full KV 5.92), sixteen level.
+        Weights updated while serving (update_weights_from_*) do not reach the copy. On SmolLM2-135M (CPU, session 55)
+        an e4m3 W_q with a real-valued scale a row (not this power-of-two codec) selected as bf16 does (covered mass
+        0.9306 both, correction rate 0.782 both); this codec's selections on a real model are not yet measured, so
+        the default stays "model".
+    attention: how a served sparse layer attends. "fused" (default): FreeKV's own kernel in one launch after the
+        recall before attention (freekv_kernels.split_attention.attend_pages), reading the slot table's pages
+        directly: no token lists, no second launch to merge the splits. It rounds as a different kernel does, and its
+        splits follow the batch's size. Served on an H200 (session 57, Llama-3.1-8B shape, 32K, budget 2048,
+        previous_mlp_only, one machine): one request 5.72 ms a step against "backend"'s 6.09 (full KV 5.92), sixteen
+        10.37 against 10.91 (full KV 19.97). "backend": through the wrapped backend's own decode kernel (FlashInfer's
+        or SGLang's Triton one), one row per (request, KV head), so with a budget that covers the context the answers
+        match a full-KV server token for token; it starts after the recall before attention. The only one allowed
+        with --enable-deterministic-inference (batch-invariant rounding). "split": FreeKV's own kernels
+        (freekv_kernels.split_attention): the pages that stay are attended beside that recall and the recalled slots
+        merged in after it; not faster at 16 x 32K on an H200 (session 32): beside the recall, that attention shares
+        HBM and SMs with the step's other work. A backend without a FreeKV row kernel (neither FlashInfer nor Triton)
+        takes "split" when "backend" is asked for.
     hysteresis: h >= 0: in a head's reselection its resident pages count (1 + h) times their score, so a page
         must hold more than (1 + h) times a resident page's attention mass to displace it. Pages near the top-k's
         edge hold similar mass and trade places on small query changes; every trade is a recall. 0 is the paper's
@@ -229,7 +232,7 @@ class FreeKVConfig:
     speculate_at: str = "next_recall"
     correct_at: str = "layer"
     early_weights: str = "model"
-    attention: str = "backend"
+    attention: str = "fused"
     selection: str = "channels"
     rerank_factor: int = 2
     sketch_channels: int = 0

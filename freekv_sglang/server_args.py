@@ -210,13 +210,13 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                         "'model' the model's own, 'fp8' an e4m3 copy made at startup (half the bytes of the "
                         "projection's W_q each layer, ~0.5 GB of GPU memory on Llama-3.1-8B, counted in the memory "
                         "plan; needs a GPU with FP8, sm_89 or newer; weights updated while serving do not reach the "
-                        "copy; not yet run on a GPU) (default {_DEFAULTS.early_weights})")
+                        f"copy) (default {_DEFAULTS.early_weights})")
     g.add_argument("--kv-attention", choices=ATTENTIONS, default=None,
-                   help="sparse layers' attention: 'backend' through the attention backend's decode kernel (exact "
-                        "as full KV when the budget covers the context; waits for the correction's recall), "
-                        "'split' through FreeKV's own kernels, which attend to the pages that stay beside that "
-                        "recall, 'fused' through FreeKV's own kernel in one launch after it (the fastest alone; "
-                        f"rounds apart from full KV) (default {_DEFAULTS.attention})")
+                   help="sparse layers' attention: 'fused' through FreeKV's own kernel in one launch after the "
+                        "correction's recall (the fastest; rounds apart from full KV), 'backend' through the "
+                        "attention backend's decode kernel (exact as full KV when the budget covers the context; the "
+                        "only one with --enable-deterministic-inference), 'split' through FreeKV's own kernels, which "
+                        f"attend to the pages that stay beside that recall (default {_DEFAULTS.attention})")
     g.add_argument("--kv-selection", choices=(*SERVABLE_SELECTIONS, *BENCH_SELECTIONS), default=None,
                    help="how pages are scored: 'sketch' scores every page as attention mass from its mid-range "
                         "keys and the 2-bit codes of the channels the query weighs most (head_dim / 4 GPU bytes "
@@ -484,6 +484,10 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
         )
     if g("enable_dp_attention", False):
         problems.append("drop --enable-dp-attention: DP attention is not supported with FreeKV")
+    if g("enable_deterministic_inference", False) and settings.config.attention != "backend":
+        problems.append(f"pass --kv-attention backend with --enable-deterministic-inference: --kv-attention "
+                        f"{settings.config.attention} splits a row's pages by the batch's size, so a request's "
+                        "rounding would change with its batch")
     if g("enable_hierarchical_cache", False):
         problems.append(
             "drop --enable-hierarchical-cache: FreeKV already keeps the KV cache in host memory (its kvstore) and "

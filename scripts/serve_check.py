@@ -98,8 +98,9 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="flashinfer")
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    # --kv-attention backend: FlashInfer's own decode kernel, the only attention allowed with deterministic inference
     ap.add_argument("--freekv-args", default="--kv-budget 8192 --kv-sink 64 --kv-window 128 --kv-page-size 32 "
-                    "--kvstore-arena-gb 4")
+                    "--kvstore-arena-gb 4 --kv-attention backend")
     ap.add_argument("--also", default="",
                     help="a second FreeKV server with --freekv-args plus these, compared with plain and with the first "
                          "(e.g. '--kv-correct-at previous_mlp' at a budget below the prompts)")

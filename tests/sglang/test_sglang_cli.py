@@ -52,7 +52,10 @@ def test_freekv_settings_reach_server_args(prepare):
     early = prepare([*FREEKV, "--kv-correct-at", "previous_mlp", "--kv-bench-correction-rate", "0.3",
                      "--kv-bench-late-correction-rate", "0.05"])._freekv.config
     assert (early.replay_correction_rate, early.replay_late_rate) == (0.3, 0.05)
+    assert prepare([*FREEKV])._freekv.config.attention == "fused"
     assert prepare([*FREEKV, "--kv-attention", "split"])._freekv.config.attention == "split"
+    exact = prepare([*FREEKV, "--kv-attention", "backend", "--enable-deterministic-inference"])
+    assert exact._freekv.config.attention == "backend" and exact.enable_deterministic_inference
     assert prepare([*FREEKV, "--kv-attention", "fused"])._freekv.config.attention == "fused"
     fp8 = prepare([*FREEKV, "--kv-correct-at", "previous_mlp_only", "--kv-early-weights", "fp8"])
     assert fp8._freekv.config.early_weights == "fp8"
@@ -132,6 +135,9 @@ REFUSED = [
     (["--kv-correct-at", "previous_mlp", "--kv-prefill", "tsp", "--disable-radix-cache",
       "--chunked-prefill-size", "-1"], "--kv-correct-at"),
     (["--kv-early-weights", "fp8"], "--kv-early-weights"),  # without the correction one layer early
+    # fused attention (the default) and split pick their splits by the batch: not batch-invariant
+    (["--enable-deterministic-inference"], "--kv-attention backend"),
+    (["--enable-deterministic-inference", "--kv-attention", "split"], "--kv-attention backend"),
     (["--kvstore-arena-gb", "0"], "--kvstore-arena-gb"),
     (["--kvstore-timeout", "1"], "--kvstore-timeout"),  # shorter than an embedded daemon's restart
     (["--kvstore-timeout", "nan"], "--kvstore-timeout"),
