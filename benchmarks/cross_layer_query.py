@@ -22,7 +22,9 @@ those pages, the sink and the window cover, averaged over (step, layer, head):
                against the selection in place, on the critical path only for the heads the early one missed
   pred_mid_rN  pred_mid through a rank-N approximation of W_q (--ranks; its truncated SVD): on the Llama-3.1-8B shape
                the prediction re-reads W_q, 32 MB a layer, which a rank-N factor pair cuts to 2 * 4096 * N * 2 bytes
-  pred_mid_Q   pred_mid through W_q stored as Q (--quant: fp8, e4m3 with a scale per output row; int4, symmetric in
+  pred_mid_Q   pred_mid through W_q stored as Q (--quant: fp8, e4m3 with a scale per output row; fp8_rows, e4m3 with
+               a power-of-two scale per output row, as --kv-early-weights fp8 serves it (freekv_kernels.fp8_rows);
+               int4, symmetric in
                groups of 128 inputs, or 64 where 128 does not divide them): half or a quarter of the 32 MB a layer
                the prediction re-reads on the Llama-3.1-8B shape; freekv_mid_Q, freekv_mid with that prediction
                (its flags and its selection)
@@ -46,6 +48,7 @@ from pathlib import Path
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from freekv_kernels.fp8_rows import naive_quantize_rows
 from freekv_sglang.accuracy.tasks import TASKS, make_samples
 from freekv_sglang.hf_models import MODELS, load_model
 
@@ -106,14 +109,15 @@ def low_rank(model, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-QUANTS = ("fp8", "int4")
+QUANTS = ("fp8", "fp8_rows", "int4")
 INT4_GROUPS = (128, 64, 32)  # inputs a scale, the largest that divides the row (SmolLM2's 576: 64)
 
 
 def quantized(model, kind: str) -> list[torch.Tensor]:
     """Per layer W_q as the GPU would store it for the prediction, dequantized to fp32: "fp8" (e4m3, a scale per
-    output row, its largest magnitude at e4m3's 448) or "int4" (-8..7, a scale per group of INT4_GROUPS inputs,
-    its largest magnitude at 7)."""
+    output row, its largest magnitude at e4m3's 448), "fp8_rows" (e4m3 times a power of two per output row: the
+    served --kv-early-weights fp8 codec, freekv_kernels.fp8_rows) or "int4" (-8..7, a scale per group of INT4_GROUPS
+    inputs, its largest magnitude at 7)."""
     if kind not in QUANTS:
         raise ValueError(f"--quant takes {', '.join(QUANTS)}, got {kind!r}")
     out = []
@@ -122,6 +126,9 @@ def quantized(model, kind: str) -> list[torch.Tensor]:
         if kind == "fp8":
             s = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / 448
             out.append((w / s).to(torch.float8_e4m3fn).float() * s)
+        elif kind == "fp8_rows":
+            q, e = naive_quantize_rows(w)
+            out.append(q.float() * torch.exp2(e.float())[:, None])
         else:
             g = w.view(w.shape[0], -1, next((n for n in INT4_GROUPS if w.shape[1] % n == 0), 1))
             s = g.abs().amax(2, keepdim=True).clamp_min(1e-12) / 7
