@@ -209,8 +209,8 @@ def add_freekv_args(parser: argparse.ArgumentParser, retrieval_action: type[argp
                    help="with --kv-correct-at previous_mlp(_only): the W_q the predicted query is projected with, "
                         "'model' the model's own, 'fp8' an e4m3 copy made at startup (half the bytes of the "
                         "projection's W_q each layer, ~0.5 GB of GPU memory on Llama-3.1-8B, counted in the memory "
-                        "plan; needs a GPU with FP8, sm_89 or newer; weights updated while serving do not reach the "
-                        f"copy) (default {_DEFAULTS.early_weights})")
+                        "plan; needs a GPU with FP8, sm_89 or newer; re-derived after a weight update) "
+                        f"(default {_DEFAULTS.early_weights})")
     g.add_argument("--kv-attention", choices=ATTENTIONS, default=None,
                    help="sparse layers' attention: 'fused' through FreeKV's own kernel in one launch after the "
                         "correction's recall (the fastest; rounds apart from full KV), 'backend' through the "

@@ -50,6 +50,7 @@ _SEAM_MODULES = (
     "decode_graph_capture_prepare",
     "decode_graph_replay_view",
     "graph_capture_stream",
+    "weight_update_refresh",
 )
 
 SEAMS: tuple[Seam, ...] = tuple(Seam.of(importlib.import_module(f"{__name__}.{m}")) for m in _SEAM_MODULES)

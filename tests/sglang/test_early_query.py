@@ -124,6 +124,54 @@ def test_fp8_weights_predict_within_e4m3s_rounding():
         assert (q - real).norm() <= 0.05 * real.norm()
 
 
+def test_fp8_weights_follow_a_weight_update():
+    """SGLang updates weights in place inside SchedulerWeightUpdaterManager._observe_weight_load; the seam around it
+    re-derives the e4m3 copies on leaving (also when the update raised), so the prediction follows the new W_q.
+    Without copies it hands SGLang's context manager back untouched."""
+    import contextlib
+
+    from freekv_patches import weight_update_refresh as seam
+
+    torch.manual_seed(2)
+    layers = torch.nn.ModuleList(Layer() for _ in range(3))
+    runner = runner_of(layers)
+    manager = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=runner))
+    entered = []
+
+    @contextlib.contextmanager
+    def observe(self, source):
+        entered.append(source)
+        yield
+
+    def predictions():
+        calls = []
+        runner._freekv_early.target = lambda layer, predict, inputs: calls.append((layer, predict(*inputs)))
+        run(layers, decode=True)
+        return [(q, layers[j].self_attn.seen[-1]) for j, q in calls]
+
+    def update():
+        for layer in layers:
+            layer.self_attn.qkv_proj.weight.mul_(-1.5)  # in place, as SGLang's weight loaders copy
+
+    with torch.no_grad():
+        _install_early(runner, dense_layers=1, correct_at="previous_mlp_only", weights="fp8")
+        update()
+        stale = predictions()
+        assert all((q - real).norm() > 0.5 * real.norm() for q, real in stale)  # the copies still hold the old W_q
+        with seam.hook(observe, manager, "tensor"):
+            update()
+        with pytest.raises(RuntimeError, match="rolled back"), seam.hook(observe, manager, "disk"):
+            update()  # a failed update's weights (SGLang reloads the old ones): refreshed from what the model has
+            raise RuntimeError("rolled back")
+        assert entered == ["tensor", "disk"]
+        for q, real in predictions():
+            assert (q - real).norm() <= 0.05 * real.norm()
+    bare = observe(None, "ipc")
+    runner._freekv_early_fp8 = []  # --kv-early-weights model
+    assert seam.hook(lambda self, source: bare, manager, "ipc") is bare
+    assert seam.hook(lambda self, source: bare, SimpleNamespace(), "ipc") is bare  # FreeKV off
+
+
 def test_fp8_weights_off_the_models_device_are_refused():
     runner = runner_of(torch.nn.ModuleList(Layer() for _ in range(3)))
     runner.device = "meta"  # the model's device, where the stand-in's weights (CPU) do not lie
