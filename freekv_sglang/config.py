@@ -165,10 +165,11 @@ class FreeKVConfig:
         (~0.5 GB on that shape), read by freekv_kernels.fp8_linear: half the bytes (alone on an H200, session 57: 7.5
         µs a layer against bf16's 14.1 at one request). Served there with "fused" attention (Llama-3.1-8B shape, 32K,
         previous_mlp_only): one request 5.47 ms a step against the model's W_q's 5.72 (full KV 5.92), sixteen level.
-        Weights updated while serving (update_weights_from_*) do not reach the copy. On SmolLM2-135M (CPU, session 55)
-        an e4m3 W_q with a real-valued scale a row (not this power-of-two codec) selected as bf16 does (covered mass
-        0.9306 both, correction rate 0.782 both); this codec's selections on a real model are not yet measured, so
-        the default stays "model".
+        On SmolLM2-135M (CPU, session 57, benchmarks/cross_layer_query.py --quant fp8_rows, 6K, budget 512) this codec
+        selects as bf16 does: covered mass 0.9300 / 0.9001 / 0.9052 on text / passkey / multikey, as bf16's, and
+        correction rates within 0.003. A weight update (update_weights_from_*) re-derives the copies
+        (freekv_patches.weight_update_refresh). It stays opt-in: GPUs below sm_89 refuse it, and its memory is about
+        1.5 requests' worth of GPU pages at 32K on that shape.
     attention: how a served sparse layer attends. "fused" (default): FreeKV's own kernel in one launch after the
         recall before attention (freekv_kernels.split_attention.attend_pages), reading the slot table's pages
         directly: no token lists, no second launch to merge the splits. It rounds as a different kernel does, and its
