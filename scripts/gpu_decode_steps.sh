@@ -41,6 +41,9 @@
 #                                                 # correction chain before attention)
 #   bash scripts/gpu_decode_steps.sh default      # FreeKV's default correction (realistic-victim), 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh long         # full KV and predicted at 4 x 120K
+#   bash scripts/gpu_decode_steps.sh long8        # predicted with --kv-early-weights fp8 at 4 x 120K
+#   bash scripts/gpu_decode_steps.sh qwen         # the Qwen2.5-7B shape at 16 x 32K: full KV, then predicted with
+#                                                 # --kv-early-weights fp8 (issue 23's 0.70x target there)
 #   bash scripts/gpu_decode_steps.sh base         # predicted at 16 x 32K from an older tree in .ab/base, carried:
 #     mkdir -p .ab/base && git archive REF freekv_sglang kernels kvstore patches benchmarks scripts pyproject.toml \
 #       | tar -x -C .ab/base
@@ -163,5 +166,8 @@ case ${1:-} in
         ln -sfn "$PWD/.gpu-wheels" .ab/base/.gpu-wheels
         TREE=.ab/base decode base --context 32000 --batches 16 --configs "realistic-predicted $FP8" ;;
   long) decode long --context 120000 --batches 4 --configs "full,realistic-predicted $FP8" ;;  # session 49: arena 40
-  *) echo "usage: $0 predicted|full|fused|fp8w|programs|blocks|trace|lanes|thin|copy|attn|fp8|score|default|long|base" >&2; exit 2 ;;
+  long8) decode long8 --context 120000 --batches 4 --configs "realistic-predicted $FP8 --kv-early-weights fp8" ;;
+  qwen) decode qwen --shape qwen2.5-7b --context 32000 --batches 16,16 \
+          --configs "full,realistic-predicted $FP8 --kv-early-weights fp8" ;;  # the later --shape wins
+  *) echo "usage: $0 predicted|full|fused|fp8w|programs|blocks|trace|lanes|thin|copy|attn|fp8|score|default|long|long8|qwen|base" >&2; exit 2 ;;
 esac
