@@ -1,7 +1,7 @@
 """fp8_linear (an e4m3 copy of W, --kv-early-weights fp8) against bf16 x @ W^T (cuBLAS, the served default) alone, on
 a GPU: N layers' weights in one CUDA graph (more bytes than L2 holds, as in a step), µs a call, and the HBM bytes'
 rate each reaches against a device copy's peak measured in the same run. Sweeps fp8_linear's Tiles (the CUDA-core
-path at one row, the tensor-core dot above). Prints a table and writes JSON.
+path with every row of x in one program, and above one row the tensor-core dot). Prints a table and writes JSON.
 
 python benchmarks/fp8_linear.py --rows 1,4,16 --n 4096 --k 4096 --layers 8 --out results/fp8_linear.json
 """
@@ -15,6 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+import triton
 from freekv_kernels.fp8_linear.triton import TILES, Tiles, fp8_linear
 from freekv_kernels.fp8_rows import naive_quantize_rows
 from gpu_timing import graph_replay_ms
@@ -22,16 +23,20 @@ from split_attention import copy_peak_gbps
 
 
 def sweep(rows: int, quick: bool) -> list[Tiles]:
-    """The served tiles first, then the grid around them for the path `rows` takes."""
+    """The served tiles first, then around them (session 57's sweep found the neighbourhood): the CUDA-core path with
+    every row in one program (a tile of 2K-16K fp32 products), and above one row the tensor-core dot."""
     if quick:
         return [TILES]
-    if rows <= TILES.gemv_rows:
-        grid = itertools.product((8, 16, 32), (128, 256, 512), (2, 3, 4), (2, 4, 8))
-        tiles = [replace(TILES, gemv_bn=bn, gemv_bk=bk, gemv_stages=s, gemv_warps=w) for bn, bk, s, w in grid
-                 if bn * bk <= 8192]
+    bm = triton.next_power_of_2(rows)
+    if rows == 1:
+        grid = itertools.product((8, 16), (256, 512), (3, 4), (2, 4))
     else:
-        grid = itertools.product((16, 32, 64), (128, 256, 512), (2, 3, 4), (4, 8))
-        tiles = [replace(TILES, bn=bn, bk=bk, stages=s, warps=w) for bn, bk, s, w in grid if bn * bk <= 16384]
+        grid = itertools.product((8, 16, 32), (32, 64, 128, 256, 512), (3, 4), (2, 4))
+    tiles = [replace(TILES, gemv_rows=rows, gemv_bn=bn, gemv_bk=bk, gemv_stages=s, gemv_warps=w)
+             for bn, bk, s, w in grid if 2048 <= bm * bn * bk <= 16384]
+    if rows > 1:
+        grid = itertools.product((32, 64), (256, 512), (3, 4), (4,))
+        tiles += [replace(TILES, bn=bn, bk=bk, stages=s, warps=w) for bn, bk, s, w in grid if bn * bk <= 16384]
     return list(dict.fromkeys([TILES] + tiles))
 
 

@@ -3,7 +3,7 @@ projection re-reads W_q every layer: at one request its bytes, not its FLOPs, ar
 
 Grid (N / BN, M / BM): each program streams BN rows of W over K in BK steps, widening e4m3 to x's dtype (exact), then
 scales each output column by its row's 2**e and adds the bias. Rows of x up to `Tiles.gemv_rows` take a CUDA-core
-path (one program per row of x: products summed in fp32 registers, one reduction at the end), more rows a
+path (every row of x in one program: products summed in fp32 registers, one reduction at the end), more rows a
 tensor-core dot with fp32 sums. Small BN so that a few rows of a large W spread over every SM.
 """
 
@@ -32,7 +32,7 @@ class Tiles:
     gemv_bk: int = 512
     gemv_stages: int = 4
     gemv_warps: int = 4
-    gemv_rows: int = 1  # x with at most this many rows takes the CUDA-core path
+    gemv_rows: int = 1  # x with at most this many rows takes the CUDA-core path (its tile's registers grow with them)
 
 
 TILES = Tiles()
@@ -46,16 +46,16 @@ def _fp8_linear_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, M, N, K, sx_m, sw_n, s
     m = tl.program_id(1) * BM + tl.arange(0, BM)
     k = tl.arange(0, BK)
     n_mask, m_mask = n < N, m < M
-    if GEMV:  # BM == 1: elementwise products in registers, reduced over K once after the loop
-        prod = tl.zeros([BN, BK], tl.float32)
+    if GEMV:  # elementwise products of BM rows in registers, reduced over K once after the loop
+        prod = tl.zeros([BM, BN, BK], tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
             k_mask = k0 + k < K
             x = tl.load(x_ptr + m[:, None] * sx_m + (k0 + k)[None, :], mask=m_mask[:, None] & k_mask[None, :],
                         other=0.0)
             w = tl.load(w_ptr + n[:, None] * sw_n + (k0 + k)[None, :], mask=n_mask[:, None] & k_mask[None, :],
                         other=0.0)
-            prod += w.to(tl.float32) * x.to(tl.float32)
-        acc = tl.sum(prod, axis=1)[None, :]
+            prod += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        acc = tl.sum(prod, axis=2)
     else:
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
@@ -85,9 +85,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, e: torch.Tensor, bias: torch.Te
     N = w.shape[0]
     y = empty(M, N, dtype=x.dtype, device=x.device)
     if M and N:
-        gemv = M <= tiles.gemv_rows
-        bm, bn, bk, stages, warps = (1, tiles.gemv_bn, tiles.gemv_bk, tiles.gemv_stages, tiles.gemv_warps) if gemv \
-            else (16, tiles.bn, tiles.bk, tiles.stages, tiles.warps)
+        gemv = M <= tiles.gemv_rows  # one program holds every row of x, so W is read once
+        bm, bn, bk, stages, warps = (triton.next_power_of_2(M), tiles.gemv_bn, tiles.gemv_bk, tiles.gemv_stages,
+                                     tiles.gemv_warps) if gemv else (16, tiles.bn, tiles.bk, tiles.stages, tiles.warps)
         _fp8_linear_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
             x, w, e, bias if bias is not None else e, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
             BM=bm, BN=bn, BK=bk, STAGES=stages, HAS_BIAS=bias is not None,

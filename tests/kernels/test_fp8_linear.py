@@ -26,10 +26,11 @@ def case(m, n, k, dtype, bias, seed):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tiles", [TILES, Tiles(bn=32, bk=128, gemv_bn=8, gemv_bk=128, gemv_rows=4),
-                                   Tiles(gemv_rows=0)], ids=["served", "small", "no-gemv"])
+                                   Tiles(gemv_rows=0), Tiles(gemv_rows=64, gemv_bn=8, gemv_bk=32)],
+                         ids=["served", "small", "no-gemv", "all-gemv"])
 def test_matches_reference(m, n, k, dtype, bias, tiles):
     """Odd shapes (M and N off the tiles, K past one tile and off it), every row its own exponent; both paths (the
-    CUDA-core one for one row, or up to 4 with "small"; the dot for every M with "no-gemv")."""
+    CUDA-core one for one row, up to 4 with "small", every M with "all-gemv"; the dot for every M with "no-gemv")."""
     x, q, e, b, w = case(m, n, k, dtype, bias, seed=m * n + k)
     with poisoned_outputs():
         y = fp8_linear(x, q, e, b, tiles=tiles)
@@ -67,11 +68,14 @@ assert "mma" in ptx and "cvt" in ptx
 ptx = compile_sm90(m._fp8_linear_kernel, {"BM": 1, "BN": 16, "BK": 512, "STAGES": 3, "HAS_BIAS": False,
                    "DOT_F32": False, "GEMV": True}, types, 4)
 assert "mma" not in ptx and "cvt" in ptx
+ptx = compile_sm90(m._fp8_linear_kernel, {"BM": 4, "BN": 16, "BK": 128, "STAGES": 3, "HAS_BIAS": True,
+                   "DOT_F32": False, "GEMV": True}, {**types, "b_ptr": "*bf16"}, 4)
+assert "mma" not in ptx
 print("compiled")
 '''
 
 
 def test_kernel_compiles_for_sm90():
-    """The e4m3 rows widened for tensor-core dots (the interpreter takes the fp32 path), and for the one-row CUDA-core
-    path, compile for an H100."""
+    """The e4m3 rows widened for tensor-core dots (the interpreter takes the fp32 path), and for the CUDA-core path
+    at one row and at four, compile for an H100."""
     assert run_without_interpreter(CHILD) == ["compiled"]
