@@ -833,7 +833,7 @@ class FreeKVEngine:
         self._step_lens[:len(slots)].copy_(host[1], non_blocking=True)
 
     def attend(self, plan: StepPlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               attention: Attention | None = None) -> torch.Tensor:
+               attention: Attention | None = None, kv_scale: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """Store this step's K/V [B, H, D] and return the attention output [B, Hq, D] for q [B, Hq, D].
 
         attention: for a sparse layer, an outside kernel (engine.Attention) instead of the engine's own: called as
@@ -842,7 +842,10 @@ class FreeKVEngine:
         head holds, -1 if empty); the call it returns attends after that recall. SGLang's FlashInfer wrapper uses
         it so FreeKV attention rounds exactly as the server's full attention does: freekv_kernels.token_index lists
         each head's tokens from it in logical order (the request's whole context in order when every page is
-        selected)."""
+        selected).
+        kv_scale: a sparse layer's (k_scale, v_scale) as SGLang's attention layers carry them (a checkpoint's KV
+        scales; 1.0 without), applied by the engine's own attention as SGLang's decode kernels apply them: the
+        logits times k_scale, the output times v_scale. An outside kernel applies its own."""
         p, ops = self.cfg.page_size, self.ops
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         if self.dense[layer]:
@@ -892,10 +895,14 @@ class FreeKVEngine:
         # The slot table is final once the selection has committed: the attention's first call runs beside the
         # recall, which writes only the pages of the slots coded PHASE_NOW, and its second after it.
         st.wait(e_sel)
-        own = self._attend_fused if self.cfg.attention == "fused" else functools.partial(self._attend_split, layer)
+        scale = self.scale * kv_scale[0]
+        own = functools.partial(self._attend_fused, scale=scale) if self.cfg.attention == "fused" else \
+            functools.partial(self._attend_split, layer, scale=scale)
         finish = (attention or own)(q, kc, vc, plan, self.slot_table[layer])
         st.wait(e_now)
         out = finish()
+        if attention is None and kv_scale[1] != 1.0:
+            out = out * kv_scale[1]
         if self.probe is not None:
             self.probe(layer, plan, q, self.slot_table[layer])
         e_attn = st.record()
@@ -999,22 +1006,21 @@ class FreeKVEngine:
             self._after_attention(plan, layer, anchor if anchor is not None else self.streams.record())
 
     def _attend_fused(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: StepPlan,
-                      slots: torch.Tensor) -> Callable[[], torch.Tensor]:
+                      slots: torch.Tensor, scale: float) -> Callable[[], torch.Tensor]:
         """cfg.attention "fused" as an Attention: nothing beside the recall before attention; after it, attend_pages
         over the row's pages in one launch (the layers' calls run one after another on the compute stream, so they
         share one set of its counters)."""
-        return lambda: self.ops.attend_pages(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, self.scale,
+        return lambda: self.ops.attend_pages(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, scale,
                                              self.cfg.page_size, self._tickets)
 
     def _attend_split(self, layer: int, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, plan: StepPlan,
-                      slots: torch.Tensor) -> Callable[[], torch.Tensor]:
+                      slots: torch.Tensor, scale: float) -> Callable[[], torch.Tensor]:
         """The engine's own sparse attention as an Attention: attend_kept over the pages that stay (it skips the slots
         coded PHASE_NOW, which the recall writes); the returned call merges the recalled slots in."""
         recall, ops, p = self._recall[layer][:q.shape[0]], self.ops, self.cfg.page_size
         kept = ops.attend_kept(q, kc, vc, plan.row_table, plan.row_pages, plan.last_page_len, plan.n_sink,
-                               plan.n_slots, recall, PHASE_NOW, self.scale, p)
-        return lambda: ops.attend_recalled(q, kc, vc, plan.slot_pages, plan.n_slots, recall, PHASE_NOW, self.scale, p,
-                                           kept)
+                               plan.n_slots, recall, PHASE_NOW, scale, p)
+        return lambda: ops.attend_recalled(q, kc, vc, plan.slot_pages, plan.n_slots, recall, PHASE_NOW, scale, p, kept)
 
     def _select(self, plan: StepPlan, layer: int, q: torch.Tensor, phase: int, flags: torch.Tensor | None = None,
                 heads: torch.Tensor | None = None):

@@ -743,12 +743,13 @@ class FreeKVAttnBackend(AttentionBackend):
                                "(no attention sinks, logit capping or custom scaling)")
         s = self.shape
         k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
-        scaled = getattr(layer, "k_scale", None) is not None or getattr(layer, "v_scale", None) is not None
-        if head is None and scaled:
-            raise RuntimeError(f"layer {lid}: FreeKV's own attention kernels take no KV scales; serve a scaled KV "
-                               "cache with --kv-attention backend and the flashinfer or triton attention backend")
+        # A checkpoint's KV scales (1.0 without; quantized checkpoints carry them even over a bf16 cache), as
+        # SGLang's decode kernels apply them: the row kernels take them themselves, the engine's own attention here.
+        scaled = getattr(layer, "k_scale", None) is not None and getattr(layer, "v_scale", None) is not None
+        kv_scale = (layer.k_scale_float, layer.v_scale_float) if scaled else (1.0, 1.0)
         attention = None if head is None else functools.partial(head.attend, layer)
-        o = eng.attend(plan, local, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention)
+        o = eng.attend(plan, local, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention,
+                       kv_scale=kv_scale)
         if lid == self.last_layer and not _capturing():
             for e in self._engines():
                 e.end_step()  # eager; a captured graph joins in _join_after_forward

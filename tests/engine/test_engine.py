@@ -451,6 +451,37 @@ def test_fused_attention_matches_oracle(backend):
     run_and_check(cfg, H=2, G=4, prompt_lens=[90, 37], steps=6, L=2, backend=backend, atol=1e-4)
 
 
+@pytest.mark.parametrize("attention", ["fused", "split"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_own_attention_applies_kv_scales(attention, backend):
+    """A checkpoint's KV scales reach the engine's own attention as SGLang's decode kernels apply them: with a budget
+    covering the context, attend(q, kv_scale=(ks, vs)) is attend(q * ks) * vs (scoring aside, every page is
+    attended either way)."""
+    cfg = FreeKVConfig(selection="sketch", budget=64, sink=16, window=16, page_size=16, tau=0.6, attention=attention)
+    H, G, L, ks, vs = 2, 3, 2, 0.37, 1.9
+    engines = [make_engine(cfg, H, G, L, backend=backend) for _ in range(2)]
+    gen = torch.Generator().manual_seed(5)
+    slots = []
+    for eng in engines:
+        torch.manual_seed(3)
+        slot = eng.add_request()
+        eng.begin_prefill(slot, 60)
+        for layer in range(L):
+            eng.prefill_layer(slot, layer, *(torch.randn(60, H, D).to(DEV) for _ in range(2)),
+                              torch.randn(H * G, D).to(DEV))
+        slots.append(slot)
+    for _ in range(3):
+        plans = [eng.begin_step([s]) for eng, s in zip(engines, slots)]
+        for layer in range(1, L):  # layer 0 is dense
+            q, k, v = (torch.randn(1, n, D, generator=gen).to(DEV) for n in (H * G, H, H))
+            scaled = engines[0].attend(plans[0], layer, q, k, v, kv_scale=(ks, vs))
+            plain = engines[1].attend(plans[1], layer, q * ks, k, v)
+            assert scaled.isfinite().all()
+            torch.testing.assert_close(scaled, plain * vs, atol=1e-5, rtol=1e-4)
+        for eng in engines:
+            eng.end_step()
+
+
 def test_framework_slots_padding_and_outside_dense_layers():
     """SGLang's usage: its own slot ids (req_pool_idx), row 0 for padding, dense layers run elsewhere,
     lengths given by the caller; a padded batch must not disturb the real rows."""
