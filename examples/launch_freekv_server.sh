@@ -64,7 +64,7 @@ args=(
   --kv-correct-at layer
   # With --kv-correct-at previous_mlp(_only): "fp8" projects the predicted query from an e4m3 copy of each W_q made at
   # start-up (half the bytes the early lane reads each layer, ~0.5 GB on Llama-3.1-8B in the memory plan; sm_89+; one
-  # request 4% faster on an H200, docs/results/session57); "model" (default) from the model's own.
+  # request 4.5% faster on an H200, docs/results/session57); "model" (default) from the model's own.
   --kv-early-weights model
   # Sparse layers' attention: "fused" (default) through FreeKV's own kernel in one launch (on an H200 one request 6%
   # and sixteen 5% faster than "backend", docs/results/session57); "backend" through the attention backend's decode

@@ -169,7 +169,7 @@ class FreeKVConfig:
         selects as bf16 does: covered mass 0.9300 / 0.9001 / 0.9052 on text / passkey / multikey, as bf16's, and
         correction rates within 0.003. A weight update (update_weights_from_*) re-derives the copies
         (freekv_patches.weight_update_refresh). It stays opt-in: GPUs below sm_89 refuse it, and its memory is about
-        1.5 requests' worth of GPU pages at 32K on that shape.
+        0.6 of a 32K request's GPU KV on that shape.
     attention: how a served sparse layer attends. "fused" (default): FreeKV's own kernel in one launch after the
         recall before attention (freekv_kernels.split_attention.attend_pages), reading the slot table's pages
         directly: no token lists, no second launch to merge the splits. It rounds as a different kernel does, and its

@@ -5,9 +5,12 @@
 # first call on a fresh machine carries .gpu-wheels (its FreeKV server starts in ~6 min: SGLang and FlashInfer JIT,
 # the arena's pre-fault, the calibration, Triton compiling during graph capture). Every step's servers share one
 # Triton cache on the machine, so a warm machine's later FreeKV servers load their kernels instead.
-#   bash scripts/gpu_decode_steps.sh predicted    # FreeKV, --kv-correct-at previous_mlp_only, 16 and 1 x 32K
+#   bash scripts/gpu_decode_steps.sh predicted    # FreeKV, --kv-correct-at previous_mlp_only, 16 and 1 x 32K, with
+#                                                 # --kv-attention backend (the default until session 57; the
+#                                                 # steps below that name no attention run the default, fused)
 #   bash scripts/gpu_decode_steps.sh full         # full KV (FlashInfer), 16 and 1 x 32K
-#   bash scripts/gpu_decode_steps.sh fused        # predicted with --kv-attention fused (attend_pages), 16 and 1 x 32K
+#   bash scripts/gpu_decode_steps.sh fused        # predicted with --kv-attention fused (attend_pages, the default
+#                                                 # since session 57), 16 and 1 x 32K
 #   bash scripts/gpu_decode_steps.sh fp8w         # fused with --kv-early-weights fp8 (the early lane's W_q in e4m3)
 #   bash scripts/gpu_decode_steps.sh programs     # predicted at 16 x 32K with --kv-recall-programs 48, then 64
 #   bash scripts/gpu_decode_steps.sh blocks       # predicted at 16 x 32K with --kv-recall-block 4, then 16 (the early
@@ -82,7 +85,8 @@ thin() {  # thin NAME SIDE_LANES_ARGS...: one side_lanes.py run on every SM
 }
 
 case ${1:-} in
-  predicted) decode predicted --context 32000 --batches 16,16,16,1,1 --configs "realistic-predicted $FP8" ;;
+  predicted) decode predicted --context 32000 --batches 16,16,16,1,1 \
+               --configs "realistic-predicted $FP8 --kv-attention backend" ;;
   full) decode full --context 32000 --batches 16,16,16,1,1 --configs full ;;
   fused) decode fused --context 32000 --batches 16,16,16,1,1 \
            --configs "realistic-predicted $FP8 --kv-attention fused" ;;

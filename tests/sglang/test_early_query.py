@@ -157,6 +157,7 @@ def test_fp8_weights_follow_a_weight_update():
         _install_early(runner, dense_layers=1, correct_at="previous_mlp_only", weights="fp8")
         update()
         stale = predictions()
+        assert len(stale) == 2  # layers 1 and 2 are predicted
         assert all((q - real).norm() > 0.5 * real.norm() for q, real in stale)  # the copies still hold the old W_q
         with seam.hook(observe, manager, "tensor"):
             update()

@@ -138,6 +138,7 @@ REFUSED = [
     # fused attention (the default) and split pick their splits by the batch: not batch-invariant
     (["--enable-deterministic-inference"], "--kv-attention backend"),
     (["--enable-deterministic-inference", "--kv-attention", "split"], "--kv-attention backend"),
+    (["--enable-deterministic-inference", "--kv-attention", "fused"], "--kv-attention backend"),
     (["--kvstore-arena-gb", "0"], "--kvstore-arena-gb"),
     (["--kvstore-timeout", "1"], "--kvstore-timeout"),  # shorter than an embedded daemon's restart
     (["--kvstore-timeout", "nan"], "--kvstore-timeout"),
