@@ -167,8 +167,8 @@ class FreeKVConfig:
         previous_mlp_only): one request 5.47 ms a step against the model's W_q's 5.72 (full KV 5.92), sixteen level.
         On SmolLM2-135M (CPU, session 57, benchmarks/cross_layer_query.py --quant fp8_rows, 6K, budget 512) this codec
         selects as bf16 does: covered mass 0.9300 / 0.9001 / 0.9052 on text / passkey / multikey, as bf16's, and
-        correction rates within 0.003. A weight update (update_weights_from_*) re-derives the copies
-        (freekv_patches.weight_update_refresh). It stays opt-in: GPUs below sm_89 refuse it, and its memory is about
+        correction rates within 0.003. After a weight update (update_weights_from_*) the next decode re-derives
+        the copies (freekv_patches.weight_update_refresh, EarlyQuery.refresh_weights). It stays opt-in: GPUs below sm_89 refuse it, and its memory is about
         0.6 of a 32K request's GPU KV on that shape.
     attention: how a served sparse layer attends. "fused" (default): FreeKV's own kernel in one launch after the
         recall before attention (freekv_kernels.split_attention.attend_pages), reading the slot table's pages

@@ -30,6 +30,29 @@ class EarlyQuery:
         self.target: Callable[[int, Callable[[torch.Tensor], torch.Tensor], tuple[torch.Tensor]], None] | None = None
         self.release: Callable[[int], None] | None = None
         self.positions: torch.Tensor | None = None
+        # early_weights "fp8": (qkv_proj, q_size, e4m3 rows, exponents) a predicted layer; weights_stale is set when
+        # the model's weights were updated, and the backend's next decode refreshes them (one refresh however many
+        # updates came between two forwards).
+        self.fp8_weights: list[tuple[torch.nn.Module, int, torch.Tensor, torch.Tensor]] = []
+        self.weights_stale = False
+
+    def refresh_weights(self) -> int:
+        """Re-derive every e4m3 W_q copy from the model's present W_q, in place (captured CUDA graphs keep reading the
+        same tensors; SGLang updates weights in place, so the model's own W_q needs nothing). Returns how many."""
+        with torch.no_grad():
+            for qkv, q_size, q, e in self.fp8_weights:
+                quantize_rows_into(qkv.weight[:q_size], q, e)
+        self.weights_stale = False
+        return len(self.fp8_weights)
+
+
+def quantize_rows_into(w: torch.Tensor, q: torch.Tensor, e: torch.Tensor) -> None:
+    """freekv_kernels.fp8_rows' codec of w [N, K] into q (e4m3) and e (a row's exponent), 1,024 rows at a time (the
+    codec's fp32 temporaries stay small)."""
+    from freekv_kernels.fp8_rows import naive_quantize_rows
+
+    for i in range(0, w.shape[0], 1024):
+        q[i:i + 1024], e[i:i + 1024] = naive_quantize_rows(w[i:i + 1024].detach())
 
 
 def predicted_layers(num_layers: int, dense_layers: int) -> range:

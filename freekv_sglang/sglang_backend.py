@@ -145,6 +145,7 @@ class FreeKVAttnBackend(AttentionBackend):
                 raise RuntimeError(f"--kv-correct-at {cfg.correct_at}: the model's decoder layers are not wrapped to "
                                    "predict queries (freekv_patches' model-runner hook did not run)")
             early.target, early.release = self._anticipate, self.engine.inputs_read
+        self._early = getattr(runner, "_freekv_early", None) if cfg.anticipates else None
         self._tsp_rows: list[tuple[int, int]] = []  # this extend batch's (slot, prompt tokens), in batch order
         self._tsp_kept: list[int] | None = None  # their propagated tokens, once the TSP layer picked them
         self._tsp_drop: dict[int, int] = {}  # slot -> tokens its prompt did not propagate (late length = len - drop)
@@ -493,6 +494,10 @@ class FreeKVAttnBackend(AttentionBackend):
             indices[:n] = self.pool.translate(indices[:n])
 
     def _prepare_decode(self, fb, in_capture: bool, graph: bool) -> None:
+        early = self._early
+        if early is not None and early.weights_stale and not in_capture:  # weights updated since the last decode
+            n = early.refresh_weights()
+            logger.info("FreeKV: re-derived %d e4m3 W_q copies (--kv-early-weights fp8) after a weight update", n)
         self._apply_frees()
         self.pool.forget_staged_rows()  # the locations' buffers are rewritten for this step
         if in_capture:

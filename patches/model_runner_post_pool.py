@@ -15,8 +15,8 @@ the attention backends are built and the CUDA graphs captured. With FreeKV on it
     layer's query is predicted from the previous layer's mid residual (freekv_sglang.early_query; state on the
     runner, runner._freekv_early, for the FreeKV backend): the next layer's input norm, the Q rows of its qkv_proj and
     its rotary embedding, as Llama's and Qwen2's attention hold them; unquantized weights and no QK norm; with
-    --kv-early-weights fp8, an e4m3 copy of each Q block made here (the memory plan counted it), which
-    refresh_early_weights re-derives after a weight update (weight_update_refresh);
+    --kv-early-weights fp8, an e4m3 copy of each Q block made here (the memory plan counted it), which the
+    backend's next decode re-derives after a weight update (weight_update_refresh marks them stale);
   - with --kv-prefill tsp (with FreeKV or alone), wraps the model's decoder layers (model.model.layers, called as Llama's and Qwen2's are)
     for token-selective propagation (freekv_sglang.tsp_propagation) and leaves their shared state on the runner
     (runner._freekv_tsp) for the FreeKV backend.
@@ -123,13 +123,13 @@ def _install_early(runner, dense_layers: int, correct_at: str, weights: str = "m
     import torch
     import torch.nn.functional as F
 
-    from freekv_sglang.early_query import EarlyQuery, install, predicted_layers
+    from freekv_sglang.early_query import EarlyQuery, install, predicted_layers, quantize_rows_into
     from freekv_sglang.server_args import FreeKVArgsError
 
     flag = f"--kv-correct-at {correct_at}"
     layers = _whole_layers(runner, flag, "--kv-correct-at")
     model = runner.model
-    fp8_copies = []  # (qkv_proj, q_size, e4m3 rows, exponents): what refresh_early_weights re-derives
+    fp8_copies = []  # (qkv_proj, q_size, e4m3 rows, exponents): what EarlyQuery.refresh_weights re-derives
     if weights == "fp8":
         from freekv_kernels.fp8_rows import FP8_DTYPE
         from freekv_sglang.ops import load_ops
@@ -148,7 +148,7 @@ def _install_early(runner, dense_layers: int, correct_at: str, weights: str = "m
                                       f"{device} (offloaded weights?): drop --kv-early-weights")
             q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
             e = torch.empty(w.shape[0], dtype=torch.int8, device=w.device)
-            _quantize_into(w, q, e)
+            quantize_rows_into(w, q, e)
             return q, e
 
     def fused_norm(layer, norm: str) -> bool:  # SGLang's Llama/Qwen2 call: the norm adds the residual itself
@@ -207,26 +207,5 @@ def _install_early(runner, dense_layers: int, correct_at: str, weights: str = "m
 
     runner._freekv_early = state = EarlyQuery()
     install(layers, state, {j: predictor(j) for j in predicted_layers(len(layers), dense_layers)})
-    runner._freekv_early_fp8 = fp8_copies
+    state.fp8_weights = fp8_copies
 
-
-def _quantize_into(w, q, e) -> None:
-    """fp8_rows' codec of w [N, K] into q (e4m3) and e (a row's exponent), 1,024 rows at a time (the codec's fp32
-    temporaries stay small)."""
-    from freekv_kernels.fp8_rows import naive_quantize_rows
-
-    for i in range(0, w.shape[0], 1024):
-        q[i:i + 1024], e[i:i + 1024] = naive_quantize_rows(w[i:i + 1024].detach())
-
-
-def refresh_early_weights(runner) -> int:
-    """--kv-early-weights fp8: re-derive every W_q copy from the model's present weights, in place (captured CUDA
-    graphs keep reading the same tensors). SGLang updates weights in place, so the model's own W_q needs nothing.
-    Returns how many copies were refreshed."""
-    import torch
-
-    copies = getattr(runner, "_freekv_early_fp8", ())
-    with torch.no_grad():
-        for qkv, q_size, q, e in copies:
-            _quantize_into(qkv.weight[:q_size], q, e)
-    return len(copies)

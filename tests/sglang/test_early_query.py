@@ -126,8 +126,9 @@ def test_fp8_weights_predict_within_e4m3s_rounding():
 
 def test_fp8_weights_follow_a_weight_update():
     """SGLang updates weights in place inside SchedulerWeightUpdaterManager._observe_weight_load; the seam around it
-    re-derives the e4m3 copies on leaving (also when the update raised), so the prediction follows the new W_q.
-    Without copies it hands SGLang's context manager back untouched."""
+    marks the e4m3 copies stale on leaving (also when the update raised), and EarlyQuery.refresh_weights (which the
+    backend's next decode calls) re-derives them, so the prediction follows the new W_q. Without copies the seam
+    hands SGLang's context manager back untouched."""
     import contextlib
 
     from freekv_patches import weight_update_refresh as seam
@@ -147,6 +148,7 @@ def test_fp8_weights_follow_a_weight_update():
         calls = []
         runner._freekv_early.target = lambda layer, predict, inputs: calls.append((layer, predict(*inputs)))
         run(layers, decode=True)
+        assert [j for j, _ in calls] == [1, 2]
         return [(q, layers[j].self_attn.seen[-1]) for j, q in calls]
 
     def update():
@@ -155,20 +157,22 @@ def test_fp8_weights_follow_a_weight_update():
 
     with torch.no_grad():
         _install_early(runner, dense_layers=1, correct_at="previous_mlp_only", weights="fp8")
-        update()
-        stale = predictions()
-        assert len(stale) == 2  # layers 1 and 2 are predicted
-        assert all((q - real).norm() > 0.5 * real.norm() for q, real in stale)  # the copies still hold the old W_q
+        early = runner._freekv_early
         with seam.hook(observe, manager, "tensor"):
             update()
+        assert early.weights_stale
+        stale = predictions()
+        assert all((q - real).norm() > 0.5 * real.norm() for q, real in stale)  # the copies still hold the old W_q
+        early.weights_stale = False
         with pytest.raises(RuntimeError, match="rolled back"), seam.hook(observe, manager, "disk"):
             update()  # a failed update's weights (SGLang reloads the old ones): refreshed from what the model has
             raise RuntimeError("rolled back")
-        assert entered == ["tensor", "disk"]
+        assert entered == ["tensor", "disk"] and early.weights_stale
+        assert early.refresh_weights() == 2 and not early.weights_stale
         for q, real in predictions():
             assert (q - real).norm() <= 0.05 * real.norm()
     bare = observe(None, "ipc")
-    runner._freekv_early_fp8 = []  # --kv-early-weights model
+    early.fp8_weights = []  # --kv-early-weights model
     assert seam.hook(lambda self, source: bare, manager, "ipc") is bare
     assert seam.hook(lambda self, source: bare, SimpleNamespace(), "ipc") is bare  # FreeKV off
 

@@ -529,6 +529,28 @@ def test_the_last_query_is_seeded_in_the_engines_dtype(daemon, monkeypatch):
     assert eng.has_prev[CFG.dense_layers:, [2, 4]].all() and not eng.has_prev[:CFG.dense_layers].any()
 
 
+def test_stale_fp8_weights_are_refreshed_before_a_decode(daemon):
+    """--kv-early-weights fp8 after a weight update (weight_update_refresh marks the copies stale): the next decode's
+    metadata re-derives them from the model's W_q, once, and an extend forward leaves them be."""
+    from freekv_kernels.fp8_rows import FP8_DTYPE, naive_quantize_rows
+    from freekv_sglang.early_query import EarlyQuery
+
+    cfg = dataclasses.replace(CFG, selection="means", correct_at="previous_mlp_only")
+    early = EarlyQuery()
+    backend, runner = make_backend(daemon, cfg=cfg, early=early)
+    qkv = torch.nn.Linear(16, 24, bias=False)
+    q8, e = torch.zeros(16, 16, dtype=FP8_DTYPE), torch.zeros(16, dtype=torch.int8)
+    early.fp8_weights = [(qkv, 16, q8, e)]
+    reqs = [Request(runner, 3, 150)]
+    early.weights_stale = True
+    prefill(backend, reqs, 64)
+    assert early.weights_stale and not q8.float().any()  # extends do not read the copies
+    backend.init_forward_metadata(decode_batch(reqs))
+    want_q, want_e = naive_quantize_rows(qkv.weight[:16].detach())
+    assert not early.weights_stale
+    assert torch.equal(q8.float(), want_q.float()) and torch.equal(e, want_e.to(e.dtype))
+
+
 @pytest.mark.parametrize("correct_at", ["previous_mlp", "previous_mlp_only"])
 def test_predicted_queries_reach_the_engine_in_decode_forwards(daemon, correct_at):
     """--kv-correct-at previous_mlp(_only): the wrapped layers hand the backend each sparse layer's predicted query
