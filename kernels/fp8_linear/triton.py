@@ -34,6 +34,17 @@ class Tiles:
     gemv_warps: int = 4
     gemv_rows: int = 1  # x with at most this many rows takes the CUDA-core path (its tile's registers grow with them)
 
+    def __post_init__(self) -> None:
+        for name in ("bn", "bk", "gemv_bn", "gemv_bk", "warps", "gemv_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two, got {v}")
+        if min(self.bn, self.bk) < 16:
+            raise ValueError(f"the dot path's tiles need >= 16 columns and K (tl.dot), got bn {self.bn}, bk {self.bk}")
+        if not 0 <= self.gemv_rows <= 64 or min(self.stages, self.gemv_stages) < 1:
+            raise ValueError(f"Tiles.gemv_rows must be 0-64 (one program holds every row's products) and stages >= 1, "
+                             f"got {self.gemv_rows}, {self.stages}, {self.gemv_stages}")
+
 
 TILES = Tiles()
 

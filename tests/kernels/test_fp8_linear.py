@@ -42,6 +42,18 @@ def test_matches_reference(m, n, k, dtype, bias, tiles):
     assert (ref.float() - exact).norm() <= 0.05 * exact.norm()
 
 
+@pytest.mark.parametrize("tiles", [TILES, Tiles(gemv_rows=0)], ids=["gemv", "dot"])
+def test_strided_rows_of_x(tiles):
+    """x as rows of a wider buffer (the early lane's normed residual may be a view): read through its row stride."""
+    x, q, e, b, _ = case(1 if tiles.gemv_rows else 5, 40, 300, torch.bfloat16, True, seed=7)
+    wide = torch.full((x.shape[0], 320), float("nan"), dtype=x.dtype, device=x.device)
+    wide[:, 10:310] = x
+    with poisoned_outputs():
+        y = fp8_linear(wide[:, 10:310], q, e, b, tiles=tiles)
+    ref = naive_fp8_linear(x, q, e, b)
+    assert_close("fp8_linear strided", ref, y, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
+
+
 def test_bad_inputs():
     x, q, e, b, w = case(2, 16, 32, torch.bfloat16, True, seed=0)
     with pytest.raises(ValueError, match="w must be"):
@@ -56,6 +68,12 @@ def test_bad_inputs():
         fp8_linear(x, q, e.repeat_interleave(2)[::2])
     with pytest.raises(ValueError, match="contiguous"):
         fp8_linear(x, q, e, b.repeat_interleave(2)[::2])
+    with pytest.raises(ValueError, match="power of two"):
+        Tiles(gemv_bk=96)
+    with pytest.raises(ValueError, match=">= 16"):
+        Tiles(bn=8)
+    with pytest.raises(ValueError, match="gemv_rows"):
+        Tiles(gemv_rows=128)
 
 
 CHILD = r'''
