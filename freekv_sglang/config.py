@@ -168,8 +168,8 @@ class FreeKVConfig:
         On SmolLM2-135M (CPU, session 57, benchmarks/cross_layer_query.py --quant fp8_rows, 6K, budget 512) this codec
         selects as bf16 does: covered mass 0.9300 / 0.9001 / 0.9052 on text / passkey / multikey, as bf16's, and
         correction rates within 0.003. After a weight update (update_weights_from_*) the next decode re-derives
-        the copies (freekv_patches.weight_update_refresh, EarlyQuery.refresh_weights). It stays opt-in: GPUs below sm_89 refuse it, and its memory is about
-        0.6 of a 32K request's GPU KV on that shape.
+        the copies (freekv_patches.weight_update_refresh, EarlyQuery.refresh_weights). It stays opt-in: GPUs below
+        sm_89 refuse it, and its memory is about 0.6 of a 32K request's GPU KV on that shape.
     attention: how a served sparse layer attends. "fused" (default): FreeKV's own kernel in one launch after the
         recall before attention (freekv_kernels.split_attention.attend_pages), reading the slot table's pages
         directly: no token lists, no second launch to merge the splits. It rounds as a different kernel does, and its

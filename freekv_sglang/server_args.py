@@ -521,9 +521,13 @@ def server_args_problems(server_args: Any, settings: FreeKVServerSettings) -> li
         problems.append(f"use --tokenizer-worker-num 1 (got {g('tokenizer_worker_num')}): FreeKV's /health check of "
                         "its kvstore daemon is installed on the single HTTP process's app")
     kv_dtype = g("kv_cache_dtype", "auto")
-    if settings.config.host_dtype != "auto" and kv_dtype not in (None, "auto", "bf16", "bfloat16", "fp16", "float16"):
-        problems.append(f"drop --kv-host-dtype {settings.config.host_dtype}: it narrows a 16-bit KV cache, and "
-                        f"--kv-cache-dtype is {kv_dtype}")
+    if kv_dtype not in (None, "auto", "bf16", "bfloat16", "fp16", "float16"):
+        # FreeKV's kernels write and read 16-bit pages with no KV scales (SGLang divides an FP8 cache's K/V by them)
+        problems.append(f"drop --kv-cache-dtype {kv_dtype}: FreeKV keeps a 16-bit KV cache on the GPU; narrow the "
+                        "host pages instead (FP8 host pages)")
+        if settings.config.host_dtype != "auto":
+            problems.append(f"drop --kv-host-dtype {settings.config.host_dtype}: it narrows a 16-bit KV cache, and "
+                            f"--kv-cache-dtype is {kv_dtype}")
     if _graph_backend(g, "decode") == "breakable":
         problems.append("--cuda-graph-backend-decode is breakable: FreeKV's decode step is built for one captured "
                         "graph (its side streams join after the whole forward, through capture_tail_hooks), not for "

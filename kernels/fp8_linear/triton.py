@@ -41,9 +41,13 @@ class Tiles:
                 raise ValueError(f"Tiles.{name} must be a power of two, got {v}")
         if min(self.bn, self.bk) < 16:
             raise ValueError(f"the dot path's tiles need >= 16 columns and K (tl.dot), got bn {self.bn}, bk {self.bk}")
-        if not 0 <= self.gemv_rows <= 64 or min(self.stages, self.gemv_stages) < 1:
-            raise ValueError(f"Tiles.gemv_rows must be 0-64 (one program holds every row's products) and stages >= 1, "
-                             f"got {self.gemv_rows}, {self.stages}, {self.gemv_stages}")
+        if self.gemv_rows < 0 or min(self.stages, self.gemv_stages) < 1:
+            raise ValueError(f"Tiles.gemv_rows must be >= 0 and stages >= 1, got {self.gemv_rows}, {self.stages}, "
+                             f"{self.gemv_stages}")
+        products = triton.next_power_of_2(self.gemv_rows) * self.gemv_bn * self.gemv_bk if self.gemv_rows else 0
+        if products > 16384:  # one program holds them in registers: past this, sm_90 spills (ptxas)
+            raise ValueError(f"the CUDA-core path's tile of gemv_rows x gemv_bn x gemv_bk = {products} fp32 products "
+                             "exceeds 16384: fewer rows or smaller tiles")
 
 
 TILES = Tiles()

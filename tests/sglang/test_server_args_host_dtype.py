@@ -31,3 +31,6 @@ def test_an_fp8_kv_cache_is_refused_naming_both_flags(kv_cache_dtype, refused):
         assert f"--kv-cache-dtype is {kv_cache_dtype}" in problems[0]
     plain = settings_from_argv(["--kv-retrieval", "freekv"])
     assert not [p for p in server_args_problems(args, plain) if "--kv-host-dtype" in p]
+    # the GPU's cache itself stays 16-bit with or without FP8 host pages
+    for s in (fp8, plain):
+        assert bool([p for p in server_args_problems(args, s) if p.startswith("drop --kv-cache-dtype")]) == refused

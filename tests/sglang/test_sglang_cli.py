@@ -139,6 +139,7 @@ REFUSED = [
     (["--enable-deterministic-inference"], "--kv-attention backend"),
     (["--enable-deterministic-inference", "--kv-attention", "split"], "--kv-attention backend"),
     (["--enable-deterministic-inference", "--kv-attention", "fused"], "--kv-attention backend"),
+    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype"),  # the GPU cache stays 16-bit
     (["--kvstore-arena-gb", "0"], "--kvstore-arena-gb"),
     (["--kvstore-timeout", "1"], "--kvstore-timeout"),  # shorter than an embedded daemon's restart
     (["--kvstore-timeout", "nan"], "--kvstore-timeout"),
