@@ -36,6 +36,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from . import metrics
 from .engine import FreeKVEngine, ModelShape, StatsSnapshot, merged_stats, tsp_engines
+from .kv_scales import kv_scales
 from .kvstore_pool import HostPagesUnavailable, KVStoreHostPool, stable_client_id
 from .radix import PrefixSharing, fill_prefix_staging, namespace_of, prefix_fill_index
 from .server_args import host_page_bytes, host_page_capacity
@@ -690,10 +691,11 @@ class FreeKVAttnBackend(AttentionBackend):
         q3 = q.reshape(-1, s.num_q_heads, s.head_dim)
         k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
         out = torch.empty_like(q3)
+        ks, vs = kv_scales(layer)
         start = 0
         for (slot, n), m in zip(self._tsp_rows, self._tsp_kept):
             rows = slice(start, start + m)
-            out[rows] = causal_attention(q3[rows], k3[rows], v3[rows], layer.scaling)
+            out[rows] = causal_attention(q3[rows], k3[rows], v3[rows], layer.scaling * ks) * vs
             if slot not in self._lost:  # else no host pages: aborted before it decodes
                 if local == 0:
                     late.begin_prefill(slot, m)
@@ -748,11 +750,9 @@ class FreeKVAttnBackend(AttentionBackend):
                                "(no attention sinks, logit capping or custom scaling)")
         s = self.shape
         k3, v3 = k.reshape(-1, s.num_kv_heads, s.head_dim), v.reshape(-1, s.num_kv_heads, s.head_dim)
-        # A checkpoint's KV scales (1.0 without; quantized checkpoints carry them even over a bf16 cache), as
-        # SGLang's decode kernels apply them: the row kernels take them themselves, the engine's own attention here.
-        scaled = getattr(layer, "k_scale", None) is not None and getattr(layer, "v_scale", None) is not None
-        kv_scale = (layer.k_scale_float, layer.v_scale_float) if scaled else (1.0, 1.0)
+        # The row kernels take the layer's KV scales themselves, the engine's own attention here.
         attention = None if head is None else functools.partial(head.attend, layer)
+        kv_scale = (1.0, 1.0) if head is not None else kv_scales(layer)
         o = eng.attend(plan, local, q.reshape(-1, s.num_q_heads, s.head_dim), k3, v3, attention=attention,
                        kv_scale=kv_scale)
         if lid == self.last_layer and not _capturing():

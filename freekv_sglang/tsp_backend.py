@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from .kv_scales import kv_scales
 from .ops import load_ops
 from .streams import upload
 from .tsp_propagation import causal_attention, pick
@@ -128,10 +129,11 @@ class TSPAttnBackend(AttentionBackend):
         q3 = q.reshape(-1, self.Hq, self.D)
         k3, v3 = k.reshape(-1, self.H, self.D), v.reshape(-1, self.H, self.D)
         out = torch.empty_like(q3)
+        ks, vs = kv_scales(layer)
         locs, start = [], 0
         for (slot, n), m in zip(self._rows, self._kept):
             rows = slice(start, start + m)
-            out[rows] = causal_attention(q3[rows], k3[rows], v3[rows], layer.scaling)
+            out[rows] = causal_attention(q3[rows], k3[rows], v3[rows], layer.scaling * ks) * vs
             locs.append(self.req_to_token[slot, :m])
             start += m
         self.pool.set_kv_buffer(layer, torch.cat(locs).long(), k3, v3)
@@ -151,9 +153,10 @@ class TSPAttnBackend(AttentionBackend):
                                "attention sinks or logit capping)")
         self.pool.set_kv_buffer(layer, self._late_loc, k.reshape(-1, self.H, self.D), v.reshape(-1, self.H, self.D))
         lid = layer.layer_id
+        ks, vs = kv_scales(layer)
         o = self.decode.attend(q.reshape(-1, self.Hq, self.D), self.pool.get_key_buffer(lid),
-                               self.pool.get_value_buffer(lid), layer.scaling)
-        return o.reshape(-1, self.Hq * self.D)
+                               self.pool.get_value_buffer(lid), layer.scaling * ks)
+        return (o if vs == 1.0 else o * vs).reshape(-1, self.Hq * self.D)
 
 
 class TorchLateDecode:

@@ -281,6 +281,37 @@ def test_chunked_prefill_stages_then_decodes_like_the_engine(daemon, chunk):
     assert eng.is_active(3) and eng.seq_len(3) == new.n
 
 
+def test_sparse_layers_apply_the_checkpoints_kv_scales(daemon):
+    """A layer carrying KV scales (a quantized checkpoint's, over a 16-bit cache) decodes through the engine's own
+    attention with them: the reference engine's attend(kv_scale=) (test_engine checks that against scaled attention)."""
+    backend, runner = make_backend(daemon)
+    reqs = [Request(runner, 3, 150), Request(runner, 5, 70)]
+    prefill(backend, reqs, 64)
+    ref, ref_slots = reference_engine(reqs)
+    scaled = [SimpleNamespace(**vars(layer), k_scale=torch.tensor(0.6), v_scale=torch.tensor(1.7), k_scale_float=0.6,
+                              v_scale_float=1.7) for layer in layers()]
+    for _ in range(3):
+        fb = decode_batch(reqs)
+        backend.init_forward_metadata(fb)
+        plan = ref.begin_step(ref_slots)
+        for layer in scaled:
+            q, k, v = torch.randn(2, HQ * D), torch.randn(2, H * D), torch.randn(2, H * D)
+            out = backend.forward_decode(q, k, v, layer, fb)
+            if layer.layer_id >= CFG.dense_layers:
+                want = ref.attend(plan, layer.layer_id, q.view(2, HQ, D), k.view(2, H, D), v.view(2, H, D),
+                                  kv_scale=(0.6, 1.7))
+                torch.testing.assert_close(out, want.reshape(2, HQ * D), atol=1e-6, rtol=1e-6)
+        ref.end_step()
+    broken = SimpleNamespace(**vars(scaled[-1]))
+    broken.k_scale_float = None  # scales set, their floats not: refused naming the flag, not a TypeError
+    fb = decode_batch(reqs)
+    backend.init_forward_metadata(fb)
+    for layer in scaled[:-1]:
+        backend.forward_decode(torch.randn(2, HQ * D), torch.randn(2, H * D), torch.randn(2, H * D), layer, fb)
+    with pytest.raises(RuntimeError, match="--kv-attention backend"):
+        backend.forward_decode(torch.randn(2, HQ * D), torch.randn(2, H * D), torch.randn(2, H * D), broken, fb)
+
+
 def test_deterministic_triton_reads_the_chunk_from_staging(daemon):
     """The unified extend kernel reads the chunk back from the pool: at staging rows for sparse layers (SGLang's
     token locations would index past the staging buffer), and the decode after it matches the engine. The kvstore

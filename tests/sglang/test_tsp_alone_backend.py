@@ -60,17 +60,28 @@ def make_backend():
     return TSPAttnBackend(runner, Inner(pool), tsp_layer=1, keep=KEEP), runner
 
 
+KS, VS = 1.0, 1.0  # the layers' KV scales (test_..._decodes_over_them sets others)
+
+
 def layer(i):
-    return SimpleNamespace(layer_id=i, scaling=SCALE, logit_cap=0.0)
+    scaled = (KS, VS) != (1.0, 1.0)  # a checkpoint's scales, as SGLang's layers hold them
+    return SimpleNamespace(layer_id=i, scaling=SCALE, logit_cap=0.0, k_scale=torch.tensor(KS) if scaled else None,
+                           v_scale=torch.tensor(VS) if scaled else None, k_scale_float=KS if scaled else None,
+                           v_scale_float=VS if scaled else None)
 
 
 def causal(q, k, v):
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                       is_causal=True, scale=SCALE, enable_gqa=True)
-    return o[0].transpose(0, 1)
+                                       is_causal=True, scale=SCALE * KS, enable_gqa=True)
+    return o[0].transpose(0, 1) * VS
 
 
-def test_tsp_alone_prefills_the_propagated_tokens_and_decodes_over_them():
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.6, 1.7)], ids=["unscaled", "kv-scales"])
+def test_tsp_alone_prefills_the_propagated_tokens_and_decodes_over_them(scales, monkeypatch):
+    """The later layers' prefill and decode, with and without a checkpoint's KV scales (the logits times k_scale, the
+    output times v_scale, as SGLang's kernels apply them)."""
+    monkeypatch.setitem(globals(), "KS", scales[0])
+    monkeypatch.setitem(globals(), "VS", scales[1])
     backend, runner = make_backend()
     rt, pool, g = runner.req_to_token_pool.req_to_token, runner.token_to_kv_pool, torch.Generator().manual_seed(0)
     prompts = {1: 150, 3: 30}  # slot -> tokens; the second propagates whole
@@ -125,7 +136,8 @@ def test_tsp_alone_prefills_the_propagated_tokens_and_decodes_over_them():
                 seqs[s] = [torch.cat([seqs[s][0], k[b:b + 1]]), torch.cat([seqs[s][1], v[b:b + 1]])]
                 kk, vv = seqs[s]
                 want = F.scaled_dot_product_attention(q[b][:, None], kk.repeat_interleave(3, 1).transpose(0, 1),
-                                                      vv.repeat_interleave(3, 1).transpose(0, 1), scale=SCALE)[:, 0]
+                                                      vv.repeat_interleave(3, 1).transpose(0, 1),
+                                                      scale=SCALE * KS)[:, 0] * VS
                 torch.testing.assert_close(out.view(bs, HQ, D)[b], want)
                 late_len = lens[s] - backend._drop[s]
                 torch.testing.assert_close(pool.get_key_buffer(2)[rt[s, late_len - 1].long()], k[b], rtol=0, atol=0)
