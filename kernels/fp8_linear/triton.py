@@ -54,6 +54,15 @@ TILES = Tiles()
 
 
 @triton.jit
+def _k_tiles(x_ptr, w_ptr, m, n, k, m_mask, n_mask, K, sx_m, sw_n):
+    """x's rows m and W's rows n over the K columns k (zeros past their ends): both paths' step over K."""
+    k_mask = k < K
+    x = tl.load(x_ptr + m[:, None] * sx_m + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    w = tl.load(w_ptr + n[:, None] * sw_n + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    return x, w
+
+
+@triton.jit
 def _fp8_linear_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, M, N, K, sx_m, sw_n, sy_m,
                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                        HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, GEMV: tl.constexpr):
@@ -64,21 +73,13 @@ def _fp8_linear_kernel(x_ptr, w_ptr, e_ptr, b_ptr, y_ptr, M, N, K, sx_m, sw_n, s
     if GEMV:  # elementwise products of BM rows in registers, reduced over K once after the loop
         prod = tl.zeros([BM, BN, BK], tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            k_mask = k0 + k < K
-            x = tl.load(x_ptr + m[:, None] * sx_m + (k0 + k)[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + n[:, None] * sw_n + (k0 + k)[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                        other=0.0)
+            x, w = _k_tiles(x_ptr, w_ptr, m, n, k0 + k, m_mask, n_mask, K, sx_m, sw_n)
             prod += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
         acc = tl.sum(prod, axis=2)
     else:
         acc = tl.zeros([BM, BN], tl.float32)
         for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            k_mask = k0 + k < K
-            x = tl.load(x_ptr + m[:, None] * sx_m + (k0 + k)[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + n[:, None] * sw_n + (k0 + k)[None, :], mask=n_mask[:, None] & k_mask[None, :],
-                        other=0.0)
+            x, w = _k_tiles(x_ptr, w_ptr, m, n, k0 + k, m_mask, n_mask, K, sx_m, sw_n)
             if DOT_F32:  # fp32 "ieee" dots for fp32 x and the interpreter, which mis-multiplies bf16
                 acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
