@@ -695,13 +695,15 @@ class FreeKVAttnBackend(AttentionBackend):
         start = 0
         for (slot, n), m in zip(self._tsp_rows, self._tsp_kept):
             rows = slice(start, start + m)
-            out[rows] = causal_attention(q3[rows], k3[rows], v3[rows], layer.scaling * ks) * vs
+            out[rows] = causal_attention(q3[rows], k3[rows], v3[rows], layer.scaling * ks)
             if slot not in self._lost:  # else no host pages: aborted before it decodes
                 if local == 0:
                     late.begin_prefill(slot, m)
                     self._tsp_drop[slot] = n - m
                 late.prefill_layer(slot, local, k3[rows], v3[rows], q3[start + m - 1])  # the prompt's last token
             start += m
+        if vs != 1.0:
+            out *= vs
         if local == late.shape.num_layers - 1:  # the later layers' slots too, from the host (no staging here)
             late.fill_slots([slot for slot, _ in self._tsp_rows if slot not in self._lost])
         return out.reshape(-1, s.num_q_heads * s.head_dim)

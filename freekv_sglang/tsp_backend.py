@@ -133,9 +133,11 @@ class TSPAttnBackend(AttentionBackend):
         locs, start = [], 0
         for (slot, n), m in zip(self._rows, self._kept):
             rows = slice(start, start + m)
-            out[rows] = causal_attention(q3[rows], k3[rows], v3[rows], layer.scaling * ks) * vs
+            out[rows] = causal_attention(q3[rows], k3[rows], v3[rows], layer.scaling * ks)
             locs.append(self.req_to_token[slot, :m])
             start += m
+        if vs != 1.0:
+            out *= vs
         self.pool.set_kv_buffer(layer, torch.cat(locs).long(), k3, v3)
         if layer.layer_id == self.split:  # once per batch: the later layers' sequences are shorter by this
             slots = [slot for slot, _ in self._rows]
